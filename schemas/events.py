@@ -1,0 +1,297 @@
+"""msgspec records for every event and API body AIKG exchanges.
+
+Wire names follow DESIGN.md ("Wire names") and, for job submission and status, the
+HTTP AIKG server described in reference/aikg-service-architecture.txt. All payloads
+are JSON (see :func:`encode` / :func:`decode`), so ``nats pub`` / ``nats sub`` /
+``nats kv get`` read and write them directly. Every record carries a ``type`` tag and
+a ``schema_version``; both have defaults, so a hand-written JSON body may omit them.
+
+Constraints (``msgspec.Meta``) reject bad bodies at the edge; the error names the
+field, e.g. ``Expected `int` >= 1 - at `$.max_rounds```.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+SCHEMA_VERSION = 1
+
+# One NATS subject token: ids, backends and arches end up in subjects.
+_TOKEN_PATTERN = r"^[A-Za-z0-9_-]+$"
+Token = Annotated[str, Meta(pattern=_TOKEN_PATTERN, min_length=1, max_length=64)]
+JobId = Annotated[str, Meta(pattern=_TOKEN_PATTERN, min_length=1, max_length=64,
+                            description="Client-chosen or generated job id; also the submit message's Nats-Msg-Id")]
+OpName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.-]+$")]
+# A task or candidate is Python source; 1 MiB is far above any KernelBench file (the
+# largest level-3 problems are a few KiB) and well below the NATS 8 MiB payload cap.
+MAX_SOURCE_BYTES = 1 << 20
+Source = Annotated[str, Meta(min_length=1, max_length=MAX_SOURCE_BYTES)]
+ShapeValue = int | float | bool | str | list[int]
+ShapeOverrides = dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], ShapeValue]
+
+Backend = Literal["cpu", "cuda", "ascend"]
+Dsl = Literal["triton", "triton_cuda", "triton_ascend"]
+Framework = Literal["torch"]
+Workflow = Literal["coder_only_workflow", "default_workflow"]
+JobType = Literal["single", "evolve"]
+Coder = Literal["builtin", "llm"]
+JobStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
+TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
+VerifyMode = Literal["verify", "profile"]
+# Where a candidate failed; None when it passed. Order follows the run: static checks,
+# kernel compile, first call, wall-clock limit, numerical comparison, process death,
+# and failures of the worker itself (not the candidate's fault).
+Stage = Literal["static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure"]
+
+
+def utcnow() -> dt.datetime:
+    """Current time, timezone-aware UTC (encoded as RFC 3339 on the wire)."""
+    return dt.datetime.now(dt.UTC)
+
+
+def new_id(prefix: str = "") -> str:
+    """A fresh 32-hex-digit id, optionally prefixed (``job-…``, ``req-…``)."""
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def normalize_dsl(dsl: str) -> str:
+    """Map the reference document's ``triton_cuda`` / ``triton_ascend`` to ``triton``."""
+    return "triton" if dsl.startswith("triton") else dsl
+
+
+class JobSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
+    """A job: generate a kernel for ``task_desc`` and verify it on ``backend``/``arch``.
+
+    Sent as the HTTP body of ``POST /api/v1/jobs/submit`` or published raw on
+    ``jobs.submit``. Field names are those of ``AIKGClient.submit_job`` in the
+    reference document.
+    """
+
+    op_name: OpName
+    task_desc: Source
+    job_type: JobType = "single"
+    backend: Backend = "cpu"
+    # None: any arch of ``backend`` that has a live worker (chosen at submission).
+    arch: Token | None = None
+    dsl: Dsl = "triton"
+    framework: Framework = "torch"
+    workflow: Workflow = "coder_only_workflow"
+    max_rounds: Annotated[int, Meta(ge=1, le=1000)] = 1
+    parallel_num: Annotated[int, Meta(ge=1, le=256)] = 1
+    num_islands: Annotated[int, Meta(ge=1, le=64)] = 1
+    migration_interval: Annotated[int, Meta(ge=1, le=1000)] = 2
+    elite_size: Annotated[int, Meta(ge=0, le=1000)] = 5
+    parent_selection_prob: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.5
+    init_code: Source | None = None
+    shape_overrides: ShapeOverrides = field(default_factory=dict)
+    # None: the LLM coder when one is configured, else the built-in coder.
+    coder: Coder | None = None
+    job_id: JobId | None = None
+    # Attempts per single job (candidates, including repairs).
+    max_attempts: Annotated[int, Meta(ge=1, le=100)] = 3
+    # Wall-clock limit for one candidate's verification, seconds.
+    timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
+    # Correctness trials per candidate, each with its own seed and fresh inputs.
+    trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    type: Literal["job.submit"] = "job.submit"
+    schema_version: int = SCHEMA_VERSION
+
+
+class JobProgress(Struct, kw_only=True):
+    """How far a job has got; shown by ``aikg submit --wait`` and the status route."""
+
+    phase: str = "queued"
+    message: str = ""
+    candidates_generated: int = 0
+    candidates_verified: int = 0
+    candidates_passed: int = 0
+    round: int = 0
+    max_rounds: int = 1
+
+
+class VerifyRequest(Struct, kw_only=True):
+    """Check one candidate against the task's reference on ``verify.<backend>.<arch>``.
+
+    ``timeout_s`` is the wall-clock limit of the whole run in seconds; ``trials`` the
+    number of seeds (fresh inputs each). The ``request_id`` is the message's
+    ``Nats-Msg-Id``, so a republished request inside the dedupe window is dropped.
+    """
+
+    request_id: Token
+    job_id: JobId
+    candidate_id: Token
+    op_name: OpName
+    task_desc: Source
+    code: Source
+    backend: Backend
+    arch: Token
+    dsl: Dsl = "triton"
+    framework: Framework = "torch"
+    mode: VerifyMode = "verify"
+    shape_overrides: ShapeOverrides = field(default_factory=dict)
+    timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
+    trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    created_at: dt.datetime = field(default_factory=utcnow)
+    type: Literal["verify.request"] = "verify.request"
+    schema_version: int = SCHEMA_VERSION
+
+
+class VerifyResult(Struct, kw_only=True):
+    """A worker's verdict on one candidate, published on ``results.<job_id>``.
+
+    Times are microseconds (``base_time_us`` the eager reference, ``gen_time_us`` the
+    candidate); ``speedup`` is ``base_time_us / gen_time_us`` and is None when timings
+    are not meaningful (``interpreted``: Triton ran in its CPU interpreter).
+    ``duration_s`` is the worker's wall time for the whole verification, seconds.
+    """
+
+    request_id: str
+    job_id: str
+    candidate_id: str
+    worker_id: str
+    device: str
+    passed: bool
+    stage: Stage | None = None
+    error: str | None = None
+    log: str = ""
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    mismatch_count: int | None = None
+    mismatch_indices: list[list[int]] = field(default_factory=list)
+    atol: float | None = None
+    rtol: float | None = None
+    trials: int = 0
+    base_time_us: float | None = None
+    gen_time_us: float | None = None
+    speedup: float | None = None
+    interpreted: bool = False
+    duration_s: float = 0.0
+    finished_at: dt.datetime = field(default_factory=utcnow)
+    type: Literal["verify.result"] = "verify.result"
+    schema_version: int = SCHEMA_VERSION
+
+
+class JobResult(Struct, kw_only=True):
+    """What a finished job produced: the kernel source and the worker's verdict on it."""
+
+    passed: bool
+    code: str | None = None
+    verdict: VerifyResult | None = None
+    candidate_id: str | None = None
+    coder: str | None = None
+    attempts: int = 0
+    speedup: float | None = None
+
+
+class JobRecord(Struct, kw_only=True):
+    """A job's state: the value of key ``<job_id>`` in bucket ``jobs``.
+
+    Also the body of ``GET /api/v1/jobs/{job_id}/status``; ``status``, ``job_type``,
+    ``op_name``, ``submit_time``, ``result`` and ``error`` are the reference server's
+    fields. Updated by compare-and-swap on the key's revision.
+    """
+
+    job_id: str
+    status: JobStatus
+    job_type: JobType
+    op_name: str
+    submit_time: dt.datetime
+    backend: str
+    arch: str | None
+    request: JobSubmit
+    progress: JobProgress = field(default_factory=JobProgress)
+    result: JobResult | None = None
+    error: str | None = None
+    start_time: dt.datetime | None = None
+    end_time: dt.datetime | None = None
+    updated_at: dt.datetime = field(default_factory=utcnow)
+    type: Literal["job.record"] = "job.record"
+    schema_version: int = SCHEMA_VERSION
+
+
+JobEventKind = Literal[
+    "submitted",
+    "started",
+    "candidate_generated",
+    "verify_started",
+    "verify_result",
+    "progress",
+    "completed",
+    "failed",
+    "cancelled",
+    "error",
+]
+
+
+class JobEvent(Struct, kw_only=True):
+    """One step of a job, published on ``jobs.events.<job_id>`` (stream JOB_EVENTS)."""
+
+    job_id: str
+    event: JobEventKind
+    status: JobStatus | None = None
+    message: str = ""
+    candidate_id: str | None = None
+    request_id: str | None = None
+    verdict: VerifyResult | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    time: dt.datetime = field(default_factory=utcnow)
+    type: Literal["job.event"] = "job.event"
+    schema_version: int = SCHEMA_VERSION
+
+
+class WorkerInfo(Struct, kw_only=True):
+    """A live worker: value of key ``<worker_id>`` in bucket ``workers``, put as heartbeat.
+
+    ``devices`` are device names (``"0"``, ``"1"`` … for GPUs, slots on ``cpu``);
+    ``capacity`` is how many candidates it runs at once; ``in_flight`` how many it runs now.
+    """
+
+    worker_id: str
+    backend: str
+    arch: str
+    devices: list[str]
+    capacity: int
+    in_flight: int = 0
+    host: str = ""
+    version: str = ""
+    started_at: dt.datetime = field(default_factory=utcnow)
+    updated_at: dt.datetime = field(default_factory=utcnow)
+    status: Literal["running", "draining"] = "running"
+    type: Literal["worker.info"] = "worker.info"
+    schema_version: int = SCHEMA_VERSION
+
+
+T = TypeVar("T")
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """Encode a record as compact JSON bytes."""
+    return _encoder.encode(obj)
+
+
+def decode(data: bytes | str, type: type[T]) -> T:
+    """Decode JSON bytes into ``type``.
+
+    Raises:
+        msgspec.ValidationError: the JSON is well-formed but breaks the schema; the
+            message names the field (``... - at `$.backend```).
+        msgspec.DecodeError: the bytes are not JSON.
+    """
+    return msgspec.json.decode(data, type=type)
+
+
+ALL_RECORDS: tuple[type[Struct], ...] = (
+    JobSubmit,
+    JobRecord,
+    JobEvent,
+    VerifyRequest,
+    VerifyResult,
+    WorkerInfo,
+)

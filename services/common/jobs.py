@@ -1,0 +1,128 @@
+"""Job helpers shared by the gateway (HTTP submissions) and the generator (raw ``nats pub``).
+
+A job may enter through either door, so validation, record creation and event
+publishing live here, once.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+
+import nats.js.errors
+import structlog
+
+from schemas import (
+    JobEvent,
+    JobRecord,
+    JobSubmit,
+    WorkerInfo,
+    decode,
+    encode,
+    new_id,
+    subjects,
+    utcnow,
+)
+from services.common.bus import Bus
+
+log = structlog.get_logger("aikg.jobs")
+
+REQUIRED_TASK_NAMES = ("Model", "get_inputs", "get_init_inputs")
+
+
+class TaskError(ValueError):
+    """The task source is not a usable KernelBench-format task; the message says why."""
+
+
+def check_task_source(task_desc: str) -> None:
+    """Statically check a KernelBench-format task without running it.
+
+    The task must parse as Python and define ``class Model``, ``get_inputs`` and
+    ``get_init_inputs`` at module level (KernelBench's problem format).
+
+    Raises:
+        TaskError: syntax error (with line number) or a missing definition.
+    """
+    try:
+        tree = ast.parse(task_desc)
+    except SyntaxError as exc:
+        raise TaskError(f"task_desc is not valid Python: line {exc.lineno}: {exc.msg}") from exc
+    defined = {
+        node.name
+        for node in tree.body
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+    defined |= {
+        t.id
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    missing = [n for n in REQUIRED_TASK_NAMES if n not in defined]
+    if missing:
+        raise TaskError(
+            "task_desc must define class Model, get_inputs() and get_init_inputs() "
+            f"(KernelBench format); missing: {', '.join(missing)}"
+        )
+
+
+def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None) -> JobRecord:
+    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new)."""
+    job_id = submit.job_id or job_id or new_id("job-")
+    submit.job_id = job_id
+    if arch:
+        submit.arch = arch
+    return JobRecord(
+        job_id=job_id,
+        status="pending",
+        job_type=submit.job_type,
+        op_name=submit.op_name,
+        submit_time=utcnow(),
+        backend=submit.backend,
+        arch=submit.arch,
+        request=submit,
+    )
+
+
+async def live_workers(bus: Bus) -> list[WorkerInfo]:
+    """Workers whose heartbeat is in the ``workers`` bucket now (expired keys are gone)."""
+    try:
+        keys = await bus.workers.keys()
+    except nats.js.errors.NoKeysError:
+        return []
+    out = []
+    for key in keys:
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            entry = await bus.workers.get(key)
+            if entry.value:
+                with contextlib.suppress(Exception):
+                    out.append(decode(entry.value, WorkerInfo))
+    return out
+
+
+def pick_arch(workers: list[WorkerInfo], backend: str, arch: str | None) -> str | None:
+    """The arch to run on: ``arch`` when a live worker offers backend/arch, else the
+    arch of the least loaded live worker of ``backend`` when ``arch`` is None; None when
+    no live worker matches."""
+    matching = [w for w in workers if w.backend == backend and (arch is None or w.arch == arch)]
+    if not matching:
+        return None
+    if arch is not None:
+        return arch
+    best = min(matching, key=lambda w: w.in_flight / max(w.capacity, 1))
+    return best.arch
+
+
+def describe_pairs(workers: list[WorkerInfo]) -> list[str]:
+    """Sorted ``backend/arch`` pairs with a live worker, for error messages."""
+    return sorted({f"{w.backend}/{w.arch}" for w in workers})
+
+
+async def publish_event(bus: Bus, event: JobEvent) -> None:
+    """Publish a job event on ``jobs.events.<job_id>``; a failure is logged, not raised
+    (events are a view of the record, which stays the source of truth)."""
+    try:
+        await bus.js.publish(subjects.job_events(event.job_id), encode(event))
+    except Exception as exc:  # noqa: BLE001 - events must never fail a job
+        log.warning("event_publish_failed", job_id=event.job_id, error=str(exc))
