@@ -182,7 +182,7 @@ async def connect_bus(settings: Settings, name: str) -> Bus:
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
         )
-    except (nats.errors.NoServersError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
         raise ConnectionError(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
     js = nc.jetstream(timeout=10)
     await ensure_streams(js, settings)

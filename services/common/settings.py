@@ -47,6 +47,13 @@ class Settings(msgspec.Struct, kw_only=True):
             keep messages (7 days / 1 day).
         memory_limit_bytes: bound on a task's input tensors on a worker (item 7 of
             the worker contract); 0 means 4 GiB on cpu.
+        worker_id: this worker's id (letters, digits, '_' or '-'); empty derives one
+            from the host name and process id.
+        generator_concurrency: jobs one generator process runs at once.
+        verify_result_timeout_s: how long the generator waits for one candidate's
+            verdict, queueing included, before failing the job.
+        api_token: bearer token the gateway requires on every route but health;
+            empty turns auth off.
     """
 
     nats_url: str = ""
@@ -67,6 +74,9 @@ class Settings(msgspec.Struct, kw_only=True):
     job_events_max_age_s: float = 7 * 24 * 3600.0
     results_max_age_s: float = 24 * 3600.0
     memory_limit_bytes: int = 0
+    worker_id: str = ""
+    generator_concurrency: int = 4
+    verify_result_timeout_s: float = 3600.0
     api_token: str = ""
 
     @property

@@ -1,0 +1,99 @@
+"""Pull-consumer helpers shared by the generator and the workers.
+
+Facts from DESIGN.md that shape this module: ``fetch()`` on an empty consumer may
+raise ``nats.errors.TimeoutError``, a bare ``asyncio.TimeoutError``, or return ``[]``;
+messages that hit max_deliver stay in a work-queue stream, so dead-lettering is the
+consumer's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+
+import nats.errors
+import structlog
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas import subjects
+
+log = structlog.get_logger("aikg.consumer")
+
+
+async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
+                     timeout: float) -> list[Msg]:
+    """Up to ``batch`` messages, or ``[]`` after ``timeout`` seconds with none."""
+    try:
+        return await psub.fetch(batch=batch, timeout=timeout)
+    except (TimeoutError, nats.errors.TimeoutError):
+        return []
+
+
+async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durable: str,
+                       ack_wait_s: float, max_deliver: int,
+                       max_ack_pending: int = 1000) -> JetStreamContext.PullSubscription:
+    """Bind to (creating if missing) a durable pull consumer shared by every instance.
+
+    All processes that bind the same ``durable`` share its messages: each message
+    goes to one of them (JetStream's queue semantics for pull consumers).
+    """
+    config = ConsumerConfig(
+        durable_name=durable,
+        filter_subject=subject,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait_s,
+        max_deliver=max_deliver,
+        max_ack_pending=max_ack_pending,
+    )
+    return await js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+
+
+def deliveries(msg: Msg) -> int:
+    """How many times JetStream has delivered ``msg`` (1 on the first delivery)."""
+    try:
+        return int(msg.metadata.num_delivered)
+    except Exception:  # noqa: BLE001 - a core NATS message has no metadata
+        return 1
+
+
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str) -> None:
+    """Copy ``msg`` to ``dlq.<subject>`` with the reason in headers, then ack the original.
+
+    Headers: ``Aikg-Dlq-Reason``, ``Aikg-Original-Subject``, ``Aikg-Deliveries``.
+    """
+    headers = {
+        "Aikg-Dlq-Reason": reason[:1000].replace("\r", " ").replace("\n", " "),
+        "Aikg-Original-Subject": msg.subject,
+        "Aikg-Deliveries": str(deliveries(msg)),
+    }
+    try:
+        await js.publish(subjects.dlq(msg.subject), msg.data or b"", headers=headers)
+    except Exception as exc:  # noqa: BLE001
+        log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc))
+        return  # keep the original: better redelivered than lost
+    with contextlib.suppress(Exception):
+        await msg.ack()
+
+
+async def keep_in_progress(msg: Msg, every_s: float) -> None:
+    """Tell JetStream every ``every_s`` seconds that ``msg`` is still being worked on,
+    so a long run is not redelivered to another consumer. Cancel the task to stop."""
+    while True:
+        await asyncio.sleep(every_s)
+        with contextlib.suppress(Exception):
+            await msg.in_progress()
+
+
+async def run_with_progress(msg: Msg, every_s: float, work: Callable[[], Awaitable[None]]) -> None:
+    """Run ``work()`` while :func:`keep_in_progress` heartbeats ``msg``."""
+    beat = asyncio.create_task(keep_in_progress(msg, every_s))
+    try:
+        await work()
+    finally:
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat

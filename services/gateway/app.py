@@ -1,0 +1,374 @@
+"""The gateway: AIKG's HTTP API (Litestar), in front of NATS.
+
+Routes keep the reference server's names (reference/aikg-service-architecture.txt,
+``AIKGClient``): ``POST /api/v1/jobs/submit``, ``GET /api/v1/jobs/{job_id}/status``,
+``GET /api/v1/workers/status``. A submission is validated (msgspec schema, static task
+check, a live worker for its backend/arch), written to the ``jobs`` bucket and
+published on ``jobs.submit`` with the job id as ``Nats-Msg-Id``; the generator does
+the rest. The gateway holds no state of its own, so any number of them can run.
+
+Errors are JSON ``{"status_code": ..., "detail": "<what was wrong and what to do>", ...}``;
+extra keys (``live``, ``errors``) add what a client needs to act on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import msgspec
+import structlog
+import uvicorn
+from litestar import Litestar, MediaType, Request, Response, get, post
+from litestar.connection import ASGIConnection
+from litestar.datastructures import State
+from litestar.exceptions import (
+    ClientException,
+    HTTPException,
+    NotAuthorizedException,
+    NotFoundException,
+    ValidationException,
+)
+from litestar.handlers.base import BaseRouteHandler
+from litestar.openapi import OpenAPIConfig
+from litestar.types import Guard, Message, Scope
+from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
+
+from schemas import JobEvent, JobRecord, JobSubmit, WorkerInfo, subjects
+from services.common.bus import Bus, JobNotFound, JobStore, connect_bus, publish_json
+from services.common.jobs import (
+    TaskError,
+    check_task_source,
+    describe_pairs,
+    live_workers,
+    new_record,
+    pick_arch,
+    publish_event,
+)
+from services.common.settings import Settings
+
+log = structlog.get_logger("aikg.gateway")
+
+# Tasks are at most 1 MiB (schemas.MAX_SOURCE_BYTES); a body holds a task and
+# optionally an init_code of the same bound, plus JSON escaping: 2 MiB covers real
+# submissions and refuses anything larger with 413 before it is read.
+REQUEST_MAX_BODY_BYTES = 2 << 20
+
+# Routes anyone may call, also when AIKG_API_TOKEN is set: probes carry no credentials.
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+
+REQUESTS = Counter(
+    "aikg_gateway_requests_total",
+    "HTTP requests answered by the gateway, by route template, method and status code.",
+    ["route", "method", "status"],
+)
+SUBMIT_SECONDS = Histogram(
+    "aikg_gateway_submit_seconds",
+    "Time to accept a job submission (validation, record write, publish), seconds.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+
+class SubmitResponse(msgspec.Struct, kw_only=True):
+    """Answer to a job submission; ``job_id`` is what ``AIKGClient.submit_job`` returns."""
+
+    job_id: str
+    status: str
+    backend: str
+    arch: str | None
+    message: str = ""
+
+
+class WorkerList(msgspec.Struct, kw_only=True):
+    """Live workers: those whose heartbeat is in the ``workers`` bucket."""
+
+    workers: list[WorkerInfo]
+
+
+class Health(msgspec.Struct, kw_only=True):
+    status: str
+    reason: str = ""
+
+
+def _bus(state: State) -> Bus:
+    """The app's bus, or 503 while it is not connected yet (startup) or any more."""
+    bus: Bus | None = state.get("bus")
+    if bus is None:
+        raise HTTPException(status_code=503, detail="gateway is not connected to NATS yet; retry")
+    return bus
+
+
+# --- routes ------------------------------------------------------------------------
+
+
+@post(["/api/v1/jobs/submit", "/api/v1/jobs"], status_code=200, summary="Submit a job")
+async def submit_job(data: JobSubmit, state: State) -> SubmitResponse:
+    """Validate a job, record it as ``pending`` and publish it on ``jobs.submit``.
+
+    Answers 400 when the task is not a KernelBench-format task, 409 when no live
+    worker offers ``backend``/``arch`` (the body lists the live pairs) or when the
+    client-chosen ``job_id`` is already taken by a different job. Resubmitting the very
+    same job with the same ``job_id`` is idempotent: the answer carries the existing
+    job's status, and a job still ``pending`` is published again (the stream drops the
+    copy inside its dedupe window; after it, this recovers a submission whose first
+    publish was lost).
+    """
+    started = time.perf_counter()
+    bus = _bus(state)
+    try:
+        check_task_source(data.task_desc)
+    except TaskError as exc:
+        raise ClientException(detail=str(exc)) from exc
+
+    workers = await live_workers(bus)
+    arch = pick_arch(workers, data.backend, data.arch)
+    if arch is None:
+        wanted = f"backend={data.backend}" + (f" arch={data.arch}" if data.arch else "")
+        live = describe_pairs(workers)
+        raise HTTPException(
+            status_code=409,
+            detail=f"no live worker for {wanted}; live backend/arch pairs: "
+            f"{', '.join(live) or 'none'}. Start one with `aikg worker --backend "
+            f"{data.backend}{' --arch ' + data.arch if data.arch else ''}` or submit to a live pair.",
+            extra={"live": live},
+        )
+
+    record = new_record(data, arch=arch)
+    job_id = record.job_id
+    with structlog.contextvars.bound_contextvars(job_id=job_id):
+        store = JobStore(bus.jobs)
+        if not await store.create(record):
+            existing, _ = await store.get(job_id)
+            if existing.request != record.request:
+                raise HTTPException(
+                    status_code=409,
+                    detail=f"job id {job_id!r} already exists with a different request; "
+                    "choose another job_id or omit it to get a fresh one",
+                )
+            if existing.status == "pending":
+                await publish_json(bus.js, subjects.JOBS_SUBMIT, existing.request, msg_id=job_id)
+            log.info("job_resubmitted", status=existing.status)
+            return SubmitResponse(job_id=job_id, status=existing.status,
+                                  backend=existing.backend, arch=existing.arch,
+                                  message="job already submitted")
+        await publish_json(bus.js, subjects.JOBS_SUBMIT, record.request, msg_id=job_id)
+        await publish_event(bus, JobEvent(job_id=job_id, event="submitted", status="pending",
+                                          message=f"{record.backend}/{arch}"))
+        log.info("job_submitted", op_name=record.op_name, backend=record.backend, arch=arch,
+                 job_type=record.job_type, workflow=data.workflow)
+    SUBMIT_SECONDS.observe(time.perf_counter() - started)
+    return SubmitResponse(job_id=job_id, status="pending", backend=record.backend, arch=arch)
+
+
+@get(["/api/v1/jobs/{job_id:str}/status", "/api/v1/jobs/{job_id:str}"], summary="Job status")
+async def job_status(job_id: str, state: State) -> JobRecord:
+    """The job record: status, progress, result (kernel source and verdict), error."""
+    try:
+        record, _ = await JobStore(_bus(state).jobs).get(job_id)
+    except JobNotFound as exc:
+        raise NotFoundException(
+            detail=f"no job with id {job_id!r}: it was never submitted here, or its record was removed"
+        ) from exc
+    return record
+
+
+@get(["/api/v1/workers/status", "/api/v1/workers"], summary="Live workers")
+async def workers_status(state: State) -> WorkerList:
+    """Workers whose heartbeat is live: backend, arch, devices, capacity, in-flight."""
+    workers = await live_workers(_bus(state))
+    return WorkerList(workers=sorted(workers, key=lambda w: (w.backend, w.arch, w.worker_id)))
+
+
+@get("/healthz", summary="Liveness", include_in_schema=True)
+async def healthz() -> Health:
+    """Always 200 while the process serves HTTP."""
+    return Health(status="ok")
+
+
+@get("/readyz", summary="Readiness")
+async def readyz(state: State) -> Response[Health]:
+    """200 when NATS is connected and every stream exists; 503 with the reason otherwise."""
+    bus: Bus | None = state.get("bus")
+    reason = ""
+    if bus is None:
+        reason = "not connected to NATS yet"
+    elif not bus.nc.is_connected:
+        reason = f"NATS connection is {'closed' if bus.nc.is_closed else 'down (reconnecting)'}"
+    else:
+        for name in (subjects.STREAM_JOBS, subjects.STREAM_JOB_EVENTS, subjects.STREAM_VERIFY,
+                     subjects.STREAM_RESULTS, subjects.STREAM_DLQ):
+            try:
+                await asyncio.wait_for(bus.js.stream_info(name), timeout=2.0)
+            except Exception as exc:  # noqa: BLE001 - any failure means not ready
+                reason = f"stream {name} unavailable: {exc.__class__.__name__} {exc}".strip()
+                break
+    if reason:
+        return Response(Health(status="unavailable", reason=reason), status_code=503)
+    return Response(Health(status="ok"), status_code=200)
+
+
+@get("/metrics", summary="Prometheus metrics", media_type=MediaType.TEXT)
+async def metrics() -> Response[bytes]:
+    """The process's default Prometheus registry, text exposition format."""
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+
+# --- cross-cutting -----------------------------------------------------------------
+
+
+def _auth_guard(token: str) -> Guard:
+    """A guard that wants ``Authorization: Bearer <token>`` outside :data:`PUBLIC_PATHS`."""
+
+    async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+        if connection.scope["path"] in PUBLIC_PATHS:
+            return
+        if connection.headers.get("authorization", "") != f"Bearer {token}":
+            raise NotAuthorizedException(
+                detail="missing or wrong API token: send `Authorization: Bearer <token>` "
+                "(the gateway's AIKG_API_TOKEN)"
+            )
+
+    return guard
+
+
+def _validation_detail(exc: ValidationException) -> str:
+    """msgspec's own wording for a body error: ``Expected `int` >= 1 - at `$.max_rounds```."""
+    parts = []
+    for err in exc.extra if isinstance(exc.extra, list) else []:
+        message = err.get("message", "") if isinstance(err, dict) else str(err)
+        key = err.get("key") if isinstance(err, dict) else None
+        if key and key != "data":
+            message += f" - at `$.{key}`"
+        parts.append(message)
+    return "invalid request: " + ("; ".join(parts) if parts else exc.detail)
+
+
+def _error_response(request: Request, exc: Exception) -> Response[dict[str, Any]]:
+    """One JSON error shape for every handled error: status_code, detail, extra keys."""
+    if isinstance(exc, ValidationException):
+        body: dict[str, Any] = {"status_code": 400, "detail": _validation_detail(exc)}
+        if exc.extra:
+            body["errors"] = exc.extra
+        return Response(body, status_code=400)
+    if isinstance(exc, HTTPException):
+        body = {"status_code": exc.status_code, "detail": exc.detail}
+        if isinstance(exc.extra, dict):
+            body.update(exc.extra)
+        elif exc.extra:
+            body["errors"] = exc.extra
+        return Response(body, status_code=exc.status_code, headers=exc.headers)
+    log.exception("unhandled_error", path=request.url.path)
+    return Response({"status_code": 500, "detail": f"internal error: {exc.__class__.__name__}"},
+                    status_code=500)
+
+
+async def _count_response(message: Message, scope: Scope) -> None:
+    """Count each response by route template (never the raw path: it holds ids)."""
+    if message["type"] == "http.response.start":
+        route = scope.get("path_template") or "unmatched"
+        REQUESTS.labels(route=route, method=scope.get("method", ""),
+                        status=str(message["status"])).inc()
+
+
+def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
+    """Build the gateway's Litestar app.
+
+    Args:
+        settings: ``api_token`` turns on bearer auth (all routes but ``/healthz`` and
+            ``/readyz``); ``nats_url`` is used when ``bus`` is None.
+        bus: an open bus to use (the caller closes it); None connects one at startup
+            and closes it at shutdown.
+
+    Returns:
+        The app; OpenAPI is served under ``/schema`` (``/schema/openapi.json``).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        if bus is not None:
+            app.state.bus = bus
+            yield
+            return
+        own = await connect_bus(settings, "gateway")
+        app.state.bus = own
+        try:
+            yield
+        finally:
+            app.state.bus = None
+            await own.close()
+
+    return Litestar(
+        route_handlers=[submit_job, job_status, workers_status, healthz, readyz, metrics],
+        lifespan=[lifespan],
+        guards=[_auth_guard(settings.api_token)] if settings.api_token else [],
+        exception_handlers={Exception: _error_response},
+        before_send=[_count_response],
+        request_max_body_size=REQUEST_MAX_BODY_BYTES,
+        openapi_config=OpenAPIConfig(title="AIKG gateway", version="1",
+                                     description="Submit jobs, read their status, list workers."),
+        state=State({"bus": bus}),
+        logging_config=None,
+    )
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture: :func:`serve_gateway` owns shutdown."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Serve the gateway on ``settings.gateway_host:gateway_port`` until told to stop.
+
+    Connects to NATS first (so a wrong URL fails here, with its message, rather than
+    inside uvicorn's startup), then serves until ``stop`` is set or the process gets
+    SIGINT/SIGTERM (when running in the main thread), then drains open requests and
+    closes the connection.
+
+    Raises:
+        ConnectionError: NATS is not reachable at ``settings.nats_url``.
+        OSError: the port cannot be bound (uvicorn logs why).
+    """
+    stop = stop or asyncio.Event()
+    bus = await connect_bus(settings, "gateway")
+    server = _Server(uvicorn.Config(create_app(settings, bus), host=settings.gateway_host,
+                                    port=settings.gateway_port, log_config=None,
+                                    access_log=False, lifespan="on"))
+    loop = asyncio.get_running_loop()
+    installed: list[tuple[int, Any]] = []
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            installed.append((sig, signal.getsignal(sig)))
+            loop.add_signal_handler(sig, stop.set)
+    serving = asyncio.create_task(server.serve(), name="gateway-uvicorn")
+    stopping = asyncio.create_task(stop.wait(), name="gateway-stop")
+    try:
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        server.should_exit = True
+        try:
+            await serving
+        except SystemExit as exc:
+            # uvicorn exits on a failed startup (a port in use): an error, not our exit.
+            raise OSError(f"gateway could not start on {settings.gateway_host}:"
+                          f"{settings.gateway_port} (see the log above)") from exc
+        if not server.started and not stop.is_set():
+            raise OSError(f"gateway could not listen on {settings.gateway_host}:"
+                          f"{settings.gateway_port} (see the log above)")
+    finally:
+        stopping.cancel()
+        if not serving.done():
+            server.should_exit = True
+            with contextlib.suppress(BaseException):
+                await serving
+        for sig, previous in installed:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, previous)
+        await bus.close()
+        log.info("gateway_stopped")

@@ -1,0 +1,159 @@
+"""Shared fixtures: a real nats-server per test, settings, a bus, a served gateway.
+
+Each test gets its own JetStream server (and so its own streams and buckets), as in
+nats.py's own test suites: ``nats_server -> nats_url -> settings -> bus``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from schemas import WorkerInfo, encode
+from services.common.bus import Bus, connect_bus
+from services.common.embedded import EmbeddedNatsServer
+from services.common.settings import Settings, load_settings
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+async def fake_worker_heartbeat(
+    bus: Bus, backend: str = "cpu", arch: str = "x86_64", **fields: Any
+) -> WorkerInfo:
+    """Put a worker's heartbeat into the ``workers`` bucket, as a live worker would.
+
+    Lets gateway-only tests pass the live-worker check without a real worker. The key
+    expires after the bucket TTL (three ``worker_heartbeat_s``), like a dead worker's.
+
+    Args:
+        bus: the test's bus.
+        backend / arch: what the fake worker offers.
+        fields: further :class:`WorkerInfo` fields (``worker_id``, ``devices``, ``capacity`` ...).
+    """
+    info = WorkerInfo(
+        worker_id=fields.pop("worker_id", f"fake-{backend}-{arch}"),
+        backend=backend,
+        arch=arch,
+        devices=fields.pop("devices", ["0"]),
+        capacity=fields.pop("capacity", 1),
+        host=fields.pop("host", "test"),
+        version=fields.pop("version", "test"),
+        **fields,
+    )
+    await bus.workers.put(info.worker_id, encode(info))
+    return info
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture() -> Callable[[], int]:
+    """:func:`free_port`, for tests that do not import from conftest."""
+    return free_port
+
+
+@pytest.fixture(name="fake_worker_heartbeat")
+def fake_worker_heartbeat_fixture() -> Callable[..., Awaitable[WorkerInfo]]:
+    """:func:`fake_worker_heartbeat`: ``await fake_worker_heartbeat(bus, "cpu", "x86_64")``."""
+    return fake_worker_heartbeat
+
+
+@pytest.fixture
+def nats_server(tmp_path) -> Iterator[EmbeddedNatsServer]:
+    """A fresh nats-server with JetStream (store in the test's tmp dir), stopped after."""
+    server = EmbeddedNatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: EmbeddedNatsServer) -> str:
+    return nats_server.url
+
+
+@pytest.fixture
+def settings(nats_url: str) -> Settings:
+    """Settings for this test's server, ignoring any ``AIKG_*`` of the environment.
+
+    Heartbeats every second (so the ``workers`` TTL is 3 s) and a free gateway port.
+    """
+    port = free_port()
+    return load_settings(
+        env={},
+        nats_url=nats_url,
+        worker_heartbeat_s=1.0,
+        gateway_port=port,
+        gateway_url=f"http://127.0.0.1:{port}",
+        metrics_port=-1,
+        log_format="console",
+    )
+
+
+@pytest.fixture
+async def bus(settings: Settings) -> AsyncIterator[Bus]:
+    """A connected bus (streams and buckets created), closed after the test."""
+    b = await connect_bus(settings, "test")
+    try:
+        yield b
+    finally:
+        await b.close()
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncIterator[str]:
+    """Serve the gateway in this event loop until the block ends; yields its base URL."""
+    from services.gateway.app import serve_gateway
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_gateway(settings, stop), name="test-gateway")
+    base = f"http://{settings.gateway_host}:{settings.gateway_port}"
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=2.0) as client:
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while True:
+                if task.done():
+                    task.result()  # raises the gateway's startup error
+                    raise RuntimeError("gateway stopped before answering /healthz")
+                with contextlib.suppress(httpx.TransportError):
+                    if (await client.get("/healthz")).status_code == 200:
+                        break
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"gateway did not answer {base}/healthz in {timeout_s}s")
+                await asyncio.sleep(0.05)
+        yield base
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15.0)
+
+
+@pytest.fixture
+async def start_gateway() -> AsyncIterator[Callable[[Settings], Awaitable[str]]]:
+    """Start gateways with custom settings: ``url = await start_gateway(settings)``.
+
+    Each is stopped when the test ends.
+    """
+    async with contextlib.AsyncExitStack() as stack:
+
+        async def start(settings: Settings) -> str:
+            return await stack.enter_async_context(running_gateway(settings))
+
+        yield start
+
+
+@pytest.fixture
+async def gateway(settings: Settings) -> AsyncIterator[str]:
+    """The gateway for ``settings``, served in the test's loop; yields its base URL."""
+    async with running_gateway(settings) as url:
+        yield url
