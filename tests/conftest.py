@@ -20,6 +20,28 @@ from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
 from services.common.settings import Settings, load_settings
 
+RELU_TASK = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
@@ -55,6 +77,12 @@ async def fake_worker_heartbeat(
     return info
 
 
+@pytest.fixture
+def relu_task() -> str:
+    """A small KernelBench-format task (torch.relu on a 16 x 1024 float32 tensor)."""
+    return RELU_TASK
+
+
 @pytest.fixture(name="free_port")
 def free_port_fixture() -> Callable[[], int]:
     """:func:`free_port`, for tests that do not import from conftest."""
@@ -62,9 +90,32 @@ def free_port_fixture() -> Callable[[], int]:
 
 
 @pytest.fixture(name="fake_worker_heartbeat")
-def fake_worker_heartbeat_fixture() -> Callable[..., Awaitable[WorkerInfo]]:
-    """:func:`fake_worker_heartbeat`: ``await fake_worker_heartbeat(bus, "cpu", "x86_64")``."""
-    return fake_worker_heartbeat
+async def fake_worker_heartbeat_fixture() -> AsyncIterator[Callable[..., Awaitable[WorkerInfo]]]:
+    """:func:`fake_worker_heartbeat` that keeps beating until the test ends.
+
+    ``await fake_worker_heartbeat(bus, "cpu", "x86_64")`` puts the heartbeat and
+    re-puts it every half heartbeat period, so a slow test (or a loaded machine) does
+    not see the fake worker expire.
+    """
+    tasks: list[asyncio.Task[None]] = []
+
+    async def beat(bus: Bus, backend: str = "cpu", arch: str = "x86_64",
+                   **fields: Any) -> WorkerInfo:
+        info = await fake_worker_heartbeat(bus, backend, arch, **fields)
+
+        async def refresh() -> None:
+            while True:
+                await asyncio.sleep(bus.settings.worker_heartbeat_s / 2)
+                with contextlib.suppress(Exception):
+                    await bus.workers.put(info.worker_id, encode(info))
+
+        tasks.append(asyncio.create_task(refresh(), name=f"heartbeat-{info.worker_id}"))
+        return info
+
+    yield beat
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @pytest.fixture

@@ -36,6 +36,8 @@ log = structlog.get_logger("aikg.bus")
 # Dedupe window of JOBS and VERIFY: a submit or verify request republished with the
 # same Nats-Msg-Id within this many seconds is dropped by the server.
 DUPLICATE_WINDOW_S = 120.0
+# How long connect_bus tries the first connection before giving up, seconds.
+FIRST_CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -161,7 +163,10 @@ async def connect_bus(settings: Settings, name: str) -> Bus:
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
 
+    last_error: list[str] = []
+
     async def on_error(exc: Exception) -> None:
+        last_error[:] = [str(exc) or exc.__class__.__name__]
         log.warning("nats_error", error=str(exc), service=name)
 
     async def on_disconnect() -> None:
@@ -171,19 +176,27 @@ async def connect_bus(settings: Settings, name: str) -> Bus:
         log.info("nats_reconnected", service=name)
 
     try:
-        nc = await nats.connect(
-            servers=servers,
-            name=name,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-            connect_timeout=5,
-            allow_reconnect=True,
-            error_cb=on_error,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+        # With max_reconnect_attempts=-1 nats-py retries the *first* connection forever
+        # too; the deadline turns a wrong URL into an error instead of a silent hang.
+        nc = await asyncio.wait_for(
+            nats.connect(
+                servers=servers,
+                name=name,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                connect_timeout=5,
+                allow_reconnect=True,
+                error_cb=on_error,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+            ),
+            FIRST_CONNECT_TIMEOUT_S,
         )
     except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-        raise ConnectionError(f"cannot reach NATS at {settings.nats_url}: {exc}") from exc
+        raise ConnectionError(
+            f"cannot reach NATS at {settings.nats_url} (tried for {FIRST_CONNECT_TIMEOUT_S:g} s): "
+            f"{str(exc) or ''.join(last_error) or exc.__class__.__name__}"
+        ) from exc
     js = nc.jetstream(timeout=10)
     await ensure_streams(js, settings)
     buckets = await ensure_buckets(js, settings)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import structlog
@@ -36,11 +38,19 @@ from litestar.exceptions import (
 )
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
+from litestar.params import FromPath, JSONBody
 from litestar.types import Guard, Message, Scope
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
-from schemas import JobEvent, JobRecord, JobSubmit, WorkerInfo, subjects
-from services.common.bus import Bus, JobNotFound, JobStore, connect_bus, publish_json
+from schemas import MAX_SOURCE_BYTES, JobEvent, JobRecord, JobSubmit, WorkerInfo, subjects, utcnow
+from services.common.bus import (
+    DUPLICATE_WINDOW_S,
+    Bus,
+    JobNotFound,
+    JobStore,
+    connect_bus,
+    publish_json,
+)
 from services.common.jobs import (
     TaskError,
     check_task_source,
@@ -90,7 +100,9 @@ class WorkerList(msgspec.Struct, kw_only=True):
     workers: list[WorkerInfo]
 
 
-class Health(msgspec.Struct, kw_only=True):
+class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Probe answer; ``reason`` says why the gateway is not ready."""
+
     status: str
     reason: str = ""
 
@@ -107,16 +119,14 @@ def _bus(state: State) -> Bus:
 
 
 @post(["/api/v1/jobs/submit", "/api/v1/jobs"], status_code=200, summary="Submit a job")
-async def submit_job(data: JobSubmit, state: State) -> SubmitResponse:
+async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
     """Validate a job, record it as ``pending`` and publish it on ``jobs.submit``.
 
     Answers 400 when the task is not a KernelBench-format task, 409 when no live
     worker offers ``backend``/``arch`` (the body lists the live pairs) or when the
-    client-chosen ``job_id`` is already taken by a different job. Resubmitting the very
-    same job with the same ``job_id`` is idempotent: the answer carries the existing
-    job's status, and a job still ``pending`` is published again (the stream drops the
-    copy inside its dedupe window; after it, this recovers a submission whose first
-    publish was lost).
+    client-chosen ``job_id`` is already taken by a different job, 503 when the job
+    could not be queued (its record is withdrawn). Resubmitting the very same job with
+    the same ``job_id`` is idempotent: the answer carries the existing job's status.
     """
     started = time.perf_counter()
     bus = _bus(state)
@@ -150,13 +160,20 @@ async def submit_job(data: JobSubmit, state: State) -> SubmitResponse:
                     detail=f"job id {job_id!r} already exists with a different request; "
                     "choose another job_id or omit it to get a fresh one",
                 )
-            if existing.status == "pending":
+            age_s = (utcnow() - existing.submit_time).total_seconds()
+            if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S:
+                # Recovers a gateway that died between the record and the publish; the
+                # stream drops the copy when the first one made it. Outside the dedupe
+                # window a copy would run the job twice, so it is not sent.
                 await publish_json(bus.js, subjects.JOBS_SUBMIT, existing.request, msg_id=job_id)
             log.info("job_resubmitted", status=existing.status)
             return SubmitResponse(job_id=job_id, status=existing.status,
                                   backend=existing.backend, arch=existing.arch,
                                   message="job already submitted")
-        await publish_json(bus.js, subjects.JOBS_SUBMIT, record.request, msg_id=job_id)
+        try:
+            await publish_json(bus.js, subjects.JOBS_SUBMIT, record.request, msg_id=job_id)
+        except Exception as exc:
+            await _withdraw(bus, job_id, exc)
         await publish_event(bus, JobEvent(job_id=job_id, event="submitted", status="pending",
                                           message=f"{record.backend}/{arch}"))
         log.info("job_submitted", op_name=record.op_name, backend=record.backend, arch=arch,
@@ -165,8 +182,19 @@ async def submit_job(data: JobSubmit, state: State) -> SubmitResponse:
     return SubmitResponse(job_id=job_id, status="pending", backend=record.backend, arch=arch)
 
 
+async def _withdraw(bus: Bus, job_id: str, exc: Exception) -> NoReturn:
+    """The record is written but its submit message could not be published: remove the
+    record (so nothing waits on a job no generator will see) and answer 503, so the
+    client retries; the same ``job_id`` is free again."""
+    reason = f"could not queue the job on {subjects.JOBS_SUBMIT}: {exc.__class__.__name__} {exc}"
+    log.error("job_publish_failed", error=reason)
+    with contextlib.suppress(Exception):
+        await bus.jobs.delete(job_id)
+    raise HTTPException(status_code=503, detail=f"{reason}; NATS may be down, retry shortly")
+
+
 @get(["/api/v1/jobs/{job_id:str}/status", "/api/v1/jobs/{job_id:str}"], summary="Job status")
-async def job_status(job_id: str, state: State) -> JobRecord:
+async def job_status(job_id: FromPath[str], state: State) -> JobRecord:
     """The job record: status, progress, result (kernel source and verdict), error."""
     try:
         record, _ = await JobStore(_bus(state).jobs).get(job_id)
@@ -256,7 +284,11 @@ def _error_response(request: Request, exc: Exception) -> Response[dict[str, Any]
             body["errors"] = exc.extra
         return Response(body, status_code=400)
     if isinstance(exc, HTTPException):
-        body = {"status_code": exc.status_code, "detail": exc.detail}
+        detail = exc.detail
+        if exc.status_code == 413:
+            detail = (f"request body is over {REQUEST_MAX_BODY_BYTES} bytes; a task_desc may "
+                      f"be at most {MAX_SOURCE_BYTES} bytes")
+        body = {"status_code": exc.status_code, "detail": detail}
         if isinstance(exc.extra, dict):
             body.update(exc.extra)
         elif exc.extra:
@@ -324,22 +356,42 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (IPv4 or IPv6 by the address).
+
+    Bound here rather than by uvicorn, whose bind failure is a ``sys.exit`` inside a task.
+
+    Raises:
+        OSError: the address is in use or cannot be bound; the message names it.
+    """
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as exc:
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise OSError(f"gateway cannot listen on {host}:{port}: {reason}") from exc
+
+
 async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Serve the gateway on ``settings.gateway_host:gateway_port`` until told to stop.
 
-    Connects to NATS first (so a wrong URL fails here, with its message, rather than
-    inside uvicorn's startup), then serves until ``stop`` is set or the process gets
-    SIGINT/SIGTERM (when running in the main thread), then drains open requests and
+    Binds the port and connects to NATS first, so a port in use or a wrong URL fails
+    here with its message; then serves until ``stop`` is set or, when running in the
+    main thread, the process gets SIGINT/SIGTERM; then finishes open requests and
     closes the connection.
 
     Raises:
+        OSError: the port cannot be bound.
         ConnectionError: NATS is not reachable at ``settings.nats_url``.
-        OSError: the port cannot be bound (uvicorn logs why).
     """
     stop = stop or asyncio.Event()
-    bus = await connect_bus(settings, "gateway")
-    server = _Server(uvicorn.Config(create_app(settings, bus), host=settings.gateway_host,
-                                    port=settings.gateway_port, log_config=None,
+    sock = _listen(settings.gateway_host, settings.gateway_port)
+    try:
+        bus = await connect_bus(settings, "gateway")
+    except BaseException:
+        sock.close()
+        raise
+    server = _Server(uvicorn.Config(create_app(settings, bus), log_config=None,
                                     access_log=False, lifespan="on"))
     loop = asyncio.get_running_loop()
     installed: list[tuple[int, Any]] = []
@@ -347,28 +399,24 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
         for sig in (signal.SIGINT, signal.SIGTERM):
             installed.append((sig, signal.getsignal(sig)))
             loop.add_signal_handler(sig, stop.set)
-    serving = asyncio.create_task(server.serve(), name="gateway-uvicorn")
+    serving = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-uvicorn")
     stopping = asyncio.create_task(stop.wait(), name="gateway-stop")
+    host, port = sock.getsockname()[:2]
+    log.info("gateway_listening", url=f"http://{host}:{port}", nats_url=settings.nats_url,
+             auth=bool(settings.api_token))
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
-        try:
-            await serving
-        except SystemExit as exc:
-            # uvicorn exits on a failed startup (a port in use): an error, not our exit.
-            raise OSError(f"gateway could not start on {settings.gateway_host}:"
-                          f"{settings.gateway_port} (see the log above)") from exc
-        if not server.started and not stop.is_set():
-            raise OSError(f"gateway could not listen on {settings.gateway_host}:"
-                          f"{settings.gateway_port} (see the log above)")
+        await serving
     finally:
         stopping.cancel()
         if not serving.done():
             server.should_exit = True
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
         for sig, previous in installed:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous)
+        sock.close()
         await bus.close()
         log.info("gateway_stopped")

@@ -1,0 +1,546 @@
+"""``aikg``: run the services, or submit a job and follow it.
+
+Service commands (``gateway``, ``generator``, ``worker``, ``up``) read their
+configuration from ``AIKG_*`` environment variables (services/common/settings.py);
+flags override them. Client commands (``submit``, ``status``) talk to the gateway over
+HTTP and exit with:
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+0     the job completed and its kernel passed verification
+1     the job failed or was cancelled, or its kernel did not pass
+2     bad input: a missing file, a bad option, or the gateway refused the
+      request (400, 401, 404 unknown job, 409 no live worker, 413 too large)
+3     the gateway is unreachable (or answered 5xx)
+4     ``submit --wait`` timed out; the job goes on (``aikg status JOB_ID``)
+5     ``status``: the job is still pending or running
+130   Ctrl-C while ``submit --wait`` was waiting; the job goes on
+====  =====================================================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+from urllib.parse import quote
+
+import httpx
+import msgspec
+import typer
+from rich.console import Console
+
+from schemas import TERMINAL_STATUSES, JobRecord
+from services.common.settings import Settings, load_settings
+
+
+class ExitCode(IntEnum):
+    """Exit codes of ``aikg submit`` / ``aikg status`` (module docstring)."""
+
+    OK = 0  # completed and passed
+    FAILED = 1  # failed, cancelled, or not passed
+    USAGE = 2  # bad input or refused request
+    UNREACHABLE = 3  # gateway unreachable or 5xx
+    TIMEOUT = 4  # gave up waiting
+    RUNNING = 5  # still pending or running
+    INTERRUPTED = 130  # Ctrl-C while waiting (the shell's code for SIGINT)
+
+
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+POLL_INTERVAL_S = 0.5
+# While waiting on a job, a gateway that stays unreachable this long ends the wait
+# (a restart of the gateway takes a few seconds; the job itself lives in NATS).
+UNREACHABLE_GRACE_S = 30.0
+
+app = typer.Typer(
+    name="aikg",
+    help=(
+        "AIKG: turn a PyTorch reference operator (KernelBench task) into a verified Triton "
+        "kernel. Services exchange events over NATS; `aikg up` runs all of them on this "
+        "machine.\n\n"
+        "Environment: AIKG_NATS_URL (NATS server URLs, comma-separated), AIKG_GATEWAY_URL "
+        "(where `submit`/`status` reach the gateway), AIKG_API_TOKEN (bearer token of the "
+        "gateway), AIKG_LOG_LEVEL, AIKG_LOG_FORMAT (json|console); every Settings field "
+        "has an AIKG_<FIELD> variable (services/common/settings.py)."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def _fail(code: ExitCode, message: str) -> NoReturn:
+    """Print ``message`` plainly on stderr and exit with ``code``."""
+    err.print(message, markup=False, soft_wrap=True)
+    raise typer.Exit(int(code))
+
+
+def _settings(**overrides: Any) -> Settings:
+    try:
+        return load_settings(**overrides)
+    except ValueError as exc:
+        _fail(ExitCode.USAGE, str(exc))
+
+
+def _run_service(service: str, settings: Settings, main: Any) -> None:
+    """Configure logging for ``service`` and run its coroutine until it ends.
+
+    A NATS connection failure exits 3 with the URL; Ctrl-C exits 0 (the services
+    shut down on SIGINT/SIGTERM by themselves).
+    """
+    from services.common.logging import configure_logging
+
+    if not settings.nats_url:
+        _fail(ExitCode.USAGE, f"AIKG_NATS_URL is not set: point it at a NATS server "
+              f"(e.g. nats://127.0.0.1:4222), or run `aikg up` to start everything "
+              f"with an embedded one. ({service})")
+    configure_logging(service, settings.log_level, settings.log_format)
+    try:
+        asyncio.run(main)
+    except ConnectionError as exc:
+        _fail(ExitCode.UNREACHABLE, f"{service}: {exc}")
+    except KeyboardInterrupt:
+        pass
+
+
+# --- services ------------------------------------------------------------------------
+
+
+@app.command()
+def gateway(
+    host: Annotated[str | None, typer.Option(envvar="AIKG_GATEWAY_HOST",
+                                             help="Address to listen on.")] = None,
+    port: Annotated[int | None, typer.Option(envvar="AIKG_GATEWAY_PORT",
+                                             help="Port to listen on (default 8000).")] = None,
+) -> None:
+    """Serve the HTTP API (job submission and status, worker listing, /metrics).
+
+    Needs AIKG_NATS_URL. AIKG_API_TOKEN turns on bearer-token auth for every route
+    but /healthz and /readyz.
+    """
+    from services.gateway.app import serve_gateway
+
+    settings = _settings(gateway_host=host, gateway_port=port)
+    try:
+        _run_service("gateway", settings, serve_gateway(settings))
+    except OSError as exc:
+        _fail(ExitCode.FAILED, f"gateway: {exc}")
+
+
+@app.command()
+def worker(
+    backend: Annotated[str | None, typer.Option(envvar="AIKG_WORKER_BACKEND",
+                                                help="cpu | cuda | ascend (default cpu).")] = None,
+    arch: Annotated[str | None, typer.Option(
+        envvar="AIKG_WORKER_ARCH",
+        help="Arch offered (x86_64, h200, a100, ascend910b4); default: this machine's CPU.")] = None,
+    devices: Annotated[str | None, typer.Option(
+        envvar="AIKG_WORKER_DEVICES",
+        help="Devices, comma-separated (GPU ordinals; on cpu, one slot each). Default 0.")] = None,
+    metrics_port: Annotated[int | None, typer.Option(
+        envvar="AIKG_METRICS_PORT", help="Prometheus /metrics port; 0 free port, -1 off.")] = None,
+) -> None:
+    """Verify and profile candidates on this machine's devices (pulls verify.<backend>.<arch>).
+
+    Needs AIKG_NATS_URL.
+    """
+    from services.worker.service import run_worker
+
+    settings = _settings(worker_backend=backend, worker_arch=arch, worker_devices=devices,
+                         metrics_port=metrics_port)
+    _run_service("worker", settings, run_worker(settings))
+
+
+@app.command()
+def generator(
+    metrics_port: Annotated[int | None, typer.Option(
+        envvar="AIKG_METRICS_PORT", help="Prometheus /metrics port; 0 free port, -1 off.")] = None,
+) -> None:
+    """Run jobs: pull jobs.submit, write candidate kernels, send them to workers.
+
+    Needs AIKG_NATS_URL; the LLM coder reads its own settings (see the generator docs).
+    """
+    from services.generator.service import run_generator
+
+    settings = _settings(metrics_port=metrics_port)
+    _run_service("generator", settings, run_generator(settings))
+
+
+def _stop_children(children: dict[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM each child's process group, wait up to ``grace_s``, then SIGKILL what is left."""
+    for proc in children.values():
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in children.values():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(max(0.0, deadline - time.monotonic()))
+    for proc in children.values():
+        # The group may outlive its leader (a sandboxed candidate): kill it in any case.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="AIKG_GATEWAY_PORT", help="Gateway port.")] = 8000,
+    backend: Annotated[str, typer.Option(envvar="AIKG_WORKER_BACKEND",
+                                         help="Worker backend: cpu | cuda | ascend.")] = "cpu",
+    arch: Annotated[str | None, typer.Option(envvar="AIKG_WORKER_ARCH",
+                                             help="Worker arch; default this machine's CPU.")] = None,
+    devices: Annotated[str, typer.Option(envvar="AIKG_WORKER_DEVICES",
+                                         help="Worker devices, comma-separated.")] = "0",
+    store_dir: Annotated[Path | None, typer.Option(
+        envvar="AIKG_NATS_STORE_DIR",
+        help="JetStream store of the embedded NATS server; default a temp dir removed on exit.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(
+        help="Where the services' JSON logs go (gateway.log, generator.log, worker.log); "
+        "default a new temp dir.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v",
+                                          help="Services log to this terminal instead.")] = False,
+    ready_timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for the gateway and a worker to come up.")] = 180.0,
+) -> None:
+    """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
+
+    NATS is an embedded nats-server unless AIKG_NATS_URL is set. Each service is a
+    child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits 1 when a service dies or does not come up in time (its log is named).
+    """
+    from services.common.embedded import EmbeddedNatsServer
+
+    settings = _settings()
+    stopping = threading.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int, _frame: Any) -> None:
+        received.append(sig)
+        stopping.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    nats: EmbeddedNatsServer | None = None
+    children: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+    code = ExitCode.OK
+    try:
+        nats_url = settings.nats_url
+        if not nats_url:
+            nats = EmbeddedNatsServer(store_dir)
+            try:
+                nats_url = nats.start()
+            except (RuntimeError, FileNotFoundError) as exc:
+                _fail(ExitCode.FAILED, str(exc))
+        if not verbose:
+            log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
+            log_dir.mkdir(parents=True, exist_ok=True)
+            err.print(f"logs: {log_dir}", markup=False, soft_wrap=True)
+        gateway_url = f"http://{host}:{port}"
+        env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
+               "PYTHONUNBUFFERED": "1"}
+        commands = {
+            "gateway": ["gateway", "--host", host, "--port", str(port)],
+            "generator": ["generator"],
+            "worker": ["worker", "--backend", backend, "--devices", devices,
+                       *(["--arch", arch] if arch else [])],
+        }
+        for name, args in commands.items():
+            stream: Any = None
+            if log_dir is not None and not verbose:
+                logs[name] = log_dir / f"{name}.log"
+                stream = logs[name].open("ab")
+            try:
+                children[name] = subprocess.Popen(
+                    [sys.executable, "-m", "services.cli", *args],
+                    env=env, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
+                    start_new_session=True,
+                )
+            finally:
+                if stream is not None:
+                    stream.close()
+
+        def dead_child() -> str | None:
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    where = f"; log: {logs[name]}" if name in logs else ""
+                    return f"{name} exited with code {proc.returncode}{where}"
+            return None
+
+        headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+        workers: list[dict[str, Any]] = []
+        deadline = time.monotonic() + ready_timeout
+        with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
+            while not stopping.is_set():
+                if (dead := dead_child()) is not None:
+                    _fail(ExitCode.FAILED, f"AIKG did not come up: {dead}")
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    if client.get("/readyz").status_code == 200:
+                        listed = client.get("/api/v1/workers").json().get("workers", [])
+                        workers = [w for w in listed if w.get("backend") == backend]
+                        if workers:
+                            break
+                if time.monotonic() > deadline:
+                    _fail(ExitCode.FAILED, f"AIKG did not come up in {ready_timeout:.0f} s "
+                          f"(gateway ready and a {backend} worker listed); see the logs"
+                          + (f" in {log_dir}" if logs else ""))
+                stopping.wait(0.25)
+        if workers:
+            w = workers[0]
+            n = len(w.get("devices", []))
+            out.print(f"AIKG is up: gateway {gateway_url}, NATS {nats_url}, worker "
+                      f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''}). "
+                      "Ctrl-C stops it.", markup=False, soft_wrap=True)
+        while not stopping.wait(0.5):
+            if (dead := dead_child()) is not None:
+                _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
+    except typer.Exit as exc:
+        code = ExitCode(exc.exit_code)
+    finally:
+        if children:
+            err.print("stopping services ...", markup=False)
+        _stop_children(children)
+        if nats is not None:
+            nats.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    raise typer.Exit(int(code))
+
+
+# --- client --------------------------------------------------------------------------
+
+GatewayOption = Annotated[str, typer.Option(
+    "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")]
+TokenOption = Annotated[str | None, typer.Option(
+    "--token", envvar="AIKG_API_TOKEN", show_default=False,
+    help="Bearer token, when the gateway has AIKG_API_TOKEN set.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
+
+
+def _client(gateway_url: str, token: str | None) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.Client(base_url=gateway_url.rstrip("/"), headers=headers, timeout=30.0)
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict) and "detail" in body:
+        return str(body["detail"])
+    return json.dumps(body)
+
+
+def _request(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """One gateway call; transport errors exit 3, 4xx exit 2, 5xx exit 3."""
+    try:
+        response = client.request(method, path, **kwargs)
+    except httpx.TransportError as exc:
+        _fail(ExitCode.UNREACHABLE,
+              f"cannot reach the gateway at {client.base_url}: {exc or exc.__class__.__name__}. "
+              "Start it (`aikg up`) or point --gateway / AIKG_GATEWAY_URL at it.")
+    if response.status_code >= 400:
+        code = ExitCode.UNREACHABLE if response.status_code >= 500 else ExitCode.USAGE
+        _fail(code, f"gateway refused ({response.status_code}): {_detail(response)}")
+    return response
+
+
+def _decode_record(response: httpx.Response) -> JobRecord:
+    try:
+        return msgspec.json.decode(response.content, type=JobRecord)
+    except msgspec.DecodeError as exc:
+        _fail(ExitCode.UNREACHABLE, f"the gateway sent a job record this CLI cannot read: {exc}")
+
+
+def _record_exit(record: JobRecord) -> ExitCode:
+    if record.status == "completed":
+        return ExitCode.OK if record.result is not None and record.result.passed else ExitCode.FAILED
+    if record.status in TERMINAL_STATUSES:
+        return ExitCode.FAILED
+    return ExitCode.RUNNING
+
+
+def _show(record: JobRecord, raw: bytes, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(raw.decode() + "\n")
+        sys.stdout.flush()
+    else:
+        from services.cli_render import print_record
+
+        print_record(out, record)
+
+
+def parse_shape(item: str) -> tuple[str, int | float | bool | str]:
+    """``NAME=VALUE`` -> ``(NAME, VALUE)``; VALUE is an int, else a float, else true/false,
+    else the string itself.
+
+    Raises:
+        typer.BadParameter: no ``=`` or an empty name.
+    """
+    name, sep, text = item.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise typer.BadParameter(f"{item!r}: expected NAME=VALUE, e.g. batch_size=16")
+    text = text.strip()
+    for convert in (int, float):
+        try:
+            return name, convert(text)
+        except ValueError:
+            pass
+    if text.lower() in ("true", "false"):
+        return name, text.lower() == "true"
+    return name, text
+
+
+def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> httpx.Response:
+    """Poll the job's status until it ends; the last response. Exits 4 on timeout."""
+    from services.cli_render import progress_line
+
+    deadline = time.monotonic() + timeout_s
+    last_ok = time.monotonic()
+    display = out.status(f"{job_id} submitted", spinner="dots") if live else contextlib.nullcontext()
+    with display as spinner:
+        while True:
+            try:
+                response = client.get(f"/api/v1/jobs/{quote(job_id, safe='')}/status")
+            except httpx.TransportError as exc:
+                if time.monotonic() - last_ok > UNREACHABLE_GRACE_S:
+                    _fail(ExitCode.UNREACHABLE,
+                          f"lost the gateway at {client.base_url} for {UNREACHABLE_GRACE_S:.0f} s "
+                          f"({exc or exc.__class__.__name__}); the job goes on: "
+                          f"`aikg status {job_id}`")
+                response = None
+            if response is not None:
+                if response.status_code >= 400:
+                    code = ExitCode.UNREACHABLE if response.status_code >= 500 else ExitCode.USAGE
+                    _fail(code, f"gateway refused ({response.status_code}): {_detail(response)}")
+                last_ok = time.monotonic()
+                record = _decode_record(response)
+                if record.status in TERMINAL_STATUSES:
+                    return response
+                if spinner is not None:
+                    spinner.update(progress_line(record))
+            if time.monotonic() > deadline:
+                _fail(ExitCode.TIMEOUT, f"job {job_id} did not finish within {timeout_s:g} s; it "
+                      f"goes on: `aikg status {job_id}`")
+            time.sleep(POLL_INTERVAL_S)
+
+
+@app.command()
+def submit(
+    file: Annotated[Path, typer.Argument(
+        exists=True, dir_okay=False, readable=True,
+        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
+    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
+    backend: Annotated[str, typer.Option(help="cpu | cuda | ascend.")] = "cpu",
+    arch: Annotated[str | None, typer.Option(
+        help="Arch (x86_64, h200, a100, ...); default: any with a live worker.")] = None,
+    dsl: Annotated[str, typer.Option(help="triton (triton_cuda / triton_ascend accepted).")] = "triton",
+    workflow: Annotated[str, typer.Option(
+        help="coder_only_workflow | default_workflow.")] = "coder_only_workflow",
+    job_type: Annotated[str, typer.Option(help="single | evolve.")] = "single",
+    coder: Annotated[str | None, typer.Option(
+        help="builtin | llm; default the LLM coder when configured, else builtin.")] = None,
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", metavar="NAME=VALUE",
+        help="Rebind a module-level name of the task before get_inputs() (repeatable), "
+        "e.g. --shape batch_size=16. VALUE: int, float, true/false, else string.")] = None,
+    max_rounds: Annotated[int | None, typer.Option(help="Evolve rounds.")] = None,
+    parallel_num: Annotated[int | None, typer.Option(help="Candidates per evolve round.")] = None,
+    job_id: Annotated[str | None, typer.Option(
+        help="Client-chosen job id (letters, digits, _ and -); resubmitting the same job "
+        "with it is idempotent.")] = None,
+    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
+    as_json: JsonOption = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """Submit a task file as a job: print its id, or with --wait follow it to the verdict.
+
+    Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
+    1 failed/cancelled/not passed, 2 bad input or refused (400/401/409/413),
+    3 gateway unreachable, 4 --wait timed out, 130 Ctrl-C while waiting.
+    """
+    try:
+        task_desc = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
+    body: dict[str, Any] = {
+        "op_name": op_name or file.stem,
+        "task_desc": task_desc,
+        "job_type": job_type,
+        "backend": backend,
+        "dsl": dsl,
+        "workflow": workflow,
+        "shape_overrides": dict(parse_shape(s) for s in shape or []),
+    }
+    optional = {"arch": arch, "coder": coder, "job_id": job_id, "max_rounds": max_rounds,
+                "parallel_num": parallel_num}
+    body.update({k: v for k, v in optional.items() if v is not None})
+    with _client(gateway_url, token) as client:
+        response = _request(client, "POST", "/api/v1/jobs/submit", json=body)
+        accepted = response.json()
+        new_id = accepted["job_id"]
+        if not wait:
+            if as_json:
+                sys.stdout.write(json.dumps(accepted) + "\n")
+            else:
+                out.print(new_id, markup=False)
+            return
+        live = not as_json and out.is_terminal
+        if live:
+            err.print(f"submitted {new_id} to {accepted.get('backend')}/{accepted.get('arch')}",
+                      markup=False)
+        try:
+            final = _wait(client, new_id, timeout, live)
+        except KeyboardInterrupt:
+            _fail(ExitCode.INTERRUPTED,
+                  f"stopped waiting; the job goes on: `aikg status {new_id}`")
+    record = _decode_record(final)
+    _show(record, final.content, as_json)
+    raise typer.Exit(int(_record_exit(record)))
+
+
+@app.command()
+def status(
+    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
+    as_json: JsonOption = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """Print a job's record: status, progress, verdict and kernel.
+
+    Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
+    1 failed/cancelled/not passed, 2 unknown job, 3 gateway unreachable,
+    5 still pending or running.
+    """
+    with _client(gateway_url, token) as client:
+        response = _request(client, "GET", f"/api/v1/jobs/{quote(job_id, safe='')}/status")
+    record = _decode_record(response)
+    _show(record, response.content, as_json)
+    raise typer.Exit(int(_record_exit(record)))
+
+
+def main() -> None:
+    """Console script ``aikg``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

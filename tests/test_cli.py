@@ -1,0 +1,250 @@
+"""``aikg`` as a user runs it: subprocesses against a gateway served in the test's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemas import JobResult, VerifyResult
+from services.cli import parse_shape
+from services.common.bus import Bus, JobStore
+from services.common.settings import Settings
+
+_SCRIPT = Path(sys.executable).parent / "aikg"
+AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
+
+
+async def aikg(*args: str, env: dict[str, str] | None = None, timeout: float = 30.0
+               ) -> tuple[int, str, str]:
+    """Run ``aikg ARGS`` without blocking the loop (the gateway serves in it)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    proc = await asyncio.create_subprocess_exec(
+        *AIKG, *args, env={**clean, "COLUMNS": "200", **(env or {})},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode, out.decode(), err.decode()
+
+
+@pytest.fixture
+def task_file(tmp_path: Path, relu_task: str) -> Path:
+    path = tmp_path / "relu.py"
+    path.write_text(relu_task)
+    return path
+
+
+@pytest.fixture
+async def cpu_worker(bus: Bus, fake_worker_heartbeat) -> None:
+    await fake_worker_heartbeat(bus, "cpu", "x86_64")
+
+
+async def test_help() -> None:
+    code, out, _ = await aikg("--help")
+    assert code == 0
+    for word in ("submit", "status", "up", "gateway", "worker", "generator", "AIKG_NATS_URL"):
+        assert word in out
+    code, out, _ = await aikg("submit", "--help")
+    assert code == 0
+    for word in ("--shape", "--wait", "--backend", "--json", "--timeout", "AIKG_GATEWAY_URL",
+                 "AIKG_API_TOKEN"):
+        assert word in out
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("batch_size=16") == ("batch_size", 16)
+    assert parse_shape("eps=1e-5") == ("eps", 1e-5)
+    assert parse_shape("causal=true") == ("causal", True)
+    assert parse_shape("mode=fast") == ("mode", "fast")
+
+
+async def test_submit_prints_job_id_with_shape_overrides(
+    gateway: str, bus: Bus, cpu_worker: None, task_file: Path
+) -> None:
+    code, out, err = await aikg("submit", str(task_file), "--gateway", gateway,
+                                "--shape", "batch_size=16", "--shape", "dim=4096")
+    assert code == 0, err
+    job_id = out.strip()
+    assert job_id.startswith("job-")
+    record = json.loads((await bus.jobs.get(job_id)).value)
+    assert record["op_name"] == "relu"
+    overrides = record["request"]["shape_overrides"]
+    assert overrides == {"batch_size": 16, "dim": 4096}
+    assert all(type(v) is int for v in overrides.values())
+
+
+async def test_submit_json_and_status(gateway: str, cpu_worker: None, task_file: Path) -> None:
+    code, out, err = await aikg("submit", str(task_file), "--json", "--op-name", "my_relu",
+                                env={"AIKG_GATEWAY_URL": gateway})
+    assert code == 0, err
+    job_id = json.loads(out)["job_id"]
+    code, out, _ = await aikg("status", job_id, "--json", "--gateway", gateway)
+    assert code == 5  # still pending: no generator runs here
+    record = json.loads(out)
+    assert (record["job_id"], record["op_name"], record["status"]) == (job_id, "my_relu", "pending")
+
+
+async def test_submit_wait_renders_verdict_and_kernel(
+    gateway: str, bus: Bus, cpu_worker: None, task_file: Path
+) -> None:
+    """--wait follows the record until it ends; the generator is played by the test."""
+    kernel = "import triton\n\n@triton.jit\ndef relu_kernel(x_ptr):\n    pass\n"
+
+    async def finish_when_submitted() -> None:
+        store = JobStore(bus.jobs)
+        while not (keys := await _keys(bus)):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.6)
+
+        def complete(rec):
+            rec.status = "completed"
+            rec.result = JobResult(passed=True, code=kernel, attempts=1, coder="builtin",
+                                   verdict=VerifyResult(
+                                       request_id="r1", job_id=rec.job_id, candidate_id="c1",
+                                       worker_id="w1", device="0", passed=True,
+                                       max_abs_error=1e-7, atol=1e-5, rtol=1e-5,
+                                       interpreted=True, duration_s=0.4))
+            return rec
+
+        await store.update(keys[0], complete)
+
+    finisher = asyncio.create_task(finish_when_submitted())
+    code, out, err = await aikg("submit", str(task_file), "--wait", "--gateway", gateway)
+    await finisher
+    assert code == 0, err
+    assert "completed" in out and "relu_kernel" in out and "interpreter" in out
+
+
+async def test_submit_wait_times_out_with_exit_4(gateway: str, cpu_worker: None,
+                                                 task_file: Path) -> None:
+    code, _, err = await aikg("submit", str(task_file), "--wait", "--timeout", "0.5",
+                              "--gateway", gateway)
+    assert code == 4
+    assert "aikg status" in err
+
+
+async def test_submit_to_missing_backend_is_exit_2_listing_live(
+    gateway: str, cpu_worker: None, task_file: Path
+) -> None:
+    code, _, err = await aikg("submit", str(task_file), "--backend", "cuda", "--gateway", gateway)
+    assert code == 2
+    assert "409" in err and "cpu/x86_64" in err
+
+
+async def test_bad_file_is_exit_2(tmp_path: Path) -> None:
+    code, _, err = await aikg("submit", str(tmp_path / "missing.py"))
+    assert code == 2
+    assert "missing.py" in err
+
+
+async def test_bad_shape_is_exit_2(task_file: Path) -> None:
+    code, _, err = await aikg("submit", str(task_file), "--shape", "batch_size")
+    assert code == 2
+    assert "NAME=VALUE" in err
+
+
+async def test_unreachable_gateway_is_exit_3(task_file: Path, free_port) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = await aikg("submit", str(task_file), "--gateway", url)
+    assert code == 3
+    assert "cannot reach the gateway" in err
+    code, _, _ = await aikg("status", "job-x", "--gateway", url)
+    assert code == 3
+
+
+async def test_status_unknown_job_is_exit_2(gateway: str) -> None:
+    code, _, err = await aikg("status", "job-nope", "--gateway", gateway)
+    assert code == 2
+    assert "job-nope" in err
+
+
+async def test_service_command_without_nats_url_is_exit_2(settings: Settings) -> None:
+    code, _, err = await aikg("gateway", "--port", str(settings.gateway_port))
+    assert code == 2
+    assert "AIKG_NATS_URL" in err
+
+
+async def _keys(bus: Bus) -> list[str]:
+    try:
+        return await bus.jobs.keys()
+    except Exception:  # noqa: BLE001 - NoKeysError while the bucket is empty
+        return []
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc: pid -> parent pid)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            # "pid (comm) state ppid ...": comm may hold spaces, so split after ')'.
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pids: set[int]) -> set[int]:
+    return {p for p in pids if Path(f"/proc/{p}").exists()
+            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]}
+
+
+@pytest.mark.slow
+async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, free_port) -> None:
+    """`aikg up` with an embedded NATS: ready line, a job id from `submit`, clean SIGTERM."""
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    proc = await asyncio.create_subprocess_exec(
+        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert b"AIKG is up: gateway http://127.0.0.1:" in line, line
+        assert b"worker cpu/" in line
+        family = _descendants(proc.pid)
+        assert len(family) >= 4  # nats-server, gateway, generator, worker
+        code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
+        assert code == 2, err
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        code = await asyncio.wait_for(proc.wait(), 60)
+    assert code == 0, (await proc.stderr.read()).decode()
+    assert not _alive(family)
+    assert {"gateway.log", "generator.log", "worker.log"} <= {
+        p.name for p in (tmp_path / "logs").iterdir()}
+
+
+async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None:
+    """A gateway that cannot bind its port ends `aikg up` with exit 1, naming it; no strays."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+        proc = await asyncio.create_subprocess_exec(
+            *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+            env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        family: set[int] = set()
+        while proc.returncode is None:
+            family |= _descendants(proc.pid)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.2)
+        _, err = await proc.communicate()
+    assert proc.returncode == 1
+    assert "gateway exited with code 1" in err.decode()
+    assert str(tmp_path / "logs" / "gateway.log") in err.decode()
+    assert "cannot listen" in (tmp_path / "logs" / "gateway.log").read_text()
+    assert not _alive(family)
