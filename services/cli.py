@@ -23,14 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from enum import IntEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -197,47 +200,51 @@ def _stop_children(children: dict[str, subprocess.Popen[bytes]], grace_s: float 
         proc.wait()
 
 
-@app.command()
-def up(
-    host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar="AIKG_GATEWAY_PORT", help="Gateway port.")] = 8000,
-    backend: Annotated[str, typer.Option(envvar="AIKG_WORKER_BACKEND",
-                                         help="Worker backend: cpu | cuda | ascend.")] = "cpu",
-    arch: Annotated[str | None, typer.Option(envvar="AIKG_WORKER_ARCH",
-                                             help="Worker arch; default this machine's CPU.")] = None,
-    devices: Annotated[str, typer.Option(envvar="AIKG_WORKER_DEVICES",
-                                         help="Worker devices, comma-separated.")] = "0",
-    store_dir: Annotated[Path | None, typer.Option(
-        envvar="AIKG_NATS_STORE_DIR",
-        help="JetStream store of the embedded NATS server; default a temp dir removed on exit.")] = None,
-    log_dir: Annotated[Path | None, typer.Option(
-        help="Where the services' JSON logs go (gateway.log, generator.log, worker.log); "
-        "default a new temp dir.")] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v",
-                                          help="Services log to this terminal instead.")] = False,
-    ready_timeout: Annotated[float, typer.Option(
-        help="Seconds to wait for the gateway and a worker to come up.")] = 180.0,
-) -> None:
-    """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
+@dataclasses.dataclass
+class LocalStack:
+    """What :func:`local_stack` started: URLs, the live worker list, the children."""
 
-    NATS is an embedded nats-server unless AIKG_NATS_URL is set. Each service is a
-    child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits 1 when a service dies or does not come up in time (its log is named).
+    gateway_url: str
+    nats_url: str
+    workers: list[dict[str, Any]]
+    children: dict[str, subprocess.Popen[bytes]]
+    logs: dict[str, Path]
+
+    def dead_child(self) -> str | None:
+        """``"<service> exited with code N; log: PATH"`` for the first dead child, else None."""
+        for name, proc in self.children.items():
+            if proc.poll() is not None:
+                where = f"; log: {self.logs[name]}" if name in self.logs else ""
+                return f"{name} exited with code {proc.returncode}{where}"
+        return None
+
+    def describe(self) -> str:
+        if not self.workers:
+            return f"gateway {self.gateway_url}, NATS {self.nats_url}"
+        w = self.workers[0]
+        n = len(w.get("devices", []))
+        return (f"gateway {self.gateway_url}, NATS {self.nats_url}, worker "
+                f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
+
+
+@contextlib.contextmanager
+def local_stack(
+    settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
+    store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
+    stopping: threading.Event,
+) -> Iterator[LocalStack]:
+    """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
+    as child processes, each in its own process group; wait until the gateway is ready
+    and lists a worker of ``backend``; on exit stop them all (no stray processes).
+
+    Raises:
+        typer.Exit: code 1 when a service dies or is not up within ``ready_timeout`` s.
     """
     from services.common.embedded import EmbeddedNatsServer
 
-    settings = _settings()
-    stopping = threading.Event()
-    received: list[int] = []
-
-    def on_signal(sig: int, _frame: Any) -> None:
-        received.append(sig)
-        stopping.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     nats: EmbeddedNatsServer | None = None
     children: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
-    code = ExitCode.OK
     try:
         nats_url = settings.nats_url
         if not nats_url:
@@ -273,52 +280,129 @@ def up(
             finally:
                 if stream is not None:
                     stream.close()
-
-        def dead_child() -> str | None:
-            for name, proc in children.items():
-                if proc.poll() is not None:
-                    where = f"; log: {logs[name]}" if name in logs else ""
-                    return f"{name} exited with code {proc.returncode}{where}"
-            return None
-
+        stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
+                           children=children, logs=logs)
         headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-        workers: list[dict[str, Any]] = []
         deadline = time.monotonic() + ready_timeout
         with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
             while not stopping.is_set():
-                if (dead := dead_child()) is not None:
+                if (dead := stack.dead_child()) is not None:
                     _fail(ExitCode.FAILED, f"AIKG did not come up: {dead}")
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     if client.get("/readyz").status_code == 200:
                         listed = client.get("/api/v1/workers").json().get("workers", [])
-                        workers = [w for w in listed if w.get("backend") == backend]
-                        if workers:
+                        stack.workers = [w for w in listed if w.get("backend") == backend]
+                        if stack.workers:
                             break
                 if time.monotonic() > deadline:
                     _fail(ExitCode.FAILED, f"AIKG did not come up in {ready_timeout:.0f} s "
                           f"(gateway ready and a {backend} worker listed); see the logs"
                           + (f" in {log_dir}" if logs else ""))
                 stopping.wait(0.25)
-        if workers:
-            w = workers[0]
-            n = len(w.get("devices", []))
-            out.print(f"AIKG is up: gateway {gateway_url}, NATS {nats_url}, worker "
-                      f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''}). "
-                      "Ctrl-C stops it.", markup=False, soft_wrap=True)
-        while not stopping.wait(0.5):
-            if (dead := dead_child()) is not None:
-                _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
-    except typer.Exit as exc:
-        code = ExitCode(exc.exit_code)
+        yield stack
     finally:
         if children:
             err.print("stopping services ...", markup=False)
         _stop_children(children)
         if nats is not None:
             nats.stop()
+
+
+@app.command()
+def up(
+    host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar="AIKG_GATEWAY_PORT", help="Gateway port.")] = 8000,
+    backend: Annotated[str, typer.Option(envvar="AIKG_WORKER_BACKEND",
+                                         help="Worker backend: cpu | cuda | ascend.")] = "cpu",
+    arch: Annotated[str | None, typer.Option(envvar="AIKG_WORKER_ARCH",
+                                             help="Worker arch; default this machine's CPU.")] = None,
+    devices: Annotated[str, typer.Option(envvar="AIKG_WORKER_DEVICES",
+                                         help="Worker devices, comma-separated.")] = "0",
+    store_dir: Annotated[Path | None, typer.Option(
+        envvar="AIKG_NATS_STORE_DIR",
+        help="JetStream store of the embedded NATS server; default a temp dir removed on exit.")] = None,
+    log_dir: Annotated[Path | None, typer.Option(
+        help="Where the services' JSON logs go (gateway.log, generator.log, worker.log); "
+        "default a new temp dir.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v",
+                                          help="Services log to this terminal instead.")] = False,
+    ready_timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for the gateway and a worker to come up.")] = 180.0,
+) -> None:
+    """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
+
+    NATS is an embedded nats-server unless AIKG_NATS_URL is set. Each service is a
+    child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits 1
+    when a service dies or does not come up in time (its log is named).
+    """
+    settings = _settings()
+    stopping = threading.Event()
+
+    def on_signal(_sig: int, _frame: Any) -> None:
+        stopping.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = ExitCode.OK
+    try:
+        with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
+                         devices=devices, store_dir=store_dir, log_dir=log_dir,
+                         verbose=verbose, ready_timeout=ready_timeout,
+                         stopping=stopping) as stack:
+            if not stopping.is_set():
+                out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
+                          markup=False, soft_wrap=True)
+            while not stopping.wait(0.5):
+                if (dead := stack.dead_child()) is not None:
+                    _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
+    except typer.Exit as exc:
+        code = ExitCode(exc.exit_code)
+    finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     raise typer.Exit(int(code))
+
+
+@app.command()
+def demo(
+    file: Annotated[Path, typer.Argument(
+        exists=True, dir_okay=False, readable=True,
+        help="KernelBench task to submit.")] = Path("tasks/relu.py"),
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", metavar="NAME=VALUE", help="Shape override (repeatable), as for submit.")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the job.")] = 600.0,
+    ready_timeout: Annotated[float, typer.Option(
+        help="Seconds to wait for the stack to come up.")] = 180.0,
+) -> None:
+    """Start a throw-away stack, submit FILE, print the verdict and kernel, stop the stack.
+
+    This is `make run`: embedded NATS, gateway (on a free port), generator and one cpu
+    worker, all stopped at the end. Exit code 0 when the kernel passed verification.
+    """
+    settings = _settings()
+    try:
+        task_desc = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
+    body = {"op_name": file.stem, "task_desc": task_desc, "backend": "cpu",
+            "shape_overrides": dict(parse_shape(s) for s in shape or [])}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
+    started = time.monotonic()
+    with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
+                     devices="0", store_dir=None, log_dir=None, verbose=False,
+                     ready_timeout=ready_timeout, stopping=threading.Event()) as stack:
+        err.print(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}", markup=False,
+                  soft_wrap=True)
+        with _client(stack.gateway_url, settings.api_token or None) as client:
+            accepted = _request(client, "POST", "/api/v1/jobs/submit", json=body).json()
+            job_id = accepted["job_id"]
+            err.print(f"submitted {file} as job {job_id}", markup=False)
+            final = _wait(client, job_id, timeout, out.is_terminal)
+        record = _decode_record(final)
+        _show(record, final.content, as_json=False)
+    raise typer.Exit(int(_record_exit(record)))
 
 
 # --- client --------------------------------------------------------------------------
@@ -535,6 +619,19 @@ def status(
     record = _decode_record(response)
     _show(record, response.content, as_json)
     raise typer.Exit(int(_record_exit(record)))
+
+
+@app.command()
+def schema(
+    out_dir: Annotated[Path | None, typer.Option(
+        "--out", help="Directory to write; default schemas/json of this checkout.")] = None,
+) -> None:
+    """Write the JSON Schema of every wire record (JobSubmit, JobRecord, JobEvent,
+    VerifyRequest, VerifyResult, WorkerInfo) as <Record>.json, for non-Python clients."""
+    from schemas.export import JSON_DIR, export_json_schemas
+
+    for path in export_json_schemas(out_dir or JSON_DIR):
+        out.print(str(path), markup=False, soft_wrap=True)
 
 
 def main() -> None:

@@ -414,8 +414,9 @@ async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -
     Raises:
         ConnectionError: NATS is unreachable at start.
     """
-    stop = stop or asyncio.Event()
-    install_signal_handlers(stop)
+    if stop is None:
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
     start_metrics_server(settings.metrics_port)
     bus = await connect_bus(settings, "aikg-generator")
     try:

@@ -18,6 +18,7 @@ import time
 
 import msgspec
 import structlog
+from nats import micro
 from prometheus_client import Counter, Gauge, Histogram
 
 import services
@@ -151,9 +152,10 @@ class Worker:
             max_deliver=self.settings.verify_max_deliver + 1,
         )
         beat = asyncio.create_task(self.heartbeat())
+        service = await self.control_service()
         self.log.info("worker_started", subject=subject, devices=self.devices)
         try:
-            while not stop.is_set():
+            while not stop.is_set() and not self.draining:
                 # Wait for at least one free device before asking for work.
                 if self.free.empty():
                     await asyncio.sleep(0.05)
@@ -168,6 +170,8 @@ class Worker:
             self.draining = True
             if self.tasks:
                 await asyncio.gather(*self.tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await service.stop()
             beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
@@ -177,6 +181,46 @@ class Worker:
                 await psub.unsubscribe()
             await asyncio.to_thread(self.verifier.close)
             self.log.info("worker_stopped")
+
+    async def leases_held(self) -> list[dict]:
+        """This worker's entries of the ``leases`` bucket."""
+        out = []
+        with contextlib.suppress(Exception):
+            for key in await self.bus.leases.keys():
+                if key.startswith(f"{self.worker_id}."):
+                    with contextlib.suppress(Exception):
+                        entry = await self.bus.leases.get(key)
+                        out.append(msgspec.json.decode(entry.value))
+        return out
+
+    async def control_service(self):
+        """A ``nats micro`` service (``nats micro ls`` lists it) with two endpoints on
+        ``aikg.worker.<worker_id>.{status,drain}``.
+
+        ``status`` answers WorkerInfo plus the leases held; ``drain`` stops taking new
+        requests, lets the in-flight ones finish, then stops the worker.
+        """
+        service = await micro.add_service(
+            self.bus.nc, name="aikg-worker", version=_semver(services.__version__),
+            description=f"AIKG worker {self.backend}/{self.arch}",
+            metadata={"worker_id": self.worker_id, "backend": self.backend, "arch": self.arch},
+        )
+        prefix = subjects.worker_service(self.worker_id)
+
+        async def status(req: micro.Request) -> None:
+            body = msgspec.structs.asdict(self.info())
+            body["leases"] = await self.leases_held()
+            await req.respond(encode(body))
+
+        async def drain(req: micro.Request) -> None:
+            self.draining = True
+            self.log.info("worker_draining", in_flight=self.in_flight)
+            await req.respond(encode({"worker_id": self.worker_id, "status": "draining",
+                                      "in_flight": self.in_flight}))
+
+        await service.add_endpoint(name="status", subject=f"{prefix}.status", handler=status)
+        await service.add_endpoint(name="drain", subject=f"{prefix}.drain", handler=drain)
+        return service
 
     async def handle(self, msg, device: str) -> None:
         """Verify one request on ``device``; always frees the device."""
@@ -294,6 +338,12 @@ class Worker:
         )
 
 
+def _semver(version: str) -> str:
+    """``nats micro`` wants semantic versions; ``0.1.0.dev1`` -> ``0.1.0``."""
+    parts = (version.split(".") + ["0", "0"])[:3]
+    return ".".join(p if p.isdigit() else "0" for p in parts)
+
+
 def _job_id_of(data: bytes) -> str | None:
     """Best-effort job id of a malformed request, to tell its job what happened."""
     try:
@@ -312,8 +362,9 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> N
     Raises:
         ConnectionError: NATS is unreachable at start.
     """
-    stop = stop or asyncio.Event()
-    install_signal_handlers(stop)
+    if stop is None:
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
     start_metrics_server(settings.metrics_port)
     bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id or default_worker_id()}")
     try:
