@@ -1,0 +1,822 @@
+"""Code that runs inside a sandboxed child, and the wire format it answers in.
+
+A child is forked by :mod:`services.worker._forkserver` (which has torch and triton
+imported already), enters the sandbox (:func:`enter_sandbox`), then runs one job:
+
+* ``probe``: nothing but the sandbox entry and a lazy import; :meth:`Verifier.start`
+  uses it to learn which isolation steps this machine permits.
+* ``reference``: the task's ``Model`` only (never candidate code). It reports the
+  input size (estimated on fake tensors before anything is allocated), then per seed
+  the output tensors and digests of the inputs before and after the call, and, when
+  asked, the eager timing of ``Model``.
+* ``candidate``: the task's ``get_inputs``/``get_init_inputs`` and the candidate's
+  ``ModelNew``; it reports per seed the raw output tensors, digests of the inputs
+  after the call (the parent compares them with the reference's: in-place
+  modification), aliasing facts, and, when asked, the candidate's timing.
+
+The child never decides pass or fail: the parent compares the raw tensors itself.
+
+Wire format (child -> parent, over a private socket the fork server hands the child,
+never stdout): frames of an 8-byte big-endian length followed by the payload. A
+payload is a msgpack-encoded :data:`Frame`; a :class:`Trial` is followed by one raw
+frame per output tensor holding its bytes (row-major, native byte order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import gc
+import hashlib
+import os
+import random
+import resource
+import signal
+import socket
+import statistics
+import struct
+import sys
+import time
+import traceback
+from typing import Any, Literal, NoReturn
+
+import msgspec
+import torch
+
+HEADER = struct.Struct("!Q")
+# A scratch allocation released when a MemoryError is handled, so that the error
+# report itself can still be built and sent.
+_EMERGENCY_BYTES = 4 << 20
+# Exception messages can be megabytes (tensor reprs); the coder needs the start.
+_MAX_MESSAGE_CHARS = 2000
+STDOUT_FILE = "stdout.txt"
+STDERR_FILE = "stderr.txt"
+
+# Variables whose names contain these substrings (case-insensitive), or start with
+# these prefixes, are removed from a child's environment before any job code runs.
+SECRET_SUBSTRINGS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
+SECRET_PREFIXES = ("AIKG_LLM_", "AIKG_NATS_", "NATS_")
+
+# Linux constants (include/uapi/linux/prctl.h, sched.h, capability.h).
+_PR_SET_PDEATHSIG = 1
+_PR_SET_KEEPCAPS = 8
+_PR_SET_NO_NEW_PRIVS = 38
+_PR_CAP_AMBIENT = 47
+_PR_CAP_AMBIENT_RAISE = 2
+_CLONE_NEWNET = 0x40000000
+_CAP_DAC_READ_SEARCH = 2
+_LINUX_CAPABILITY_VERSION_3 = 0x20080522
+
+
+# ---------------------------------------------------------------- wire records
+
+
+class ChildSpec(msgspec.Struct, kw_only=True):
+    """One job for a sandboxed child (parent -> fork server -> child).
+
+    Sizes are bytes, times seconds. ``env`` is set after the secret scrub;
+    ``address_space_bytes`` is added to the child's address-space size at entry
+    (None: no RLIMIT_AS). ``run_as`` is ``(uid, gid)`` to switch to when the fork
+    server runs as root (None: keep the current user).
+    """
+
+    role: Literal["probe", "reference", "candidate"]
+    scratch_dir: str
+    backend: str = "cpu"
+    env: dict[str, str] = {}
+    task_path: str = ""
+    candidate_path: str = ""
+    seeds: list[int] = []
+    shape_overrides: dict[str, Any] = {}
+    want_outputs: bool = True
+    profile: bool = False
+    input_limit_bytes: int | None = None
+    address_space_bytes: int | None = None
+    cpu_seconds: int = 600
+    file_size_bytes: int = 512 << 20
+    open_files: int = 1024
+    processes: int = 4096
+    run_as: tuple[int, int] | None = None
+    isolate_network: bool = True
+    warmup: int = 3
+    repeats: int = 20
+    flush_bytes: int = 256 << 20
+
+
+class Hello(msgspec.Struct, tag="hello"):
+    """The child entered its sandbox; ``notes`` lists isolation steps that failed."""
+
+    pid: int
+    uid: int
+    network_isolated: bool
+    address_space_bytes: int | None
+    notes: list[str]
+
+
+class Progress(msgspec.Struct, tag="progress"):
+    """The child started a phase (named in timeout messages)."""
+
+    phase: str
+
+
+class Sizes(msgspec.Struct, tag="sizes"):
+    """Total bytes of the task's ``get_inputs()`` tensors for the first seed.
+
+    ``estimated``: measured on fake tensors (nothing allocated). ``size_names``:
+    the task's module-level ints, for a shape_overrides suggestion.
+    """
+
+    input_bytes: int
+    estimated: bool
+    size_names: dict[str, int]
+
+
+class TensorMeta(msgspec.Struct):
+    """dtype (``torch.float32`` spelled ``float32``), shape, and byte count of one output."""
+
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+class Trial(msgspec.Struct, tag="trial"):
+    """One seed's run; the raw bytes of each output follow as separate frames.
+
+    ``inputs_before`` / ``inputs_after``: sha256 digests of each ``get_inputs()``
+    element before and after the forward call. ``aliasing``: human-readable facts
+    such as ``output 0 shares memory with input 0``.
+    """
+
+    index: int
+    seed: int
+    inputs_before: list[str]
+    inputs_after: list[str]
+    outputs: list[TensorMeta]
+    aliasing: list[str]
+
+
+class Timing(msgspec.Struct, tag="timing"):
+    """Device-event timings of the forward call, microseconds; ``wall_s`` the child's wall time."""
+
+    median_us: float
+    samples_us: list[float]
+    wall_s: float
+
+
+class Failure(msgspec.Struct, tag="failure"):
+    """The job failed at ``stage`` (a VerifyResult stage name)."""
+
+    stage: str
+    message: str
+    traceback: str = ""
+
+
+class Done(msgspec.Struct, tag="done"):
+    """All frames were sent."""
+
+
+Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Done
+
+_encoder = msgspec.msgpack.Encoder()
+FRAME_DECODER = msgspec.msgpack.Decoder(Frame)
+SPEC_DECODER = msgspec.msgpack.Decoder(ChildSpec)
+
+
+def encode_spec(spec: ChildSpec) -> bytes:
+    """msgpack bytes of ``spec`` (sent to the fork server)."""
+    return _encoder.encode(spec)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`.
+
+    Raises:
+        ValueError: ``name`` is not a torch dtype (the name comes from an untrusted child).
+    """
+    dtype = getattr(torch, name, None) if name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+class Channel:
+    """The child's end of the result socket (blocking writes)."""
+
+    def __init__(self, fd: int) -> None:
+        self.sock = socket.socket(fileno=fd)
+        self.sock.setblocking(True)
+
+    def send(self, frame: Any, raws: list[torch.Tensor] = ()) -> None:
+        payload = _encoder.encode(frame)
+        self.sock.sendall(HEADER.pack(len(payload)) + payload)
+        for t in raws:
+            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+            self.sock.sendall(HEADER.pack(len(data)))
+            if len(data):
+                self.sock.sendall(memoryview(data))
+
+
+# ---------------------------------------------------------------- sandbox entry
+
+
+def is_secret(name: str) -> bool:
+    """True for environment variable names a candidate must not see."""
+    upper = name.upper()
+    return any(s in upper for s in SECRET_SUBSTRINGS) or upper.startswith(SECRET_PREFIXES)
+
+
+def scrub_environment(environ: dict[str, str] | os._Environ) -> None:
+    """Remove secret-looking variables from ``environ`` in place (see :func:`is_secret`)."""
+    for name in [n for n in environ if is_secret(n)]:
+        del environ[name]
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _prctl(option: int, arg: int) -> None:
+    if _libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def _address_space() -> int:
+    """This process's virtual memory size, bytes (VmSize in /proc/self/status)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def _drop_privileges(uid: int, gid: int) -> None:
+    """Become ``uid``/``gid``, keeping only CAP_DAC_READ_SEARCH.
+
+    The capability lets the child read the Python installation wherever it lives
+    (here under /root, mode 0700) while it can no longer write outside its scratch
+    directory, signal the worker, or read another process's environment
+    (/proc/<pid>/environ needs ptrace rights over the target). ``no_new_privs``
+    stops set-uid programs from giving root back.
+    """
+    libc = _libc()
+    _prctl(_PR_SET_KEEPCAPS, 1)
+    os.setgroups([])
+    os.setresgid(gid, gid, gid)
+    os.setresuid(uid, uid, uid)
+    bit = 1 << _CAP_DAC_READ_SEARCH
+    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)(_CapData(bit, bit, bit), _CapData(0, 0, 0))
+    if libc.capset(ctypes.byref(header), data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"capset: {os.strerror(err)}")
+    # Ambient: tools the child execs (ptxas on cuda) can read the installation too.
+    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0)
+    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
+    _, hard = resource.getrlimit(which)
+    if hard != resource.RLIM_INFINITY:
+        value = min(value, hard - hard_extra)
+    resource.setrlimit(which, (value, value + hard_extra))
+
+
+def enter_sandbox(spec: ChildSpec) -> Hello:
+    """Isolate this (freshly forked) process before any task or candidate code runs.
+
+    Steps, in order: own session and process group (the parent kills the group);
+    die with the fork server; a private network namespace (loopback only, down)
+    when permitted; an environment without secrets plus ``spec.env`` (TRITON_CACHE_DIR,
+    CUDA_VISIBLE_DEVICES or TRITON_INTERPRET ...); chdir into the scratch directory;
+    stdout/stderr to files there, stdin from /dev/null; resource limits; finally the
+    switch to an unprivileged user. Steps the machine does not permit are recorded in
+    the returned :class:`Hello`'s ``notes`` and skipped.
+
+    Returns:
+        The Hello frame to send.
+    """
+    notes: list[str] = []
+    os.setsid()
+    server = os.getppid()
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server:
+        os._exit(1)
+
+    network_isolated = False
+    if spec.isolate_network:
+        if _libc().unshare(_CLONE_NEWNET) == 0:
+            network_isolated = True
+        else:
+            notes.append(f"network not isolated: unshare(CLONE_NEWNET) failed: "
+                         f"{os.strerror(ctypes.get_errno())}")
+
+    scrub_environment(os.environ)
+    for name, value in spec.env.items():
+        os.environ[name] = value
+    os.environ["HOME"] = spec.scratch_dir
+    os.environ["TMPDIR"] = spec.scratch_dir
+    os.chdir(spec.scratch_dir)
+
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    for fd, name in ((1, STDOUT_FILE), (2, STDERR_FILE)):
+        target = os.open(name, flags, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+    address_space = None
+    _set_limit(resource.RLIMIT_CORE, 0)
+    # Soft below hard: SIGXCPU (named in the crash message) before SIGKILL.
+    _set_limit(resource.RLIMIT_CPU, spec.cpu_seconds, hard_extra=1)
+    _set_limit(resource.RLIMIT_FSIZE, spec.file_size_bytes)
+    _set_limit(resource.RLIMIT_NOFILE, spec.open_files)
+    if spec.address_space_bytes is not None:
+        address_space = _address_space() + spec.address_space_bytes
+        _set_limit(resource.RLIMIT_AS, address_space)
+
+    if spec.run_as is not None and os.geteuid() == 0:
+        _set_limit(resource.RLIMIT_NPROC, spec.processes)
+        _drop_privileges(*spec.run_as)
+    os.umask(0o077)
+    return Hello(pid=os.getpid(), uid=os.getuid(), network_isolated=network_isolated,
+                 address_space_bytes=address_space, notes=notes)
+
+
+# ---------------------------------------------------------------- job helpers
+
+
+class JobFailure(Exception):
+    """Stop the job and report ``failure``."""
+
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+def _load_module(name: str, path: str) -> Any:
+    """Import the file at ``path`` as module ``name`` (Triton reads kernel source from it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _location(exc: BaseException, path: str) -> str:
+    """``candidate.py line 12``: the innermost traceback frame in ``path``, or ''."""
+    line = None
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f"{os.path.basename(path)} line {line}" if line else ""
+
+
+_reserve: list[bytearray] = []
+
+
+def _failure(stage: str, what: str, exc: BaseException, path: str = "") -> Failure:
+    if isinstance(exc, MemoryError):
+        _reserve.clear()
+        gc.collect()
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if len(text) > _MAX_MESSAGE_CHARS:
+        text = text[:_MAX_MESSAGE_CHARS] + " ..."
+    where = _location(exc, path) if path else ""
+    message = f"{what} raised {text}" + (f" ({where})" if where else "")
+    if isinstance(exc, MemoryError):
+        message += " (the sandbox's address-space limit was reached; allocate less memory)"
+    tb = "".join(traceback.format_exception(exc))
+    return Failure(stage=stage, message=message, traceback=tb)
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    with contextlib.suppress(ImportError):
+        import numpy
+
+        numpy.random.seed(seed % (1 << 32))
+
+
+def _tensors(values: Any) -> list[torch.Tensor]:
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _nbytes(values: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(values))
+
+
+def _digest(value: Any) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (or of a non-tensor's repr)."""
+    h = hashlib.sha256()
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu").contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    else:
+        h.update(repr(value).encode())
+    return h.hexdigest()
+
+
+def _to_device(values: list[Any], device: torch.device) -> list[Any]:
+    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _outputs(result: Any, who: str) -> list[torch.Tensor]:
+    """Normalise a forward result to a list of tensors.
+
+    Raises:
+        JobFailure: (stage ``mismatch``) the result holds something that is not a
+            tensor or a number.
+    """
+    items = list(result) if isinstance(result, (tuple, list)) else [result]
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, (bool, int, float, complex)):
+            out.append(torch.as_tensor(item))
+        else:
+            raise JobFailure(Failure(
+                stage="mismatch",
+                message=f"{who} returned a {type(item).__name__} as output {i}; "
+                        "expected a tensor or a tuple of tensors"))
+    return out
+
+
+def _span(t: torch.Tensor) -> tuple[int, int] | None:
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    start = storage.data_ptr()
+    return start, start + storage.nbytes()
+
+
+def _aliasing(outputs: list[torch.Tensor], args: list[Any]) -> list[str]:
+    """Facts about outputs sharing memory with inputs or with each other."""
+    facts = []
+    out_spans = [_span(t) for t in outputs]
+    in_spans = [_span(a) if isinstance(a, torch.Tensor) else None for a in args]
+    for i, o in enumerate(out_spans):
+        if o is None:
+            continue
+        for j, s in enumerate(in_spans):
+            if s is not None and o[0] < s[1] and s[0] < o[1]:
+                facts.append(f"output {i} shares memory with input {j}")
+        for k in range(i):
+            p = out_spans[k]
+            if p is not None and o[0] < p[1] and p[0] < o[1]:
+                facts.append(f"output {i} shares memory with output {k}")
+    return facts
+
+
+def _accelerator(backend: str) -> Any:
+    """The torch device module (``torch.cuda``, ``torch.npu``) or None on cpu."""
+    if backend == "cuda":
+        return torch.cuda
+    if backend == "ascend":
+        return getattr(torch, "npu", None)
+    return None
+
+
+def _device(backend: str) -> torch.device:
+    # One visible device (CUDA_VISIBLE_DEVICES / ASCEND_RT_VISIBLE_DEVICES), so index 0.
+    return torch.device({"cuda": "cuda:0", "ascend": "npu:0"}.get(backend, "cpu"))
+
+
+def _synchronize(backend: str) -> None:
+    accel = _accelerator(backend)
+    if accel is not None:
+        accel.synchronize()
+
+
+def _time_forward(model: Any, args: list[Any], spec: ChildSpec) -> Timing:
+    """Median device-event time of ``model(*args)``, microseconds.
+
+    ``spec.warmup`` untimed calls first; before each of ``spec.repeats`` timed calls a
+    ``spec.flush_bytes`` buffer is overwritten so the call starts with a cold L2
+    (H100/H200 L2 is 50-60 MiB; 256 MiB is well above it).
+    """
+    accel = _accelerator(spec.backend)
+    flush = torch.empty(spec.flush_bytes, dtype=torch.uint8, device=_device(spec.backend))
+    start_wall = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(spec.warmup):
+            model(*args)
+        accel.synchronize()
+        samples = []
+        for _ in range(spec.repeats):
+            flush.fill_(0)
+            begin = accel.Event(enable_timing=True)
+            end = accel.Event(enable_timing=True)
+            begin.record()
+            model(*args)
+            end.record()
+            end.synchronize()
+            samples.append(begin.elapsed_time(end) * 1000.0)
+    return Timing(median_us=statistics.median(samples), samples_us=samples,
+                  wall_s=time.perf_counter() - start_wall)
+
+
+def _input_size(task: Any, seed: int) -> Sizes:
+    """Input bytes for ``seed``, on fake tensors when the task allows it."""
+    names = {k: v for k, v in vars(task).items()
+             if type(v) is int and not k.startswith("_") and v > 1}
+    try:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            _seed(seed)
+            inputs = list(task.get_inputs())
+            return Sizes(input_bytes=_nbytes(inputs), estimated=True, size_names=names)
+    except Exception:
+        _seed(seed)
+        inputs = list(task.get_inputs())
+        return Sizes(input_bytes=_nbytes(inputs), estimated=False, size_names=names)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The kernel's own exception inside the interpreter's InterpreterError wrapper."""
+    from triton.runtime.errors import InterpreterError
+
+    while isinstance(exc, InterpreterError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return exc
+
+
+def _kernel_frame(exc: BaseException, kernels: set[str], path: str) -> str | None:
+    """Name of the innermost kernel whose frame (in ``path``) is in ``exc``'s traceback.
+
+    Matched by name: the interpreter runs a rewritten copy of the kernel's code.
+    """
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_filename == path and code.co_name in kernels:
+            found = code.co_name
+        tb = tb.tb_next
+    return found
+
+
+def _candidate_failure(what: str, exc: BaseException, kernels: set[str], path: str) -> Failure:
+    """Classify an exception from candidate code as ``compile`` or ``runtime``.
+
+    On a GPU Triton raises ``CompilationError`` for a kernel that does not type-check
+    (unknown ``tl`` function, bad shapes). The interpreter runs the kernel body as
+    Python, so the same mistakes surface as AttributeError, NameError, TypeError or
+    ValueError raised inside a kernel's frame (wrapped in InterpreterError); those
+    count as compile errors too, reported at the kernel's line.
+    """
+    from triton.compiler.errors import CompilationError
+
+    inner = _unwrap(exc)
+    kernel = _kernel_frame(inner, kernels, path)
+    if isinstance(inner, CompilationError) or (
+            kernel is not None and isinstance(
+                inner, (AttributeError, NameError, TypeError, ValueError, AssertionError))):
+        name = f" {kernel}" if kernel is not None else ""
+        failure = _failure("compile", f"compiling the Triton kernel{name}", inner, path)
+    else:
+        failure = _failure("runtime", what, inner, path)
+    failure.traceback = "".join(traceback.format_exception(exc))
+    return failure
+
+
+def _kernel_names(module: Any) -> set[str]:
+    """Function names of the module's Triton kernels (jit, interpreted, autotuned)."""
+    names = set()
+    for value in vars(module).values():
+        fn = value
+        for _ in range(4):
+            inner = getattr(fn, "fn", None)
+            if inner is None:
+                break
+            fn = inner
+        name = getattr(fn, "__name__", None)
+        if name is not None and fn is not value and callable(fn):
+            names.add(name)
+    return names
+
+
+# ---------------------------------------------------------------- jobs
+
+
+def _run_reference(spec: ChildSpec, channel: Channel, task: Any) -> None:
+    device = _device(spec.backend)
+    if spec.backend == "cuda":
+        # An fp32 reference must be fp32-accurate; TF32 would blur the comparison.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    if spec.want_outputs:
+        channel.send(Progress(phase="measuring task inputs"))
+        sizes = _input_size(task, spec.seeds[0])
+        channel.send(sizes)
+        if spec.input_limit_bytes is not None and sizes.input_bytes > spec.input_limit_bytes:
+            return
+    model = args = None
+    for index, seed in enumerate(spec.seeds):
+        channel.send(Progress(phase=f"reference trial {index} (seed {seed})"))
+        try:
+            _seed(seed)
+            init = _to_device(list(task.get_init_inputs()), device)
+            _seed(seed)
+            model = task.Model(*init)
+            if isinstance(model, torch.nn.Module):
+                model = model.to(device)
+            _seed(seed)
+            inputs = list(task.get_inputs())
+            before = [_digest(x) for x in inputs]
+            args = _to_device(inputs, device)
+            with torch.no_grad():
+                outputs = _outputs(model(*args), "Model.forward")
+            _synchronize(spec.backend)
+        except JobFailure as exc:
+            exc.failure.stage = "infrastructure"
+            raise
+        except Exception as exc:
+            raise JobFailure(_failure("infrastructure", "the task's Model", exc,
+                                      spec.task_path)) from None
+        if spec.want_outputs:
+            aliasing = _aliasing(outputs, args)
+            outputs = [o.detach().to("cpu").contiguous() for o in outputs]
+            channel.send(Trial(index=index, seed=seed, inputs_before=before,
+                               inputs_after=[_digest(x) for x in args],
+                               outputs=[_meta(o) for o in outputs], aliasing=aliasing), outputs)
+        del outputs
+    if spec.profile:
+        channel.send(Progress(phase="profiling"))
+        channel.send(_time_forward(model, args, spec))
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+                      nbytes=t.numel() * t.element_size())
+
+
+def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
+    device = _device(spec.backend)
+    path = spec.candidate_path
+    channel.send(Progress(phase="importing the candidate"))
+    try:
+        candidate = _load_module("aikg_candidate", path)
+    except Exception as exc:
+        raise JobFailure(_failure("compile", "importing the candidate", exc, path)) from None
+    model_cls = getattr(candidate, "ModelNew", None)
+    if model_cls is None:
+        raise JobFailure(Failure(stage="static", message="class ModelNew is not defined"))
+    kernels = _kernel_names(candidate)
+    model = args = None
+    for index, seed in enumerate(spec.seeds):
+        phase = f"trial {index} (seed {seed})"
+        channel.send(Progress(phase=f"{phase}: ModelNew(*get_init_inputs())"))
+        try:
+            _seed(seed)
+            init = _to_device(list(task.get_init_inputs()), device)
+            _seed(seed)
+            model = model_cls(*init)
+            if isinstance(model, torch.nn.Module):
+                model = model.to(device)
+        except Exception as exc:
+            raise JobFailure(_candidate_failure("ModelNew(*get_init_inputs())", exc, kernels,
+                                                path)) from None
+        try:
+            _seed(seed)
+            inputs = list(task.get_inputs())
+            before = [_digest(x) for x in inputs]
+            args = [x.clone() if isinstance(x, torch.Tensor) else x
+                    for x in _to_device(inputs, device)]
+            del inputs
+        except Exception as exc:
+            raise JobFailure(_failure("infrastructure", "the task's get_inputs()", exc,
+                                      spec.task_path)) from None
+        channel.send(Progress(phase=f"{phase}: ModelNew.forward"))
+        try:
+            with torch.no_grad():
+                result = model(*args)
+            _synchronize(spec.backend)
+        except Exception as exc:
+            raise JobFailure(_candidate_failure("ModelNew.forward", exc, kernels, path)) from None
+        outputs = _outputs(result, "ModelNew.forward")
+        del result
+        aliasing = _aliasing(outputs, args)
+        after = [_digest(x) for x in args]
+        outputs = [o.detach().to("cpu").contiguous() for o in outputs]
+        channel.send(Trial(index=index, seed=seed, inputs_before=before, inputs_after=after,
+                           outputs=[_meta(o) for o in outputs], aliasing=aliasing), outputs)
+        del outputs
+    if spec.profile:
+        channel.send(Progress(phase="profiling"))
+        try:
+            channel.send(_time_forward(model, args, spec))
+        except Exception as exc:
+            raise JobFailure(_candidate_failure("timing ModelNew.forward", exc, kernels,
+                                                path)) from None
+
+
+def _run_probe(spec: ChildSpec, channel: Channel) -> None:
+    # After the user switch the Python installation must still be readable (lazy
+    # imports) and the scratch directory writable.
+    with open(os.__file__, "rb") as f:
+        f.read(1)
+    with open("probe.txt", "w") as f:
+        f.write("ok")
+    if spec.backend == "cuda" and not torch.cuda.is_available():
+        raise JobFailure(Failure(stage="infrastructure",
+                                 message="no CUDA device is usable inside the sandbox"))
+
+
+def _run(spec: ChildSpec, channel: Channel) -> None:
+    if spec.backend == "cpu":
+        import triton
+
+        triton.knobs.runtime.interpret = True
+    elif spec.backend == "ascend":
+        # Registers torch.npu; imported here, after ASCEND_RT_VISIBLE_DEVICES is set,
+        # never in the fork server (it would initialise the device runtime before fork).
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise JobFailure(_failure("infrastructure", "importing torch_npu", exc)) from None
+    if spec.role == "probe":
+        _run_probe(spec, channel)
+        return
+    channel.send(Progress(phase="loading the task"))
+    try:
+        task = _load_module("aikg_task", spec.task_path)
+    except Exception as exc:
+        raise JobFailure(_failure("infrastructure", "loading the task", exc,
+                                  spec.task_path)) from None
+    missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(task, n)]
+    if missing:
+        raise JobFailure(Failure(stage="infrastructure",
+                                 message=f"the task does not define {', '.join(missing)}"))
+    unknown = [n for n in spec.shape_overrides if not hasattr(task, n)]
+    if unknown:
+        raise JobFailure(Failure(
+            stage="infrastructure",
+            message=f"shape_overrides name {', '.join(sorted(unknown))}, which the task "
+                    "does not define; use its module-level size names"))
+    for name, value in spec.shape_overrides.items():
+        setattr(task, name, value)
+    if spec.role == "reference":
+        _run_reference(spec, channel, task)
+    else:
+        _run_candidate(spec, channel, task)
+
+
+def main(spec: ChildSpec, result_fd: int) -> NoReturn:
+    """Run one job in this freshly forked process and exit; never returns.
+
+    Every outcome is a frame on ``result_fd``: a Failure (with the stage) or Done.
+    A process that dies without either (signal, ``os._exit``) is a crash; the
+    parent learns how from the fork server's wait status.
+    """
+    channel = Channel(result_fd)
+    try:
+        hello = enter_sandbox(spec)
+    except BaseException as exc:
+        channel.send(_failure("infrastructure", "entering the sandbox", exc))
+        os._exit(0)
+    _reserve.append(bytearray(_EMERGENCY_BYTES))
+    try:
+        channel.send(hello)
+        _run(spec, channel)
+        frame: Any = Done()
+    except JobFailure as exc:
+        frame = exc.failure
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from candidate code too
+        frame = _failure("runtime", "the job", exc, spec.candidate_path)
+    with contextlib.suppress(BaseException):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    with contextlib.suppress(BaseException):
+        channel.send(frame)
+    os._exit(0)

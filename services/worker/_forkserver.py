@@ -1,0 +1,169 @@
+"""The warm fork server: ``python -m services.worker._forkserver <control fd>``.
+
+Started by :class:`services.worker.sandbox.SandboxPool` as a fresh interpreter (so
+nothing of the worker's state, threads or CUDA context is inherited). It imports
+torch and triton once, then forks one child per job; a forked child starts in
+milliseconds with everything imported.
+
+Protocol on the control socket (AF_UNIX, SOCK_SEQPACKET, one message per job): the
+payload is a msgpack :class:`~services.worker._child.ChildSpec` and the message
+carries two file descriptors (SCM_RIGHTS): the child's result socket and a status
+socket. On the status socket the server writes the child's pid (8 bytes, signed,
+big-endian) right after the fork, then its raw wait status (same encoding) once it
+has been reaped, and closes it.
+
+The server is a child subreaper: processes a candidate forks and orphans are
+re-parented here and killed. When a child is reaped its whole process group is
+killed too. When the control socket closes (the worker exited or closed the pool),
+every child's group is killed and the server exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+
+_PID = struct.Struct("!q")
+_PR_SET_CHILD_SUBREAPER = 36
+READY = b"ready"
+
+
+def _preload() -> None:
+    """Import what every child needs, so a fork starts warm.
+
+    Only imports: no tensor is created here, so no OpenMP or CUDA state exists to be
+    broken by the fork. Saves ~1.8 s (torch, triton) per child, and ~1.6 s more per
+    reference child (the input-size estimate on fake tensors needs torch._dynamo).
+    """
+    import numpy  # noqa: F401
+    import sympy  # noqa: F401
+    import torch  # noqa: F401
+    import torch._dynamo  # noqa: F401  (FakeTensorMode's first use imports it: 1.6 s)
+    import torch._subclasses.fake_tensor  # noqa: F401
+    import triton  # noqa: F401
+    import triton.compiler.errors  # noqa: F401
+    import triton.language  # noqa: F401
+    import triton.runtime.interpreter  # noqa: F401
+
+    import services.worker._child  # noqa: F401
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _kill_orphans(me: int, children: dict[int, socket.socket]) -> None:
+    """SIGKILL processes re-parented to this subreaper (a candidate's escaped descendants)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in children:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == me:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry), signal.SIGKILL)
+
+
+def serve(control: socket.socket) -> None:
+    """Fork a child per control message until the control socket closes."""
+    from services.worker import _child
+
+    me = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, socket.socket] = {}
+    selector = selectors.DefaultSelector()
+    selector.register(control, selectors.EVENT_READ)
+    selector.register(wake_r, selectors.EVENT_READ)
+    control.sendall(READY)
+
+    def reap() -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            _kill_group(pid)
+            status_sock = children.pop(pid, None)
+            if status_sock is not None:
+                with contextlib.suppress(OSError):
+                    status_sock.sendall(_PID.pack(status))
+                status_sock.close()
+            _kill_orphans(me, children)
+
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(wake_r, 4096):
+                        pass
+                reap()
+                continue
+            try:
+                message, fds, _, _ = socket.recv_fds(control, 1 << 20, 2)
+            except InterruptedError:
+                continue
+            except OSError:
+                message, fds = b"", []
+            if not message:
+                for pid in list(children):
+                    _kill_group(pid)
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, signal.SIGKILL)
+                _kill_orphans(me, {})
+                return
+            if len(fds) != 2:
+                for fd in fds:
+                    os.close(fd)
+                continue
+            result_fd, status_fd = fds
+            spec = _child.SPEC_DECODER.decode(message)
+            pid = os.fork()
+            if pid == 0:
+                # The child keeps only its result socket (and stdio).
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                selector.close()
+                control.close()
+                os.close(wake_r)
+                os.close(wake_w)
+                os.close(status_fd)
+                for other in children.values():
+                    other.close()
+                _child.main(spec, result_fd)
+            os.close(result_fd)
+            status_sock = socket.socket(fileno=status_fd)
+            status_sock.setblocking(True)
+            with contextlib.suppress(OSError):
+                status_sock.sendall(_PID.pack(pid))
+            children[pid] = status_sock
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(sys.argv[1]))
+    control.setblocking(True)
+    _preload()
+    serve(control)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Tolerances and the numerical comparison of candidate outputs with reference outputs.
+
+Pure functions on CPU tensors; they run in the worker (the parent), on tensors the
+sandboxed children sent, so a candidate cannot influence the verdict except through
+the values it computed.
+
+Tolerances (``|got - expected| <= atol + rtol * |expected|``, the rule of
+``torch.isclose`` / ``torch.testing.assert_close``), per dtype of the expected output:
+
+===============  ============  ============  ============================================
+dtype            atol          rtol          why
+===============  ============  ============  ============================================
+float64          1e-7          1e-7          torch.testing's defaults (rtol 1e-7,
+                                             atol 1e-7).
+float32          1e-4          1e-4          torch.testing's rtol 1.3e-6 / atol 1e-5
+                                             fails honest kernels that sum in another
+                                             order; KernelBench's 1e-2 passes kernels
+                                             that drop a small term. 1e-4 is ~840 ulp of 1.0.
+float32 (GPU)    5e-3          5e-3          Triton's ``tl.dot`` on fp32 inputs uses TF32
+                                             (10-bit mantissa) unless the kernel asks for
+                                             ``input_precision="ieee"``; PyTorch's tests
+                                             check TF32 matmuls at 5e-3
+                                             (``@tf32_on_and_off(0.005)``, torch/testing/
+                                             _internal/common_cuda.py). cuda and ascend.
+float16          1e-2          1e-2          10-bit mantissa (unit roundoff 4.9e-4) and
+                                             accumulation in another order;
+                                             torch.testing: rtol 1e-3, atol 1e-5.
+bfloat16         2e-2          2e-2          7-bit mantissa (unit roundoff 3.9e-3);
+                                             torch.testing: rtol 1.6e-2, atol 1e-5.
+float8_e4m3*     1.25e-1       1.25e-1       3-bit mantissa (unit roundoff 6.25e-2).
+float8_e5m2*     2.5e-1        2.5e-1        2-bit mantissa (unit roundoff 1.25e-1).
+complex          as its real dtype, on the real and imaginary parts.
+integer, bool    0             0             exact.
+===============  ============  ============  ============================================
+
+NaN must be NaN where the reference is NaN (and only there); +-Inf must match exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+_FLOAT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-7),
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+_GPU_FLOAT32 = (5e-3, 5e-3)
+_MAX_INDICES = 5
+# Elements scanned per step when looking for the first mismatching indices.
+_SCAN_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance (unitless, in the output's values)."""
+
+    atol: float
+    rtol: float
+
+
+def tolerance_for(dtype: torch.dtype, backend: str = "cpu") -> Tolerance:
+    """The tolerance for an expected output of ``dtype`` on ``backend`` (table in the module doc)."""
+    if dtype.is_complex:
+        dtype = {torch.complex128: torch.float64, torch.complex64: torch.float32,
+                 torch.complex32: torch.float16}.get(dtype, torch.float32)
+    if dtype == torch.float32 and backend != "cpu":
+        return Tolerance(*_GPU_FLOAT32)
+    if dtype in _FLOAT_TOLERANCES:
+        return Tolerance(*_FLOAT_TOLERANCES[dtype])
+    if dtype.is_floating_point:
+        name = str(dtype)
+        if "e4m3" in name:
+            return Tolerance(0.125, 0.125)
+        if "e5m2" in name:
+            return Tolerance(0.25, 0.25)
+        return Tolerance(*_FLOAT_TOLERANCES[torch.float32])
+    return Tolerance(0.0, 0.0)
+
+
+def format_tolerance(value: float) -> str:
+    """``1e-4``, ``2e-2``, ``1.25e-1``, ``0``: short, exact for the table's values."""
+    if value == 0:
+        return "0"
+    mantissa, exponent = f"{value:.3e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def _format_shape(shape: tuple[int, ...] | list[int]) -> str:
+    return str(tuple(shape))
+
+
+def _format_value(value: float | complex | bool) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+@dataclass
+class OutputComparison:
+    """How one output compares with its reference.
+
+    ``mismatch_indices`` are the first (row-major) mismatching indices, at most 5.
+    ``max_abs_error`` / ``max_rel_error`` are over elements finite in both (None if
+    there are none); the relative error is over elements whose expected value is
+    non-zero.
+    """
+
+    index: int
+    tolerance: Tolerance
+    passed: bool
+    message: str = ""
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    mismatch_count: int = 0
+    mismatch_indices: list[list[int]] = field(default_factory=list)
+
+
+def check_meta(index: int, expected_shape: list[int] | tuple[int, ...],
+               expected_dtype: torch.dtype, shape: list[int] | tuple[int, ...],
+               dtype: torch.dtype) -> str | None:
+    """A message when output ``index``'s shape or dtype differ from the reference, else None.
+
+    Example: ``output 0 has shape (16, 4096) and dtype float32; expected (16, 4096)
+    and float64``.
+    """
+    if list(expected_shape) == list(shape) and expected_dtype == dtype:
+        return None
+    name = str(dtype).removeprefix("torch.")
+    expected_name = str(expected_dtype).removeprefix("torch.")
+    return (f"output {index} has shape {_format_shape(shape)} and dtype {name}; "
+            f"expected {_format_shape(expected_shape)} and {expected_name}")
+
+
+def _first_indices(bad: torch.Tensor, shape: tuple[int, ...], limit: int) -> list[list[int]]:
+    flat = bad.reshape(-1)
+    found: list[int] = []
+    for start in range(0, flat.numel(), _SCAN_CHUNK):
+        hits = flat[start:start + _SCAN_CHUNK].nonzero().flatten()[: limit - len(found)]
+        found.extend(int(h) + start for h in hits)
+        if len(found) >= limit:
+            break
+    return [_unravel(i, shape) for i in found]
+
+
+def _unravel(flat_index: int, shape: tuple[int, ...]) -> list[int]:
+    index = []
+    for dim in reversed(shape):
+        index.append(flat_index % dim)
+        flat_index //= dim
+    return index[::-1]
+
+
+def _as_real(t: torch.Tensor) -> torch.Tensor:
+    """float64 view for comparison; complex tensors gain a trailing (real, imag) dim."""
+    if t.dtype.is_complex:
+        return torch.view_as_real(t.to(torch.complex128))
+    return t.to(torch.float64)
+
+
+def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
+                   backend: str = "cpu") -> OutputComparison:
+    """Compare output ``index`` of the candidate with the reference's.
+
+    Args:
+        index: position of the output in the forward result (for messages).
+        expected: reference output (CPU).
+        got: candidate output (CPU).
+        backend: selects the float32 tolerance (see the module doc).
+
+    Returns:
+        The comparison; on failure ``message`` reads e.g. ``output 0: 1234 of 65536
+        elements differ beyond atol=1e-4 rtol=1e-4; max abs error 0.53 at [3, 17]
+        (expected 0.12, got 0.65)``.
+    """
+    tol = tolerance_for(expected.dtype, backend)
+    meta = check_meta(index, expected.shape, expected.dtype, got.shape, got.dtype)
+    if meta is not None:
+        return OutputComparison(index=index, tolerance=tol, passed=False, message=meta)
+    shape = tuple(expected.shape)
+    total = expected.numel()
+    if total == 0:
+        return OutputComparison(index=index, tolerance=tol, passed=True)
+
+    exact = not (expected.dtype.is_floating_point or expected.dtype.is_complex)
+    if exact:
+        bad = got != expected
+        e = expected.to(torch.float64) if expected.dtype != torch.bool else expected.double()
+        g = got.to(torch.float64) if got.dtype != torch.bool else got.double()
+    else:
+        e, g = _as_real(expected), _as_real(got)
+        close = torch.isclose(g, e, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
+        if expected.dtype.is_complex:
+            close = close.all(dim=-1)
+        bad = ~close
+    if expected.dtype.is_complex:
+        # Errors per complex element: the larger of the two parts.
+        finite = torch.isfinite(e).all(dim=-1) & torch.isfinite(g).all(dim=-1)
+        diff = (g - e).abs().amax(dim=-1)
+        magnitude = e.abs().amax(dim=-1)
+    else:
+        finite = torch.isfinite(e) & torch.isfinite(g)
+        diff = (g - e).abs()
+        magnitude = e.abs()
+    diff = torch.where(finite, diff, torch.zeros((), dtype=diff.dtype))
+    nonzero = finite & (magnitude > 0)
+    rel = torch.where(nonzero, diff / torch.where(nonzero, magnitude, torch.ones(())),
+                      torch.zeros((), dtype=diff.dtype))
+    max_abs = float(diff.max()) if bool(finite.any()) else None
+    max_rel = float(rel.max()) if bool(nonzero.any()) else None
+    count = int(bad.sum())
+    result = OutputComparison(index=index, tolerance=tol, passed=count == 0,
+                              max_abs_error=max_abs, max_rel_error=max_rel,
+                              mismatch_count=count)
+    if count == 0:
+        return result
+
+    result.mismatch_indices = _first_indices(bad, shape, _MAX_INDICES)
+    # Point at the worst mismatch: the largest finite error among the mismatching
+    # elements, or else the first non-finite disagreement.
+    bad_finite = bad & finite
+    if bool(bad_finite.any()):
+        flat = int(torch.where(bad_finite, diff, torch.full((), -1.0, dtype=diff.dtype))
+                   .reshape(-1).argmax())
+        worst = f"max abs error {_format_value(float(diff.reshape(-1)[flat]))}"
+    else:
+        flat = int(bad.reshape(-1).to(torch.uint8).argmax())
+        worst = "NaN/Inf positions differ"
+    at = _unravel(flat, shape)
+    want = expected.reshape(-1)[flat].item()
+    have = got.reshape(-1)[flat].item()
+    rule = ("exactly" if exact else
+            f"beyond atol={format_tolerance(tol.atol)} rtol={format_tolerance(tol.rtol)}")
+    result.message = (f"output {index}: {count} of {total} elements differ {rule}; "
+                      f"{worst} at {at} (expected {_format_value(want)}, "
+                      f"got {_format_value(have)})")
+    return result
+
+
+@dataclass
+class Comparison:
+    """All outputs of one trial compared; ``message`` is the first failing output's."""
+
+    passed: bool
+    outputs: list[OutputComparison]
+    message: str = ""
+
+    @property
+    def first_failure(self) -> OutputComparison | None:
+        return next((o for o in self.outputs if not o.passed), None)
+
+    @property
+    def max_abs_error(self) -> float | None:
+        return _max(o.max_abs_error for o in self.outputs)
+
+    @property
+    def max_rel_error(self) -> float | None:
+        return _max(o.max_rel_error for o in self.outputs)
+
+
+def _max(values) -> float | None:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return max(present) if present else None
+
+
+def compare_outputs(expected: list[torch.Tensor], got: list[torch.Tensor],
+                    backend: str = "cpu") -> Comparison:
+    """Compare every output of one trial (see :func:`compare_output`).
+
+    A different number of outputs fails with ``ModelNew.forward returned 2 outputs;
+    expected 1``.
+    """
+    if len(expected) != len(got):
+        return Comparison(passed=False, outputs=[],
+                          message=f"ModelNew.forward returned {len(got)} output"
+                                  f"{'s' if len(got) != 1 else ''}; expected {len(expected)}")
+    outputs = [compare_output(i, e, g, backend) for i, (e, g) in enumerate(zip(expected, got, strict=True))]
+    failed = next((o for o in outputs if not o.passed), None)
+    return Comparison(passed=failed is None, outputs=outputs,
+                      message=failed.message if failed else "")

@@ -1,0 +1,765 @@
+"""Verify candidate kernels against the task's PyTorch reference: the worker's core.
+
+:class:`Verifier` takes a :class:`~schemas.events.VerifyRequest` and returns a
+:class:`~schemas.events.VerifyResult`; it knows nothing of NATS. One verification:
+
+1. Static checks of the candidate's source (:mod:`services.worker.static_check`);
+   a syntax error is stage ``compile``, any other finding stage ``static``.
+2. Reference outputs, from a sandboxed child that runs only the task's ``Model``,
+   cached per (task source sha256, seed, shape_overrides). Before allocating, that
+   child measures the task's inputs on fake tensors; inputs above
+   ``memory_limit_bytes`` fail as ``infrastructure`` with a shape_overrides hint.
+3. The candidate, in its own sandboxed child, for ``request.trials`` seeds
+   (``1000 + i``): for each seed ``torch.manual_seed(seed)`` before
+   ``get_init_inputs()`` and again before constructing ``ModelNew``, and again before
+   ``get_inputs()``; the candidate runs on clones of the inputs. The child sends the
+   raw outputs; this process compares them with the reference (tolerances in
+   :mod:`services.worker.correctness`), checks the inputs were not modified (sha256
+   before/after, against the reference's) and that outputs do not share memory with
+   inputs or each other.
+4. ``mode="profile"`` on a GPU backend: the candidate child times ``ModelNew`` and a
+   reference child times ``Model`` (cached per task, arch and shapes) on the same
+   device: warm-up, L2 flush, device events, median of repeats. A child's reported
+   total time must fit in the wall time this process observed. On ``cpu`` Triton
+   runs in its interpreter: the result says ``interpreted=True`` and carries no
+   timings.
+
+Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
+but ``error`` starts with ``flagged:`` so a human or the generator can review the
+candidate before trusting the speedup: a kernel that is 50x faster than eager
+PyTorch usually skips work or games the timer.
+
+Sandbox (see :mod:`services.worker.sandbox`, :func:`services.worker._child.enter_sandbox`):
+own process group killed at the end, RLIMIT_CPU/FSIZE/NOFILE/CORE (and RLIMIT_AS on
+cpu), scratch directory, no secrets in the environment, own Triton cache per
+device, one visible device, a private network namespace and an unprivileged user
+where the machine permits (probed by :meth:`Verifier.start`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+import pwd
+import re
+import shutil
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from schemas.events import VerifyRequest, VerifyResult
+from services.worker import _child
+from services.worker._child import ChildSpec
+from services.worker.correctness import check_meta, compare_outputs, tolerance_for
+from services.worker.sandbox import (
+    ChildRun,
+    PoolBroken,
+    ProtocolError,
+    SandboxPool,
+    describe_exit,
+)
+from services.worker.static_check import check_candidate
+
+log = structlog.get_logger("aikg.worker.verifier")
+
+SEED_BASE = 1000
+# Reference outputs kept in this process: entries and total bytes (LRU).
+REFERENCE_CACHE_ENTRIES = 64
+REFERENCE_CACHE_BYTES = 1 << 30
+# Candidate address space beyond the forked child's own, as a multiple of its task's
+# input + output bytes, plus slack for libraries. An interpreted elementwise kernel
+# on 128 MiB of inputs + outputs grew the address space by 1.6x that (the inputs'
+# clones); 8x leaves room for kernels with large temporaries.
+_ADDRESS_SPACE_SLACK = 2 << 30
+_ADDRESS_SPACE_FACTOR = 8
+_PROBE_TIMEOUT_S = 120.0
+_EXIT_WAIT_S = 5.0
+# A child's reported timing total may exceed the wall time seen here by this much
+# (clock granularity, frame latency) before it counts as inconsistent.
+_TIMING_SLACK = 1.05
+_TIMING_SLACK_US = 2000.0
+_STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure"}
+
+
+class _Verdict(Exception):
+    """Stop verifying; the keyword fields go into the VerifyResult."""
+
+    def __init__(self, stage: str, error: str, **fields: Any) -> None:
+        super().__init__(error)
+        self.fields = {"passed": False, "stage": stage, "error": error, **fields}
+
+
+@dataclass
+class _Reference:
+    """The reference run for one seed (outputs on CPU)."""
+
+    seed: int
+    outputs: list[torch.Tensor]
+    inputs_before: list[str]
+    inputs_after: list[str]
+    aliasing: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.outputs)
+
+
+@dataclass
+class _LRU:
+    """Bounded map (entries and bytes) of reference runs, least recently used out first."""
+
+    max_entries: int
+    max_bytes: int
+    items: OrderedDict[Any, _Reference] = field(default_factory=OrderedDict)
+    nbytes: int = 0
+
+    def get(self, key: Any) -> _Reference | None:
+        value = self.items.get(key)
+        if value is not None:
+            self.items.move_to_end(key)
+        return value
+
+    def put(self, key: Any, value: _Reference) -> None:
+        if value.nbytes > self.max_bytes:
+            return
+        old = self.items.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        self.items[key] = value
+        self.nbytes += value.nbytes
+        while len(self.items) > self.max_entries or self.nbytes > self.max_bytes:
+            _, evicted = self.items.popitem(last=False)
+            self.nbytes -= evicted.nbytes
+
+
+@dataclass
+class _CandidateState:
+    """What the parent learned from a candidate child so far."""
+
+    phase: str = "starting"
+    profiling_at: float | None = None
+    compared: int = 0
+    max_abs_error: float | None = None
+    max_rel_error: float | None = None
+    tolerance: Any = None
+    gen_time_us: float | None = None
+
+
+def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> dict[str, Any]:
+    """``base_time_us``, ``speedup`` and ``error`` of a passed, profiled result.
+
+    A speedup above ``bound`` keeps the pass but sets ``error`` to ``flagged: ...``:
+    the numbers matched, yet such a speedup over eager PyTorch usually means skipped
+    work or a gamed timer, so someone should look before trusting it.
+    """
+    speedup = base_time_us / gen_time_us if gen_time_us > 0 else math.inf
+    error = None
+    if speedup > bound:
+        error = (f"flagged: speedup {speedup:.1f} exceeds the bound {bound:g}; check that "
+                 "the kernel does all the work and does not game the timer before trusting it")
+    return {"base_time_us": base_time_us, "speedup": speedup, "error": error}
+
+
+def _format_bytes(n: float) -> str:
+    if n >= 1 << 30:
+        return f"{n / (1 << 30):.1f} GiB"
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / 1024:.1f} KiB"
+
+
+def _size_hint(need: int, limit: int, names: dict[str, int]) -> str:
+    factor = 1 << max(1, math.ceil(math.log2(max(need / max(limit, 1), 1.0))))
+    name = "batch_size" if "batch_size" in names else (
+        max(names, key=lambda n: names[n]) if names else None)
+    if name is None:
+        return "pass smaller shape_overrides"
+    suggestion = json.dumps({name: max(1, names[name] // factor)})
+    return f"pass shape_overrides such as {suggestion} to shrink them"
+
+
+def _decode_tensor(meta: _child.TensorMeta, data: bytearray) -> torch.Tensor:
+    """A CPU tensor from a child's metadata and bytes (both untrusted; validated)."""
+    dtype = _child.dtype_from_name(meta.dtype)
+    if any(d < 0 for d in meta.shape):
+        raise ProtocolError(f"negative dimension in shape {meta.shape}")
+    numel = math.prod(meta.shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != meta.nbytes or len(data) != meta.nbytes:
+        raise ProtocolError(f"tensor of shape {meta.shape} and dtype {meta.dtype} "
+                            f"cannot hold {len(data)} bytes")
+    if numel == 0:
+        return torch.empty(meta.shape, dtype=dtype)
+    return torch.frombuffer(data, dtype=dtype).reshape(meta.shape)
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "x"
+
+
+def _join_log(*parts: str, limit: int) -> str:
+    text = "\n".join(p for p in parts if p)
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    return data[-limit:].decode("utf-8", errors="replace")
+
+
+class Verifier:
+    """Sandboxed verification of candidates for one worker.
+
+    Args:
+        backend: ``cpu`` (Triton interpreter), ``cuda`` or ``ascend``.
+        worker_id: reported in every result.
+        scratch_root: where run directories and per-device Triton caches live;
+            default ``<tmp>/aikg-worker-<worker_id>``.
+        memory_limit_bytes: largest total size of a task's ``get_inputs()`` tensors,
+            bytes (None: no bound). Larger tasks fail as ``infrastructure`` with a
+            shape_overrides hint. On cpu it also sizes the reference child's
+            RLIMIT_AS (4x this plus 2 GiB; none when None). A candidate child's
+            RLIMIT_AS on cpu is 8x its task's input + output bytes plus 2 GiB.
+        output_limit_bytes: cap on the captured stdout/stderr/traceback in
+            ``VerifyResult.log``, bytes.
+        speedup_flag_bound: speedups above this are flagged for review (``error``
+            starts with ``flagged:``; ``passed`` stays True).
+
+    Attributes:
+        reference_runs: reference children spawned so far (cache misses).
+        candidate_runs: candidate children spawned so far.
+        network_isolated: whether children run in a private network namespace
+            (None before :meth:`start`).
+        run_as: (uid, gid) children switch to, or None when they keep this user.
+        sandbox_notes: isolation steps this machine did not permit.
+    """
+
+    def __init__(self, backend: str, *, worker_id: str, scratch_root: str | Path | None = None,
+                 memory_limit_bytes: int | None = None, output_limit_bytes: int = 64 * 1024,
+                 speedup_flag_bound: float = 50.0) -> None:
+        if backend not in ("cpu", "cuda", "ascend"):
+            raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
+        self.backend = backend
+        self.worker_id = worker_id
+        self.scratch_root = Path(scratch_root) if scratch_root is not None else (
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"aikg-worker-{_safe_name(worker_id)}")
+        self.memory_limit_bytes = memory_limit_bytes
+        self.output_limit_bytes = output_limit_bytes
+        self.speedup_flag_bound = speedup_flag_bound
+        self.reference_runs = 0
+        self.candidate_runs = 0
+        self.network_isolated: bool | None = None
+        self.run_as: tuple[int, int] | None = None
+        self.sandbox_notes: list[str] = []
+        self._pool = SandboxPool()
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
+        self._input_bytes: dict[tuple[str, str], int] = {}
+        self._base_times: dict[tuple[str, str, str], float] = {}
+        self._reference_locks: weakref.WeakValueDictionary[Any, asyncio.Lock] = (
+            weakref.WeakValueDictionary())
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the fork server (imports torch and triton there once) and probe the sandbox.
+
+        Blocks for a few seconds; call it from a thread in async code. Idempotent.
+
+        Raises:
+            PoolBroken: the server did not start, or no sandboxed child could run.
+        """
+        with self._start_lock:
+            if self._started:
+                return
+            self.scratch_root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.scratch_root, 0o711)
+            for sub in ("runs", "triton-cache"):
+                (self.scratch_root / sub).mkdir(exist_ok=True)
+                os.chmod(self.scratch_root / sub, 0o711)
+            self._pool.start()
+            self.sandbox_notes = []
+            try:
+                self._probe()
+            except BaseException:
+                self._pool.close()
+                raise
+            self._started = True
+            log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
+                     network_isolated=self.network_isolated, run_as=self.run_as,
+                     notes=self.sandbox_notes)
+
+    def close(self) -> None:
+        """Stop the fork server; it kills every running child's process group."""
+        with self._start_lock:
+            self._pool.close()
+            self._started = False
+
+    def _probe(self) -> None:
+        candidates: list[tuple[int, int] | None] = [None]
+        if os.geteuid() == 0:
+            try:
+                nobody = pwd.getpwnam("nobody")
+                candidates.insert(0, (nobody.pw_uid, nobody.pw_gid))
+            except KeyError:
+                self.sandbox_notes.append("children run as root: no user 'nobody'")
+        failure = ""
+        for run_as in candidates:
+            hello, failure = self._run_probe(run_as)
+            if hello is not None:
+                self.run_as = run_as
+                self.network_isolated = hello.network_isolated
+                self.sandbox_notes.extend(hello.notes)
+                return
+            self.sandbox_notes.append(
+                f"children keep the worker's user: switching to uid {run_as[0]} failed: "
+                f"{failure}" if run_as else failure)
+        raise PoolBroken(f"no sandboxed child could run: {failure}")
+
+    def _run_probe(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
+        box: dict[str, Any] = {}
+
+        def runner() -> None:
+            try:
+                box["value"] = asyncio.run(self._probe_once(run_as))
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                box["value"] = (None, f"{type(exc).__name__}: {exc}")
+
+        thread = threading.Thread(target=runner, name="aikg-sandbox-probe")
+        thread.start()
+        thread.join()
+        return box["value"]
+
+    async def _probe_once(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
+        scratch = self._scratch("probe", "probe", run_as)
+        # No device restriction: the probe checks that some device is usable at all.
+        env = {k: v for k, v in self._child_env("probe", run_as).items()
+               if k not in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")}
+        spec = ChildSpec(role="probe", scratch_dir=str(scratch), backend=self.backend,
+                         env=env, run_as=run_as)
+        run = await self._spawn(spec, 1 << 20)
+        hello = None
+        try:
+            async with asyncio.timeout(_PROBE_TIMEOUT_S):
+                while True:
+                    frame = await run.frame()
+                    if isinstance(frame, _child.Hello):
+                        hello = frame
+                    elif isinstance(frame, _child.Failure):
+                        return None, frame.message
+                    elif isinstance(frame, _child.Done):
+                        return hello, ""
+                    elif frame is None:
+                        status = await run.wait(_EXIT_WAIT_S)
+                        return None, f"the probe child {describe_exit(status)}: " + \
+                            run.output(4096)
+        finally:
+            await run.close()
+
+    # ------------------------------------------------------------ helpers
+
+    def _scratch(self, request_id: str, role: str, run_as: tuple[int, int] | None) -> Path:
+        path = self.scratch_root / "runs" / (
+            f"{_safe_name(request_id)}-{role}-{uuid.uuid4().hex[:8]}")
+        path.mkdir(mode=0o700)
+        if run_as is not None:
+            os.chown(path, *run_as)
+        return path
+
+    def _child_env(self, device: str, run_as: tuple[int, int] | None) -> dict[str, str]:
+        cache = self.scratch_root / "triton-cache" / _safe_name(device)
+        if not cache.exists():
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if run_as is not None:
+                os.chown(cache, *run_as)
+        env = {"TRITON_CACHE_DIR": str(cache)}
+        if self.backend == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = device
+        elif self.backend == "ascend":
+            env["ASCEND_RT_VISIBLE_DEVICES"] = device
+        else:
+            env["TRITON_INTERPRET"] = "1"
+        return env
+
+    async def _spawn(self, spec: ChildSpec, max_frame_bytes: int) -> ChildRun:
+        try:
+            run = await asyncio.to_thread(self._pool.spawn, spec, max_frame_bytes)
+        except PoolBroken as exc:
+            shutil.rmtree(spec.scratch_dir, ignore_errors=True)
+            raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
+        try:
+            await run.start()
+        except PoolBroken as exc:
+            await run.close()
+            raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
+        return run
+
+    def _spec(self, request: VerifyRequest, role: str, device: str, seeds: list[int],
+              **kwargs: Any) -> ChildSpec:
+        scratch = self._scratch(request.request_id, role, self.run_as)
+        (scratch / "task.py").write_text(request.task_desc)
+        candidate = ""
+        if role == "candidate":
+            (scratch / "candidate.py").write_text(request.code)
+            candidate = str(scratch / "candidate.py")
+        cpu_seconds = math.ceil(request.timeout_s) * max(1, os.cpu_count() or 1) + 10
+        return ChildSpec(
+            role=role, scratch_dir=str(scratch), backend=self.backend,
+            env=self._child_env(device, self.run_as), task_path=str(scratch / "task.py"),
+            candidate_path=candidate, seeds=seeds,
+            shape_overrides=dict(request.shape_overrides), cpu_seconds=cpu_seconds,
+            run_as=self.run_as, isolate_network=True, **kwargs)
+
+    # ------------------------------------------------------------ verify
+
+    async def verify(self, request: VerifyRequest, *, device: str) -> VerifyResult:
+        """Verify (and with ``mode="profile"`` on a GPU, time) one candidate.
+
+        Never raises for anything the candidate or the task does: every outcome is a
+        VerifyResult with ``passed`` and, on failure, ``stage``, an actionable
+        ``error`` and the captured ``log`` (at most ``output_limit_bytes``).
+
+        Args:
+            request: the candidate, its task, shape_overrides, trials, timeout_s (the
+                wall-clock limit, seconds, of the candidate's run; the reference run,
+                when not cached, has the same limit).
+            device: the leased device (``"0"``, ``"1"`` ... on GPUs, a slot on cpu).
+        """
+        started = time.monotonic()
+        try:
+            fields = await self._verify(request, device)
+        except _Verdict as verdict:
+            fields = verdict.fields
+        except Exception as exc:
+            log.exception("verify.worker_error", request_id=request.request_id)
+            fields = {"passed": False, "stage": "infrastructure",
+                      "error": f"worker error: {type(exc).__name__}: {exc}"}
+        result = VerifyResult(
+            request_id=request.request_id, job_id=request.job_id,
+            candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
+            interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
+            **fields)
+        log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
+                 candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
+                 duration_s=round(result.duration_s, 3))
+        return result
+
+    async def _verify(self, request: VerifyRequest, device: str) -> dict[str, Any]:
+        if request.backend != self.backend:
+            raise _Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
+                           f"request is for {request.backend}")
+        findings = check_candidate(request.code, request.dsl)
+        if findings:
+            text = "\n".join(str(f) for f in findings)
+            if findings[0].rule == "syntax":
+                raise _Verdict("compile", str(findings[0]), log=text)
+            shown = "; ".join(str(f) for f in findings[:3])
+            more = f" (+{len(findings) - 3} more)" if len(findings) > 3 else ""
+            raise _Verdict("static", f"static check failed: {shown}{more}", log=text)
+        if not self._started:
+            try:
+                await asyncio.to_thread(self.start)
+            except PoolBroken as exc:
+                raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
+
+        seeds = [SEED_BASE + i for i in range(request.trials)]
+        task_sha = hashlib.sha256(request.task_desc.encode()).hexdigest()
+        overrides = json.dumps(request.shape_overrides, sort_keys=True)
+        profile = request.mode == "profile" and self.backend != "cpu"
+        references = await self._references_for(request, device, seeds, task_sha, overrides,
+                                                profile)
+        fields = await self._run_candidate(request, device, seeds, references, task_sha,
+                                           overrides, profile)
+        if request.mode == "profile" and self.backend == "cpu":
+            fields["log"] = _join_log(
+                fields.get("log", ""), "profile: no timings on the cpu backend (Triton runs "
+                "in its interpreter; times would not mean anything)",
+                limit=self.output_limit_bytes)
+        if profile:
+            fields.update(speedup_fields(self._base_times[(task_sha, request.arch, overrides)],
+                                         fields["gen_time_us"], self.speedup_flag_bound))
+            if fields["error"]:
+                fields["log"] = _join_log(fields.get("log", ""), fields["error"],
+                                          limit=self.output_limit_bytes)
+        return fields
+
+    # ------------------------------------------------------------ reference
+
+    async def _references_for(self, request: VerifyRequest, device: str, seeds: list[int],
+                              task_sha: str, overrides: str, profile: bool
+                              ) -> list[_Reference]:
+        lock_key = (task_sha, overrides)
+        lock = self._reference_locks.get(lock_key)
+        if lock is None:
+            lock = asyncio.Lock()
+            self._reference_locks[lock_key] = lock
+        async with lock:
+            found = {s: self._references.get((task_sha, s, overrides)) for s in seeds}
+            missing = [s for s, ref in found.items() if ref is None]
+            timing_key = (task_sha, request.arch, overrides)
+            need_timing = profile and timing_key not in self._base_times
+            if missing or need_timing:
+                fresh = await self._run_reference(request, device, missing or seeds[-1:],
+                                                  bool(missing), need_timing, timing_key)
+                for ref in fresh:
+                    found[ref.seed] = ref
+                    self._references.put((task_sha, ref.seed, overrides), ref)
+            return [found[s] for s in seeds]
+
+    async def _run_reference(self, request: VerifyRequest, device: str, seeds: list[int],
+                             want_outputs: bool, need_timing: bool,
+                             timing_key: tuple[str, str, str]) -> list[_Reference]:
+        limit = self.memory_limit_bytes
+        address_space = None
+        if self.backend == "cpu" and limit is not None:
+            address_space = 4 * limit + _ADDRESS_SPACE_SLACK
+        spec = self._spec(request, "reference", device, seeds, want_outputs=want_outputs,
+                          profile=need_timing, input_limit_bytes=limit,
+                          address_space_bytes=address_space)
+        self.reference_runs += 1
+        run = await self._spawn(spec, max_frame_bytes=4 * limit if limit else 64 << 30)
+        fresh: list[_Reference] = []
+        phase = "starting"
+        profiling_at = None
+        try:
+            async with asyncio.timeout(request.timeout_s):
+                while True:
+                    frame = await run.frame()
+                    if isinstance(frame, _child.Progress):
+                        phase = frame.phase
+                        if phase == "profiling":
+                            profiling_at = time.monotonic()
+                    elif isinstance(frame, _child.Sizes):
+                        self._input_bytes[timing_key[0], timing_key[2]] = frame.input_bytes
+                        if limit is not None and frame.input_bytes > limit:
+                            raise _Verdict(
+                                "infrastructure",
+                                f"task inputs need {_format_bytes(frame.input_bytes)} (limit "
+                                f"{_format_bytes(limit)}); "
+                                f"{_size_hint(frame.input_bytes, limit, frame.size_names)}")
+                    elif isinstance(frame, _child.Trial):
+                        outputs = []
+                        for meta in frame.outputs:
+                            data = await run.raw(meta.nbytes)
+                            if data is None:
+                                break
+                            outputs.append(_decode_tensor(meta, data))
+                        fresh.append(_Reference(frame.seed, outputs, frame.inputs_before,
+                                                frame.inputs_after, frame.aliasing))
+                    elif isinstance(frame, _child.Timing):
+                        self._check_timing(frame, profiling_at, "the reference Model")
+                        self._base_times[timing_key] = frame.median_us
+                    elif isinstance(frame, _child.Failure):
+                        raise _Verdict("infrastructure", f"reference run: {frame.message}",
+                                       log=_join_log(run.output(self.output_limit_bytes),
+                                                     frame.traceback,
+                                                     limit=self.output_limit_bytes))
+                    elif isinstance(frame, _child.Done):
+                        if need_timing and timing_key not in self._base_times:
+                            raise _Verdict("infrastructure", "the reference child sent no "
+                                           "timing")
+                        return fresh
+                    elif frame is None:
+                        status = await run.wait(_EXIT_WAIT_S)
+                        raise _Verdict("infrastructure",
+                                       f"the reference run's process {describe_exit(status)} "
+                                       f"during {phase}",
+                                       log=run.output(self.output_limit_bytes))
+        except TimeoutError:
+            raise _Verdict("infrastructure",
+                           f"the reference Model did not finish within {request.timeout_s:g} s "
+                           f"(during {phase}); pass smaller shape_overrides") from None
+        except ProtocolError as exc:
+            raise _Verdict("infrastructure", f"reference run: {exc}") from None
+        finally:
+            await run.close()
+
+    def _check_timing(self, timing: _child.Timing, since: float | None, who: str) -> None:
+        """Reject timings whose total exceeds the wall time observed here.
+
+        Raises:
+            _Verdict: (infrastructure) ``timings inconsistent``.
+        """
+        observed_us = (time.monotonic() - since) * 1e6 if since is not None else 0.0
+        total_us = sum(timing.samples_us)
+        if (not timing.samples_us or not all(math.isfinite(s) and s > 0
+                                             for s in timing.samples_us)
+                or total_us > observed_us * _TIMING_SLACK + _TIMING_SLACK_US):
+            raise _Verdict("infrastructure",
+                           f"timings inconsistent: {who} reported {total_us:.0f} us over "
+                           f"{len(timing.samples_us)} runs but only {observed_us:.0f} us of "
+                           "wall time passed")
+
+    # ------------------------------------------------------------ candidate
+
+    async def _run_candidate(self, request: VerifyRequest, device: str, seeds: list[int],
+                             references: list[_Reference], task_sha: str, overrides: str,
+                             profile: bool) -> dict[str, Any]:
+        address_space = None
+        if self.backend == "cpu":
+            data = self._input_bytes.get((task_sha, overrides), 0) + max(
+                r.nbytes for r in references)
+            address_space = _ADDRESS_SPACE_FACTOR * data + _ADDRESS_SPACE_SLACK
+        spec = self._spec(request, "candidate", device, seeds, profile=profile,
+                          address_space_bytes=address_space)
+        largest = max(max((t.numel() * t.element_size() for t in r.outputs), default=0)
+                      for r in references)
+        self.candidate_runs += 1
+        run = await self._spawn(spec, max_frame_bytes=max(largest, 1 << 20))
+        state = _CandidateState()
+        try:
+            try:
+                async with asyncio.timeout(request.timeout_s):
+                    await self._candidate_frames(run, state, references)
+            except TimeoutError:
+                raise _Verdict("timeout", f"the candidate did not finish within "
+                               f"{request.timeout_s:g} s (during {state.phase}); its process "
+                               "group was killed") from None
+            except ProtocolError as exc:
+                raise _Verdict("crash", "the candidate's process sent malformed results: "
+                               f"{exc}") from None
+        except _Verdict as verdict:
+            run.kill()
+            await run.wait(_EXIT_WAIT_S)
+            verdict.fields["log"] = _join_log(run.output(self.output_limit_bytes),
+                                              verdict.fields.get("log", ""),
+                                              limit=self.output_limit_bytes)
+            verdict.fields.setdefault("trials", state.compared)
+            raise
+        finally:
+            output = run.output(self.output_limit_bytes)
+            await run.close()
+        if profile and state.gen_time_us is None:
+            raise _Verdict("infrastructure", "the candidate's child sent no timing",
+                           trials=state.compared, log=output)
+        tol = state.tolerance or tolerance_for(
+            references[0].outputs[0].dtype if references[0].outputs else torch.float32,
+            self.backend)
+        return {"passed": True, "stage": None, "error": None, "log": output,
+                "max_abs_error": state.max_abs_error, "max_rel_error": state.max_rel_error,
+                "mismatch_count": 0, "atol": tol.atol, "rtol": tol.rtol,
+                "trials": state.compared, "gen_time_us": state.gen_time_us}
+
+    async def _candidate_frames(self, run: ChildRun, state: _CandidateState,
+                                references: list[_Reference]) -> None:
+        """Consume the candidate child's frames until Done.
+
+        Raises:
+            _Verdict: the candidate failed (its Failure frame, a mismatch, a crash).
+            ProtocolError: malformed frames.
+        """
+        while True:
+            frame = await run.frame()
+            if isinstance(frame, _child.Progress):
+                state.phase = frame.phase
+                if state.phase == "profiling":
+                    state.profiling_at = time.monotonic()
+            elif isinstance(frame, _child.Trial):
+                if frame.index != state.compared or frame.index >= len(references):
+                    raise ProtocolError(f"trial {frame.index} arrived out of order")
+                comparison = await self._compare_trial(run, frame, references[frame.index])
+                state.compared += 1
+                if comparison.outputs and state.tolerance is None:
+                    state.tolerance = comparison.outputs[0].tolerance
+                state.max_abs_error = _max(state.max_abs_error, comparison.max_abs_error)
+                state.max_rel_error = _max(state.max_rel_error, comparison.max_rel_error)
+            elif isinstance(frame, _child.Timing):
+                self._check_timing(frame, state.profiling_at, "the candidate")
+                state.gen_time_us = frame.median_us
+            elif isinstance(frame, _child.Failure):
+                stage = frame.stage if frame.stage in _STAGES else "runtime"
+                raise _Verdict(stage, frame.message, log=frame.traceback)
+            elif isinstance(frame, _child.Done):
+                # Done is only a claim; every trial must have been compared here.
+                if state.compared != len(references):
+                    raise _Verdict("crash", f"the candidate's process reported results for "
+                                   f"{state.compared} of {len(references)} trials")
+                return
+            elif frame is None:
+                status = await run.wait(_EXIT_WAIT_S)
+                if status is None:
+                    raise _Verdict("infrastructure",
+                                   f"the sandbox server went away during {state.phase}")
+                what = describe_exit(status)
+                if what.startswith("killed"):
+                    what = f"was {what}"
+                if os.WIFEXITED(status):
+                    what += (" before returning results (does the candidate call os._exit "
+                             "or sys.exit?)")
+                raise _Verdict("crash", f"the candidate's process {what} during {state.phase}")
+
+    async def _compare_trial(self, run: ChildRun, frame: _child.Trial, ref: _Reference):
+        """Check one candidate trial against its reference.
+
+        Raises:
+            _Verdict: mismatch (values, shapes, dtypes, input modification, aliasing) or
+                infrastructure (the task's inputs are not reproducible).
+        """
+        where = f"trial {frame.index} (seed {frame.seed})"
+        if frame.seed != ref.seed:
+            raise ProtocolError(f"trial {frame.index} ran seed {frame.seed}, not {ref.seed}")
+        if frame.inputs_before != ref.inputs_before:
+            raise _Verdict("infrastructure", f"the task's get_inputs() gave different inputs "
+                           f"for seed {ref.seed} in the reference and candidate runs; it must "
+                           "be deterministic under torch.manual_seed")
+        for i, (got, want) in enumerate(zip(frame.inputs_after, ref.inputs_after,
+                                            strict=False)):
+            if got != want:
+                raise _Verdict("mismatch", f"candidate modified input {i} in place during "
+                               f"{where}; kernels must leave their inputs unchanged and write "
+                               "only to tensors they allocate", trials=frame.index + 1)
+        if frame.aliasing and not ref.aliasing:
+            raise _Verdict("mismatch", f"{frame.aliasing[0]} in {where}; return new tensors "
+                           "that the kernel wrote, not inputs or views of them",
+                           trials=frame.index + 1)
+        if len(frame.outputs) != len(ref.outputs):
+            raise _Verdict("mismatch", f"ModelNew.forward returned {len(frame.outputs)} "
+                           f"output(s); expected {len(ref.outputs)} in {where}",
+                           trials=frame.index + 1)
+        for i, (meta, want) in enumerate(zip(frame.outputs, ref.outputs, strict=True)):
+            try:
+                dtype = _child.dtype_from_name(meta.dtype)
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+            problem = check_meta(i, list(want.shape), want.dtype, meta.shape, dtype)
+            if problem is not None:
+                raise _Verdict("mismatch", f"{problem} in {where}", trials=frame.index + 1)
+        outputs = []
+        for meta in frame.outputs:
+            data = await run.raw(meta.nbytes)
+            if data is None:
+                raise ProtocolError("the output stream ended early")
+            outputs.append(_decode_tensor(meta, data))
+        comparison = await asyncio.to_thread(compare_outputs, ref.outputs, outputs,
+                                             self.backend)
+        if not comparison.passed:
+            failed = comparison.first_failure
+            details = "\n".join(o.message for o in comparison.outputs if o.message)
+            fields: dict[str, Any] = {"trials": frame.index + 1, "log": details}
+            if failed is not None:
+                fields.update(max_abs_error=failed.max_abs_error,
+                              max_rel_error=failed.max_rel_error,
+                              mismatch_count=failed.mismatch_count,
+                              mismatch_indices=failed.mismatch_indices,
+                              atol=failed.tolerance.atol, rtol=failed.tolerance.rtol)
+            raise _Verdict("mismatch", f"{comparison.message} in {where}", **fields)
+        return comparison
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return max(a, b)
+

@@ -1,0 +1,432 @@
+"""Hostile candidates: each gets the right stage, and the same Verifier keeps serving.
+
+Candidates that would be stopped by the static checks are tested twice where it
+matters: once as written (stage ``static``), once with the check bypassed through
+``getattr(torch, "o" + "s")`` (torch's module namespace holds ``os`` and ``ctypes``),
+to show that the sandbox holds on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import textwrap
+import time
+import uuid
+
+import pytest
+
+from schemas.events import VerifyRequest
+from services.worker.verifier import Verifier
+
+SECRET = "sekrit"
+
+TASK = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+PRELUDE = """\
+import time
+
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
+
+
+@triton.jit
+def noop_kernel(out_ptr):
+    pid = tl.program_id(0)
+
+
+def relu(x):
+    out = torch.empty_like(x)
+    n = x.numel()
+    relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
+    return out
+"""
+
+CORRECT_FORWARD = "return relu(x.contiguous())"
+
+
+def candidate(forward: str, module: str = "") -> str:
+    """The relu kernel, ``module`` code, and a ModelNew whose forward body is ``forward``."""
+    body = textwrap.indent(textwrap.dedent(forward).strip(), " " * 8)
+    return (PRELUDE + textwrap.dedent(module) + "\n\nclass ModelNew(nn.Module):\n"
+            "    def __init__(self):\n        super().__init__()\n\n"
+            f"    def forward(self, x):\n{body}\n")
+
+
+def request(code: str, **kwargs) -> VerifyRequest:
+    fields = {"request_id": f"req-{uuid.uuid4().hex[:12]}", "job_id": "job-hostile",
+              "candidate_id": "cand-hostile", "op_name": "relu", "task_desc": TASK,
+              "code": code, "backend": "cpu", "arch": "x86_64", "timeout_s": 20.0}
+    fields.update(kwargs)
+    return VerifyRequest(**fields)
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    # Secrets in the worker's environment when the pool starts.
+    saved = {k: os.environ.get(k) for k in ("AIKG_LLM_API_KEY", "NATS_TOKEN", "DB_PASSWORD")}
+    os.environ.update({"AIKG_LLM_API_KEY": SECRET, "NATS_TOKEN": SECRET,
+                       "DB_PASSWORD": SECRET})
+    v = Verifier("cpu", worker_id="test-hostile", scratch_root=tmp_path_factory.mktemp("hostile"),
+                 memory_limit_bytes=64 << 20)
+    v.start()
+    yield v
+    v.close()
+    for k, value in saved.items():
+        if value is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = value
+
+
+async def still_serves(verifier: Verifier) -> None:
+    result = await verifier.verify(request(candidate(CORRECT_FORWARD)), device="0")
+    assert result.passed, result
+
+
+async def test_correct_candidate_passes(verifier):
+    await still_serves(verifier)
+
+
+async def test_uninitialised_output_is_a_mismatch(verifier):
+    code = candidate("""
+        out = torch.empty_like(x)
+        noop_kernel[(1,)](out)
+        return out
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "mismatch", result
+    assert "elements differ" in result.error
+    await still_serves(verifier)
+
+
+async def test_modifying_inputs_is_a_mismatch(verifier):
+    code = candidate("""
+        out = relu(x)
+        x.zero_()
+        return out
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "mismatch", result
+    assert result.error.startswith("candidate modified input 0 in place")
+    await still_serves(verifier)
+
+
+@pytest.mark.parametrize("returned", ["x", "x.view(-1).view(x.shape)"])
+async def test_returning_the_input_is_a_mismatch(verifier, returned):
+    code = candidate(f"""
+        out = relu(x)
+        return {returned}
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "mismatch", result
+    assert result.error.startswith("output 0 shares memory with input 0")
+    await still_serves(verifier)
+
+
+async def test_torch_result_without_kernel_is_static(verifier):
+    code = ("import torch\nimport torch.nn as nn\n\n\nclass ModelNew(nn.Module):\n"
+            "    def forward(self, x):\n        return torch.relu(x)\n")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "static"
+    assert "no @triton.jit kernel is defined" in result.log
+    assert "line 7: torch.relu called in ModelNew.forward" in result.log
+    await still_serves(verifier)
+
+
+@pytest.mark.parametrize("patch", [
+    "time.perf_counter = lambda: 0.0",
+    "torch.cuda.Event.elapsed_time = lambda self, end: 0.001",
+    "setattr(torch, 'relu', lambda x: x)",
+])
+async def test_patching_timers_or_torch_is_static(verifier, patch):
+    result = await verifier.verify(request(candidate(CORRECT_FORWARD, patch)), device="0")
+    assert result.stage == "static", result
+    assert "patches a library" in result.error
+    await still_serves(verifier)
+
+
+async def test_spinning_forever_times_out(verifier):
+    code = candidate("""
+        while True:
+            pass
+        return relu(x)
+    """)
+    started = time.monotonic()
+    result = await verifier.verify(request(code, timeout_s=3.0), device="0")
+    elapsed = time.monotonic() - started
+    assert result.stage == "timeout", result
+    assert "did not finish within 3 s (during trial 0 (seed 1000): ModelNew.forward)" in result.error
+    assert elapsed < 3.0 + 2.0
+    await still_serves(verifier)
+
+
+async def test_allocating_until_killed(verifier):
+    code = candidate("""
+        chunks = []
+        while True:
+            chunks.append(bytearray(64 << 20))
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage in ("runtime", "crash"), result
+    if result.stage == "runtime":
+        assert "MemoryError" in result.error and "address-space limit" in result.error
+    else:
+        assert "signal" in result.error
+    print(f"memory hog: {result.stage}: {result.error}")
+    await still_serves(verifier)
+
+
+async def test_ctypes_is_static(verifier):
+    code = candidate("ctypes.string_at(0)\nreturn relu(x)", module="import ctypes\n")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "static"
+    assert "import of ctypes is not allowed" in result.error
+    await still_serves(verifier)
+
+
+async def test_segfault_past_the_static_check_is_a_crash(verifier):
+    code = candidate("""
+        getattr(torch, "ctyp" + "es").string_at(0)
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "crash", result
+    assert "process was killed by signal SIGSEGV" in result.error
+    assert "during trial 0 (seed 1000): ModelNew.forward" in result.error
+    # faulthandler's dump of the Python stack lands in the captured stderr.
+    assert "Fatal Python error: Segmentation fault" in result.log
+    await still_serves(verifier)
+
+
+async def test_os_exit_is_static(verifier):
+    code = candidate("os._exit(0)", module="import os\n")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "static"
+    assert "os._exit used" in result.error
+    await still_serves(verifier)
+
+
+async def test_os_exit_past_the_static_check_is_a_crash(verifier):
+    code = candidate("""getattr(torch, "o" + "s")._exit(0)
+return relu(x)""")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "crash", result
+    assert "exited with code 0 before returning results" in result.error
+    await still_serves(verifier)
+
+
+@pytest.mark.parametrize("escape", [False, True], ids=["same-group", "own-session"])
+async def test_forked_grandchild_does_not_outlive_the_run(verifier, tmp_path, escape):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    pid_dir.chmod(0o777)  # the child may run as another user
+    pid_file = pid_dir / "grandchild.pid"
+    code = candidate(f"""
+        sys_os = getattr(torch, "o" + "s")
+        if sys_os.fork() == 0:
+            try:
+                if {escape}:
+                    sys_os.setsid()
+                fd = sys_os.open("{pid_file}.tmp", sys_os.O_WRONLY | sys_os.O_CREAT, 0o644)
+                sys_os.write(fd, str(sys_os.getpid()).encode())
+                sys_os.close(fd)
+                sys_os.rename("{pid_file}.tmp", "{pid_file}")
+                while True:
+                    time.sleep(1)
+            finally:
+                sys_os._exit(0)
+        while not sys_os.path.exists("{pid_file}"):
+            time.sleep(0.01)
+        return relu(x.contiguous())
+    """)
+    result = await verifier.verify(request(code, trials=1), device="0")
+    assert result.passed, result
+    grandchild = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        await asyncio.sleep(0.05)
+    else:
+        pytest.fail(f"grandchild {grandchild} is still alive")
+    await still_serves(verifier)
+
+
+async def test_stdout_flood_is_capped_and_judged(verifier):
+    code = candidate("""
+        global FLOODED
+        if not FLOODED:
+            FLOODED = True
+            for _ in range(100):
+                print("x" * (1 << 20))
+        return relu(x.contiguous())
+    """, module="FLOODED = False\n")
+    result = await verifier.verify(request(code), device="0")
+    assert result.passed, result
+    assert len(result.log.encode()) <= verifier.output_limit_bytes
+    assert "bytes cut" in result.log
+    await still_serves(verifier)
+
+
+async def test_writing_files_is_static(verifier):
+    path = f"/tmp/aikg-escape-{uuid.uuid4().hex}"
+    code = candidate(f"open('{path}', 'w').write('x')\nreturn relu(x)")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "static"
+    assert "open() called" in result.error
+    assert not os.path.exists(path)
+    await still_serves(verifier)
+
+
+async def test_writing_outside_scratch_past_the_static_check_is_denied(verifier, tmp_path):
+    if verifier.run_as is None:
+        pytest.skip("children keep the worker's user on this machine")
+    protected = tmp_path / "protected"
+    protected.mkdir(mode=0o755)
+    target = protected / "escape.txt"
+    code = candidate(f"""
+        sys_os = getattr(torch, "o" + "s")
+        fd = sys_os.open("{target}", sys_os.O_WRONLY | sys_os.O_CREAT, 0o644)
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "runtime", result
+    assert "PermissionError" in result.error
+    assert not target.exists()
+    await still_serves(verifier)
+
+
+async def test_environment_secrets_are_absent(verifier):
+    code = candidate("""
+        env = getattr(getattr(torch, "o" + "s"), "envi" + "ron")
+        print(dict(env))
+        raise RuntimeError(repr(dict(env)))
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "runtime", result
+    assert "TRITON_CACHE_DIR" in result.error  # the environment was printed ...
+    assert SECRET not in result.log and SECRET not in result.error  # ... without secrets
+    assert "AIKG_LLM_API_KEY" not in result.error and "NATS_TOKEN" not in result.error
+    await still_serves(verifier)
+
+
+async def test_reading_the_workers_environment_is_denied(verifier):
+    if verifier.run_as is None:
+        pytest.skip("children keep the worker's user on this machine")
+    code = candidate(f"""
+        sys_os = getattr(torch, "o" + "s")
+        fd = sys_os.open("/proc/{os.getpid()}/environ", sys_os.O_RDONLY)
+        print(sys_os.read(fd, 1 << 20))
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "runtime", result
+    assert "PermissionError" in result.error
+    await still_serves(verifier)
+
+
+async def test_network_is_unreachable(verifier):
+    if not verifier.network_isolated:
+        pytest.skip("network namespaces are not permitted on this machine")
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    code = candidate(f"""
+        sock = getattr(torch, "s" + "ys").modules["sock" + "et"]
+        sock.create_connection(("127.0.0.1", {port}), timeout=2)
+        return relu(x)
+    """)
+    try:
+        result = await verifier.verify(request(code), device="0")
+        assert result.stage == "runtime", result
+        assert "OSError" in result.error or "Error" in result.error
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+    await still_serves(verifier)
+
+
+async def test_forged_done_frame_does_not_pass(verifier):
+    code = candidate("""
+        sys_os = getattr(torch, "o" + "s")
+        payload = bytes([0x81, 0xA4]) + b"type" + bytes([0xA4]) + b"done"
+        frame = len(payload).to_bytes(8, "big") + payload
+        for fd in range(3, 64):
+            try:
+                sys_os.write(fd, frame)
+            except OSError:
+                pass
+        sys_os._exit(0)
+        return relu(x)
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert not result.passed
+    assert result.stage == "crash", result
+    assert "results for 0 of 3 trials" in result.error
+    await still_serves(verifier)
+
+
+async def test_wrong_shape_is_a_mismatch(verifier):
+    result = await verifier.verify(request(candidate("return relu(x.contiguous()).view(-1)")),
+                                   device="0")
+    assert result.stage == "mismatch"
+    assert result.error.startswith("output 0 has shape (16384,) and dtype float32; expected "
+                                   "(16, 1024) and float32")
+    await still_serves(verifier)
+
+
+async def test_wrong_dtype_is_a_mismatch(verifier):
+    code = candidate("return relu(x.contiguous()).to(torch.float64)")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "mismatch"
+    assert result.error.startswith("output 0 has shape (16, 1024) and dtype float64; expected "
+                                   "(16, 1024) and float32")
+    await still_serves(verifier)
+
+
+async def test_non_tensor_output_is_a_mismatch(verifier):
+    result = await verifier.verify(request(candidate("relu(x)\nreturn 'done'")), device="0")
+    assert result.stage == "mismatch"
+    assert "returned a str as output 0" in result.error
+    await still_serves(verifier)

@@ -1,0 +1,458 @@
+"""The verifier end to end on the cpu backend (Triton interpreter), plus its comparison rules.
+
+One Verifier (one fork server) serves the whole module, as it would in a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from schemas.events import VerifyRequest
+from services.worker import _child, correctness
+from services.worker.sandbox import captured_output, clean_environment, describe_exit
+from services.worker.verifier import Verifier, _Verdict, speedup_fields
+
+RELU_TASK = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+KERNEL = """\
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, floor, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.maximum(x, floor), mask=m)
+"""
+
+
+def relu_candidate(floor: float = 0.0) -> str:
+    return KERNEL + f"""
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = x.numel()
+        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, {floor}, BLOCK_SIZE=1024)
+        return out
+"""
+
+
+COMPILE_ERROR_CANDIDATE = """\
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.no_such_function(x), mask=m)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        n = x.numel()
+        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
+        return out
+"""
+
+
+def request(code: str | None = None, task: str = RELU_TASK, **kwargs) -> VerifyRequest:
+    fields = {"request_id": f"req-{time.monotonic_ns()}", "job_id": "job-test",
+              "candidate_id": "cand-test", "op_name": "relu", "task_desc": task,
+              "code": code if code is not None else relu_candidate(), "backend": "cpu",
+              "arch": "x86_64", "timeout_s": 30.0}
+    fields.update(kwargs)
+    return VerifyRequest(**fields)
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    v = Verifier("cpu", worker_id="test-verifier",
+                 scratch_root=tmp_path_factory.mktemp("verifier"),
+                 memory_limit_bytes=64 << 20)
+    v.start()
+    yield v
+    v.close()
+
+
+# ------------------------------------------------------------------ end to end
+
+
+async def test_correct_relu_passes(verifier):
+    result = await verifier.verify(request(), device="0")
+    assert result.passed, result
+    assert result.stage is None and result.error is None
+    assert result.interpreted is True
+    assert result.speedup is None and result.base_time_us is None and result.gen_time_us is None
+    assert (result.atol, result.rtol) == (1e-4, 1e-4)
+    assert result.trials == 3
+    assert result.max_abs_error == 0.0
+    assert result.worker_id == "test-verifier" and result.device == "0"
+
+
+async def test_wrong_candidate_is_a_mismatch_with_details(verifier):
+    result = await verifier.verify(request(relu_candidate(floor=0.1)), device="0")
+    assert not result.passed
+    assert result.stage == "mismatch"
+    assert "elements differ beyond atol=1e-4 rtol=1e-4" in result.error
+    assert result.error.startswith("output 0: ")
+    assert "(expected " in result.error and "got 0.1" in result.error
+    assert "trial 0 (seed 1000)" in result.error
+    assert result.max_abs_error == pytest.approx(0.1, abs=1e-6)
+    assert 0 < result.mismatch_count < 16 * 1024
+    assert 1 <= len(result.mismatch_indices) <= 5
+    assert all(len(ix) == 2 for ix in result.mismatch_indices)
+    assert (result.atol, result.rtol) == (1e-4, 1e-4)
+
+
+async def test_compile_error_in_kernel(verifier):
+    result = await verifier.verify(request(COMPILE_ERROR_CANDIDATE), device="0")
+    assert not result.passed
+    # The interpreter surfaces it as AttributeError inside the kernel; reported as the
+    # compile error a GPU would raise.
+    assert result.stage == "compile"
+    assert result.error.startswith("compiling the Triton kernel relu_kernel raised AttributeError")
+    assert "no_such_function" in result.error
+    assert "candidate.py line 13" in result.error
+    assert "Traceback" in result.log
+
+
+async def test_syntax_error_is_compile_with_line(verifier):
+    result = await verifier.verify(request(relu_candidate() + "\ndef oops(:\n"), device="0")
+    assert result.stage == "compile"
+    assert result.error.startswith("line ")
+    assert "SyntaxError" in result.error
+
+
+async def test_static_rejection_spawns_nothing(verifier):
+    before = verifier.candidate_runs
+    code = relu_candidate().replace("return out", "return torch.relu(x)")
+    result = await verifier.verify(request(code), device="0")
+    assert result.stage == "static"
+    assert "torch.relu called in ModelNew.forward" in result.error
+    assert verifier.candidate_runs == before
+
+
+BIG_TASK = RELU_TASK.replace("batch_size = 16", "batch_size = 4096").replace(
+    "dim = 1024", "dim = 65536")
+
+
+async def test_inputs_over_the_memory_limit_fail_fast(verifier):
+    started = time.monotonic()
+    result = await verifier.verify(request(task=BIG_TASK), device="0")
+    assert result.stage == "infrastructure"
+    assert result.error.startswith("task inputs need 1.0 GiB (limit 64.0 MiB)")
+    assert 'shape_overrides such as {"batch_size": ' in result.error
+    # Measured on fake tensors: nothing of 1 GiB was allocated or sent.
+    assert time.monotonic() - started < 5
+
+
+async def test_shape_overrides_shrink_the_task(verifier):
+    result = await verifier.verify(
+        request(task=BIG_TASK, shape_overrides={"batch_size": 4, "dim": 2048}), device="0")
+    assert result.passed, result
+
+
+async def test_unknown_shape_override_is_infrastructure(verifier):
+    result = await verifier.verify(request(shape_overrides={"batch": 4}), device="0")
+    assert result.stage == "infrastructure"
+    assert "shape_overrides name batch" in result.error
+
+
+async def test_broken_reference_is_infrastructure(verifier):
+    task = RELU_TASK.replace("return torch.relu(x)", "raise RuntimeError('reference broke')")
+    result = await verifier.verify(request(task=task), device="0")
+    assert result.stage == "infrastructure"
+    assert "reference run" in result.error and "reference broke" in result.error
+
+
+async def test_reference_outputs_are_cached(verifier):
+    task = RELU_TASK.replace("dim = 1024", "dim = 512")
+    runs = verifier.reference_runs
+    first = await verifier.verify(request(task=task), device="0")
+    assert first.passed and verifier.reference_runs == runs + 1
+    second = await verifier.verify(request(task=task), device="1")
+    assert second.passed and verifier.reference_runs == runs + 1
+    # One more seed: one more reference child (for the missing seed only).
+    more = await verifier.verify(request(task=task, trials=4), device="0")
+    assert more.passed and more.trials == 4 and verifier.reference_runs == runs + 2
+    # Other shapes: another reference.
+    other = await verifier.verify(request(task=task, shape_overrides={"dim": 256}), device="0")
+    assert other.passed and verifier.reference_runs == runs + 3
+
+
+async def test_concurrent_verifies_do_not_block_the_loop(verifier):
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker():
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.01)
+
+    tick_task = asyncio.create_task(ticker())
+    started = time.monotonic()
+    results = await asyncio.gather(
+        verifier.verify(request(), device="0"),
+        verifier.verify(request(relu_candidate(floor=0.1)), device="1"),
+        verifier.verify(request(), device="2"),
+    )
+    elapsed = time.monotonic() - started
+    stop.set()
+    await tick_task
+    assert [r.passed for r in results] == [True, False, True]
+    assert results[1].stage == "mismatch"
+    # The loop kept running while the children worked (a tick every ~10 ms).
+    assert ticks >= elapsed / 0.01 * 0.2
+
+
+async def test_profile_mode_on_cpu_has_no_timings(verifier):
+    result = await verifier.verify(request(mode="profile"), device="0")
+    assert result.passed
+    assert result.interpreted and result.speedup is None and result.gen_time_us is None
+    assert "no timings on the cpu backend" in result.log
+
+
+async def test_wrong_backend_is_infrastructure(verifier):
+    result = await verifier.verify(request(backend="cuda", arch="h200"), device="0")
+    assert result.stage == "infrastructure"
+    assert "verifies on cpu" in result.error
+
+
+async def test_scratch_directories_are_removed(verifier):
+    await verifier.verify(request(), device="0")
+    assert list((verifier.scratch_root / "runs").iterdir()) == []
+    assert (verifier.scratch_root / "triton-cache" / "0").is_dir()
+
+
+async def test_latency_of_a_warm_verify(verifier):
+    """DESIGN: ~0.3 s per forked child for a tiny interpreted relu vs ~2.9 s cold."""
+    await verifier.verify(request(trials=1), device="0")  # reference cached
+    timings = []
+    for _ in range(3):
+        started = time.monotonic()
+        result = await verifier.verify(request(trials=1), device="0")
+        timings.append(time.monotonic() - started)
+        assert result.passed
+    print(f"warm verify latency (1 trial, cached reference): "
+          f"{', '.join(f'{t:.3f}' for t in timings)} s")
+    assert min(timings) < 1.0
+
+
+def test_sandbox_probe_results(verifier):
+    # Root here: children switch to nobody and lose the network.
+    assert verifier.network_isolated is not None
+    if verifier.run_as is not None:
+        assert verifier.run_as[0] != 0
+
+
+def test_timings_larger_than_wall_time_are_inconsistent(verifier):
+    timing = _child.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
+    with pytest.raises(_Verdict) as info:
+        verifier._check_timing(timing, time.monotonic(), "the candidate")
+    assert info.value.fields["stage"] == "infrastructure"
+    assert info.value.fields["error"].startswith("timings inconsistent")
+    # 20 ms of samples after 1 s of wall time is consistent.
+    verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate")
+
+
+# ------------------------------------------------------------------ correctness rules
+
+
+def test_tolerance_table():
+    tol = correctness.tolerance_for
+    assert (tol(torch.float32).atol, tol(torch.float32).rtol) == (1e-4, 1e-4)
+    assert tol(torch.float32, "cuda").atol == 5e-3
+    assert tol(torch.float16).atol == 1e-2
+    assert tol(torch.bfloat16).rtol == 2e-2
+    assert tol(torch.float64).atol == 1e-7
+    assert tol(torch.int32).atol == 0 and tol(torch.bool).rtol == 0
+    assert tol(torch.complex64) == tol(torch.float32)
+    assert correctness.format_tolerance(1e-4) == "1e-4"
+    assert correctness.format_tolerance(1.25e-1) == "1.25e-1"
+
+
+def test_mismatch_message_and_indices():
+    expected = torch.zeros(4, 8)
+    got = expected.clone()
+    got[1, 2] = 0.5
+    got[3, 7] = 0.25
+    cmp = correctness.compare_output(0, expected, got)
+    assert not cmp.passed
+    assert cmp.mismatch_count == 2
+    assert cmp.mismatch_indices == [[1, 2], [3, 7]]
+    assert cmp.message == ("output 0: 2 of 32 elements differ beyond atol=1e-4 rtol=1e-4; "
+                           "max abs error 0.5 at [1, 2] (expected 0, got 0.5)")
+    assert cmp.max_abs_error == 0.5
+
+
+def test_within_tolerance_passes():
+    expected = torch.randn(64, 64)
+    got = expected * (1 + 5e-5)
+    assert correctness.compare_outputs([expected], [got]).passed
+
+
+def test_shape_and_dtype_message():
+    cmp = correctness.compare_output(0, torch.zeros(16, 4096, dtype=torch.float64),
+                                     torch.zeros(16, 4096))
+    assert cmp.message == ("output 0 has shape (16, 4096) and dtype float32; expected "
+                           "(16, 4096) and float64")
+
+
+def test_nan_and_inf_positions_must_match():
+    expected = torch.tensor([1.0, math.nan, math.inf, 2.0])
+    assert correctness.compare_output(0, expected, expected.clone()).passed
+    got = torch.tensor([1.0, 0.0, math.inf, math.nan])
+    cmp = correctness.compare_output(0, expected, got)
+    assert cmp.mismatch_count == 2 and cmp.mismatch_indices == [[1], [3]]
+    assert "NaN/Inf positions differ" in cmp.message
+    got = torch.tensor([1.0, math.nan, -math.inf, 2.0])
+    assert not correctness.compare_output(0, expected, got).passed
+
+
+def test_integers_compare_exactly():
+    expected = torch.arange(10)
+    got = expected.clone()
+    got[4] += 1
+    cmp = correctness.compare_output(0, expected, got)
+    assert cmp.mismatch_count == 1 and "differ exactly" in cmp.message
+
+
+def test_output_count_mismatch():
+    cmp = correctness.compare_outputs([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)])
+    assert cmp.message == "ModelNew.forward returned 2 outputs; expected 1"
+
+
+# ------------------------------------------------------------------ sandbox helpers
+
+
+def test_secret_scrub_rules():
+    environ = {"HOME": "/root", "AIKG_LLM_API_KEY": "x", "NATS_CREDS_FILE": "x"}
+    _child.scrub_environment(environ)
+    assert environ == {"HOME": "/root"}
+    env = {"PATH": "/bin", "AIKG_LLM_API_KEY": "x", "OPENAI_API_KEY": "x", "GITHUB_TOKEN": "x",
+           "DB_PASSWORD": "x", "AWS_SECRET_ACCESS_KEY": "x", "MY_CREDENTIALS": "x",
+           "AIKG_NATS_URL": "x", "NATS_URL": "x", "AIKG_WORKER_BACKEND": "cpu"}
+    assert clean_environment(env) == {"PATH": "/bin", "AIKG_WORKER_BACKEND": "cpu"}
+
+
+def test_describe_exit():
+    assert describe_exit(signal.SIGSEGV).startswith("killed by signal SIGSEGV (segmentation")
+    assert describe_exit(3 << 8) == "exited with code 3"
+    assert os.WIFEXITED(3 << 8)
+
+
+def test_captured_output_is_capped(tmp_path):
+    (tmp_path / "stdout.txt").write_text("a" * 10_000 + "END")
+    (tmp_path / "stderr.txt").write_text("boom")
+    text = captured_output(tmp_path, 1000)
+    assert len(text.encode()) <= 1100
+    assert text.rstrip().endswith("boom") and "END" in text and "cut" in text
+
+
+def test_speedup_flagging():
+    fields = speedup_fields(1000.0, 100.0, bound=50.0)
+    assert fields == {"base_time_us": 1000.0, "speedup": 10.0, "error": None}
+    flagged = speedup_fields(1000.0, 10.0, bound=50.0)
+    assert flagged["speedup"] == 100.0
+    assert flagged["error"].startswith("flagged: speedup 100.0 exceeds the bound 50")
+
+
+def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):
+    """The GPU timing loop, run against a stand-in for torch.cuda on the CPU."""
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+            self.at = 0.0
+
+        def record(self) -> None:
+            self.at = time.perf_counter()
+
+        def synchronize(self) -> None:
+            calls.append("event.synchronize")
+
+        def elapsed_time(self, end: FakeEvent) -> float:
+            return (end.at - self.at) * 1000.0  # milliseconds, like torch.cuda.Event
+
+    class FakeAccelerator:
+        Event = FakeEvent
+
+        @staticmethod
+        def synchronize() -> None:
+            calls.append("synchronize")
+
+    def model(x):
+        calls.append("forward")
+        time.sleep(0.001)
+        return x
+
+    monkeypatch.setattr(_child, "_accelerator", lambda backend: FakeAccelerator)
+    spec = _child.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=2, repeats=5,
+                            flush_bytes=1024)
+    timing = _child._time_forward(model, [torch.zeros(4)], spec)
+    assert calls[:3] == ["forward", "forward", "synchronize"]
+    assert calls.count("forward") == 7 and calls.count("event.synchronize") == 5
+    assert len(timing.samples_us) == 5
+    assert all(900 < s < 100_000 for s in timing.samples_us)
+    assert timing.median_us == sorted(timing.samples_us)[2]
+    assert timing.wall_s * 1e6 >= sum(timing.samples_us)
+
+
+async def test_pool_recovers_after_the_fork_server_dies(verifier):
+    """Last in this module: it costs a fork-server restart (~2 s)."""
+    proc = verifier._pool._proc
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    restarts = verifier._pool.restarts
+    result = await verifier.verify(request(), device="0")
+    assert result.passed, result
+    assert verifier._pool.restarts == restarts + 1
