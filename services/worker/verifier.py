@@ -260,7 +260,16 @@ class Verifier:
         self.network_isolated: bool | None = None
         self.run_as: tuple[int, int] | None = None
         self.sandbox_notes: list[str] = []
-        self._pool = SandboxPool()
+        # Triton decides at import time whether its standard library (tl.sigmoid,
+        # tl.softmax ...) is interpreted, so the fork server must import it with
+        # TRITON_INTERPRET already set on the cpu backend; a child's later switch only
+        # covers kernels the candidate defines itself.
+        server_env = dict(os.environ)
+        if backend == "cpu":
+            server_env["TRITON_INTERPRET"] = "1"
+        else:
+            server_env.pop("TRITON_INTERPRET", None)
+        self._pool = SandboxPool(env=server_env)
         self._started = False
         self._start_lock = threading.Lock()
         self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
