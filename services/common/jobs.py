@@ -13,6 +13,7 @@ import nats.js.errors
 import structlog
 
 from schemas import (
+    TERMINAL_STATUSES,
     JobEvent,
     JobRecord,
     JobSubmit,
@@ -23,7 +24,7 @@ from schemas import (
     subjects,
     utcnow,
 )
-from services.common.bus import Bus
+from services.common.bus import Bus, JobStore
 
 log = structlog.get_logger("aikg.jobs")
 
@@ -126,3 +127,31 @@ async def publish_event(bus: Bus, event: JobEvent) -> None:
         await bus.js.publish(subjects.job_events(event.job_id), encode(event))
     except Exception as exc:  # noqa: BLE001 - events must never fail a job
         log.warning("event_publish_failed", job_id=event.job_id, error=str(exc))
+
+
+async def cancel_job(bus: Bus, job_id: str, reason: str = "cancelled by user") -> JobRecord:
+    """Mark a job ``cancelled`` (compare-and-swap) and publish its ``cancelled`` event.
+
+    The generator watches the record and stops the job's LLM calls and pending
+    verifications; workers skip verify requests of cancelled jobs. A job that has
+    already ended is returned unchanged.
+
+    Raises:
+        services.common.bus.JobNotFound: no such job.
+    """
+    def change(record: JobRecord) -> JobRecord | None:
+        if record.status in TERMINAL_STATUSES:
+            return None
+        record.status = "cancelled"
+        record.error = reason
+        record.end_time = utcnow()
+        record.progress.phase = "cancelled"
+        record.progress.message = reason
+        return record
+
+    before, _ = await JobStore(bus.jobs).get(job_id)
+    record = await JobStore(bus.jobs).update(job_id, change)
+    if before.status not in TERMINAL_STATUSES and record.status == "cancelled":
+        await publish_event(bus, JobEvent(job_id=job_id, event="cancelled", status="cancelled",
+                                          message=reason))
+    return record
