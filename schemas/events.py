@@ -176,6 +176,69 @@ class VerifyResult(Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class EvolveCandidate(Struct, kw_only=True):
+    """One candidate of an evolve job, as kept in the job's evolve summary.
+
+    ``params`` are the built-in coder's launch parameters (``block_size``,
+    ``num_warps``, ``num_stages``) when it wrote the candidate. ``passed`` is None
+    while the candidate is being verified. ``duplicate_of`` names an earlier
+    candidate with the same normalised code, whose verdict was reused.
+    """
+
+    candidate_id: str
+    island: int
+    round: int
+    coder: str
+    code_hash: str
+    parent_id: str | None = None
+    params: dict[str, int] = field(default_factory=dict)
+    passed: bool | None = None
+    stage: Stage | None = None
+    error: str | None = None
+    speedup: float | None = None
+    gen_time_us: float | None = None
+    base_time_us: float | None = None
+    duplicate_of: str | None = None
+    code: str | None = None
+
+
+class Migration(Struct, kw_only=True):
+    """Copies of an island's best candidates placed on another island after a round."""
+
+    round: int
+    source_island: int
+    target_island: int
+    candidate_ids: list[str]
+
+
+class ParentChoice(Struct, kw_only=True):
+    """Which parent a child was bred from; ``migrant`` when the parent came to the
+    island by migration (so the migration changed this choice)."""
+
+    child_id: str
+    island: int
+    round: int
+    parent_id: str
+    migrant: bool = False
+    elite: bool = False
+
+
+class EvolveSummary(Struct, kw_only=True):
+    """State of an evolve job, kept in its record: candidates per island, the elite
+    archive across islands, migrations and parent choices. ``fitness`` says how
+    candidates were ranked (``speedup`` on devices with meaningful timings,
+    ``correctness`` on the cpu backend)."""
+
+    rounds: int
+    round: int = 0
+    fitness: Literal["speedup", "correctness"] = "speedup"
+    islands: list[list[str]] = field(default_factory=list)
+    elites: list[str] = field(default_factory=list)
+    migrations: list[Migration] = field(default_factory=list)
+    parent_choices: list[ParentChoice] = field(default_factory=list)
+    candidates: list[EvolveCandidate] = field(default_factory=list)
+
+
 class JobResult(Struct, kw_only=True):
     """What a finished job produced: the kernel source and the worker's verdict on it."""
 
@@ -186,6 +249,8 @@ class JobResult(Struct, kw_only=True):
     coder: str | None = None
     attempts: int = 0
     speedup: float | None = None
+    # Evolve jobs: the best candidates, best first, with code, round, island and parent.
+    best: list[EvolveCandidate] = field(default_factory=list)
 
 
 class JobRecord(Struct, kw_only=True):
@@ -210,6 +275,7 @@ class JobRecord(Struct, kw_only=True):
     start_time: dt.datetime | None = None
     end_time: dt.datetime | None = None
     updated_at: dt.datetime = field(default_factory=utcnow)
+    evolve: EvolveSummary | None = None
     type: Literal["job.record"] = "job.record"
     schema_version: int = SCHEMA_VERSION
 
