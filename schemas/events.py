@@ -102,8 +102,54 @@ class JobSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class LLMUsage(Struct, kw_only=True):
+    """LLM calls made for a job, summed over its agents (designer, coder, conductor).
+
+    ``requests`` counts the HTTP calls behind the replies the job got (retries
+    included); ``prompt_tokens`` / ``completion_tokens`` are what the endpoint
+    reported in ``usage``; ``duration_s`` is the wall time of the answered calls,
+    seconds.
+    """
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    duration_s: float = 0.0
+
+
+class CandidateRecord(Struct, kw_only=True):
+    """One candidate of a job, as its record keeps it (``progress.candidates``).
+
+    Written by compare-and-swap *before* its verify request is published, so a
+    generator that takes the job over after a crash knows which requests exist and
+    neither redoes nor loses one. ``request_id`` is deterministic per attempt (it is
+    also the request's ``Nats-Msg-Id``). ``code`` is kept for the latest candidate
+    only (the one a repair or a resume needs); earlier ones keep ``code_sha256``.
+    ``verify_seq`` is the VERIFY stream sequence of the published request (None until
+    the publish was acknowledged). ``passed`` / ``stage`` / ``error`` are the verdict,
+    None while it is pending.
+    """
+
+    attempt: int
+    candidate_id: str
+    request_id: str
+    coder: str
+    code_sha256: str
+    code: str | None = None
+    guidance: str = ""
+    verify_seq: int | None = None
+    passed: bool | None = None
+    stage: Stage | None = None
+    error: str | None = None
+    created_at: dt.datetime = field(default_factory=utcnow)
+
+
 class JobProgress(Struct, kw_only=True):
-    """How far a job has got; shown by ``aikg submit --wait`` and the status route."""
+    """How far a job has got; shown by ``aikg submit --wait`` and the status route.
+
+    ``candidates`` lists every candidate in attempt order; ``plan`` is the designer's
+    plan (``default_workflow``); ``llm_usage`` sums the job's LLM calls.
+    """
 
     phase: str = "queued"
     message: str = ""
@@ -112,6 +158,9 @@ class JobProgress(Struct, kw_only=True):
     candidates_passed: int = 0
     round: int = 0
     max_rounds: int = 1
+    candidates: list[CandidateRecord] = field(default_factory=list)
+    plan: str | None = None
+    llm_usage: LLMUsage = field(default_factory=LLMUsage)
 
 
 class VerifyRequest(Struct, kw_only=True):

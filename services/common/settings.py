@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import typing
 from typing import Any
 
 import msgspec
@@ -17,6 +18,11 @@ import msgspec
 def machine_arch() -> str:
     """The arch name of this machine's CPU as used in subjects (``x86_64``, ``aarch64``)."""
     return platform.machine().lower().replace("amd64", "x86_64").replace("arm64", "aarch64")
+
+
+# Fields whose values are credentials: masked in repr(), never logged.
+SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "llm_designer_api_key",
+                           "llm_coder_api_key", "llm_conductor_api_key"})
 
 
 class Settings(msgspec.Struct, kw_only=True):
@@ -54,6 +60,30 @@ class Settings(msgspec.Struct, kw_only=True):
             verdict, queueing included, before failing the job.
         api_token: bearer token the gateway requires on every route but health;
             empty turns auth off.
+        llm_base_url: OpenAI-compatible endpoint of the LLM agents
+            (``https://api.openai.com/v1``, ``http://gpu-box:8000/v1`` for vLLM,
+            ``http://127.0.0.1:11434/v1`` for Ollama). Empty: no LLM; jobs use the
+            built-in coder.
+        llm_api_key: the endpoint's key (sent as a bearer token; never logged or
+            stored). Empty sends a placeholder, which local servers accept.
+        llm_model: model name the endpoint serves (required with a base URL).
+        llm_temperature: sampling temperature; negative leaves it to the endpoint
+            (for models that refuse the parameter).
+        llm_max_tokens: reply length limit in tokens; 0 leaves it to the endpoint.
+        llm_timeout_s: limit on one HTTP call, seconds (a reply that never comes).
+        llm_max_retries: retries of one call after 429, 5xx, a timeout or a lost
+            connection; waits honour ``Retry-After``, else exponential backoff.
+        llm_concurrency: calls in flight at once per endpoint (base URL), per
+            generator process.
+        llm_reasoning: the endpoint's thinking switch. Empty sends nothing; ``on`` /
+            ``off`` send ``enable_thinking`` (top level and in
+            ``chat_template_kwargs``: vLLM, SGLang, DashScope, SiliconFlow);
+            ``minimal`` / ``low`` / ``medium`` / ``high`` send ``reasoning_effort``
+            (OpenAI, Ollama, gpt-oss on vLLM).
+        llm_<agent>_<name>: per-agent override (agent ``designer``, ``coder`` or
+            ``conductor``; name ``base_url``, ``api_key``, ``model``,
+            ``temperature``, ``max_tokens``, ``reasoning``), e.g.
+            ``AIKG_LLM_CODER_MODEL``. Empty (or unset) falls back to ``llm_<name>``.
     """
 
     nats_url: str = ""
@@ -78,6 +108,41 @@ class Settings(msgspec.Struct, kw_only=True):
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
     api_token: str = ""
+    llm_base_url: str = ""
+    llm_api_key: str = ""
+    llm_model: str = ""
+    llm_temperature: float = 0.2
+    llm_max_tokens: int = 8192
+    llm_timeout_s: float = 600.0
+    llm_max_retries: int = 4
+    llm_concurrency: int = 4
+    llm_reasoning: str = ""
+    llm_designer_base_url: str = ""
+    llm_designer_api_key: str = ""
+    llm_designer_model: str = ""
+    llm_designer_temperature: float | None = None
+    llm_designer_max_tokens: int | None = None
+    llm_designer_reasoning: str = ""
+    llm_coder_base_url: str = ""
+    llm_coder_api_key: str = ""
+    llm_coder_model: str = ""
+    llm_coder_temperature: float | None = None
+    llm_coder_max_tokens: int | None = None
+    llm_coder_reasoning: str = ""
+    llm_conductor_base_url: str = ""
+    llm_conductor_api_key: str = ""
+    llm_conductor_model: str = ""
+    llm_conductor_temperature: float | None = None
+    llm_conductor_max_tokens: int | None = None
+    llm_conductor_reasoning: str = ""
+
+    def __repr__(self) -> str:
+        # Keys and tokens must never reach a log line or a traceback.
+        shown = ", ".join(
+            f"{name}={'***' if name in SECRET_FIELDS and getattr(self, name) else repr(getattr(self, name))}"
+            for name in self.__struct_fields__
+        )
+        return f"Settings({shown})"
 
     @property
     def arch(self) -> str:
@@ -105,6 +170,13 @@ def load_settings(env: dict[str, str] | None = None, **overrides: Any) -> Settin
         raw = env.get(f"AIKG_{name.upper()}")
         if raw is None:
             continue
+        # ``float | None``: an empty variable means None (fall back to the general value).
+        args = [a for a in typing.get_args(ftype) if a is not type(None)]
+        if args:
+            if not raw.strip():
+                values[name] = None
+                continue
+            ftype = args[0]
         try:
             values[name] = ftype(raw) if ftype is not str else raw
         except ValueError as exc:

@@ -5,13 +5,35 @@ stream, so several instances share the jobs. For each job the generator keeps th
 record in the ``jobs`` bucket (compare-and-swap) and ``jobs.events.<job_id>`` up to
 date, publishes each candidate as a verify request on ``verify.<backend>.<arch>``
 and waits for its verdict on ``results.<job_id>``.
+
+Crash recovery. Before a candidate's verify request is published, the candidate is
+written into the job record (``progress.candidates``: attempt, ids, coder, code
+hash, the latest candidate's code) by compare-and-swap; the request id is
+deterministic (``<job_id>-a<attempt>``) and is the message's ``Nats-Msg-Id``; the
+VERIFY sequence of the acknowledged publish is recorded next, and each verdict
+after it arrives. A generator that dies mid-job leaves its job message unacked, so
+JetStream redelivers it (after :data:`JOB_ACK_WAIT_S`) to another instance or to the
+restarted one, which rebuilds the attempts from the record: verdicts already
+recorded are reused, a request already published is awaited again on
+``results.<job_id>`` (read from the start of the RESULTS stream) instead of being
+resent, a recorded request without a sequence is republished under the same id
+(the stream drops it if the first publish did land), and the attempt loop goes on
+from there. The final status is set by compare-and-swap from a non-terminal state,
+so a job ends (and announces its end) once.
+
+Cancel. While a job runs, its record is polled every :data:`CANCEL_POLL_S`; when it
+turns ``cancelled`` (``POST /api/v1/jobs/{id}/cancel``), the job's task is cancelled:
+its LLM call is aborted and its pending verdicts are no longer awaited (workers skip
+requests of cancelled jobs).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import time
+from collections.abc import Awaitable
 
 import msgspec
 import structlog
@@ -32,6 +54,7 @@ from schemas import (
     subjects,
     utcnow,
 )
+from schemas.events import CandidateRecord
 from services.common.bus import Bus, JobNotFound, JobStore, connect_bus
 from services.common.consumer import (
     dead_letter,
@@ -52,8 +75,15 @@ from services.common.jobs import (
 from services.common.metrics import start_metrics_server
 from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
-from services.generator.coders.base import BuiltinCoder, Candidate, make_pool
-from services.generator.workflows import WorkflowError, coder_only_workflow, describe_failure
+from services.generator.agents import Conductor, Designer, LLMCoder
+from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, make_pool
+from services.generator.llm import Completion, LLMClient, LLMConfigError, Message
+from services.generator.workflows import (
+    WORKFLOWS,
+    WorkflowContext,
+    WorkflowError,
+    describe_failure,
+)
 
 log = structlog.get_logger("aikg.generator")
 
@@ -65,13 +95,21 @@ JOB_SECONDS = Histogram(
 )
 
 # JOBS consumer: a job is redelivered if its generator stops heartbeating for this
-# long; the generator sends in_progress() every third of it.
-JOB_ACK_WAIT_S = 30.0
+# long (so a crashed generator's job resumes elsewhere after ~10 s); the generator
+# sends in_progress() every third of it.
+JOB_ACK_WAIT_S = 10.0
 JOB_MAX_DELIVER = 5
+# How often a running job's record is read to notice a cancel, seconds.
+CANCEL_POLL_S = 0.5
+# How long a resumed job waits for the full verdict of an attempt whose summary the
+# record already holds (RESULTS replays its history at once; past max age it is gone).
+RECORDED_VERDICT_WAIT_S = 2.0
+# Verdict error text kept per candidate in the record, characters.
+RECORD_ERROR_CHARS = 2000
 
 
 class JobCancelled(Exception):
-    """The job's record says ``cancelled``: stop working on it."""
+    """The job's record says ``cancelled`` (or another generator ended it): stop."""
 
 
 class Generator:
@@ -79,7 +117,7 @@ class Generator:
 
     Args:
         bus: connected NATS bus.
-        settings: concurrency and timeouts.
+        settings: concurrency, timeouts and the LLM endpoints (``llm_*``).
     """
 
     def __init__(self, bus: Bus, settings: Settings) -> None:
@@ -90,6 +128,14 @@ class Generator:
         self.builtin = BuiltinCoder(self.pool)
         self.slots = asyncio.Semaphore(settings.generator_concurrency)
         self.tasks: set[asyncio.Task] = set()
+        self.llm: LLMClient | None = None
+        # A broken LLM configuration fails the jobs that need the LLM, with this text,
+        # instead of the whole generator.
+        self.llm_error: str | None = None
+        try:
+            self.llm = LLMClient(settings)
+        except LLMConfigError as exc:
+            self.llm_error = str(exc)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Serve jobs until ``stop`` is set; in-flight jobs are left unacked so that
@@ -99,7 +145,11 @@ class Generator:
             durable=subjects.CONSUMER_GENERATOR, ack_wait_s=JOB_ACK_WAIT_S,
             max_deliver=JOB_MAX_DELIVER + 1,
         )
-        log.info("generator_started", concurrency=self.settings.generator_concurrency)
+        await self._align_ack_wait()
+        if self.llm_error:
+            log.error("llm_config_invalid", error=self.llm_error)
+        log.info("generator_started", concurrency=self.settings.generator_concurrency,
+                 llm=self.llm.describe() if self.llm and self.llm.configured() else None)
         try:
             while not stop.is_set():
                 free = self.settings.generator_concurrency - len(self.tasks)
@@ -116,9 +166,26 @@ class Generator:
             await asyncio.gather(*self.tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+            if self.llm is not None:
+                await self.llm.aclose()
             self.pool.stop()
             await asyncio.to_thread(self.pool.join, 10)
             log.info("generator_stopped")
+
+    async def _align_ack_wait(self) -> None:
+        """Bring a JOBS consumer created by an older generator (another ack wait) to
+        :data:`JOB_ACK_WAIT_S`; binding an existing durable does not change it."""
+        try:
+            info = await self.bus.js.consumer_info(subjects.STREAM_JOBS,
+                                                   subjects.CONSUMER_GENERATOR)
+            if info.config.ack_wait is None or abs(info.config.ack_wait - JOB_ACK_WAIT_S) < 0.5:
+                return
+            config = info.config
+            config.ack_wait = JOB_ACK_WAIT_S
+            await self.bus.js.add_consumer(subjects.STREAM_JOBS, config)
+            log.info("job_consumer_updated", ack_wait_s=JOB_ACK_WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the old ack wait still works, only slower
+            log.warning("job_consumer_update_failed", error=str(exc))
 
     async def handle(self, msg: Msg) -> None:
         """Run one job message to the end; never raises (a bad job must not stop us)."""
@@ -207,27 +274,29 @@ class Generator:
         record = await self.jobs.update(job_id, start)
         if record.status != "running":
             return record.status
-        await publish_event(self.bus, JobEvent(job_id=job_id, event="started", status="running"))
-        log.info("job_started", op_name=record.op_name, backend=record.backend, arch=record.arch)
+        recorded = len(record.progress.candidates)
+        await publish_event(self.bus, JobEvent(
+            job_id=job_id, event="started", status="running",
+            message=f"resumed with {recorded} recorded candidate(s)" if recorded else ""))
+        log.info("job_started", op_name=record.op_name, backend=record.backend, arch=record.arch,
+                 resumed_candidates=recorded)
         try:
             if submit.job_type == "evolve":
                 raise WorkflowError("job_type 'evolve' is not available in this version; "
                                     "submit job_type 'single'")
-            coder = self._coder(submit)
             waiter = ResultWaiter(self.bus, job_id)
             await waiter.start()
             try:
-                result = await coder_only_workflow(
-                    submit, coder, lambda c: self._verify(record, c, waiter),
-                    lambda event, **kw: self._report(job_id, event, **kw),
-                )
+                run = JobRun(self, record, waiter)
+                ctx = self._context(run, await run.recover())
+                result = await self._until_cancelled(job_id, WORKFLOWS[submit.workflow](ctx))
             finally:
                 await waiter.stop()
         except JobCancelled:
             log.info("job_cancelled")
             return "cancelled"
         except WorkflowError as exc:
-            await self._finish(job_id, "failed", error=str(exc))
+            await self._finish(job_id, "failed", error=str(exc), result=exc.result)
             return "failed"
         if result.passed:
             await self._finish(job_id, "completed", result=result)
@@ -236,93 +305,75 @@ class Generator:
         await self._finish(job_id, "failed", result=result, error=describe_failure(result.verdict))
         return "failed"
 
-    def _coder(self, submit: JobSubmit) -> BuiltinCoder | None:
-        if submit.coder == "llm":
-            raise WorkflowError("coder 'llm' requested but no LLM is configured in this version; "
-                                "use coder 'builtin' or give init_code")
-        return self.builtin
+    def _context(self, run: JobRun, history: list[Attempt]) -> WorkflowContext:
+        """The workflow's coders and agents for the job's ``coder`` choice.
 
-    async def _report(self, job_id: str, event: str, *, phase: str = "", message: str = "",
-                      **data) -> None:
-        def change(r: JobRecord) -> JobRecord | None:
-            if r.status in TERMINAL_STATUSES:
-                return None
-            if phase:
-                r.progress.phase = phase
-            if message:
-                r.progress.message = message
-            for key, value in data.items():
-                if hasattr(r.progress, key):
-                    setattr(r.progress, key, value)
-            return r
+        ``coder`` None means the LLM coder when an LLM endpoint is configured, else the
+        built-in coder. An LLM job also gets the built-in coder, for a first candidate.
 
-        record = await self.jobs.update(job_id, change)
-        if record.status == "cancelled":
-            raise JobCancelled(job_id)
-        await publish_event(self.bus, JobEvent(job_id=job_id, event=event, status=record.status,
-                                               message=message, data=data))
+        Raises:
+            WorkflowError: ``coder="llm"`` (or None with a broken LLM configuration)
+                and no usable LLM configuration.
+        """
+        submit = run.submit
+        wants_llm = submit.coder == "llm" or (
+            submit.coder is None and (self.llm_error is not None
+                                      or (self.llm is not None and self.llm.configured())))
+        ctx = WorkflowContext(submit=submit, verify=run.verify, report=run.report,
+                              builtin=self.builtin, history=history,
+                              plan=run.record.progress.plan)
+        if not wants_llm:
+            return ctx
+        if self.llm_error is not None:
+            raise WorkflowError(f"the LLM coder is misconfigured: {self.llm_error}")
+        if self.llm is None or not self.llm.configured():
+            raise WorkflowError("coder 'llm' requested but no LLM is configured on the generator: "
+                                "set AIKG_LLM_BASE_URL and AIKG_LLM_MODEL (README, 'Using an "
+                                "LLM'), or submit with coder 'builtin'")
+        ctx.coder = LLMCoder(run.chat)
+        if submit.workflow == "default_workflow":
+            if self.llm.configured("designer"):
+                ctx.designer = Designer(run.chat)
+            if self.llm.configured("conductor"):
+                ctx.conductor = Conductor(run.chat)
+        return ctx
 
-    async def _verify(self, record: JobRecord, candidate: Candidate,
-                      waiter: ResultWaiter) -> VerifyResult:
-        job_id = record.job_id
-        submit = record.request
-        candidate_id = new_id("cand-")
-        request = VerifyRequest(
-            request_id=new_id("req-"), job_id=job_id, candidate_id=candidate_id,
-            op_name=submit.op_name, task_desc=submit.task_desc, code=candidate.code,
-            dsl=submit.dsl, framework=submit.framework, backend=submit.backend,
-            arch=record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
-            shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
-            trials=submit.trials,
-        )
-        CANDIDATES.labels(coder=candidate.coder).inc()
+    async def _until_cancelled(self, job_id: str, work: Awaitable[JobResult]) -> JobResult:
+        """Await ``work`` while polling the job's record; cancel it when the record
+        says the job ended elsewhere (a cancel, or another generator finished it).
 
-        def generated(r: JobRecord) -> JobRecord | None:
-            if r.status in TERMINAL_STATUSES:
-                return None
-            r.progress.candidates_generated += 1
-            r.progress.phase = "verifying"
-            r.progress.message = f"verifying candidate {candidate_id} on {submit.backend}/{record.arch}"
-            return r
+        Raises:
+            JobCancelled: the job ended under us; ``work`` was cancelled.
+        """
+        task = asyncio.ensure_future(work)
 
-        current = await self.jobs.update(job_id, generated)
-        if current.status == "cancelled":
-            raise JobCancelled(job_id)
-        await publish_event(self.bus, JobEvent(
-            job_id=job_id, event="candidate_generated", status="running",
-            candidate_id=candidate_id, data={"coder": candidate.coder}))
-        future = waiter.expect(request.request_id)
-        await self.bus.js.publish(subjects.verify(request.backend, request.arch), encode(request),
-                                  headers={"Nats-Msg-Id": request.request_id})
-        await publish_event(self.bus, JobEvent(
-            job_id=job_id, event="verify_started", status="running",
-            candidate_id=candidate_id, request_id=request.request_id))
-        log.info("verify_requested", candidate_id=candidate_id, request_id=request.request_id)
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(CANCEL_POLL_S)
+                try:
+                    record, _ = await self.jobs.get(job_id)
+                except JobNotFound:
+                    return
+                except Exception as exc:  # noqa: BLE001 - a KV hiccup is not a cancel
+                    log.warning("cancel_poll_failed", error=str(exc))
+                    continue
+                if record.status in TERMINAL_STATUSES:
+                    return
+
+        watcher = asyncio.create_task(watch())
         try:
-            result = await asyncio.wait_for(future, self.settings.verify_result_timeout_s)
-        except TimeoutError as exc:
-            raise WorkflowError(
-                f"no verdict for candidate {candidate_id} within "
-                f"{self.settings.verify_result_timeout_s:.0f} s: is a worker for "
-                f"{request.backend}/{request.arch} running?") from exc
-
-        def verified(r: JobRecord) -> JobRecord | None:
-            if r.status in TERMINAL_STATUSES:
-                return None
-            r.progress.candidates_verified += 1
-            r.progress.candidates_passed += int(result.passed)
-            r.progress.message = ("candidate passed" if result.passed
-                                  else f"candidate failed at stage '{result.stage}'")
-            return r
-
-        current = await self.jobs.update(job_id, verified)
-        await publish_event(self.bus, JobEvent(
-            job_id=job_id, event="verify_result", status=current.status,
-            candidate_id=candidate_id, request_id=request.request_id, verdict=result,
-            message=current.progress.message))
-        if current.status == "cancelled":
+            done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done:
+                return task.result()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
             raise JobCancelled(job_id)
-        return result
+        finally:
+            for t in (task, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
 
     async def _finish(self, job_id: str, status: str, *, result: JobResult | None = None,
                       error: str | None = None) -> None:
@@ -355,19 +406,278 @@ class Generator:
                                                    status="failed", message=reason))
 
 
+def attempt_ids(job_id: str, attempt: int) -> tuple[str, str]:
+    """Deterministic ``(candidate_id, request_id)`` of a job's attempt.
+
+    ``<job_id>-c<n>`` / ``<job_id>-a<n>``; a job id too long for a 64-character
+    subject token is shortened with a hash of it, still deterministic.
+    """
+    base = job_id
+    if len(job_id) + 6 > 64:
+        base = f"{job_id[:40]}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
+    return f"{base}-c{attempt}", f"{base}-a{attempt}"
+
+
+def code_sha256(code: str) -> str:
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+class JobRun:
+    """The generator's side of one running job: its candidates in the job record,
+    their verify requests and verdicts, its progress and its LLM usage.
+
+    Args:
+        generator: the owning generator (bus, store, settings, LLM client).
+        record: the job's record when the run started.
+        waiter: the job's verdict collector.
+    """
+
+    def __init__(self, generator: Generator, record: JobRecord, waiter: ResultWaiter) -> None:
+        self.gen = generator
+        self.bus = generator.bus
+        self.jobs = generator.jobs
+        self.record = record
+        self.job_id = record.job_id
+        self.submit = record.request
+        self.waiter = waiter
+
+    async def recover(self) -> list[Attempt]:
+        """Attempts recorded by earlier runs of this job, oldest first.
+
+        A recorded verdict is taken from RESULTS when it is still there (the full
+        verdict, with the log a repair prompt wants), else rebuilt from the record's
+        summary. An attempt without a verdict keeps ``verdict`` None; the workflow
+        awaits it again through :meth:`verify`.
+        """
+        attempts = []
+        entries = sorted(self.record.progress.candidates, key=lambda e: e.attempt)
+        for entry in entries:
+            verdict = None
+            if entry.passed is not None:
+                verdict = self.waiter.results.get(entry.request_id)
+                if verdict is None and entry is entries[-1]:
+                    verdict = await self._recorded_verdict(entry)
+                verdict = verdict or self._summary_verdict(entry)
+            attempts.append(Attempt(
+                number=entry.attempt,
+                candidate=Candidate(code=entry.code or "", coder=entry.coder,
+                                    meta={"guidance": entry.guidance} if entry.guidance else {}),
+                verdict=verdict))
+        return attempts
+
+    def _summary_verdict(self, entry: CandidateRecord) -> VerifyResult:
+        return VerifyResult(request_id=entry.request_id, job_id=self.job_id,
+                            candidate_id=entry.candidate_id, worker_id="", device="",
+                            passed=bool(entry.passed), stage=entry.stage, error=entry.error)
+
+    # --- progress and usage ---------------------------------------------------------
+
+    async def report(self, event: str, *, phase: str = "", message: str = "", **data) -> None:
+        """Update progress fields of the record and publish ``event``.
+
+        Raises:
+            JobCancelled: the record says the job ended.
+        """
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.status in TERMINAL_STATUSES:
+                return None
+            if phase:
+                r.progress.phase = phase
+            if message:
+                r.progress.message = message
+            for key, value in data.items():
+                if hasattr(r.progress, key):
+                    setattr(r.progress, key, value)
+            return r
+
+        record = await self.jobs.update(self.job_id, change)
+        if record.status in TERMINAL_STATUSES:
+            raise JobCancelled(self.job_id)
+        await publish_event(self.bus, JobEvent(job_id=self.job_id, event=event,
+                                               status=record.status, message=message, data=data))
+
+    async def chat(self, agent: str, messages: list[Message]) -> Completion:
+        """The LLM client's chat, with the call's usage added to the job record."""
+        assert self.gen.llm is not None
+        return await self.gen.llm.chat(agent, messages, usage=self._add_usage)
+
+    async def _add_usage(self, completion: Completion) -> None:
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.status in TERMINAL_STATUSES:
+                return None
+            usage = r.progress.llm_usage
+            usage.requests += completion.calls
+            usage.prompt_tokens += completion.prompt_tokens
+            usage.completion_tokens += completion.completion_tokens
+            usage.duration_s = round(usage.duration_s + completion.duration_s, 3)
+            return r
+
+        try:
+            await self.jobs.update(self.job_id, change)
+        except Exception as exc:  # noqa: BLE001 - usage is bookkeeping, not the job
+            log.warning("llm_usage_update_failed", error=str(exc))
+
+    # --- candidates -----------------------------------------------------------------
+
+    async def verify(self, attempt: Attempt) -> VerifyResult:
+        """Record ``attempt``'s candidate, send its verify request, return the verdict.
+
+        Idempotent per attempt number: a candidate already in the record is not
+        recorded again, a request already published (its VERIFY sequence recorded) is
+        not resent, and a verdict already recorded is returned at once.
+
+        Raises:
+            JobCancelled: the job ended meanwhile.
+            WorkflowError: no verdict within ``verify_result_timeout_s``.
+        """
+        entry = await self._record_candidate(attempt)
+        if entry.passed is not None:
+            return await self._recorded_verdict(entry)
+        if entry.code is None:
+            raise WorkflowError(f"attempt {entry.attempt}'s code is not in the job record; "
+                                "resubmit the job")
+        submit = self.submit
+        arch = self.record.arch or ""
+        future = self.waiter.expect(entry.request_id)
+        bound = log.bind(candidate_id=entry.candidate_id, request_id=entry.request_id,
+                         attempt=entry.attempt)
+        if entry.verify_seq is None:
+            request = VerifyRequest(
+                request_id=entry.request_id, job_id=self.job_id, candidate_id=entry.candidate_id,
+                op_name=submit.op_name, task_desc=submit.task_desc, code=entry.code,
+                dsl=submit.dsl, framework=submit.framework, backend=submit.backend, arch=arch,
+                mode="verify" if submit.backend == "cpu" else "profile",
+                shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
+                trials=submit.trials,
+            )
+            ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
+                                            encode(request),
+                                            headers={"Nats-Msg-Id": request.request_id})
+            await self._update_entry(entry.attempt, verify_seq=ack.seq)
+            await publish_event(self.bus, JobEvent(
+                job_id=self.job_id, event="verify_started", status="running",
+                candidate_id=entry.candidate_id, request_id=entry.request_id,
+                data={"attempt": entry.attempt, "duplicate": bool(ack.duplicate)}))
+            bound.info("verify_requested", seq=ack.seq, duplicate=bool(ack.duplicate))
+        else:
+            bound.info("verify_reawaited", seq=entry.verify_seq)
+        timeout = self.gen.settings.verify_result_timeout_s
+        try:
+            result = await asyncio.wait_for(future, timeout)
+        except TimeoutError as exc:
+            raise WorkflowError(
+                f"no verdict for candidate {entry.candidate_id} within {timeout:.0f} s: is a "
+                f"worker for {submit.backend}/{arch} running?") from exc
+        current = await self._update_entry(entry.attempt, verdict=result)
+        await publish_event(self.bus, JobEvent(
+            job_id=self.job_id, event="verify_result", status=current.status,
+            candidate_id=entry.candidate_id, request_id=entry.request_id, verdict=result,
+            message=current.progress.message, data={"attempt": entry.attempt}))
+        if current.status in TERMINAL_STATUSES:
+            raise JobCancelled(self.job_id)
+        return result
+
+    async def _record_candidate(self, attempt: Attempt) -> CandidateRecord:
+        candidate = attempt.candidate
+        candidate_id, request_id = attempt_ids(self.job_id, attempt.number)
+        digest = code_sha256(candidate.code)
+        created: list[bool] = [False]
+
+        def change(r: JobRecord) -> JobRecord | None:
+            created[0] = False
+            if r.status in TERMINAL_STATUSES:
+                return None
+            entries = r.progress.candidates
+            if any(e.attempt == attempt.number for e in entries):
+                return None  # recorded by an earlier run (or a racing generator)
+            for e in entries:
+                e.code = None  # only the latest candidate's code is kept
+            entries.append(CandidateRecord(
+                attempt=attempt.number, candidate_id=candidate_id, request_id=request_id,
+                coder=candidate.coder, code_sha256=digest, code=candidate.code,
+                guidance=str(candidate.meta.get("guidance", ""))))
+            _count(r)
+            r.progress.phase = "verifying"
+            r.progress.message = (f"verifying attempt {attempt.number} ({candidate.coder}) on "
+                                  f"{r.backend}/{r.arch}")
+            created[0] = True
+            return r
+
+        record = await self.jobs.update(self.job_id, change)
+        if record.status in TERMINAL_STATUSES:
+            raise JobCancelled(self.job_id)
+        entry = next(e for e in record.progress.candidates if e.attempt == attempt.number)
+        if created[0]:
+            CANDIDATES.labels(coder=candidate.coder).inc()
+            await publish_event(self.bus, JobEvent(
+                job_id=self.job_id, event="candidate_generated", status="running",
+                candidate_id=candidate_id,
+                data={"coder": candidate.coder, "attempt": attempt.number,
+                      "code_sha256": digest}))
+        elif entry.code_sha256 != digest and entry.code is not None:
+            # Another run recorded this attempt with other code: its request is the
+            # one on the bus, so that code is what gets judged.
+            log.warning("attempt_recorded_elsewhere", attempt=attempt.number)
+            attempt.candidate = Candidate(code=entry.code, coder=entry.coder)
+        return entry
+
+    async def _recorded_verdict(self, entry: CandidateRecord) -> VerifyResult:
+        """The full verdict from RESULTS when it is still there, else the record's summary."""
+        future = self.waiter.expect(entry.request_id)
+        try:
+            return await asyncio.wait_for(future, RECORDED_VERDICT_WAIT_S)
+        except TimeoutError:
+            return self._summary_verdict(entry)
+
+    async def _update_entry(self, number: int, *, verify_seq: int | None = None,
+                            verdict: VerifyResult | None = None) -> JobRecord:
+        def change(r: JobRecord) -> JobRecord | None:
+            if r.status in TERMINAL_STATUSES:
+                return None
+            entry = next((e for e in r.progress.candidates if e.attempt == number), None)
+            if entry is None:
+                return None
+            if verify_seq is not None:
+                if entry.verify_seq == verify_seq:
+                    return None
+                entry.verify_seq = verify_seq
+            if verdict is not None:
+                if entry.passed is not None:
+                    return None  # recorded already (a resumed run re-awaited it)
+                entry.passed = verdict.passed
+                entry.stage = verdict.stage
+                entry.error = (verdict.error or "")[:RECORD_ERROR_CHARS] or None
+                _count(r)
+                r.progress.message = (
+                    f"attempt {number} passed" if verdict.passed
+                    else f"attempt {number} failed at stage '{verdict.stage}'")
+            return r
+
+        return await self.jobs.update(self.job_id, change)
+
+
+def _count(r: JobRecord) -> None:
+    """Progress counters from the candidate list (so a resumed job counts each once)."""
+    entries = r.progress.candidates
+    r.progress.candidates_generated = len(entries)
+    r.progress.candidates_verified = sum(e.passed is not None for e in entries)
+    r.progress.candidates_passed = sum(bool(e.passed) for e in entries)
+
+
 class ResultWaiter:
     """Collects a job's verdicts from ``results.<job_id>`` and hands each to the
     coroutine waiting for its ``request_id``.
 
     Reads the RESULTS stream from its start for this subject (an ordered consumer),
-    so a verdict published before we subscribed is not missed.
+    so a verdict published before we subscribed (while a crashed generator was down)
+    is not missed. The first verdict per request id counts.
     """
 
     def __init__(self, bus: Bus, job_id: str) -> None:
         self.bus = bus
         self.job_id = job_id
         self.futures: dict[str, asyncio.Future[VerifyResult]] = {}
-        self.early: dict[str, VerifyResult] = {}
+        self.results: dict[str, VerifyResult] = {}
         self.sub = None
 
     async def start(self) -> None:
@@ -377,21 +687,24 @@ class ResultWaiter:
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 log.warning("malformed_result", error=str(exc))
                 return
+            if result.request_id in self.results:
+                return
+            self.results[result.request_id] = result
             future = self.futures.get(result.request_id)
-            if future is None:
-                self.early[result.request_id] = result
-            elif not future.done():
+            if future is not None and not future.done():
                 future.set_result(result)
 
         self.sub = await self.bus.js.subscribe(
             subjects.results(self.job_id), cb=on_msg, ordered_consumer=True)
 
     def expect(self, request_id: str) -> asyncio.Future[VerifyResult]:
-        """A future resolved with the verdict of ``request_id``."""
-        future = asyncio.get_running_loop().create_future()
-        if request_id in self.early:
-            future.set_result(self.early.pop(request_id))
-        self.futures[request_id] = future
+        """A future resolved with the verdict of ``request_id`` (at once if it came)."""
+        future = self.futures.get(request_id)
+        if future is None or future.cancelled():
+            future = asyncio.get_running_loop().create_future()
+            self.futures[request_id] = future
+        if not future.done() and request_id in self.results:
+            future.set_result(self.results[request_id])
         return future
 
     async def stop(self) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pebble
 
-from schemas import JobSubmit
+from schemas import JobSubmit, VerifyResult
 
 # torch.export of a KernelBench element-wise task takes ~1-2 s on a laptop CPU; a task
 # whose module-level code or forward hangs is cut off after this many seconds.
@@ -26,11 +26,29 @@ class CoderError(Exception):
 
 @dataclass
 class Candidate:
-    """One kernel candidate: complete module source defining ``ModelNew``."""
+    """One kernel candidate: complete module source defining ``ModelNew``.
+
+    ``coder`` names who wrote it (``init_code``, ``builtin``, ``llm``); ``meta`` holds
+    what the writer wants recorded (``guidance``: the repair instruction it followed).
+    """
 
     code: str
     coder: str
     meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Attempt:
+    """One numbered try of a job: a candidate and, once a worker judged it, its verdict.
+
+    ``number`` counts from 1 and names the verify request (one request per attempt).
+    After a resume, earlier attempts' ``candidate.code`` may be empty (the job record
+    keeps only the latest candidate's code).
+    """
+
+    number: int
+    candidate: Candidate
+    verdict: VerifyResult | None = None
 
 
 def _lower_in_child(task_desc: str, shape_overrides: dict, params: dict) -> tuple[str | None, str | None]:
