@@ -77,6 +77,7 @@ from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, make_pool
+from services.generator.evolve_run import EvolveJob
 from services.generator.llm import Completion, LLMClient, LLMConfigError, Message
 from services.generator.workflows import (
     WORKFLOWS,
@@ -281,15 +282,16 @@ class Generator:
         log.info("job_started", op_name=record.op_name, backend=record.backend, arch=record.arch,
                  resumed_candidates=recorded)
         try:
-            if submit.job_type == "evolve":
-                raise WorkflowError("job_type 'evolve' is not available in this version; "
-                                    "submit job_type 'single'")
             waiter = ResultWaiter(self.bus, job_id)
             await waiter.start()
             try:
                 run = JobRun(self, record, waiter)
-                ctx = self._context(run, await run.recover())
-                result = await self._until_cancelled(job_id, WORKFLOWS[submit.workflow](ctx))
+                if submit.job_type == "evolve":
+                    work = self._evolve(run)
+                else:
+                    ctx = self._context(run, await run.recover())
+                    work = WORKFLOWS[submit.workflow](ctx)
+                result = await self._until_cancelled(job_id, work)
             finally:
                 await waiter.stop()
         except JobCancelled:
@@ -337,6 +339,14 @@ class Generator:
             if self.llm.configured("conductor"):
                 ctx.conductor = Conductor(run.chat)
         return ctx
+
+    async def _evolve(self, run: JobRun) -> JobResult:
+        """An evolve job: the LLM mutates when the job's coder is the LLM (see
+        :meth:`_context`), else the built-in coder's launch-parameter search."""
+        ctx = self._context(run, [])
+        job = EvolveJob(run, use_llm=ctx.coder is not None,
+                        ids=lambda index: attempt_ids(run.job_id, index)[0])
+        return await job.run_search(self.builtin, run.chat)
 
     async def _until_cancelled(self, job_id: str, work: Awaitable[JobResult]) -> JobResult:
         """Await ``work`` while polling the job's record; cancel it when the record
