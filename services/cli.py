@@ -1,21 +1,29 @@
-"""``aikg``: run the services, or submit a job and follow it.
+"""``aikg``: run the services, submit and follow jobs, or verify a kernel locally.
 
 Service commands (``gateway``, ``generator``, ``worker``, ``up``) read their
 configuration from ``AIKG_*`` environment variables (services/common/settings.py);
-flags override them. Client commands (``submit``, ``status``) talk to the gateway over
-HTTP and exit with:
+flags override them. Client commands (``submit``, ``status``, ``list``, ``cancel``,
+``events``, ``workers``) talk to the gateway over HTTP; ``run`` needs neither NATS
+nor a network. They exit with:
 
 ====  =====================================================================
 code  meaning
 ====  =====================================================================
-0     the job completed and its kernel passed verification
-1     the job failed or was cancelled, or its kernel did not pass
+0     the job completed and its kernel passed verification (``submit
+      --wait``, ``status``, ``events``, ``run``); ``list``, ``workers``
+      and ``cancel`` did what was asked (``cancel`` of a job that had
+      already ended included: it prints how it ended)
+1     the job failed or was cancelled, or its kernel did not pass; ``run``:
+      the built-in coder could not write a kernel for the task
 2     bad input: a missing file, a bad option, or the gateway refused the
       request (400, 401, 404 unknown job, 409 no live worker, 413 too large)
-3     the gateway is unreachable (or answered 5xx)
+3     the gateway is unreachable (or answered 5xx), or ``events`` lost the
+      stream before the job ended
 4     ``submit --wait`` timed out; the job goes on (``aikg status JOB_ID``)
 5     ``status``: the job is still pending or running
-130   Ctrl-C while ``submit --wait`` was waiting; the job goes on
+6     ``run``: the local sandbox cannot start on this machine
+130   Ctrl-C while ``submit --wait`` or ``events`` was waiting; the job goes
+      on (``run``: the local run stops)
 ====  =====================================================================
 """
 
@@ -49,14 +57,15 @@ from services.common.settings import Settings, load_settings
 
 
 class ExitCode(IntEnum):
-    """Exit codes of ``aikg submit`` / ``aikg status`` (module docstring)."""
+    """Exit codes of the client commands (module docstring)."""
 
-    OK = 0  # completed and passed
+    OK = 0  # completed and passed; or the listing / cancel was done
     FAILED = 1  # failed, cancelled, or not passed
     USAGE = 2  # bad input or refused request
-    UNREACHABLE = 3  # gateway unreachable or 5xx
+    UNREACHABLE = 3  # gateway unreachable or 5xx; event stream lost
     TIMEOUT = 4  # gave up waiting
     RUNNING = 5  # still pending or running
+    NO_SANDBOX = 6  # `run`: the local sandbox cannot start here
     INTERRUPTED = 130  # Ctrl-C while waiting (the shell's code for SIGINT)
 
 
@@ -71,9 +80,13 @@ app = typer.Typer(
     help=(
         "AIKG: turn a PyTorch reference operator (KernelBench task) into a verified Triton "
         "kernel. Services exchange events over NATS; `aikg up` runs all of them on this "
-        "machine.\n\n"
+        "machine; `aikg run TASK.py` writes and verifies a kernel right here, with no "
+        "services at all.\n\n"
+        "Exit codes: 0 passed / done, 1 failed or not passed, 2 bad input or refused "
+        "request, 3 gateway unreachable, 4 wait timed out, 5 still running, 6 no local "
+        "sandbox, 130 Ctrl-C.\n\n"
         "Environment: AIKG_NATS_URL (NATS server URLs, comma-separated), AIKG_GATEWAY_URL "
-        "(where `submit`/`status` reach the gateway), AIKG_API_TOKEN (bearer token of the "
+        "(where the client commands reach the gateway), AIKG_API_TOKEN (bearer token of the "
         "gateway), AIKG_LOG_LEVEL, AIKG_LOG_FORMAT (json|console); every Settings field "
         "has an AIKG_<FIELD> variable (services/common/settings.py)."
     ),
@@ -619,6 +632,228 @@ def status(
     record = _decode_record(response)
     _show(record, response.content, as_json)
     raise typer.Exit(int(_record_exit(record)))
+
+
+@app.command("list")
+def list_jobs(
+    status_filter: Annotated[str | None, typer.Option(
+        "--status", help="Only jobs with this status: pending, running, completed, failed, "
+        "cancelled.")] = None,
+    op_name: Annotated[str | None, typer.Option(help="Only jobs of this operator.")] = None,
+    limit: Annotated[int, typer.Option(min=1, max=500, help="Jobs to show.")] = 20,
+    offset: Annotated[int, typer.Option(min=0, help="Newest jobs to skip.")] = 0,
+    as_json: JsonOption = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """List jobs, newest first: id, status, op, backend/arch, submitted, result.
+
+    Exit codes: 0 listed (also when none match), 2 bad option, 3 gateway unreachable.
+    """
+    params: dict[str, Any] = {"limit": limit, "offset": offset}
+    if status_filter:
+        params["status"] = status_filter
+    if op_name:
+        params["op_name"] = op_name
+    with _client(gateway_url, token) as client:
+        response = _request(client, "GET", "/api/v1/jobs", params=params)
+    page = response.json()
+    if as_json:
+        sys.stdout.write(response.text + "\n")
+        return
+    from services.cli_render import jobs_table
+
+    if not page["jobs"]:
+        out.print("no jobs" + (" match" if status_filter or op_name else " yet"), markup=False)
+        return
+    out.print(jobs_table(page))
+    shown = len(page["jobs"])
+    if page["total"] > offset + shown:
+        err.print(f"{shown} of {page['total']} jobs; more with --offset {offset + shown}",
+                  markup=False)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
+    as_json: JsonOption = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """Cancel a job: the generator stops it, workers skip its pending candidates.
+
+    Exit codes: 0 cancelled, or had already ended (the message says how), 2 unknown
+    job, 3 gateway unreachable.
+    """
+    with _client(gateway_url, token) as client:
+        response = _request(client, "POST", f"/api/v1/jobs/{quote(job_id, safe='')}/cancel")
+    record = response.json()
+    if as_json:
+        sys.stdout.write(response.text + "\n")
+    elif record["status"] == "cancelled":
+        out.print(f"{job_id} cancelled", markup=False)
+    else:
+        out.print(f"{job_id} had already ended: {record['status']}", markup=False)
+
+
+@app.command()
+def events(
+    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="One JSON event per line (JobEvent fields plus `seq`).")] = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """Print a job's events, one line each: its history, then live until it ends.
+
+    Exit codes: 0 the job completed, 1 it failed or was cancelled, 2 unknown job,
+    3 gateway unreachable or the stream broke, 130 Ctrl-C (the job goes on).
+    """
+    from httpx_sse import connect_sse
+
+    from services.cli_render import event_line
+
+    last: str | None = None
+    path = f"/api/v1/jobs/{quote(job_id, safe='')}/events"
+    try:
+        with _client(gateway_url, token) as client, connect_sse(
+                client, "GET", path, timeout=httpx.Timeout(10.0, read=60.0)) as source:
+            if source.response.status_code >= 400:
+                source.response.read()
+                code = (ExitCode.UNREACHABLE if source.response.status_code >= 500
+                        else ExitCode.USAGE)
+                _fail(code, f"gateway refused ({source.response.status_code}): "
+                      f"{_detail(source.response)}")
+            for sse in source.iter_sse():
+                if not sse.data:  # a keepalive comment
+                    continue
+                event = json.loads(sse.data)
+                event["seq"] = int(sse.id) if sse.id else None
+                last = event.get("event")
+                if as_json:
+                    sys.stdout.write(json.dumps(event) + "\n")
+                    sys.stdout.flush()
+                else:
+                    out.print(event_line(event), soft_wrap=True)
+    except httpx.TransportError as exc:
+        _fail(ExitCode.UNREACHABLE, f"lost the gateway at {gateway_url}: "
+              f"{exc or exc.__class__.__name__}; the job goes on: `aikg events {job_id}`")
+    except KeyboardInterrupt:
+        _fail(ExitCode.INTERRUPTED, f"stopped following; the job goes on: `aikg status {job_id}`")
+    if last == "completed":
+        raise typer.Exit(int(ExitCode.OK))
+    if last in TERMINAL_STATUSES:
+        raise typer.Exit(int(ExitCode.FAILED))
+    _fail(ExitCode.UNREACHABLE, f"the event stream ended before the job did; follow it again: "
+          f"`aikg events {job_id}`")
+
+
+@app.command()
+def workers(
+    as_json: JsonOption = False,
+    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """List live workers: backend/arch, devices, load (in-flight/capacity), leases held.
+
+    Exit codes: 0 listed (also when none is live), 3 gateway unreachable.
+    """
+    with _client(gateway_url, token) as client:
+        response = _request(client, "GET", "/api/v1/workers")
+    if as_json:
+        sys.stdout.write(response.text + "\n")
+        return
+    listing = response.json()
+    if not listing.get("workers"):
+        out.print("no live workers: start one with `aikg worker` (or `aikg up`)", markup=False)
+        return
+    from services.cli_render import workers_table
+
+    out.print(workers_table(listing))
+
+
+async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | None,
+                     devices: list[str], shape_overrides: dict[str, Any], trials: int,
+                     timeout_s: float) -> tuple[str, bool, dict[str, Any]]:
+    from services.sdk import LocalWorker, Task, WorkerManager
+
+    manager = WorkerManager()
+    worker = LocalWorker(devices, backend=backend, arch=arch)
+    manager.add(worker, backend, worker.arch, len(devices))
+    try:
+        return await Task(op_name, task_desc, task_id=f"run-{os.getpid()}", backend=backend,
+                          arch=worker.arch, shape_overrides=shape_overrides, trials=trials,
+                          timeout_s=timeout_s, worker_manager=manager).run()
+    finally:
+        await worker.close()
+
+
+@app.command()
+def run(
+    file: Annotated[Path, typer.Argument(
+        exists=True, dir_okay=False, readable=True,
+        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
+    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
+    backend: Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")] = "cpu",
+    arch: Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")] = None,
+    devices: Annotated[str, typer.Option(
+        help="Devices to verify on, comma-separated (GPU ordinals; on cpu, slots).")] = "0",
+    shape: Annotated[list[str] | None, typer.Option(
+        "--shape", metavar="NAME=VALUE",
+        help="Rebind a module-level name of the task before get_inputs() (repeatable), "
+        "e.g. --shape batch_size=16.")] = None,
+    trials: Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")] = 3,
+    timeout: Annotated[float, typer.Option(
+        help="Seconds the candidate's verification may take.")] = 300.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Write a kernel for FILE with the built-in coder and verify it, all in this process.
+
+    Local mode: no NATS, no gateway, no network. The task's code runs in a child
+    process; the candidate in the worker's sandbox. Prints the verdict and the kernel.
+    Exit codes: 0 passed, 1 not passed or no kernel for this task, 2 bad input, 6 the
+    sandbox cannot start here, 130 Ctrl-C.
+    """
+    from services.common.jobs import TaskError, check_task_source
+    from services.common.logging import configure_logging
+
+    try:
+        task_desc = file.read_text(encoding="utf-8")
+        check_task_source(task_desc)
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
+    except (TaskError, ValueError) as exc:
+        _fail(ExitCode.USAGE, f"{file}: {exc}")
+    device_list = [d.strip() for d in devices.split(",") if d.strip()]
+    if not device_list:
+        _fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
+    if backend not in ("cpu", "cuda", "ascend"):
+        _fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
+    overrides = dict(parse_shape(s) for s in shape or [])
+    configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
+    from services.worker.sandbox import PoolBroken  # imports torch: after the checks
+
+    live = not as_json and err.is_terminal
+    display = (err.status(f"writing and verifying a kernel for {file} on {backend} ...")
+               if live else contextlib.nullcontext())
+    try:
+        with display:
+            op, passed, info = asyncio.run(_run_local(
+                task_desc, op_name or file.stem, backend, arch, device_list, overrides,
+                trials, timeout))
+    except KeyboardInterrupt:
+        _fail(ExitCode.INTERRUPTED, "stopped")
+    except ValueError as exc:
+        _fail(ExitCode.USAGE, str(exc))
+    except PoolBroken as exc:
+        _fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")
+    if as_json:
+        sys.stdout.write(json.dumps({"op_name": op, **info}) + "\n")
+    else:
+        from services.cli_render import local_result_view
+
+        out.print(local_result_view(op, passed, info))
+    raise typer.Exit(int(ExitCode.OK if passed else ExitCode.FAILED))
 
 
 @app.command()

@@ -1,13 +1,15 @@
-"""How ``aikg submit --wait`` and ``aikg status`` show a job: progress line, record, kernel.
+"""How ``aikg`` shows things: a job's progress line, record and kernel (``submit --wait``,
+``status``), job and worker tables (``list``, ``workers``), event lines (``events``) and
+a local verdict (``run``).
 
-Kept apart from the command definitions so the same rendering serves both commands
-(and any later one, such as an event tail).
+Kept apart from the command definitions so one rendering serves every command.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 
+import msgspec
 from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.panel import Panel
@@ -119,3 +121,85 @@ def record_view(record: JobRecord) -> RenderableType:
 def print_record(console: Console, record: JobRecord) -> None:
     """Print :func:`record_view` of ``record`` on ``console``."""
     console.print(record_view(record))
+
+
+def _short_time(value: str | None) -> str:
+    """``2025-01-02T03:04:05.678+00:00`` -> ``2025-01-02 03:04:05`` (UTC, as sent)."""
+    if not value:
+        return "-"
+    return value.replace("T", " ")[:19]
+
+
+def jobs_table(page: dict) -> Table:
+    """``aikg list``: one row per job summary of a ``GET /api/v1/jobs`` page."""
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("job", "status", "op", "backend/arch", "submitted", "result"):
+        t.add_column(name, overflow="fold")
+    for j in page.get("jobs", []):
+        if j.get("passed") is True:
+            outcome = "passed" + (f" ({j['speedup']:.2f}x)" if j.get("speedup") else "")
+        elif j.get("error"):
+            outcome = j["error"]
+        else:
+            outcome = j.get("message") or j.get("phase") or ""
+        t.add_row(j["job_id"], Text(j["status"], style=_STATUS_STYLE.get(j["status"], "")),
+                  j["op_name"], f"{j['backend']}/{j.get('arch') or '-'}",
+                  _short_time(j.get("submit_time")), Text(outcome[:160]))
+    return t
+
+
+def workers_table(listing: dict) -> Table:
+    """``aikg workers``: worker, backend/arch, devices, load (in-flight/capacity), leases."""
+    t = Table(box=None, header_style="bold", pad_edge=False)
+    for name in ("worker", "backend/arch", "devices", "load", "leases", "status", "host"):
+        t.add_column(name, overflow="fold")
+    for w in listing.get("workers", []):
+        leases = ", ".join(f"{le.get('device')}:{le.get('job_id') or '-'}"
+                           for le in w.get("leases") or []) or "-"
+        t.add_row(w["worker_id"], f"{w['backend']}/{w['arch']}", ",".join(w.get("devices", [])),
+                  f"{w.get('in_flight', 0)}/{w.get('capacity', 0)}", leases,
+                  w.get("status", ""), w.get("host", ""))
+    return t
+
+
+def event_line(event: dict) -> Text:
+    """``aikg events``: one line per job event: time, kind, candidate, verdict, message."""
+    kind = event.get("event", "?")
+    style = _STATUS_STYLE.get(kind, "cyan" if kind.startswith("verify") else "")
+    line = Text(_short_time(event.get("time"))[11:] + "  ")
+    line.append(f"{kind:<20}", style=style)
+    if event.get("candidate_id"):
+        line.append(f" {event['candidate_id']}")
+    verdict = event.get("verdict")
+    if verdict:
+        if verdict.get("passed"):
+            line.append(" passed", style="green")
+        else:
+            line.append(f" failed at {verdict.get('stage')}", style="red")
+    message = event.get("message")
+    if message:
+        line.append(f"  {message}")
+    return line
+
+
+def local_result_view(op_name: str, passed: bool, info: dict) -> RenderableType:
+    """``aikg run``: the verdict on the kernel written here, and the kernel."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("op", op_name)
+    head.add_row("backend / arch", f"{info.get('backend')} / {info.get('arch') or '-'}")
+    head.add_row("result", Text("passed", style="green") if passed
+                 else Text("not passed", style="red"))
+    head.add_row("attempts", f"{info.get('attempts', 0)}"
+                 + (f" (coder {info['coder']})" if info.get("coder") else ""))
+    if info.get("error"):
+        head.add_row("error", Text(info["error"], style="red"))
+    parts: list[RenderableType] = [head]
+    if info.get("verdict"):
+        verdict = msgspec.convert(info["verdict"], VerifyResult)
+        parts.append(Panel(verdict_table(verdict), title="verdict", title_align="left"))
+    if info.get("code"):
+        parts.append(Panel(Syntax(info["code"], "python", line_numbers=True, word_wrap=True),
+                           title="kernel", title_align="left"))
+    return Group(*parts)

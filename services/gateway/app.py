@@ -2,10 +2,13 @@
 
 Routes keep the reference server's names (reference/aikg-service-architecture.txt,
 ``AIKGClient``): ``POST /api/v1/jobs/submit``, ``GET /api/v1/jobs/{job_id}/status``,
-``GET /api/v1/workers/status``. A submission is validated (msgspec schema, static task
-check, a live worker for its backend/arch), written to the ``jobs`` bucket and
-published on ``jobs.submit`` with the job id as ``Nats-Msg-Id``; the generator does
-the rest. The gateway holds no state of its own, so any number of them can run.
+``GET /api/v1/workers/status``; and add what it lacked: ``GET /api/v1/jobs`` (list),
+``POST /api/v1/jobs/{job_id}/cancel``, ``GET /api/v1/jobs/{job_id}/events`` (SSE),
+``GET /api/v1/jobs/{job_id}/kernel``. A submission is validated (msgspec schema,
+static task check, a live worker for its backend/arch), written to the ``jobs``
+bucket and published on ``jobs.submit`` with the job id as ``Nats-Msg-Id``; the
+generator does the rest. The gateway holds no state of its own, so any number of
+them can run.
 
 Errors are JSON ``{"status_code": ..., "detail": "<what was wrong and what to do>", ...}``;
 extra keys (``live``, ``errors``) add what a client needs to act on it.
@@ -21,9 +24,10 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, NoReturn
+from typing import Annotated, Any, NoReturn
 
 import msgspec
+import nats.errors
 import structlog
 import uvicorn
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -38,11 +42,21 @@ from litestar.exceptions import (
 )
 from litestar.handlers.base import BaseRouteHandler
 from litestar.openapi import OpenAPIConfig
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
+from litestar.response import ServerSentEvent
 from litestar.types import Guard, Message, Scope
 from prometheus_client import CONTENT_TYPE_LATEST, Counter, Histogram, generate_latest
 
-from schemas import MAX_SOURCE_BYTES, JobEvent, JobRecord, JobSubmit, WorkerInfo, subjects, utcnow
+from schemas import (
+    MAX_SOURCE_BYTES,
+    TERMINAL_STATUSES,
+    JobEvent,
+    JobRecord,
+    JobSubmit,
+    subjects,
+    utcnow,
+)
+from schemas.events import JobStatus
 from services.common.bus import (
     DUPLICATE_WINDOW_S,
     Bus,
@@ -53,6 +67,7 @@ from services.common.bus import (
 )
 from services.common.jobs import (
     TaskError,
+    cancel_job,
     check_task_source,
     describe_pairs,
     live_workers,
@@ -61,6 +76,8 @@ from services.common.jobs import (
     publish_event,
 )
 from services.common.settings import Settings
+from services.gateway import events as job_events
+from services.gateway.views import JOB_ID_RE, JobPage, WorkerList, list_jobs, list_workers
 
 log = structlog.get_logger("aikg.gateway")
 
@@ -68,6 +85,10 @@ log = structlog.get_logger("aikg.gateway")
 # optionally an init_code of the same bound, plus JSON escaping: 2 MiB covers real
 # submissions and refuses anything larger with 413 before it is read.
 REQUEST_MAX_BODY_BYTES = 2 << 20
+
+# On shutdown, open requests (event streams never end by themselves) get this long,
+# seconds, before they are cancelled.
+SHUTDOWN_GRACE_S = 5.0
 
 # Routes anyone may call, also when AIKG_API_TOKEN is set: probes carry no credentials.
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
@@ -92,12 +113,6 @@ class SubmitResponse(msgspec.Struct, kw_only=True):
     backend: str
     arch: str | None
     message: str = ""
-
-
-class WorkerList(msgspec.Struct, kw_only=True):
-    """Live workers: those whose heartbeat is in the ``workers`` bucket."""
-
-    workers: list[WorkerInfo]
 
 
 class Health(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -134,6 +149,11 @@ async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
         check_task_source(data.task_desc)
     except TaskError as exc:
         raise ClientException(detail=str(exc)) from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        # ast.parse refuses NUL bytes with ValueError on 3.11 and very deep nesting
+        # with RecursionError: the task is unusable either way.
+        raise ClientException(detail=f"task_desc cannot be parsed as Python: "
+                                     f"{exc.__class__.__name__}: {exc}") from exc
 
     workers = await live_workers(bus)
     arch = pick_arch(workers, data.backend, data.arch)
@@ -193,23 +213,144 @@ async def _withdraw(bus: Bus, job_id: str, exc: Exception) -> NoReturn:
     raise HTTPException(status_code=503, detail=f"{reason}; NATS may be down, retry shortly")
 
 
-@get(["/api/v1/jobs/{job_id:str}/status", "/api/v1/jobs/{job_id:str}"], summary="Job status")
-async def job_status(job_id: FromPath[str], state: State) -> JobRecord:
-    """The job record: status, progress, result (kernel source and verdict), error."""
+def _unknown_job(job_id: str) -> NotFoundException:
+    return NotFoundException(
+        detail=f"no job with id {job_id!r}: it was never submitted here, or its record was "
+        "removed (job ids are letters, digits, '_' and '-'; `GET /api/v1/jobs` lists them)"
+    )
+
+
+# NATS failures a request can meet (server gone, reconnecting, slow): answered 503.
+_NATS_TROUBLE = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
+                 nats.errors.NoRespondersError, nats.errors.StaleConnectionError, TimeoutError)
+
+
+def _nats_unavailable(exc: Exception, what: str) -> HTTPException:
+    return HTTPException(status_code=503, detail=f"cannot {what}: NATS did not answer "
+                         f"({exc.__class__.__name__}); retry shortly")
+
+
+async def _record(state: State, job_id: str) -> JobRecord:
+    """The job's record, or 404 (also for ids no job can have), or 503."""
+    if not JOB_ID_RE.match(job_id):
+        raise _unknown_job(job_id)
     try:
         record, _ = await JobStore(_bus(state).jobs).get(job_id)
     except JobNotFound as exc:
-        raise NotFoundException(
-            detail=f"no job with id {job_id!r}: it was never submitted here, or its record was removed"
-        ) from exc
+        raise _unknown_job(job_id) from exc
+    except _NATS_TROUBLE as exc:
+        raise _nats_unavailable(exc, "read the job record") from exc
     return record
+
+
+@get(["/api/v1/jobs/{job_id:str}/status", "/api/v1/jobs/{job_id:str}"], summary="Job status")
+async def job_status(job_id: FromPath[str], state: State) -> JobRecord:
+    """The job record: status, progress, result (kernel source and verdict), error."""
+    return await _record(state, job_id)
+
+
+# Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
+MAX_PAGE = 500
+
+
+@get("/api/v1/jobs", summary="List jobs")
+async def jobs_list(
+    state: State,
+    status: Annotated[JobStatus | None, QueryParameter(
+        description="Only jobs with this status.")] = None,
+    op_name: Annotated[str | None, QueryParameter(
+        max_length=128, description="Only jobs of this operator (exact).")] = None,
+    limit: Annotated[int, QueryParameter(ge=1, le=MAX_PAGE, description="Page size.")] = 50,
+    offset: Annotated[int, QueryParameter(
+        ge=0, description="Jobs to skip (newest first).")] = 0,
+) -> JobPage:
+    """Job summaries, newest submission first, filtered by ``status`` and ``op_name``;
+    ``total`` counts every match, so ``offset`` + ``limit`` page through them."""
+    try:
+        return await list_jobs(_bus(state), status=status, op_name=op_name, limit=limit,
+                               offset=offset)
+    except _NATS_TROUBLE as exc:
+        raise _nats_unavailable(exc, "read the jobs bucket") from exc
+
+
+@post("/api/v1/jobs/{job_id:str}/cancel", status_code=200, summary="Cancel a job")
+async def job_cancel(job_id: FromPath[str], state: State) -> JobRecord:
+    """Mark the job ``cancelled`` and publish its ``cancelled`` event; the generator stops
+    its work and workers skip its pending verify requests. Idempotent: a job that has
+    already ended is returned unchanged (its ``status`` says how it ended)."""
+    await _record(state, job_id)
+    try:
+        record = await cancel_job(_bus(state), job_id)
+    except JobNotFound as exc:
+        raise _unknown_job(job_id) from exc
+    except _NATS_TROUBLE as exc:
+        raise _nats_unavailable(exc, "update the job record") from exc
+    log.info("job_cancel_requested", job_id=job_id, status=record.status)
+    return record
+
+
+@get("/api/v1/jobs/{job_id:str}/kernel", summary="Best kernel source",
+     media_type="text/x-python")
+async def job_kernel(job_id: FromPath[str], state: State) -> Response[str]:
+    """The job's kernel source (``text/x-python``): the passing candidate of a completed
+    job, or the last candidate tried of a failed one. Headers ``X-AIKG-Passed`` and
+    ``X-AIKG-Candidate-Id`` say which. 404 while the job has no kernel yet."""
+    record = await _record(state, job_id)
+    result = record.result
+    if result is None or not result.code:
+        raise NotFoundException(
+            detail=f"job {job_id!r} has no kernel yet (status {record.status}); it has one "
+            "once it has ended with a candidate")
+    headers = {
+        "X-AIKG-Passed": "true" if result.passed else "false",
+        "X-AIKG-Candidate-Id": result.candidate_id or "",
+        "Content-Disposition": f'inline; filename="{record.op_name}_kernel.py"',
+    }
+    return Response(result.code, media_type="text/x-python", headers=headers)
+
+
+@get("/api/v1/jobs/{job_id:str}/events", summary="Job events (Server-Sent Events)",
+     media_type="text/event-stream")
+async def job_events_stream(
+    job_id: FromPath[str],
+    state: State,
+    last_event_id: Annotated[str | None, HeaderParameter(
+        name="Last-Event-ID", required=False,
+        description="Resume after this event id (a JOB_EVENTS stream sequence).")] = None,
+) -> ServerSentEvent:
+    """The job's events as ``text/event-stream``: its whole history, then live, ending
+    after the terminal event (``completed``, ``failed``, ``cancelled``). ``event:`` is
+    the event kind, ``data:`` the JobEvent JSON, ``id:`` its stream sequence. A comment
+    line goes out every 15 s while idle."""
+    after = 0
+    if last_event_id:
+        try:
+            after = int(last_event_id)
+        except ValueError:
+            raise ClientException(detail=f"Last-Event-ID must be an event id (an integer) "
+                                  f"sent by this route, not {last_event_id[:40]!r}") from None
+        if after < 0:
+            raise ClientException(detail="Last-Event-ID must not be negative")
+    record = await _record(state, job_id)
+    bus = _bus(state)
+    try:
+        sub = await job_events.open_event_subscription(bus, job_id, after)
+    except Exception as exc:  # noqa: BLE001 - NATS trouble: the client may retry
+        raise HTTPException(status_code=503, detail=f"cannot read the job's events from "
+                            f"{subjects.STREAM_JOB_EVENTS}: {exc.__class__.__name__} {exc}; "
+                            "retry shortly") from exc
+    return ServerSentEvent(job_events.job_event_stream(
+        bus, job_id, sub, ended=record.status in TERMINAL_STATUSES))
 
 
 @get(["/api/v1/workers/status", "/api/v1/workers"], summary="Live workers")
 async def workers_status(state: State) -> WorkerList:
-    """Workers whose heartbeat is live: backend, arch, devices, capacity, in-flight."""
-    workers = await live_workers(_bus(state))
-    return WorkerList(workers=sorted(workers, key=lambda w: (w.backend, w.arch, w.worker_id)))
+    """Workers whose heartbeat is live: backend, arch, devices, capacity, in-flight,
+    load (in_flight / capacity) and the device leases each holds."""
+    try:
+        return await list_workers(_bus(state))
+    except _NATS_TROUBLE as exc:
+        raise _nats_unavailable(exc, "read the workers bucket") from exc
 
 
 @get("/healthz", summary="Liveness", include_in_schema=True)
@@ -335,14 +476,16 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
             await own.close()
 
     return Litestar(
-        route_handlers=[submit_job, job_status, workers_status, healthz, readyz, metrics],
+        route_handlers=[submit_job, jobs_list, job_status, job_cancel, job_kernel,
+                        job_events_stream, workers_status, healthz, readyz, metrics],
         lifespan=[lifespan],
         guards=[_auth_guard(settings.api_token)] if settings.api_token else [],
         exception_handlers={Exception: _error_response},
         before_send=[_count_response],
         request_max_body_size=REQUEST_MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="AIKG gateway", version="1",
-                                     description="Submit jobs, read their status, list workers."),
+                                     description="Submit, list, follow and cancel jobs; "
+                                     "read their kernels; list workers."),
         state=State({"bus": bus}),
         logging_config=None,
     )
@@ -392,7 +535,8 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
         sock.close()
         raise
     server = _Server(uvicorn.Config(create_app(settings, bus), log_config=None,
-                                    access_log=False, lifespan="on"))
+                                    access_log=False, lifespan="on",
+                                    timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     loop = asyncio.get_running_loop()
     installed: list[tuple[int, Any]] = []
     if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,192 @@
+"""What the gateway reads back for listings: job summaries, workers with load and leases.
+
+Buckets are read with one key-value watcher each (the last value of every key in one
+ordered-consumer pass) rather than one ``get`` per key, so listing a thousand jobs is
+one round trip's worth of messages, not a thousand requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import re
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.js.kv import KeyValue
+
+from schemas import JobRecord, WorkerInfo
+from services.common.bus import Bus
+
+# A job id is one NATS subject token (schemas.events.JobId); anything else names no job.
+JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# How long one bucket read may wait for the server's next message, seconds.
+_WATCH_STEP_S = 5.0
+
+
+class JobSummary(msgspec.Struct, kw_only=True):
+    """One row of ``GET /api/v1/jobs``: the record without request, result code or verdict.
+
+    ``passed`` is None until the job has a result; ``speedup`` is None when timings were
+    not meaningful (cpu backend) or the job has no result.
+    """
+
+    job_id: str
+    status: str
+    job_type: str
+    op_name: str
+    backend: str
+    arch: str | None
+    submit_time: dt.datetime
+    start_time: dt.datetime | None = None
+    end_time: dt.datetime | None = None
+    updated_at: dt.datetime | None = None
+    phase: str = ""
+    message: str = ""
+    passed: bool | None = None
+    speedup: float | None = None
+    error: str | None = None
+
+
+class JobPage(msgspec.Struct, kw_only=True):
+    """A page of job summaries, newest first; ``total`` counts every match."""
+
+    jobs: list[JobSummary]
+    total: int
+    limit: int
+    offset: int
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    """A device held by a worker: value of ``<worker_id>.<device>`` in bucket ``leases``.
+
+    ``since`` is when the current run took the device; ``job_id`` / ``request_id`` the
+    verify request running there.
+    """
+
+    worker_id: str = ""
+    device: str = ""
+    job_id: str | None = None
+    request_id: str | None = None
+    since: dt.datetime | None = None
+
+
+class WorkerStatus(WorkerInfo, kw_only=True):
+    """A live worker with its load (``in_flight / capacity``, 0.0 to 1.0) and the
+    leases it holds now."""
+
+    load: float = 0.0
+    leases: list[Lease] = msgspec.field(default_factory=list)
+
+
+class WorkerList(msgspec.Struct, kw_only=True):
+    """Live workers: those whose heartbeat is in the ``workers`` bucket."""
+
+    workers: list[WorkerStatus]
+
+
+async def read_bucket(kv: KeyValue) -> dict[str, bytes]:
+    """The current value of every key of ``kv`` (deleted and expired keys left out).
+
+    Raises:
+        nats.errors.TimeoutError: the server stopped sending before the last key.
+    """
+    watcher = await kv.watchall(ignore_deletes=True)
+    out: dict[str, bytes] = {}
+    try:
+        while True:
+            entry = await watcher.updates(timeout=_WATCH_STEP_S)
+            if entry is None:  # the marker after the initial values
+                return out
+            if entry.value:
+                out[entry.key] = entry.value
+            else:
+                out.pop(entry.key, None)
+    finally:
+        with contextlib.suppress(Exception):
+            await watcher.stop()
+
+
+def summarize(record: JobRecord) -> JobSummary:
+    """The list row of one job record."""
+    result = record.result
+    return JobSummary(
+        job_id=record.job_id,
+        status=record.status,
+        job_type=record.job_type,
+        op_name=record.op_name,
+        backend=record.backend,
+        arch=record.arch,
+        submit_time=record.submit_time,
+        start_time=record.start_time,
+        end_time=record.end_time,
+        updated_at=record.updated_at,
+        phase=record.progress.phase,
+        message=record.progress.message,
+        passed=None if result is None else result.passed,
+        speedup=None if result is None else result.speedup,
+        error=record.error,
+    )
+
+
+async def list_jobs(bus: Bus, *, status: str | None, op_name: str | None,
+                    limit: int, offset: int) -> JobPage:
+    """Jobs matching ``status`` and ``op_name`` (exact), newest submission first.
+
+    Records that do not decode (written by a newer or broken client) are skipped.
+    """
+    rows: list[JobSummary] = []
+    for value in (await read_bucket(bus.jobs)).values():
+        try:
+            record = msgspec.json.decode(value, type=JobRecord)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        if status is not None and record.status != status:
+            continue
+        if op_name is not None and record.op_name != op_name:
+            continue
+        rows.append(summarize(record))
+    rows.sort(key=lambda r: (r.submit_time, r.job_id), reverse=True)
+    return JobPage(jobs=rows[offset:offset + limit], total=len(rows), limit=limit, offset=offset)
+
+
+def _decode_lease(value: bytes) -> Lease | None:
+    with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+        return msgspec.json.decode(value, type=Lease)
+    return None
+
+
+async def list_workers(bus: Bus) -> WorkerList:
+    """Live workers sorted by backend, arch, id, each with load and leases.
+
+    A lease's owner is the key's part before the first dot (``<worker_id>.<device>``).
+    """
+    workers = await read_bucket(bus.workers)
+    try:
+        leases = await read_bucket(bus.leases)
+    except nats.errors.TimeoutError:
+        leases = {}
+    held: dict[str, list[Lease]] = {}
+    for key, value in leases.items():
+        lease = _decode_lease(value)
+        if lease is None:
+            continue
+        owner, _, device = key.partition(".")
+        lease.worker_id = lease.worker_id or owner
+        lease.device = lease.device or device
+        held.setdefault(owner, []).append(lease)
+    out: list[WorkerStatus] = []
+    for value in workers.values():
+        try:
+            info = msgspec.json.decode(value, type=WorkerInfo)
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue
+        fields: dict[str, Any] = msgspec.structs.asdict(info)
+        out.append(WorkerStatus(
+            **fields,
+            load=round(info.in_flight / info.capacity, 4) if info.capacity > 0 else 0.0,
+            leases=sorted(held.get(info.worker_id, []), key=lambda lease: lease.device),
+        ))
+    out.sort(key=lambda w: (w.backend, w.arch, w.worker_id))
+    return WorkerList(workers=out)

@@ -1,0 +1,414 @@
+"""HTTP clients of the gateway: :class:`AIKGClient` (blocking) and :class:`AsyncAIKGClient`.
+
+``AIKGClient`` keeps the reference client's calls (reference/aikg-service-architecture.txt):
+``AIKGClient("http://localhost:8000").submit_job(op_name=..., task_desc=..., job_type=...,
+backend=..., arch=..., dsl=..., framework=..., workflow=...)`` returns a job id and
+``wait_for_completion(job_id, timeout=1800)`` the final status dict (``status["status"]``,
+``status.get("result")``). It adds ``list_jobs``, ``cancel_job``, ``stream_events``
+(Server-Sent Events), ``get_kernel`` and bearer-token auth.
+
+Errors: :class:`AIKGHTTPError` when the gateway refuses a request (its ``status_code``
+and ``detail`` say why), :class:`AIKGConnectionError` when it cannot be reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from httpx_sse import aconnect_sse, connect_sse
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+# Event streams send a keepalive comment every ~15 s; a read that waits this long
+# without one means the connection is dead.
+_STREAM_READ_TIMEOUT_S = 60.0
+
+
+class AIKGError(Exception):
+    """Base of the errors this client raises."""
+
+
+class AIKGConnectionError(AIKGError):
+    """The gateway could not be reached (refused, DNS, timeout)."""
+
+
+class AIKGHTTPError(AIKGError):
+    """The gateway answered with an error status.
+
+    Attributes:
+        status_code: HTTP status (400 bad body, 401 token, 404 unknown job, 409 no live
+            worker for backend/arch, 413 too large, 503 NATS unavailable).
+        detail: the gateway's explanation of what was wrong and what to do.
+        body: the whole JSON error body (``live`` lists live backend/arch pairs on 409).
+    """
+
+    def __init__(self, status_code: int, detail: str, body: Any = None) -> None:
+        super().__init__(f"gateway answered {status_code}: {detail}")
+        self.status_code = status_code
+        self.detail = detail
+        self.body = body
+
+
+def _submit_body(op_name: str, task_desc: str, fields: dict[str, Any]) -> dict[str, Any]:
+    body: dict[str, Any] = {"op_name": op_name, "task_desc": task_desc}
+    body.update({k: v for k, v in fields.items() if v is not None})
+    return body
+
+
+def _raise_for(response: httpx.Response) -> httpx.Response:
+    if response.status_code < 400:
+        return response
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    detail = body.get("detail") if isinstance(body, dict) else None
+    raise AIKGHTTPError(response.status_code,
+                        str(detail or response.text.strip() or response.reason_phrase), body)
+
+
+def _path(job_id: str, suffix: str = "") -> str:
+    return f"/api/v1/jobs/{quote(job_id, safe='')}{suffix}"
+
+
+def _headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else os.environ.get("AIKG_API_TOKEN") or None
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _unreachable(url: Any, exc: Exception) -> AIKGConnectionError:
+    return AIKGConnectionError(f"cannot reach the AIKG gateway at {url}: "
+                               f"{exc or exc.__class__.__name__} (is `aikg up` or `aikg gateway` "
+                               "running there?)")
+
+
+class _Progress:
+    """A rich progress display on stderr while waiting: status, phase, candidates, elapsed."""
+
+    def __init__(self, job_id: str, enabled: bool) -> None:
+        self.job_id = job_id
+        self.bar = None
+        if enabled:
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                                BarColumn(), TimeElapsedColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task(f"{job_id} submitted", total=None)
+
+    def __enter__(self) -> _Progress:
+        if self.bar is not None:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+    def update(self, status: dict[str, Any]) -> None:
+        if self.bar is None:
+            return
+        p = status.get("progress") or {}
+        text = f"{self.job_id} {status.get('status')} · {p.get('phase', '')}"
+        if p.get("candidates_generated"):
+            text += (f" · candidates {p['candidates_generated']} generated, "
+                     f"{p.get('candidates_verified', 0)} verified")
+        self.bar.update(self.task, description=text)
+
+
+class AIKGClient:
+    """Blocking client of the AIKG gateway (httpx).
+
+    Args:
+        url: the gateway's base URL (``http://host:8000``).
+        token: bearer token when the gateway has ``AIKG_API_TOKEN`` set; None reads the
+            ``AIKG_API_TOKEN`` environment variable.
+        timeout: seconds per HTTP request (waiting for a job is many requests).
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, headers=_headers(token), timeout=timeout)
+
+    def close(self) -> None:
+        """Close the HTTP connections."""
+        self._http.close()
+
+    def __enter__(self) -> AIKGClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return _raise_for(self._http.request(method, path, **kwargs))
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    def submit_job(
+        self,
+        op_name: str,
+        task_desc: str,
+        job_type: str = "single",
+        backend: str | None = None,
+        arch: str | None = None,
+        dsl: str | None = None,
+        framework: str = "torch",
+        workflow: str | None = None,
+        max_rounds: int | None = None,
+        parallel_num: int | None = None,
+        num_islands: int | None = None,
+        migration_interval: int | None = None,
+        elite_size: int | None = None,
+        parent_selection_prob: float | None = None,
+        init_code: str | None = None,
+        shape_overrides: dict[str, Any] | None = None,
+        coder: str | None = None,
+        job_id: str | None = None,
+        **fields: Any,
+    ) -> str:
+        """Submit a job; returns its id.
+
+        Arguments are the reference client's (and the JobSubmit wire fields); None
+        leaves a field to the gateway's default (backend ``cpu``, any live arch, dsl
+        ``triton``, workflow ``coder_only_workflow``). ``fields`` passes further
+        JobSubmit fields (``max_attempts``, ``timeout_s`` seconds, ``trials``).
+
+        Raises:
+            AIKGHTTPError: 400 (the detail names the bad field), 409 (no live worker
+                for backend/arch; ``body["live"]`` lists the live pairs), 413, 401.
+            AIKGConnectionError: the gateway is unreachable.
+        """
+        body = _submit_body(op_name, task_desc, {
+            "job_type": job_type, "backend": backend, "arch": arch, "dsl": dsl,
+            "framework": framework, "workflow": workflow, "max_rounds": max_rounds,
+            "parallel_num": parallel_num, "num_islands": num_islands,
+            "migration_interval": migration_interval, "elite_size": elite_size,
+            "parent_selection_prob": parent_selection_prob, "init_code": init_code,
+            "shape_overrides": shape_overrides, "coder": coder, "job_id": job_id, **fields})
+        return self._request("POST", "/api/v1/jobs/submit", json=body).json()["job_id"]
+
+    def get_job_status(self, job_id: str) -> dict[str, Any]:
+        """The job record: ``status``, ``job_type``, ``op_name``, ``submit_time``,
+        ``result`` (``code``, ``verdict``), ``error``, ``progress``.
+
+        Raises:
+            AIKGHTTPError: 404 for an unknown job.
+        """
+        return self._request("GET", _path(job_id, "/status")).json()
+
+    def list_jobs(self, status: str | None = None, op_name: str | None = None,
+                  limit: int = 50, offset: int = 0) -> dict[str, Any]:
+        """Job summaries, newest first: ``{"jobs": [...], "total", "limit", "offset"}``."""
+        params = {k: v for k, v in (("status", status), ("op_name", op_name)) if v is not None}
+        return self._request("GET", "/api/v1/jobs",
+                             params={**params, "limit": limit, "offset": offset}).json()
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        """Cancel the job; returns its record (unchanged when it had already ended)."""
+        return self._request("POST", _path(job_id, "/cancel")).json()
+
+    def get_kernel(self, job_id: str) -> str | None:
+        """The job's kernel source, or None while it has none."""
+        try:
+            return self._request("GET", _path(job_id, "/kernel")).text
+        except AIKGHTTPError as exc:
+            if exc.status_code == 404 and "no kernel yet" in exc.detail:
+                return None
+            raise
+
+    def get_workers_status(self) -> dict[str, Any]:
+        """Live workers: ``{"workers": [{backend, arch, devices, capacity, in_flight,
+        load, leases, ...}]}``."""
+        return self._request("GET", "/api/v1/workers/status").json()
+
+    def stream_events(self, job_id: str, last_event_id: int | None = None
+                      ) -> Iterator[dict[str, Any]]:
+        """The job's events (JobEvent dicts) from its first one, then live; the iterator
+        ends after the terminal event (``completed``, ``failed``, ``cancelled``).
+
+        Args:
+            last_event_id: resume after this stream sequence (``event["seq"]`` of an
+                event this iterator yielded before).
+
+        Each dict also carries ``seq``, the event's stream sequence (for a terminal
+        event the gateway rebuilt from the record, the sequence of the event before).
+        """
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
+        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+        try:
+            with connect_sse(self._http, "GET", _path(job_id, "/events"), headers=headers,
+                             timeout=timeout) as source:
+                _raise_for_stream(source.response)
+                for sse in source.iter_sse():
+                    if sse.data:  # a keepalive comment decodes as an empty message
+                        yield _event(sse)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    def wait_for_completion(self, job_id: str, timeout: float = 1800, poll_interval: float = 1.0,
+                            progress: bool = True) -> dict[str, Any]:
+        """Poll the job until it ends; returns its final status dict.
+
+        Args:
+            timeout: seconds to wait at most.
+            poll_interval: seconds between status requests.
+            progress: show a progress display on stderr when it is a terminal.
+
+        Raises:
+            TimeoutError: the job did not end within ``timeout``; it goes on.
+            KeyboardInterrupt: Ctrl-C; the job is cancelled first.
+        """
+        deadline = time.monotonic() + timeout
+        try:
+            with _Progress(job_id, progress and sys.stderr.isatty()) as display:
+                while True:
+                    status = self.get_job_status(job_id)
+                    display.update(status)
+                    if status.get("status") in TERMINAL:
+                        return status
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(f"job {job_id} did not finish within {timeout:g} s "
+                                           f"(status {status.get('status')}); it goes on")
+                    time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+        except KeyboardInterrupt:
+            with contextlib.suppress(AIKGError):
+                self.cancel_job(job_id)
+            raise
+
+
+class AsyncAIKGClient:
+    """:class:`AIKGClient` for asyncio: the same methods, as coroutines.
+
+    ``stream_events`` is an async iterator. ``wait_for_completion`` cancels the job
+    when the waiting task is cancelled (or on Ctrl-C) and re-raises.
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, token: str | None = None,
+                 timeout: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(token),
+                                       timeout=timeout)
+
+    async def aclose(self) -> None:
+        """Close the HTTP connections."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncAIKGClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return _raise_for(await self._http.request(method, path, **kwargs))
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    async def submit_job(self, op_name: str, task_desc: str, job_type: str = "single",
+                         backend: str | None = None, arch: str | None = None,
+                         dsl: str | None = None, framework: str = "torch",
+                         workflow: str | None = None, **fields: Any) -> str:
+        """See :meth:`AIKGClient.submit_job` (same keyword arguments)."""
+        body = _submit_body(op_name, task_desc, {
+            "job_type": job_type, "backend": backend, "arch": arch, "dsl": dsl,
+            "framework": framework, "workflow": workflow, **fields})
+        return (await self._request("POST", "/api/v1/jobs/submit", json=body)).json()["job_id"]
+
+    async def get_job_status(self, job_id: str) -> dict[str, Any]:
+        """See :meth:`AIKGClient.get_job_status`."""
+        return (await self._request("GET", _path(job_id, "/status"))).json()
+
+    async def list_jobs(self, status: str | None = None, op_name: str | None = None,
+                        limit: int = 50, offset: int = 0) -> dict[str, Any]:
+        """See :meth:`AIKGClient.list_jobs`."""
+        params = {k: v for k, v in (("status", status), ("op_name", op_name)) if v is not None}
+        return (await self._request("GET", "/api/v1/jobs",
+                                    params={**params, "limit": limit, "offset": offset})).json()
+
+    async def cancel_job(self, job_id: str) -> dict[str, Any]:
+        """See :meth:`AIKGClient.cancel_job`."""
+        return (await self._request("POST", _path(job_id, "/cancel"))).json()
+
+    async def get_kernel(self, job_id: str) -> str | None:
+        """See :meth:`AIKGClient.get_kernel`."""
+        try:
+            return (await self._request("GET", _path(job_id, "/kernel"))).text
+        except AIKGHTTPError as exc:
+            if exc.status_code == 404 and "no kernel yet" in exc.detail:
+                return None
+            raise
+
+    async def get_workers_status(self) -> dict[str, Any]:
+        """See :meth:`AIKGClient.get_workers_status`."""
+        return (await self._request("GET", "/api/v1/workers/status")).json()
+
+    async def stream_events(self, job_id: str, last_event_id: int | None = None
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """See :meth:`AIKGClient.stream_events`."""
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
+        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+        try:
+            async with aconnect_sse(self._http, "GET", _path(job_id, "/events"),
+                                    headers=headers, timeout=timeout) as source:
+                if source.response.status_code >= 400:
+                    await source.response.aread()
+                    _raise_for(source.response)
+                async for sse in source.aiter_sse():
+                    if sse.data:  # a keepalive comment decodes as an empty message
+                        yield _event(sse)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    async def wait_for_completion(self, job_id: str, timeout: float = 1800,
+                                  poll_interval: float = 1.0,
+                                  progress: bool = True) -> dict[str, Any]:
+        """See :meth:`AIKGClient.wait_for_completion`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            with _Progress(job_id, progress and sys.stderr.isatty()) as display:
+                while True:
+                    status = await self.get_job_status(job_id)
+                    display.update(status)
+                    if status.get("status") in TERMINAL:
+                        return status
+                    if loop.time() >= deadline:
+                        raise TimeoutError(f"job {job_id} did not finish within {timeout:g} s "
+                                           f"(status {status.get('status')}); it goes on")
+                    await asyncio.sleep(min(poll_interval, max(0.0, deadline - loop.time())))
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            with contextlib.suppress(AIKGError):
+                await asyncio.shield(self.cancel_job(job_id))
+            raise
+
+
+def _raise_for_stream(response: httpx.Response) -> None:
+    if response.status_code >= 400:
+        response.read()
+        _raise_for(response)
+
+
+def _event(sse: Any) -> dict[str, Any]:
+    event = json.loads(sse.data)
+    event["seq"] = int(sse.id) if sse.id else None
+    return event

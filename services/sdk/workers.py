@@ -1,0 +1,553 @@
+"""Workers for code you run yourself: :class:`RemoteWorker` (over NATS),
+:class:`LocalWorker` (in this process) and the :class:`WorkerManager` that picks one.
+
+These keep the reference document's worker API (reference/aikg-service-architecture.txt,
+"Worker Only" and "Local Mode"): ``register_local_worker([0], backend=..., arch=...)``,
+``register_remote_worker(backend=..., arch=...)`` (capacity read from the workers
+themselves), ``get_worker_manager().register(worker, backend=..., arch=..., capacity=...)``.
+What changed: a remote worker is reached through NATS (``AIKG_NATS_URL``, not
+``AIKG_WORKER_URL``) and device acquire/release happens on the worker side (its
+``leases`` bucket), so ``verify`` / ``profile`` take the candidate source directly.
+
+Both workers answer ``verify(task_desc, code, op_name, ...)`` with a
+:class:`~schemas.events.VerifyResult`, so code written against one runs on the other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import os
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+
+from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
+from services.common.settings import machine_arch
+
+# How long a verify call waits for its verdict, queueing included, seconds (as the
+# generator's verify_result_timeout_s).
+DEFAULT_RESULT_TIMEOUT_S = 3600.0
+# Largest task input total a LocalWorker accepts on cpu, bytes (as `aikg worker`).
+CPU_MEMORY_LIMIT_BYTES = 4 << 30
+_CONNECT_TIMEOUT_S = 10.0
+_STATUS_TIMEOUT_S = 2.0
+
+
+class NoWorkerError(RuntimeError):
+    """No worker offers the requested backend/arch; the message lists what there is."""
+
+
+class Worker(Protocol):
+    """What :class:`WorkerManager` needs of a worker."""
+
+    backend: str | None
+    arch: str | None
+
+    @property
+    def in_flight(self) -> int: ...
+
+    async def capacity(self) -> int: ...
+
+    async def verify(self, task_desc: str, code: str, op_name: str, **kwargs: Any
+                     ) -> VerifyResult: ...
+
+    async def close(self) -> None: ...
+
+
+def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch: str,
+                  mode: str = "verify", dsl: str = "triton", framework: str = "torch",
+                  shape_overrides: dict[str, Any] | None = None, timeout_s: float = 300.0,
+                  trials: int = 3, job_id: str | None = None,
+                  candidate_id: str | None = None) -> VerifyRequest:
+    """A validated VerifyRequest with fresh ids.
+
+    Raises:
+        ValueError: a field breaks the wire schema; the message names it (e.g.
+            ``Expected `float` > 0 - at `$.timeout_s```).
+    """
+    request = VerifyRequest(
+        request_id=new_id("req-"), job_id=job_id or new_id("sdk-"),
+        candidate_id=candidate_id or new_id("cand-"), op_name=op_name, task_desc=task_desc,
+        code=code, backend=backend, arch=arch, dsl=dsl, framework=framework, mode=mode,
+        shape_overrides=dict(shape_overrides or {}), timeout_s=timeout_s, trials=trials)
+    try:
+        # Constructors do not check constraints; a round trip through the wire does.
+        return decode(encode(request), VerifyRequest)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid verify request: {exc}") from exc
+
+
+class RemoteWorker:
+    """Verify candidates on AIKG workers over NATS (worker-only mode).
+
+    Publishes each request on ``verify.<backend>.<arch>`` (stream VERIFY, shared by
+    every worker of that pair) and waits for the verdict on ``results.<job_id>``
+    (stream RESULTS). There is no job record: the request carries a fresh job id
+    of its own, which workers accept as a worker-only request.
+
+    Args:
+        nats_url: NATS URL(s) of the AIKG workers, comma-separated; None reads
+            ``AIKG_NATS_URL``.
+        backend: ``cpu`` | ``cuda`` | ``ascend``; may be left to
+            :meth:`WorkerManager.register`.
+        arch: e.g. ``h200``; None picks the least loaded live arch of ``backend``.
+        result_timeout_s: how long one verification may take, queueing included,
+            seconds.
+        require_live_worker: refuse to send a request no live worker would take
+            (:class:`NoWorkerError`) rather than leave it queued.
+
+    Raises:
+        ValueError: no URL, or an ``http://`` URL (the reference's worker URL).
+    """
+
+    def __init__(self, nats_url: str | None = None, backend: str | None = None,
+                 arch: str | None = None, *, result_timeout_s: float = DEFAULT_RESULT_TIMEOUT_S,
+                 require_live_worker: bool = True) -> None:
+        url = nats_url or os.environ.get("AIKG_NATS_URL", "")
+        if not url:
+            raise ValueError("RemoteWorker needs the NATS URL of the AIKG workers: pass "
+                             "nats_url='nats://host:4222' or set AIKG_NATS_URL")
+        if url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is an HTTP URL; AIKG workers are reached through NATS: "
+                             "pass the NATS URL they use (nats://host:4222, AIKG_NATS_URL)")
+        self.nats_url = url
+        self.backend = backend
+        self.arch = arch
+        self.result_timeout_s = result_timeout_s
+        self.require_live_worker = require_live_worker
+        self._nc: Any = None
+        self._connect_lock: asyncio.Lock | None = None
+        self._in_flight = 0
+
+    def __repr__(self) -> str:
+        return f"RemoteWorker({self.nats_url!r}, backend={self.backend!r}, arch={self.arch!r})"
+
+    @property
+    def in_flight(self) -> int:
+        """Verifications this object is waiting on now."""
+        return self._in_flight
+
+    async def _connection(self):
+        if self._nc is not None and not self._nc.is_closed:
+            return self._nc
+        if self._connect_lock is None:
+            self._connect_lock = asyncio.Lock()
+        async with self._connect_lock:
+            if self._nc is None or self._nc.is_closed:
+                servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
+                try:
+                    self._nc = await asyncio.wait_for(nats.connect(
+                        servers=servers, name="aikg-remote-worker", connect_timeout=5,
+                        max_reconnect_attempts=-1, reconnect_time_wait=0.5),
+                        _CONNECT_TIMEOUT_S)
+                except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
+                    raise ConnectionError(f"cannot reach NATS at {self.nats_url}: "
+                                          f"{exc or exc.__class__.__name__}") from exc
+        return self._nc
+
+    async def close(self) -> None:
+        """Close the NATS connection (opened again by the next call)."""
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+        self._nc = None
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        """Live workers of this backend (and arch, when set), from the ``workers`` bucket."""
+        nc = await self._connection()
+        js = nc.jetstream()
+        try:
+            kv = await js.key_value(subjects.BUCKET_WORKERS)
+            keys = await kv.keys()
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+            return []
+        out = []
+        for key in keys:
+            with contextlib.suppress(Exception):
+                entry = await kv.get(key)
+                info = decode(entry.value, WorkerInfo)
+                if (self.backend is None or info.backend == self.backend) and (
+                        self.arch is None or info.arch == self.arch):
+                    out.append(info)
+        return sorted(out, key=lambda w: w.worker_id)
+
+    async def capacity(self) -> int:
+        """Sum of the capacities of the live workers of this backend/arch; 1 when none
+        answers (as the reference's capacity query when it fails)."""
+        with contextlib.suppress(ConnectionError):
+            return sum(w.capacity for w in await self.live_workers()) or 1
+        return 1
+
+    async def status(self) -> dict[str, Any]:
+        """Backend, arch, total capacity and in-flight, and each live worker's status.
+
+        Each worker's entry is its ``nats micro`` status reply (WorkerInfo fields plus
+        the ``leases`` it holds), or its heartbeat when it does not answer in time.
+        """
+        nc = await self._connection()
+        workers = []
+        for info in await self.live_workers():
+            body = msgspec.structs.asdict(info)
+            try:
+                reply = await nc.request(f"{subjects.worker_service(info.worker_id)}.status", b"",
+                                         timeout=_STATUS_TIMEOUT_S)
+                body = msgspec.json.decode(reply.data)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, msgspec.DecodeError):
+                body["leases"] = None
+            workers.append(msgspec.to_builtins(body))
+        return {
+            "backend": self.backend, "arch": self.arch, "nats_url": self.nats_url,
+            "capacity": sum(w.get("capacity", 0) for w in workers),
+            "in_flight": sum(w.get("in_flight", 0) for w in workers),
+            "devices": sum(len(w.get("devices", [])) for w in workers),
+            "workers": workers,
+        }
+
+    async def _target_arch(self) -> str:
+        if self.backend is None:
+            raise ValueError("this RemoteWorker has no backend: pass backend= or register it "
+                             "with WorkerManager.register(worker, backend=..., arch=...)")
+        if self.arch is not None and not self.require_live_worker:
+            return self.arch
+        live = await self.live_workers()
+        if live:
+            return self.arch or min(live, key=lambda w: w.in_flight / max(w.capacity, 1)).arch
+        wanted = f"{self.backend}/{self.arch or '*'}"
+        raise NoWorkerError(f"no live AIKG worker for {wanted} at {self.nats_url}: start one "
+                            f"(`aikg worker --backend {self.backend}"
+                            f"{' --arch ' + self.arch if self.arch else ''}`) or check "
+                            "`aikg workers`")
+
+    async def verify(self, task_desc: str, code: str, op_name: str, *, dsl: str = "triton",
+                     framework: str = "torch", shape_overrides: dict[str, Any] | None = None,
+                     timeout_s: float = 300.0, trials: int = 3, job_id: str | None = None,
+                     candidate_id: str | None = None, mode: str = "verify") -> VerifyResult:
+        """Check ``code`` (source defining ``ModelNew``) against ``task_desc``'s ``Model``.
+
+        Args:
+            timeout_s: the worker's wall-clock limit for the candidate's run, seconds.
+            trials: seeds, each with fresh inputs.
+            job_id: results subject to use (``results.<job_id>``); default a fresh id.
+            mode: ``verify``, or ``profile`` to time it too (GPU backends).
+
+        Returns:
+            The worker's verdict (``passed``, ``stage``, ``error``, timings in us).
+
+        Raises:
+            NoWorkerError: no live worker for backend/arch (``require_live_worker``).
+            TimeoutError: no verdict within ``result_timeout_s``.
+            ConnectionError: NATS unreachable, or it has no AIKG streams.
+            ValueError: a bad field (the message names it).
+        """
+        arch = await self._target_arch()
+        request = build_request(task_desc, code, op_name, backend=self.backend or "", arch=arch,
+                                mode=mode, dsl=dsl, framework=framework,
+                                shape_overrides=shape_overrides, timeout_s=timeout_s,
+                                trials=trials, job_id=job_id, candidate_id=candidate_id)
+        nc = await self._connection()
+        js = nc.jetstream(timeout=10)
+        self._in_flight += 1
+        try:
+            try:
+                sub = await js.subscribe(subjects.results(request.job_id),
+                                         stream=subjects.STREAM_RESULTS, ordered_consumer=True)
+                await js.publish(subjects.verify(request.backend, request.arch), encode(request),
+                                 headers={"Nats-Msg-Id": request.request_id})
+            except (nats.js.errors.NotFoundError, nats.js.errors.NoStreamResponseError,
+                    nats.errors.NoRespondersError) as exc:
+                raise ConnectionError(
+                    f"NATS at {self.nats_url} has no AIKG streams ({exc.__class__.__name__}): "
+                    "is it the server the AIKG workers use? (`aikg worker` creates them)"
+                ) from exc
+            try:
+                return await self._await_result(sub, request)
+            finally:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
+        finally:
+            self._in_flight -= 1
+
+    async def _await_result(self, sub, request: VerifyRequest) -> VerifyResult:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.result_timeout_s
+        while True:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"no verdict for request {request.request_id} within "
+                    f"{self.result_timeout_s:g} s: is a worker for {request.backend}/"
+                    f"{request.arch} running and free? (`aikg workers`)")
+            try:
+                msg = await sub.next_msg(timeout=min(remaining, 5.0))
+            except (nats.errors.TimeoutError, TimeoutError):
+                continue
+            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
+                result = decode(msg.data, VerifyResult)
+                if result.request_id == request.request_id:
+                    return result
+
+    async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
+                      ) -> VerifyResult:
+        """:meth:`verify` with ``mode="profile"``: also times the candidate and the
+        reference on the same device (``base_time_us``, ``gen_time_us``, ``speedup``);
+        on ``cpu`` the result says ``interpreted`` and carries no timings."""
+        return await self.verify(task_desc, code, op_name, mode="profile", **kwargs)
+
+
+class DevicePool:
+    """The reference's device pool, kept for ``Task(device_pool=DevicePool([0]))``.
+
+    Deprecated: call ``await register_local_worker([0], backend=..., arch=...)``.
+    """
+
+    def __init__(self, devices: Iterable[int | str]) -> None:
+        self.devices = [str(d) for d in devices]
+
+
+class LocalWorker:
+    """Verify candidates in this process's sandbox, with no NATS and no network.
+
+    Uses the worker's :class:`services.worker.verifier.Verifier` (a warm fork server;
+    each candidate in its own sandboxed child) and a pool of ``devices``: at most one
+    candidate per device at a time. The fork server starts on the first verify (a few
+    seconds: it imports torch and triton) or on :meth:`start`.
+
+    Args:
+        devices: device ordinals (GPUs) or slots (cpu): ``[0]``, ``[0, 1, 2, 3]``.
+        backend: ``cpu`` (Triton interpreter) | ``cuda`` | ``ascend``.
+        arch: reported arch; default this machine's CPU arch on ``cpu``.
+        memory_limit_bytes: largest total of a task's inputs, bytes; default 4 GiB on cpu.
+    """
+
+    def __init__(self, devices: Iterable[int | str] = (0,), backend: str = "cpu",
+                 arch: str | None = None, *, memory_limit_bytes: int | None = None) -> None:
+        self.devices = [str(d) for d in devices]
+        if not self.devices:
+            raise ValueError("LocalWorker needs at least one device (e.g. devices=[0])")
+        if backend not in ("cpu", "cuda", "ascend"):
+            raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
+        self.backend = backend
+        self.arch = arch or (machine_arch() if backend == "cpu" else None)
+        self.memory_limit_bytes = memory_limit_bytes or (
+            CPU_MEMORY_LIMIT_BYTES if backend == "cpu" else None)
+        self.worker_id = f"local-{socket.gethostname()[:32]}-{os.getpid()}"
+        self._verifier: Any = None
+        self._free: asyncio.Queue[str] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._busy = 0
+
+    def __repr__(self) -> str:
+        return f"LocalWorker(devices={self.devices!r}, backend={self.backend!r}, arch={self.arch!r})"
+
+    @property
+    def in_flight(self) -> int:
+        """Devices running a candidate now."""
+        return self._busy
+
+    async def capacity(self) -> int:
+        """Number of devices: candidates run at once."""
+        return len(self.devices)
+
+    async def start(self) -> None:
+        """Start the sandbox's fork server (idempotent; blocks a thread for seconds).
+
+        Raises:
+            services.worker.sandbox.PoolBroken: no sandboxed child could run here.
+        """
+        if self._verifier is None:
+            from services.worker.verifier import Verifier
+
+            self._verifier = Verifier(self.backend, worker_id=self.worker_id,
+                                      memory_limit_bytes=self.memory_limit_bytes)
+            atexit.register(self._verifier.close)
+        await asyncio.to_thread(self._verifier.start)
+
+    async def close(self) -> None:
+        """Stop the fork server and every running child."""
+        if self._verifier is not None:
+            await asyncio.to_thread(self._verifier.close)
+
+    def _pool(self) -> asyncio.Queue[str]:
+        loop = asyncio.get_running_loop()
+        if self._free is None or self._loop is not loop:
+            # An asyncio.Queue belongs to one loop; a script may call asyncio.run twice.
+            self._free, self._loop = asyncio.Queue(), loop
+            for d in self.devices:
+                self._free.put_nowait(d)
+        return self._free
+
+    async def acquire_device(self) -> str:
+        """Wait for a free device and take it (the reference's ``acquire_device``)."""
+        device = await self._pool().get()
+        self._busy += 1
+        return device
+
+    def release_device(self, device: str) -> None:
+        """Give a device back (the reference's ``release_device``)."""
+        self._busy -= 1
+        self._pool().put_nowait(device)
+
+    async def verify(self, task_desc: str, code: str, op_name: str, *, dsl: str = "triton",
+                     framework: str = "torch", shape_overrides: dict[str, Any] | None = None,
+                     timeout_s: float = 300.0, trials: int = 3, job_id: str | None = None,
+                     candidate_id: str | None = None, mode: str = "verify") -> VerifyResult:
+        """Check ``code`` against ``task_desc`` on the next free device; arguments and
+        result as :meth:`RemoteWorker.verify`. Never raises for the candidate's faults:
+        they are a result with ``passed=False`` and a ``stage``.
+
+        Raises:
+            ValueError: a bad field (the message names it).
+            services.worker.sandbox.PoolBroken: the sandbox cannot start here.
+        """
+        request = build_request(task_desc, code, op_name, backend=self.backend,
+                                arch=self.arch or "local", mode=mode, dsl=dsl,
+                                framework=framework, shape_overrides=shape_overrides,
+                                timeout_s=timeout_s, trials=trials, job_id=job_id,
+                                candidate_id=candidate_id)
+        await self.start()
+        device = await self.acquire_device()
+        try:
+            return await self._verifier.verify(request, device=device)
+        finally:
+            self.release_device(device)
+
+    async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
+                      ) -> VerifyResult:
+        """:meth:`verify` with ``mode="profile"`` (timings on GPU backends)."""
+        return await self.verify(task_desc, code, op_name, mode="profile", **kwargs)
+
+
+@dataclass
+class Registration:
+    """A worker known to a :class:`WorkerManager`; ``arch`` None serves any arch."""
+
+    worker: Any
+    backend: str
+    arch: str | None
+    capacity: int
+
+    @property
+    def load(self) -> float:
+        return self.worker.in_flight / max(self.capacity, 1)
+
+
+class WorkerManager:
+    """Registered workers, by backend and arch; :meth:`select` picks the least loaded.
+
+    Load is a worker's in-flight verifications over its registered capacity.
+    """
+
+    def __init__(self) -> None:
+        self.registrations: list[Registration] = []
+
+    async def register(self, worker: Any, backend: str | None = None, arch: str | None = None,
+                       capacity: int | None = None) -> Registration:
+        """Add ``worker`` for ``backend``/``arch`` (default: the worker's own).
+
+        Args:
+            capacity: candidates it runs at once; None asks the worker (a LocalWorker's
+                device count; a RemoteWorker's live workers' total, 1 if none).
+
+        Raises:
+            ValueError: no backend given or known.
+        """
+        backend = backend or getattr(worker, "backend", None)
+        if not backend:
+            raise ValueError("register needs backend= (cpu, cuda or ascend)")
+        arch = arch or getattr(worker, "arch", None)
+        if getattr(worker, "backend", None) is None:
+            worker.backend = backend
+        if getattr(worker, "arch", None) is None and arch is not None:
+            worker.arch = arch
+        if capacity is None:
+            capacity = await worker.capacity()
+        return self.add(worker, backend, arch, capacity)
+
+    def add(self, worker: Any, backend: str, arch: str | None, capacity: int) -> Registration:
+        """:meth:`register` without asking the worker (``capacity`` given)."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, not {capacity}")
+        self.registrations = [r for r in self.registrations if r.worker is not worker]
+        registration = Registration(worker, backend, arch, capacity)
+        self.registrations.append(registration)
+        return registration
+
+    def unregister(self, worker: Any) -> None:
+        """Forget ``worker`` (it is not closed)."""
+        self.registrations = [r for r in self.registrations if r.worker is not worker]
+
+    @property
+    def workers(self) -> list[Any]:
+        return [r.worker for r in self.registrations]
+
+    def select(self, backend: str, arch: str | None = None) -> Any:
+        """The least loaded worker registered for ``backend``/``arch`` (any arch when
+        ``arch`` is None; a worker registered without arch serves any).
+
+        Raises:
+            NoWorkerError: none registered; the message lists what is.
+        """
+        matching = [r for r in self.registrations if r.backend == backend
+                    and (arch is None or r.arch is None or r.arch == arch)]
+        if not matching:
+            known = sorted({f"{r.backend}/{r.arch or '*'}" for r in self.registrations})
+            raise NoWorkerError(
+                f"no worker registered for {backend}/{arch or '*'} (registered: "
+                f"{', '.join(known) or 'none'}); call `await register_local_worker([0], "
+                f"backend={backend!r}, arch=...)` or `await register_remote_worker("
+                f"backend={backend!r}, arch=...)` first")
+        return min(matching, key=lambda r: r.load).worker
+
+    async def close(self) -> None:
+        """Close every registered worker and forget them."""
+        registrations, self.registrations = self.registrations, []
+        for r in registrations:
+            with contextlib.suppress(Exception):
+                await r.worker.close()
+
+
+_MANAGER = WorkerManager()
+
+
+def get_worker_manager() -> WorkerManager:
+    """The process-wide manager that :class:`~services.sdk.task.Task` uses by default."""
+    return _MANAGER
+
+
+async def register_local_worker(devices: Iterable[int | str] = (0,), backend: str = "cpu",
+                                arch: str | None = None) -> LocalWorker:
+    """Register a :class:`LocalWorker` on ``devices`` with the process-wide manager.
+
+    Returns:
+        The worker (its sandbox starts on first use).
+    """
+    worker = LocalWorker(devices, backend=backend, arch=arch)
+    await get_worker_manager().register(worker, backend, worker.arch)
+    return worker
+
+
+async def register_remote_worker(backend: str, arch: str | None = None,
+                                 nats_url: str | None = None, capacity: int | None = None,
+                                 *, worker_url: str | None = None) -> RemoteWorker:
+    """Register a :class:`RemoteWorker` with the process-wide manager.
+
+    Args:
+        nats_url: NATS URL of the AIKG workers; None reads ``AIKG_NATS_URL``.
+        capacity: None reads it from the workers: the sum of the capacities of the live
+            workers of ``backend``/``arch`` in the ``workers`` bucket (1 if none).
+        worker_url: the reference's keyword; accepted when it is a NATS URL.
+
+    Raises:
+        ValueError: no NATS URL, or an HTTP one.
+    """
+    worker = RemoteWorker(nats_url or worker_url, backend=backend, arch=arch)
+    await get_worker_manager().register(worker, backend, arch, capacity)
+    return worker
