@@ -506,7 +506,7 @@ def parse_shape(item: str) -> tuple[str, int | float | bool | str]:
 
 def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> httpx.Response:
     """Poll the job's status until it ends; the last response. Exits 4 on timeout."""
-    from services.cli_render import progress_line
+    from services.cli_render import live_view
 
     deadline = time.monotonic() + timeout_s
     last_ok = time.monotonic()
@@ -531,7 +531,7 @@ def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> ht
                 if record.status in TERMINAL_STATUSES:
                     return response
                 if spinner is not None:
-                    spinner.update(progress_line(record))
+                    spinner.update(live_view(record))
             if time.monotonic() > deadline:
                 _fail(ExitCode.TIMEOUT, f"job {job_id} did not finish within {timeout_s:g} s; it "
                       f"goes on: `aikg status {job_id}`")

@@ -44,6 +44,55 @@ def progress_line(record: JobRecord) -> str:
     return " · ".join(parts)
 
 
+def evolve_table(record: JobRecord) -> Table | None:
+    """Per-island view of an evolve job: round, candidates, passed, best speedup.
+
+    None for other jobs or before the first candidate. On the ``cpu`` backend the
+    speedup column says timings are not meaningful (Triton's interpreter).
+    """
+    summary = record.evolve
+    if summary is None or not summary.candidates:
+        return None
+    correctness = summary.fitness == "correctness"
+    t = Table(title=f"evolve: round {summary.round + 1}/{summary.rounds}, "
+              f"{len(summary.migrations)} migration(s), {len(summary.elites)} elite(s)",
+              title_justify="left")
+    for column in ("island", "round", "candidates", "verified", "passed", "best speedup"):
+        t.add_column(column, justify="right")
+    by_id = {c.candidate_id: c for c in summary.candidates}
+    for island, members in enumerate(summary.islands):
+        own = [c for c in summary.candidates if c.island == island]
+        pool = [by_id[i] for i in members if i in by_id]
+        done = [c for c in own if c.passed is not None]
+        speeds = [c.speedup for c in pool if c.passed and c.speedup]
+        best = "n/a (cpu)" if correctness else (f"{max(speeds):.2f}x" if speeds else "-")
+        t.add_row(str(island), str(max((c.round for c in own), default=0) + 1), str(len(own)),
+                  str(len(done)), str(sum(bool(c.passed) for c in done)), best)
+    return t
+
+
+def live_view(record: JobRecord) -> RenderableType:
+    """What ``submit --wait`` shows while a job runs: the progress line, plus the
+    per-island table for an evolve job."""
+    line = Text.from_markup(progress_line(record))
+    table = evolve_table(record)
+    return line if table is None else Group(line, table)
+
+
+def best_table(record: JobRecord) -> Table | None:
+    """The best candidates of a finished evolve job."""
+    if record.result is None or not record.result.best:
+        return None
+    t = Table(title="best candidates", title_justify="left")
+    for column in ("rank", "candidate", "round", "island", "parent", "coder", "speedup"):
+        t.add_column(column)
+    for rank, c in enumerate(record.result.best, 1):
+        t.add_row(str(rank), c.candidate_id, str(c.round + 1), str(c.island),
+                  c.parent_id or "-", c.coder,
+                  f"{c.speedup:.2f}x" if c.speedup else "n/a")
+    return t
+
+
 def _time(value: dt.datetime | None) -> str:
     return value.isoformat(timespec="seconds") if value else "-"
 
@@ -112,6 +161,9 @@ def record_view(record: JobRecord) -> RenderableType:
         head.add_row("result", f"{'passed' if result.passed else 'not passed'} ({summary})")
         if result.verdict is not None:
             parts.append(Panel(verdict_table(result.verdict), title="verdict", title_align="left"))
+        for table in (evolve_table(record), best_table(record)):
+            if table is not None:
+                parts.append(table)
         if result.code:
             parts.append(Panel(Syntax(result.code, "python", line_numbers=True, word_wrap=True),
                                title="kernel", title_align="left"))

@@ -1,0 +1,60 @@
+"""Terminal rendering of evolve jobs: the live per-island table and the best list."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from schemas import (
+    EvolveCandidate,
+    EvolveSummary,
+    JobResult,
+    JobSubmit,
+    Migration,
+)
+from services.cli_render import live_view, record_view
+from services.common.jobs import new_record
+
+
+def evolve_record(fitness: str):
+    submit = JobSubmit(op_name="relu", task_desc="x", job_type="evolve", max_rounds=3,
+                       num_islands=2, job_id="evo-render")
+    record = new_record(submit, arch="x86_64")
+    record.status = "running"
+    cands = [
+        EvolveCandidate(candidate_id="c0", island=0, round=0, coder="builtin", code_hash="a",
+                        passed=True, speedup=1.5 if fitness == "speedup" else None),
+        EvolveCandidate(candidate_id="c1", island=1, round=0, coder="builtin", code_hash="b",
+                        passed=False, stage="mismatch"),
+        EvolveCandidate(candidate_id="c2", island=1, round=1, coder="builtin", code_hash="c",
+                        parent_id="c0", passed=None),
+    ]
+    record.evolve = EvolveSummary(rounds=3, round=1, fitness=fitness, islands=[["c0"], ["c1", "c2", "c0"]],
+                                  elites=["c0"], candidates=cands,
+                                  migrations=[Migration(round=0, source_island=0, target_island=1,
+                                                        candidate_ids=["c0"])])
+    return record
+
+
+def render(renderable) -> str:
+    console = Console(record=True, width=120)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_live_view_shows_a_row_per_island_with_round_passed_and_best_speedup() -> None:
+    text = render(live_view(evolve_record("speedup")))
+    assert "round 2/3" in text and "1 migration(s)" in text
+    assert "best speedup" in text and "1.50x" in text
+    rows = [line.split("│") for line in text.splitlines() if line.count("│") >= 6]
+    islands = [cells[1].strip() for cells in rows if cells[1].strip().isdigit()]
+    assert islands == ["0", "1"]
+
+
+def test_cpu_evolve_says_speedup_is_not_meaningful_and_lists_best() -> None:
+    record = evolve_record("correctness")
+    record.status = "completed"
+    record.result = JobResult(passed=True, code="class ModelNew: ...", attempts=3,
+                              best=[record.evolve.candidates[0]])
+    text = render(record_view(record))
+    assert "n/a (cpu)" in text
+    assert "best candidates" in text and "c0" in text
