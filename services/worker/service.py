@@ -5,16 +5,31 @@ of that pair (DESIGN.md, "Flow" step 3). A worker fetches only as many requests 
 has free devices, leases the device in the ``leases`` bucket, runs the candidate in
 the sandbox (:class:`services.worker.verifier.Verifier`), publishes the
 :class:`VerifyResult` on ``results.<job_id>``, acks, and releases the lease.
+
+Delivery rules (issue 3, "Delivery"): while a run lasts the worker sends
+``in_progress()`` every third of ack_wait, so a long run is not handed to another
+worker; a worker that dies stops doing so, and JetStream redelivers its request
+after ack_wait. The consumer allows ``verify_max_deliver + 1`` deliveries: the last
+one only dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
+failed ``infrastructure`` result and an ``error`` job event. A message that is not
+a VerifyRequest is dead-lettered at once; requests of cancelled jobs are acked
+unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a
+second signal gives them back to the queue.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
+import json
 import os
 import re
+import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -37,12 +52,11 @@ from services.common.consumer import (
     dead_letter,
     deliveries,
     durable_pull,
-    fetch_some,
+    keep_in_progress,
     run_with_progress,
 )
 from services.common.jobs import publish_event
 from services.common.metrics import start_metrics_server
-from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
 
 log = structlog.get_logger("aikg.worker")
@@ -78,13 +92,122 @@ def default_worker_id() -> str:
     return f"{host}-{os.getpid()}"
 
 
+# How long one pull request waits on the server for requests, seconds; a stop or
+# drain takes effect within this.
+PULL_EXPIRES_S = 1.0
+# Attempts at each publish that ends a request (its result, its DLQ copy) before the
+# handler gives up and leaves the message to JetStream's redelivery.
+FINAL_PUBLISH_ATTEMPTS = 3
+# Device names become lease keys (`<worker_id>.<device>`) and env values.
+_DEVICE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+
+
+class CapacityPull:
+    """Pull requests on a durable consumer that never bring more messages than asked.
+
+    nats-py's ``fetch`` stops waiting about when the server expires its pull request,
+    so a message the server sends in that moment lands in the subscription, and the
+    next ``fetch`` returns it on top of the batch it asked for: a worker would hold a
+    request it has no device for while another worker idles. Here each pull request
+    is followed until the server ends it (all messages delivered, or a status such
+    as 408 Request Timeout), so the next one starts only when none is open.
+
+    Args:
+        nc: the NATS connection.
+        stream / consumer: the durable pull consumer (it must exist).
+    """
+
+    def __init__(self, nc, stream: str, consumer: str) -> None:
+        self.nc = nc
+        self.api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self.inbox = nc.new_inbox()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.sub = None
+        self.requests = 0
+
+    async def start(self) -> None:
+        async def on_msg(msg) -> None:
+            self.queue.put_nowait(msg)
+
+        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=on_msg)
+
+    async def stop(self) -> None:
+        if self.sub is not None:
+            with contextlib.suppress(Exception):
+                await self.sub.unsubscribe()
+
+    async def fetch(self, batch: int, take: Callable[[Any], None],
+                    expires_s: float = PULL_EXPIRES_S) -> str | None:
+        """Ask for up to ``batch`` messages and pass each to ``take`` as it arrives;
+        return when the server has ended the request (at most ``expires_s`` when fewer
+        arrive, plus a margin when its end status is lost).
+
+        ``take`` sees more than ``batch`` messages only when an earlier pull request
+        could not be followed to its end (a lost connection) and delivered late.
+
+        Returns:
+            The status that ended the request (``"408"`` when it expired, ``"409"`` /
+            ``"503"`` when the consumer or JetStream is not there ...), or None when
+            all ``batch`` messages came, or no status did.
+        """
+        want = batch
+        for msg in self._late():
+            take(msg)
+            want -= 1
+        if want <= 0:
+            return None
+        self.requests += 1
+        reply = f"{self.inbox}.{self.requests}"
+        body = {"batch": want, "expires": int(expires_s * 1e9)}
+        await self.nc.publish(self.api_subject, json.dumps(body).encode(), reply=reply)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + expires_s + 5.0
+        while want > 0:
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            status = _status(msg)
+            if status is None:
+                take(msg)
+                want -= 1
+            elif status not in ("100", "") and msg.subject == reply:
+                return status  # 404/408/409/503: this request is over
+        return None
+
+    def _late(self) -> list:
+        """Messages (not statuses) already queued: deliveries of an earlier request."""
+        out = []
+        while not self.queue.empty():
+            msg = self.queue.get_nowait()
+            if _status(msg) is None:
+                out.append(msg)
+        return out
+
+
+def _status(msg) -> str | None:
+    """The status code of a JetStream status message (``"408"`` ...), None for a message.
+
+    Delivered messages carry an ack subject as reply; status messages carry none (a
+    publisher's own ``Status`` header cannot make a message look like one).
+    """
+    if msg.reply:
+        return None
+    return (msg.headers or {}).get("Status", "")
+
+
 class Worker:
     """A verify consumer bound to one backend/arch and a list of devices.
 
     Args:
         bus: connected NATS bus.
         settings: backend, arch, devices, timings.
-        verifier: the sandboxed verifier (started by :meth:`run` if not yet).
+        verifier: the sandboxed verifier (started by :meth:`run` if not yet, closed
+            when :meth:`run` returns).
+
+    Raises:
+        ValueError: a device name is not usable as a lease key, or is listed twice; or
+            the worker id is not one NATS subject token.
     """
 
     def __init__(self, bus: Bus, settings: Settings, verifier=None) -> None:
@@ -95,13 +218,26 @@ class Worker:
         self.backend = settings.worker_backend
         self.arch = settings.arch
         self.devices = settings.devices or ["0"]
+        bad = [d for d in self.devices if not _DEVICE_NAME.match(d)]
+        if bad or len(set(self.devices)) != len(self.devices):
+            raise ValueError(
+                f"devices {settings.worker_devices!r}: each must be a distinct name of "
+                "letters, digits, '_' or '-' (GPU ordinals, or slot numbers on cpu), e.g. "
+                "--devices 0,1")
         self.worker_id = settings.worker_id or default_worker_id()
+        # It names the control subjects and lease keys: fail before the slow start.
+        subjects.worker_service(self.worker_id)
         self.started_at = utcnow()
         self.free: asyncio.Queue[str] = asyncio.Queue()
         for d in self.devices:
             self.free.put_nowait(d)
+        # Running handler tasks; each holds (or waits for) one device.
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
+        # What the shared consumer enforces; read back from it in run() (a consumer
+        # created earlier with other values keeps them).
+        self.ack_wait_s = settings.verify_ack_wait_s
+        self.max_deliver = settings.verify_max_deliver
         memory = settings.memory_limit_bytes or (4 << 30 if self.backend == "cpu" else None)
         self.verifier = verifier or Verifier(
             self.backend, worker_id=self.worker_id, memory_limit_bytes=memory
@@ -113,6 +249,11 @@ class Worker:
     @property
     def in_flight(self) -> int:
         return len(self.devices) - self.free.qsize()
+
+    @property
+    def progress_every_s(self) -> float:
+        """Period of ``in_progress()`` while a request runs: a third of ack_wait, seconds."""
+        return max(0.1, self.ack_wait_s / 3)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -137,50 +278,139 @@ class Worker:
                 self.log.warning("heartbeat_failed", error=str(exc))
             await asyncio.sleep(self.settings.worker_heartbeat_s)
 
-    async def run(self, stop: asyncio.Event) -> None:
-        """Serve until ``stop`` is set; then finish in-flight runs and clean up."""
-        await asyncio.to_thread(self.verifier.start)
-        DEVICES.labels(**self.labels).set(len(self.devices))
-        subject = subjects.verify(self.backend, self.arch)
-        psub = await durable_pull(
+    async def run(self, stop: asyncio.Event, abandon: asyncio.Event | None = None) -> None:
+        """Serve until ``stop`` is set or a drain is requested; then clean up.
+
+        In-flight verifications finish (results published, messages acked) before
+        this returns, unless ``abandon`` is set meanwhile: then their sandboxed
+        children are killed and their messages nak'ed, so another worker takes them
+        at once instead of after ack_wait. Whatever happens, the heartbeat key is
+        deleted and the fork server stopped (its children with it).
+
+        Args:
+            stop: set to stop taking requests.
+            abandon: set to give up the in-flight verifications while stopping.
+
+        Raises:
+            services.worker.sandbox.PoolBroken: the sandbox could not start.
+        """
+        abandon = abandon if abandon is not None else asyncio.Event()
+        psub = pull = beat = service = None
+        try:
+            await asyncio.to_thread(self.verifier.start)
+            DEVICES.labels(**self.labels).set(len(self.devices))
+            subject = subjects.verify(self.backend, self.arch)
+            psub = await self._bind_consumer()
+            await self._adopt_consumer_config(psub)
+            pull = CapacityPull(self.bus.nc, subjects.STREAM_VERIFY,
+                                subjects.verify_consumer(self.backend, self.arch))
+            await pull.start()
+            beat = asyncio.create_task(self.heartbeat())
+            service = await self.control_service()
+            self.log.info("worker_started", subject=subject, devices=self.devices,
+                          ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver)
+            await self._serve(pull, stop)
+        finally:
+            self.draining = True
+            await self._finish_in_flight(abandon)
+            if service is not None:
+                with contextlib.suppress(Exception):
+                    await service.stop()
+            if beat is not None:
+                beat.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await beat
+                with contextlib.suppress(Exception):
+                    await self.bus.workers.delete(self.worker_id)
+            if pull is not None:
+                await pull.stop()
+            if psub is not None:
+                with contextlib.suppress(Exception):
+                    await psub.unsubscribe()
+            await asyncio.to_thread(self.verifier.close)
+            DEVICES.labels(**self.labels).set(0)
+            self.log.info("worker_stopped")
+
+    async def _serve(self, pull: CapacityPull, stop: asyncio.Event) -> None:
+        """Fetch as many requests as there are free devices, until stopped or drained."""
+        while not stop.is_set() and not self.draining:
+            # Wait for at least one free device before asking for work.
+            if self.free.empty():
+                await asyncio.sleep(0.05)
+                continue
+            status = await pull.fetch(self.free.qsize(), self._take)
+            if status not in (None, "404", "408"):
+                # The consumer or JetStream is gone (409 Consumer Deleted, 503 No
+                # Responders ...): re-create the consumer rather than spin on errors.
+                self.log.warning("pull_request_failed", status=status)
+                await asyncio.sleep(1.0)
+                with contextlib.suppress(Exception):
+                    await (await self._bind_consumer()).unsubscribe()
+
+    def _take(self, msg) -> None:
+        """Start handling a fetched message now, on a free device taken here (before the
+        next fetch counts them), or waiting for one if none is free."""
+        device = None if self.free.empty() else self.free.get_nowait()
+        task = asyncio.create_task(self.handle(msg, device))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _bind_consumer(self):
+        """Bind to (creating when missing) the durable consumer shared by every worker of
+        this backend/arch; the subscription is used for consumer info only."""
+        return await durable_pull(
             self.bus.js,
             stream=subjects.STREAM_VERIFY,
-            subject=subject,
+            subject=subjects.verify(self.backend, self.arch),
             durable=subjects.verify_consumer(self.backend, self.arch),
             ack_wait_s=self.settings.verify_ack_wait_s,
             # One delivery beyond the limit reaches us so we can dead-letter it.
             max_deliver=self.settings.verify_max_deliver + 1,
         )
-        beat = asyncio.create_task(self.heartbeat())
-        service = await self.control_service()
-        self.log.info("worker_started", subject=subject, devices=self.devices)
+
+    async def _finish_in_flight(self, abandon: asyncio.Event) -> None:
+        tasks = list(self.tasks)
+        if not tasks:
+            return
+        self.log.info("worker_finishing_in_flight", in_flight=len(tasks))
+        finished = asyncio.gather(*tasks, return_exceptions=True)
+        abandoned = asyncio.create_task(abandon.wait())
         try:
-            while not stop.is_set() and not self.draining:
-                # Wait for at least one free device before asking for work.
-                if self.free.empty():
-                    await asyncio.sleep(0.05)
-                    continue
-                msgs = await fetch_some(psub, self.free.qsize(), timeout=1.0)
-                for msg in msgs:
-                    device = self.free.get_nowait()
-                    task = asyncio.create_task(self.handle(msg, device))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
+            await asyncio.wait({finished, abandoned}, return_when=asyncio.FIRST_COMPLETED)
+            if not finished.done():
+                self.log.warning("worker_abandoning_in_flight", in_flight=len(self.tasks))
+                for task in tasks:
+                    task.cancel()
+                await finished
         finally:
-            self.draining = True
-            if self.tasks:
-                await asyncio.gather(*self.tasks, return_exceptions=True)
-            with contextlib.suppress(Exception):
-                await service.stop()
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
-            with contextlib.suppress(Exception):
-                await self.bus.workers.delete(self.worker_id)
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
-            await asyncio.to_thread(self.verifier.close)
-            self.log.info("worker_stopped")
+            abandoned.cancel()
+
+    async def _adopt_consumer_config(self, psub) -> None:
+        """Use the ack_wait and max_deliver the shared consumer really has.
+
+        JetStream keeps a durable consumer's configuration when a worker binds with
+        other values, and enforces its own: a worker that sent ``in_progress()`` by
+        its own, longer ack_wait would see its runs redelivered to other workers.
+        """
+        try:
+            config = (await psub.consumer_info()).config
+        except Exception as exc:  # noqa: BLE001 - keep the settings' values
+            self.log.warning("consumer_info_failed", error=str(exc))
+            return
+        if config.ack_wait and abs(config.ack_wait - self.ack_wait_s) > 1e-3:
+            self.log.warning("consumer_ack_wait_differs", consumer_ack_wait_s=config.ack_wait,
+                             setting_s=self.ack_wait_s,
+                             hint="the consumer's value applies; delete the consumer "
+                                  "(no worker running) to change it")
+            self.ack_wait_s = config.ack_wait
+        if config.max_deliver and config.max_deliver > 1 and \
+                config.max_deliver - 1 != self.max_deliver:
+            self.log.warning("consumer_max_deliver_differs",
+                             consumer_max_deliver=config.max_deliver,
+                             setting=self.max_deliver + 1,
+                             hint="the consumer's value applies; delete the consumer "
+                                  "(no worker running) to change it")
+            self.max_deliver = config.max_deliver - 1
 
     async def leases_held(self) -> list[dict]:
         """This worker's entries of the ``leases`` bucket."""
@@ -222,47 +452,62 @@ class Worker:
         await service.add_endpoint(name="drain", subject=f"{prefix}.drain", handler=drain)
         return service
 
-    async def handle(self, msg, device: str) -> None:
-        """Verify one request on ``device``; always frees the device."""
+    async def handle(self, msg, device: str | None = None) -> None:
+        """Verify one request on ``device`` (None: the next free one); always frees it.
+
+        A failure of the worker itself naks the message for redelivery; cancellation
+        (an abandoned shutdown) naks it without delay so another worker takes it now.
+        """
         try:
+            if device is None:
+                device = await self._device_for(msg)
             await self._handle(msg, device)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await msg.nak()
+            raise
         except Exception:  # noqa: BLE001 - one bad run must not stop the consumer
             self.log.exception("verify_handler_failed")
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1)
         finally:
-            self.free.put_nowait(device)
+            if device is not None:
+                self.free.put_nowait(device)
+
+    async def _device_for(self, msg) -> str:
+        """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
+
+        Only a pull request that could not be followed to its end (see
+        :class:`CapacityPull`) brings more messages than devices were free; those
+        wait here instead of being nak'ed, which would count a delivery against
+        max_deliver.
+        """
+        beat = asyncio.create_task(keep_in_progress(msg, self.progress_every_s))
+        try:
+            return await self.free.get()
+        finally:
+            beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beat
 
     async def _handle(self, msg, device: str) -> None:
         try:
             request = decode(msg.data, VerifyRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            reason = f"malformed verify request: {exc}"
-            self.log.warning("malformed_request", error=reason, subject=msg.subject)
-            DEAD_LETTERED.labels(**self.labels, reason="malformed").inc()
-            await dead_letter(self.bus.js, msg, reason)
-            job_id = _job_id_of(msg.data)
-            if job_id:
-                await publish_event(self.bus, JobEvent(job_id=job_id, event="error", message=reason))
+            await self._dead_letter_malformed(msg, exc)
             return
         bound = self.log.bind(job_id=request.job_id, request_id=request.request_id,
                               candidate_id=request.candidate_id, device=device)
-        if deliveries(msg) > self.settings.verify_max_deliver:
-            reason = (f"verify request delivered {deliveries(msg)} times without a verdict "
-                      "(the worker running it died or timed out each time)")
-            bound.error("max_deliver_exceeded", error=reason)
-            DEAD_LETTERED.labels(**self.labels, reason="max_deliver").inc()
-            result = self._failure(request, device, "infrastructure", reason)
-            await self._publish_result(result)
-            await dead_letter(self.bus.js, msg, reason)
+        delivered = deliveries(msg)
+        if delivered > self.max_deliver:
+            await self._give_up(msg, request, device, delivered, bound)
             return
         if await self._job_cancelled(request.job_id):
             bound.info("skipped_cancelled_job")
             await msg.ack()
             return
-        QUEUE_WAIT.labels(**self.labels).observe(
-            max(0.0, (utcnow() - request.created_at).total_seconds()))
-        bound.info("verify_started", deliveries=deliveries(msg))
+        QUEUE_WAIT.labels(**self.labels).observe(_age_s(request.created_at))
+        bound.info("verify_started", deliveries=delivered)
         IN_FLIGHT.labels(**self.labels).inc()
         started = time.monotonic()
         holder: dict[str, VerifyResult] = {}
@@ -272,7 +517,7 @@ class Worker:
                 holder["result"] = await self.verifier.verify(request, device=device)
 
         try:
-            await run_with_progress(msg, max(1.0, self.settings.verify_ack_wait_s / 3), work)
+            await run_with_progress(msg, self.progress_every_s, work)
         finally:
             IN_FLIGHT.labels(**self.labels).dec()
         result = holder["result"]
@@ -285,23 +530,61 @@ class Worker:
         bound.info("verify_finished", passed=result.passed, stage=result.stage,
                    duration_s=round(elapsed, 3))
 
+    async def _dead_letter_malformed(self, msg, exc: Exception) -> None:
+        """Move a request that is not a VerifyRequest to the DLQ and tell its job, if known."""
+        reason = f"malformed verify request: {exc}"
+        self.log.warning("malformed_request", error=reason, subject=msg.subject)
+        DEAD_LETTERED.labels(**self.labels, reason="malformed").inc()
+        await dead_letter(self.bus.js, msg, reason)
+        job_id = _job_id_of(msg.data)
+        if job_id:
+            await publish_event(self.bus, JobEvent(
+                job_id=job_id, event="error",
+                message=f"{reason}; moved to {subjects.dlq(msg.subject)}"))
+
+    async def _give_up(self, msg, request: VerifyRequest, device: str, delivered: int,
+                       bound) -> None:
+        """Past max_deliver: publish a failed ``infrastructure`` result, dead-letter the
+        message, and put an ``error`` event on the job."""
+        reason = (f"verify request delivered {delivered} times without a verdict (each "
+                  f"worker that took it died, was killed or lost its connection before "
+                  f"answering); moved to {subjects.dlq(msg.subject)}")
+        bound.error("max_deliver_exceeded", error=reason)
+        DEAD_LETTERED.labels(**self.labels, reason="max_deliver").inc()
+        try:
+            await self._publish_result(self._failure(request, device, "infrastructure", reason))
+        except Exception as exc:  # noqa: BLE001 - still dead-letter it: nothing redelivers it
+            bound.error("result_publish_failed", error=str(exc))
+            reason += f"; its failed result could not be published: {exc}"
+        await dead_letter(self.bus.js, msg, reason)
+        await publish_event(self.bus, JobEvent(
+            job_id=request.job_id, event="error", message=reason,
+            request_id=request.request_id, candidate_id=request.candidate_id))
+
     @contextlib.asynccontextmanager
     async def lease(self, device: str, request: VerifyRequest):
         """Hold ``<worker_id>.<device>`` in the ``leases`` bucket while running.
 
-        The bucket's TTL expires a lease whose worker died; we renew it every
-        heartbeat period while the run lasts and delete it on release.
+        The first put completes before the run starts; the lease is renewed every
+        heartbeat period while the run lasts (the bucket's TTL, ten periods, expires
+        the lease of a worker that died) and deleted on release.
         """
         key = f"{self.worker_id}.{device}"
         value = encode({"worker_id": self.worker_id, "device": device, "job_id": request.job_id,
                         "request_id": request.request_id, "since": utcnow()})
 
+        async def put() -> None:
+            try:
+                await self.bus.leases.put(key, value)
+            except Exception as exc:  # noqa: BLE001 - the run goes on; the lease is advisory
+                self.log.warning("lease_put_failed", lease=key, error=str(exc))
+
         async def renew() -> None:
             while True:
-                with contextlib.suppress(Exception):
-                    await self.bus.leases.put(key, value)
                 await asyncio.sleep(self.settings.worker_heartbeat_s)
+                await put()
 
+        await put()
         renewer = asyncio.create_task(renew())
         LEASES.labels(**self.labels).inc()
         try:
@@ -324,10 +607,15 @@ class Worker:
         return record.status == "cancelled"
 
     async def _publish_result(self, result: VerifyResult) -> None:
-        await self.bus.js.publish(
+        """Publish on ``results.<job_id>`` (deduplicated by request id), retrying.
+
+        Raises:
+            Exception: the last attempt's error (nats errors: timeout, no responders).
+        """
+        await _retry(lambda: self.bus.js.publish(
             subjects.results(result.job_id), encode(result),
             headers={"Nats-Msg-Id": f"result-{result.request_id}"},
-        )
+        ), self.log, "result_publish_retry")
 
     def _failure(self, request: VerifyRequest, device: str, stage: str, error: str) -> VerifyResult:
         return VerifyResult(
@@ -336,6 +624,26 @@ class Worker:
             passed=False, stage=stage, error=error,
             interpreted=self.backend == "cpu",
         )
+
+
+async def _retry(call: Callable[[], Awaitable[object]], logger, event: str) -> None:
+    """``await call()`` up to FINAL_PUBLISH_ATTEMPTS times, backing off 0.5 s, 1 s ..."""
+    for attempt in range(FINAL_PUBLISH_ATTEMPTS):
+        try:
+            await call()
+            return
+        except Exception as exc:
+            if attempt == FINAL_PUBLISH_ATTEMPTS - 1:
+                raise
+            logger.warning(event, attempt=attempt + 1, error=str(exc))
+            await asyncio.sleep(0.5 * 2 ** attempt)
+
+
+def _age_s(created_at: dt.datetime) -> float:
+    """Seconds since ``created_at``; a hand-written time without an offset counts as UTC."""
+    if created_at.tzinfo is None:
+        created_at = created_at.replace(tzinfo=dt.UTC)
+    return max(0.0, (utcnow() - created_at).total_seconds())
 
 
 def _semver(version: str) -> str:
@@ -357,18 +665,44 @@ def _job_id_of(data: bytes) -> str | None:
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Connect, serve verify requests until ``stop`` is set (or SIGINT/SIGTERM), then exit.
+    """Connect, serve verify requests until ``stop`` is set (or a signal), then exit.
+
+    Without ``stop`` (a worker process), the first SIGINT/SIGTERM stops taking
+    requests and lets the in-flight verifications finish (each within its request's
+    ``timeout_s``); a second one gives them up: their children are killed and their
+    messages nak'ed, so another worker takes them at once rather than after ack_wait.
 
     Raises:
         ConnectionError: NATS is unreachable at start.
+        ValueError: the device list is not usable (see :class:`Worker`).
+        services.worker.sandbox.PoolBroken: the sandbox could not start.
     """
+    abandon = asyncio.Event()
     if stop is None:
         stop = asyncio.Event()
-        install_signal_handlers(stop)
+        _install_signal_handlers(stop, abandon)
     start_metrics_server(settings.metrics_port)
     bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id or default_worker_id()}")
     try:
-        await Worker(bus, settings).run(stop)
+        await Worker(bus, settings).run(stop, abandon)
     finally:
         await bus.close()
 
+
+def _install_signal_handlers(stop: asyncio.Event, abandon: asyncio.Event) -> None:
+    """First SIGINT/SIGTERM sets ``stop``; the next sets ``abandon``. Main thread only."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("worker_abandoning", signal=sig.name)
+            abandon.set()
+        else:
+            log.info("worker_stopping", signal=sig.name,
+                     hint="in-flight verifications finish first; signal again to give "
+                          "them to other workers now")
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, on_signal, sig)
