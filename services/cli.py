@@ -129,6 +129,12 @@ def _run_service(service: str, settings: Settings, main: Any) -> None:
         asyncio.run(main)
     except ConnectionError as exc:
         _fail(ExitCode.UNREACHABLE, f"{service}: {exc}")
+    except ValueError as exc:
+        # Bad configuration found at start (device names, worker id ...).
+        _fail(ExitCode.USAGE, f"{service}: {exc}")
+    except RuntimeError as exc:
+        # e.g. the worker's sandbox cannot start on this machine (PoolBroken).
+        _fail(ExitCode.NO_SANDBOX, f"{service} could not start: {exc}")
     except KeyboardInterrupt:
         pass
 

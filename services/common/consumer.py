@@ -60,23 +60,35 @@ def deliveries(msg: Msg) -> int:
         return 1
 
 
-async def dead_letter(js: JetStreamContext, msg: Msg, reason: str) -> None:
+async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, attempts: int = 3) -> bool:
     """Copy ``msg`` to ``dlq.<subject>`` with the reason in headers, then ack the original.
 
-    Headers: ``Aikg-Dlq-Reason``, ``Aikg-Original-Subject``, ``Aikg-Deliveries``.
+    Headers: ``Aikg-Dlq-Reason``, ``Aikg-Original-Subject``, ``Aikg-Deliveries``. The
+    publish is retried ``attempts`` times (a cluster leader change takes a moment);
+    if it still fails the original is left unacked, so it is redelivered rather than
+    lost.
+
+    Returns:
+        True when the copy is in the DLQ and the original acked.
     """
     headers = {
         "Aikg-Dlq-Reason": reason[:1000].replace("\r", " ").replace("\n", " "),
         "Aikg-Original-Subject": msg.subject,
         "Aikg-Deliveries": str(deliveries(msg)),
     }
-    try:
-        await js.publish(subjects.dlq(msg.subject), msg.data or b"", headers=headers)
-    except Exception as exc:  # noqa: BLE001
-        log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc))
-        return  # keep the original: better redelivered than lost
+    for attempt in range(attempts):
+        try:
+            await js.publish(subjects.dlq(msg.subject), msg.data or b"", headers=headers)
+            break
+        except Exception as exc:  # noqa: BLE001
+            log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc),
+                      attempt=attempt + 1)
+            await asyncio.sleep(0.5 * (attempt + 1))
+    else:
+        return False
     with contextlib.suppress(Exception):
         await msg.ack()
+    return True
 
 
 async def keep_in_progress(msg: Msg, every_s: float) -> None:
