@@ -14,8 +14,9 @@ restarted generator resumes with every verified candidate kept).
 
 Fitness: correctness first, then speedup. On the ``cpu`` backend timings are not
 meaningful (Triton's interpreter), so candidates rank by correctness only; among
-equally fit parents the least-used one is bred first, which spreads the search over
-islands and migrants instead of always re-breeding the oldest candidate.
+equally fit parents the least-used one is bred first, then a migrant, which spreads
+the search over islands and lineages instead of always re-breeding the oldest
+candidate.
 """
 
 from __future__ import annotations
@@ -259,8 +260,9 @@ class EvolveSearch:
     def choose_parent(self, island: int, index: int) -> EvolveCandidate | None:
         """A parent for a child on ``island``: with probability ``parent_selection_prob``
         the fittest of the island's population (own candidates and migrants), else a
-        random member; ties go to the member with fewest children. Falls back to all
-        verified candidates while the island has none yet."""
+        random member; ties go to the member with fewest children, then to a migrant
+        (another island's lineage). Falls back to all verified candidates while the
+        island has none yet."""
         pool = self.verified(self.summary.islands[island])
         passed = [c for c in pool if c.passed]
         if not passed:
@@ -280,6 +282,9 @@ class EvolveSearch:
             tied = pool
         fewest = min(self.state.children.get(c.candidate_id, 0) for c in tied)
         tied = [c for c in tied if self.state.children.get(c.candidate_id, 0) == fewest]
+        # Still tied: prefer a migrant, whose lineage this island has not bred yet.
+        migrants = [c for c in tied if c.island != island]
+        tied = migrants or tied
         return tied[rng.randrange(len(tied))]
 
     def inspirations(self, parent: EvolveCandidate, index: int) -> list[tuple[EvolveCandidate, str]]:
