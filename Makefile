@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TASK ?= tasks/relu.py
 
-.PHONY: venv run test lint bench schema clean
+.PHONY: venv prometheus run test lint bench schema clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "AIKG needs Python >= 3.11; set PYTHON=python3.11")'
@@ -17,10 +17,20 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# tests/test_dashboard.py runs the Grafana dashboard's queries on a real Prometheus
+# (Debian's `prometheus` package). Installed here when missing, only as root with
+# apt-get (CI); otherwise, or if apt fails, that test skips and says why.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || [ "$$(id -u)" != 0 ] || \
+	  ! command -v apt-get >/dev/null 2>&1 || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends prometheus >/dev/null; } || \
+	  echo "could not install prometheus; tests/test_dashboard.py will skip"
+
 run: venv
 	$(VENV)/bin/aikg demo $(TASK)
 
-test: venv
+test: venv prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
 
 lint: venv

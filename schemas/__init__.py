@@ -47,4 +47,5 @@ __all__ = [
     "new_id",
     "normalize_dsl",
     "subjects",
+    "utcnow",
 ]

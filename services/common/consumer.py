@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
@@ -29,6 +30,12 @@ async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
     try:
         return await psub.fetch(batch=batch, timeout=timeout)
     except (TimeoutError, nats.errors.TimeoutError):
+        return []
+    except (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError) as exc:
+        # A cluster node died and the consumer has no leader until the election ends
+        # (a few seconds): the pull is answered 503. Wait a little and pull again.
+        log.warning("fetch_unavailable", error=type(exc).__name__)
+        await asyncio.sleep(min(timeout, 1.0))
         return []
 
 

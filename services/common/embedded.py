@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
+_MONITOR = re.compile(r"Starting http monitor on ([\d.]+):(\d+)")
 
 
 def nats_server_binary() -> str:
@@ -67,6 +68,8 @@ class EmbeddedNatsServer:
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen[str] | None = None
         self.url = ""
+        # HTTP monitoring base URL (``/jsz``, ``/healthz``), read from the server's log.
+        self.monitor_url = ""
         self._log: list[str] = []
 
     def start(self, timeout_s: float = 15.0) -> str:
@@ -98,6 +101,9 @@ class EmbeddedNatsServer:
             for line in self.proc.stderr:
                 if len(self._log) < 200:
                     self._log.append(line.rstrip())
+                mon = _MONITOR.search(line)
+                if mon:
+                    self.monitor_url = f"http://{mon.group(1)}:{mon.group(2)}"
                 m = _LISTEN.search(line)
                 if m and not found.is_set():
                     self.url = f"nats://{m.group(1)}:{m.group(2)}"

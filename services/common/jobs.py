@@ -7,8 +7,11 @@ publishing live here, once.
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
+import time
 
+import nats.errors
 import nats.js.errors
 import structlog
 
@@ -120,13 +123,37 @@ def describe_pairs(workers: list[WorkerInfo]) -> list[str]:
     return sorted({f"{w.backend}/{w.arch}" for w in workers})
 
 
+# How long publish_event retries while JOB_EVENTS has no leader (a cluster node
+# failing over takes a few seconds; tests/test_cluster.py), seconds.
+EVENT_RETRY_S = 20.0
+_TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+              nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+
+
 async def publish_event(bus: Bus, event: JobEvent) -> None:
-    """Publish a job event on ``jobs.events.<job_id>``; a failure is logged, not raised
-    (events are a view of the record, which stays the source of truth)."""
-    try:
-        await bus.js.publish(subjects.job_events(event.job_id), encode(event))
-    except Exception as exc:  # noqa: BLE001 - events must never fail a job
-        log.warning("event_publish_failed", job_id=event.job_id, error=str(exc))
+    """Publish a job event on ``jobs.events.<job_id>``, retrying for up to
+    :data:`EVENT_RETRY_S` seconds while the stream fails over. Every try carries the
+    same ``Nats-Msg-Id``, so a try that landed unacknowledged is not stored twice. A
+    failure is logged, not raised (events are a view of the record, which stays the
+    source of truth)."""
+    headers = {"Nats-Msg-Id": new_id("ev-")}
+    deadline = time.monotonic() + EVENT_RETRY_S
+    delay = 0.1
+    while True:
+        try:
+            await bus.js.publish(subjects.job_events(event.job_id), encode(event),
+                                 headers=headers)
+            return
+        except _TRANSIENT as exc:
+            if time.monotonic() + delay > deadline:
+                log.warning("event_publish_failed", job_id=event.job_id,
+                            error=f"{type(exc).__name__}: {exc}")
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
+        except Exception as exc:  # noqa: BLE001 - events must never fail a job
+            log.warning("event_publish_failed", job_id=event.job_id, error=str(exc))
+            return
 
 
 async def cancel_job(bus: Bus, job_id: str, reason: str = "cancelled by user") -> JobRecord:

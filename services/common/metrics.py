@@ -3,29 +3,49 @@
 Metric names follow Prometheus conventions: ``aikg_`` prefix, base units (seconds,
 bytes), ``_total`` counters, histograms for latencies, and never an id as a label.
 The gateway serves ``/metrics`` on its HTTP port instead.
+
+``AIKG_METRICS_HOST`` sets the address the endpoint binds (default ``127.0.0.1``);
+in a container it must be ``0.0.0.0`` so Prometheus can reach it
+(deploy/docker-compose.yml sets it).
 """
 
 from __future__ import annotations
 
+import os
 import socket
 
 from prometheus_client import start_http_server
 
+# Read here rather than from Settings so one variable covers every service entry point.
+METRICS_HOST_ENV = "AIKG_METRICS_HOST"
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
-def start_metrics_server(port: int, host: str = "127.0.0.1") -> int | None:
+
+def metrics_host() -> str:
+    """The address ``/metrics`` binds: ``$AIKG_METRICS_HOST``, else ``127.0.0.1``."""
+    return os.environ.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST
+
+
+def start_metrics_server(port: int, host: str | None = None) -> int | None:
     """Serve ``/metrics`` of the default registry in a background thread.
 
     Args:
         port: TCP port; 0 picks a free one; -1 serves nothing.
-        host: address to bind (loopback by default; ``0.0.0.0`` in a container).
+        host: address to bind; None reads ``AIKG_METRICS_HOST`` (default loopback;
+            ``0.0.0.0`` in a container).
 
     Returns:
         The port served, or None when disabled.
+
+    Raises:
+        OSError: the address cannot be bound (port in use, unknown host).
     """
     if port < 0:
         return None
+    host = host or metrics_host()
     if port == 0:
-        with socket.socket() as s:
+        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family) as s:
             s.bind((host, 0))
             port = s.getsockname()[1]
     start_http_server(port, addr=host)

@@ -75,6 +75,7 @@ from services.common.jobs import (
     pick_arch,
     publish_event,
 )
+from services.common.queue_metrics import run_queue_metrics
 from services.common.settings import Settings
 from services.gateway import events as job_events
 from services.gateway.views import JOB_ID_RE, JobPage, WorkerList, list_jobs, list_workers
@@ -544,6 +545,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             installed.append((sig, signal.getsignal(sig)))
             loop.add_signal_handler(sig, stop.set)
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-uvicorn")
+    queue_metrics = asyncio.create_task(run_queue_metrics(bus), name="gateway-queue-metrics")
     stopping = asyncio.create_task(stop.wait(), name="gateway-stop")
     host, port = sock.getsockname()[:2]
     log.info("gateway_listening", url=f"http://{host}:{port}", nats_url=settings.nats_url,
@@ -554,6 +556,9 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
         await serving
     finally:
         stopping.cancel()
+        queue_metrics.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await queue_metrics
         if not serving.done():
             server.should_exit = True
             with contextlib.suppress(Exception, asyncio.CancelledError):

@@ -387,9 +387,14 @@ class Generator:
 
     async def _finish(self, job_id: str, status: str, *, result: JobResult | None = None,
                       error: str | None = None) -> None:
+        finished = False
+
         def change(r: JobRecord) -> JobRecord | None:
+            nonlocal finished
+            finished = False
             if r.status in TERMINAL_STATUSES:
                 return None
+            finished = True
             r.status = status
             r.result = result
             r.error = error
@@ -400,11 +405,13 @@ class Generator:
             return r
 
         try:
-            record = await self.jobs.update(job_id, change)
+            await self.jobs.update(job_id, change)
         except JobNotFound:
             return
-        if record.status != status:
-            return  # someone else (a cancel) finished it first
+        if not finished:
+            # Someone else ended it first: a cancel, or another delivery of this job
+            # (JetStream redelivers after a consumer leader change).
+            return
         log.info("job_finished", status=status, error=error)
         await publish_event(self.bus, JobEvent(
             job_id=job_id, event=status, status=status, message=error or "",

@@ -82,6 +82,12 @@ IN_FLIGHT = Gauge("aikg_worker_in_flight", "Verifications running now.", ["backe
 DEVICES = Gauge("aikg_worker_devices", "Devices (cpu: slots) this worker offers.",
                 ["backend", "arch"])
 LEASES = Gauge("aikg_worker_leases_held", "Device leases held now.", ["backend", "arch"])
+SANDBOX_KILLS = Counter(
+    "aikg_worker_sandbox_kills_total",
+    "Candidate runs the sandbox ended, by reason: timeout (ran past timeout_s and was "
+    "killed) or crash (died by a signal or exited without a result).",
+    ["backend", "arch", "reason"],
+)
 DEAD_LETTERED = Counter("aikg_worker_dead_lettered_total",
                         "Verify requests moved to the DLQ, by reason.", ["backend", "arch", "reason"])
 
@@ -496,8 +502,13 @@ class Worker:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             await self._dead_letter_malformed(msg, exc)
             return
-        bound = self.log.bind(job_id=request.job_id, request_id=request.request_id,
-                              candidate_id=request.candidate_id, device=device)
+        with structlog.contextvars.bound_contextvars(
+                job_id=request.job_id, request_id=request.request_id,
+                candidate_id=request.candidate_id, worker_id=self.worker_id):
+            await self._handle_request(msg, request, device)
+
+    async def _handle_request(self, msg, request: VerifyRequest, device: str) -> None:
+        bound = self.log.bind(device=device)
         delivered = deliveries(msg)
         if delivered > self.max_deliver:
             await self._give_up(msg, request, device, delivered, bound)
@@ -525,6 +536,8 @@ class Worker:
         VERIFY_SECONDS.labels(**self.labels).observe(elapsed)
         VERIFICATIONS.labels(**self.labels, outcome="passed" if result.passed else "failed",
                              stage=result.stage or "none").inc()
+        if result.stage in ("timeout", "crash"):
+            SANDBOX_KILLS.labels(**self.labels, reason=result.stage).inc()
         await self._publish_result(result)
         await msg.ack()
         bound.info("verify_finished", passed=result.passed, stage=result.stage,
