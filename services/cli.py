@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -234,8 +235,19 @@ class LocalStack:
         for name, proc in self.children.items():
             if proc.poll() is not None:
                 where = f"; log: {self.logs[name]}" if name in self.logs else ""
-                return f"{name} exited with code {proc.returncode}{where}"
+                return f"{name} exited with code {proc.returncode}{where}{self._cause(name)}"
         return None
+
+    def _cause(self, name: str) -> str:
+        """The last error the service logged (e.g. the port in use), for the message."""
+        path = self.logs.get(name)
+        if path is None:
+            return ""
+        with contextlib.suppress(OSError):
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+            if lines:
+                return f"\n  {lines[-1][:500]}"
+        return ""
 
     def describe(self) -> str:
         if not self.workers:
@@ -421,7 +433,12 @@ def demo(
             final = _wait(client, job_id, timeout, out.is_terminal)
         record = _decode_record(final)
         _show(record, final.content, as_json=False)
-    raise typer.Exit(int(_record_exit(record)))
+        code = _record_exit(record)
+    if code == ExitCode.OK and stack.logs:
+        # A throw-away stack that did its job leaves nothing behind; on failure the
+        # logs stay for a look (their directory was printed at start).
+        shutil.rmtree(next(iter(stack.logs.values())).parent, ignore_errors=True)
+    raise typer.Exit(int(code))
 
 
 # --- client --------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from services.common.settings import Settings, load_settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import RELU_TASK, free_port, running_gateway
+from tests.helpers import RELU_KERNEL
 
 pytestmark = pytest.mark.slow
 
@@ -38,32 +39,6 @@ KILL_AFTER = 15  # jobs submitted before the kill
 RESTART_AFTER = 30  # jobs submitted before the restart
 SUBMIT_GAP_S = 0.25  # pacing, so that jobs keep arriving across the kill and restart
 
-RELU_KERNEL = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out
-'''
 
 
 class Cluster:

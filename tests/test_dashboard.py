@@ -42,6 +42,7 @@ from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import RELU_TASK, free_port, running_gateway
+from tests.helpers import RELU_KERNEL, wait_terminal
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
@@ -60,30 +61,6 @@ GRAFANA_VARIABLES = {"$__rate_interval": WINDOW, "$__interval": WINDOW, "$__rang
 LLM_METRICS = {"aikg_llm_requests_total", "aikg_llm_request_duration_seconds",
                "aikg_llm_tokens_total"}
 
-RELU_KERNEL = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    tl.store(out_ptr + offs, tl.maximum(tl.load(x_ptr + offs, mask=m), 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK_SIZE=1024)
-        return out
-'''
 # Spins in forward until the sandbox kills it at the job's timeout_s.
 SPINNING_RELU = RELU_KERNEL.replace("        x = x.contiguous()\n",
                                     "        while True:\n            pass\n")
@@ -230,17 +207,6 @@ async def stack(settings: Settings, bus: Bus) -> AsyncIterator[str]:
         stop.set()
         tasks[2].cancel()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-
-
-async def wait_terminal(client: httpx.AsyncClient, job_id: str, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        resp = await client.get(f"/api/v1/jobs/{job_id}/status")
-        if resp.status_code == 200 and resp.json()["status"] in ("completed", "failed",
-                                                                  "cancelled"):
-            return resp.json()
-        await asyncio.sleep(0.3)
-    raise TimeoutError(f"job {job_id} did not finish in {timeout_s} s")
 
 
 @pytest.mark.slow

@@ -17,11 +17,10 @@ import httpx
 import msgspec
 import pytest
 
-from schemas import JobEvent, JobRecord, decode, subjects
+from schemas import JobRecord, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
-from services.generator.service import run_generator
-from services.worker.service import run_worker
+from tests.helpers import WRONG_RELU_KERNEL, job_events, services_running, wait_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -30,62 +29,11 @@ TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parent / "data"
 
 
-@contextlib.asynccontextmanager
-async def services_running(settings: Settings, bus: Bus) -> AsyncIterator[None]:
-    """A worker and a generator until the block ends; waits for the worker's heartbeat."""
-    stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(run_worker(settings, stop), name="worker"),
-        asyncio.create_task(run_generator(settings, stop), name="generator"),
-    ]
-    try:
-        for _ in range(600):
-            for t in tasks:
-                if t.done():
-                    t.result()
-            with contextlib.suppress(Exception):
-                if await bus.workers.keys():
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError("worker never sent a heartbeat")
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-
-
 @pytest.fixture
 async def stack(settings: Settings, bus: Bus, gateway: str) -> AsyncIterator[str]:
     """Gateway + generator + one cpu worker; yields the gateway URL."""
     async with services_running(settings, bus):
         yield gateway
-
-
-async def wait_terminal(client: httpx.AsyncClient, job_id: str, timeout_s: float = 120) -> dict:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        resp = await client.get(f"/api/v1/jobs/{job_id}/status")
-        if resp.status_code == 200 and resp.json()["status"] in ("completed", "failed", "cancelled"):
-            return resp.json()
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"job {job_id} did not finish in {timeout_s}s")
-
-
-async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
-    """Every event of the job so far, read from the JOB_EVENTS stream."""
-    sub = await bus.js.subscribe(subjects.job_events(job_id), ordered_consumer=True)
-    events = []
-    try:
-        while True:
-            msg = await sub.next_msg(timeout=0.5)
-            events.append(decode(msg.data, JobEvent))
-    except Exception:  # noqa: BLE001 - timeout: no more history
-        pass
-    finally:
-        await sub.unsubscribe()
-    return events
 
 
 def submit_body(path: Path, **extra) -> dict:
@@ -164,32 +112,7 @@ async def test_task_the_builtin_coder_cannot_lower_fails_naming_the_op(stack: st
 
 
 async def test_wrong_init_code_fails_then_builtin_candidate_passes(stack: str) -> None:
-    wrong = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.5), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out
-'''
+    wrong = WRONG_RELU_KERNEL
     async with httpx.AsyncClient(base_url=stack, timeout=10) as client:
         resp = await client.post("/api/v1/jobs/submit",
                                  json=submit_body(TASKS / "relu.py", init_code=wrong))

@@ -22,7 +22,7 @@ from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
 from services.worker.service import run_worker
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
-from tests.test_e2e import services_running, wait_terminal
+from tests.helpers import RELU_KERNEL, services_running, wait_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -32,32 +32,8 @@ EVOLVE = {"job_type": "evolve", "max_rounds": 3, "parallel_num": 4, "num_islands
           "migration_interval": 1, "elite_size": 4, "parent_selection_prob": 0.5,
           "shape_overrides": {"batch_size": 4, "dim": 512}, "trials": 1}
 
-LLM_RELU = '''\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK_SIZE=BLOCK)
-        return out
-'''
+# The scripted LLM's reply: the shared relu kernel with a BLOCK placeholder.
+LLM_RELU = RELU_KERNEL.replace("cdiv(n, 1024)", "cdiv(n, BLOCK)").replace("=1024", "=BLOCK")
 
 
 def check_summary(record: dict, candidates: int) -> None:

@@ -10,25 +10,22 @@ carried the verdict back to the coder.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 
-from schemas import JobEvent, JobRecord, VerifyResult, decode, subjects
+from schemas import JobRecord, VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
-from services.generator.service import run_generator
-from services.worker.service import run_worker
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests.helpers import job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
 
@@ -53,47 +50,6 @@ def repair_script(index: int, request: Recorded) -> Reply:
 def llm_settings(settings: Settings, fake: FakeLLM, **extra) -> Settings:
     return msgspec.structs.replace(settings, llm_base_url=fake.url, llm_model="fake-coder",
                                    llm_api_key=KEY, llm_timeout_s=60.0, **extra)
-
-
-@contextlib.asynccontextmanager
-async def services_running(settings: Settings, bus: Bus) -> AsyncIterator[None]:
-    """A cpu worker and a generator as tasks of this loop until the block ends."""
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(run_worker(settings, stop), name="worker"),
-             asyncio.create_task(run_generator(settings, stop), name="generator")]
-    try:
-        for _ in range(1200):
-            for t in tasks:
-                if t.done():
-                    t.result()
-            with contextlib.suppress(Exception):
-                if await bus.workers.keys():
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError("worker never sent a heartbeat")
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
-
-
-async def stream_messages(bus: Bus, subject: str) -> list[bytes]:
-    """Every message on ``subject`` still in its stream (an ordered consumer from the start)."""
-    sub = await bus.js.subscribe(subject, ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            out.append((await sub.next_msg(timeout=0.5)).data)
-    except Exception:  # noqa: BLE001 - timeout: no more history
-        pass
-    finally:
-        await sub.unsubscribe()
-    return out
-
-
-async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
-    return [decode(m, JobEvent) for m in await stream_messages(bus, subjects.job_events(job_id))]
 
 
 async def verdicts(bus: Bus, job_id: str) -> list[VerifyResult]:

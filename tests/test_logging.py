@@ -27,7 +27,7 @@ from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import RELU_TASK, running_gateway
-from tests.test_dashboard import RELU_KERNEL, wait_terminal
+from tests.helpers import RELU_KERNEL, wait_terminal
 
 JOB_ID = "follow-me-relu"
 WORKER_IDS = ("worker_id", "request_id", "candidate_id")

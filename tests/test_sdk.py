@@ -8,7 +8,6 @@ a real worker (and generator) as asyncio tasks in the test's loop, as test_e2e d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -37,37 +36,13 @@ from services.sdk import (
     register_remote_worker,
 )
 from services.sdk import client as client_module
+from tests.helpers import RELU_KERNEL, WRONG_RELU_KERNEL, services_running
 
 ROOT = Path(__file__).resolve().parent.parent
 RELU = (ROOT / "tasks" / "relu.py").read_text()
 
-GOOD_KERNEL = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out
-'''
-WRONG_KERNEL = GOOD_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5)")
+GOOD_KERNEL = RELU_KERNEL
+WRONG_KERNEL = WRONG_RELU_KERNEL
 
 
 @pytest.fixture
@@ -81,34 +56,6 @@ async def fresh_manager() -> AsyncIterator[WorkerManager]:
     manager = get_worker_manager()
     yield manager
     await manager.close()
-
-
-@contextlib.asynccontextmanager
-async def services_running(settings: Settings, bus: Bus, *, generator: bool = True
-                           ) -> AsyncIterator[None]:
-    """A real cpu worker (and generator) as tasks of this loop; waits for the heartbeat."""
-    from services.generator.service import run_generator
-    from services.worker.service import run_worker
-
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(run_worker(settings, stop), name="worker")]
-    if generator:
-        tasks.append(asyncio.create_task(run_generator(settings, stop), name="generator"))
-    try:
-        for _ in range(1200):
-            for t in tasks:
-                if t.done():
-                    t.result()
-            with contextlib.suppress(Exception):
-                if await bus.workers.keys():
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError("worker never sent a heartbeat")
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
 
 
 # --- AIKGClient / AsyncAIKGClient against a gateway ---------------------------------

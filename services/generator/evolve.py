@@ -58,6 +58,7 @@ class EvolveState(msgspec.Struct, kw_only=True):
 
     summary: EvolveSummary
     codes: dict[str, str] = msgspec.field(default_factory=dict)
+    # Children bred per ``"<island>:<candidate_id>"``.
     children: dict[str, int] = msgspec.field(default_factory=dict)
 
 
@@ -260,8 +261,8 @@ class EvolveSearch:
     def choose_parent(self, island: int, index: int) -> EvolveCandidate | None:
         """A parent for a child on ``island``: with probability ``parent_selection_prob``
         the fittest of the island's population (own candidates and migrants), else a
-        random member; ties go to the member with fewest children, then to a migrant
-        (another island's lineage). Falls back to all verified candidates while the
+        random member; ties go to the member this island has bred from least, then to
+        a migrant (another island's lineage). Falls back to all verified candidates while the
         island has none yet."""
         pool = self.verified(self.summary.islands[island])
         passed = [c for c in pool if c.passed]
@@ -280,12 +281,18 @@ class EvolveSearch:
             tied = [c for c in pool if fitness_key(c, mode) == best]
         else:
             tied = pool
-        fewest = min(self.state.children.get(c.candidate_id, 0) for c in tied)
-        tied = [c for c in tied if self.state.children.get(c.candidate_id, 0) == fewest]
+        used = {c.candidate_id: self.state.children.get(self.child_key(island, c), 0) for c in tied}
+        fewest = min(used.values())
+        tied = [c for c in tied if used[c.candidate_id] == fewest]
         # Still tied: prefer a migrant, whose lineage this island has not bred yet.
         migrants = [c for c in tied if c.island != island]
         tied = migrants or tied
         return tied[rng.randrange(len(tied))]
+
+    @staticmethod
+    def child_key(island: int, parent: EvolveCandidate) -> str:
+        """Children are counted per island: a migrant arrives with none bred here."""
+        return f"{island}:{parent.candidate_id}"
 
     def inspirations(self, parent: EvolveCandidate, index: int) -> list[tuple[EvolveCandidate, str]]:
         """One good, one medium and one poor passed candidate (not the parent), with code."""
@@ -357,7 +364,8 @@ class EvolveSearch:
                 if parent is None:
                     candidate = await self.mutator.seed(self.submit, index, self.rng(index, "seed"))
                 else:
-                    self.state.children[parent.candidate_id] = self.state.children.get(parent.candidate_id, 0) + 1
+                    key = self.child_key(island, parent)
+                    self.state.children[key] = self.state.children.get(key, 0) + 1
                     candidate = await self.mutator.mutate(
                         self.submit, parent, self.state.codes.get(parent.candidate_id, ""),
                         self.inspirations(parent, index), self.rng(index, "mutate"))

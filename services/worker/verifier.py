@@ -185,8 +185,10 @@ def _size_hint(need: int, limit: int, names: dict[str, int]) -> str:
         max(names, key=lambda n: names[n]) if names else None)
     if name is None:
         return "pass smaller shape_overrides"
-    suggestion = json.dumps({name: max(1, names[name] // factor)})
-    return f"pass shape_overrides such as {suggestion} to shrink them"
+    value = max(1, names[name] // factor)
+    suggestion = json.dumps({name: value})
+    return (f"pass shape_overrides such as {suggestion} to shrink them "
+            f"(aikg submit: --shape {name}={value})")
 
 
 def _decode_tensor(meta: _child.TensorMeta, data: bytearray) -> torch.Tensor:
@@ -250,6 +252,9 @@ class Verifier:
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
         self.worker_id = worker_id
+        # A default scratch root is this worker's own and goes with it on close(); a
+        # given one (e.g. to keep Triton caches across restarts) is left in place.
+        self._own_scratch = scratch_root is None
         self.scratch_root = Path(scratch_root) if scratch_root is not None else (
             Path(os.environ.get("TMPDIR", "/tmp")) / f"aikg-worker-{_safe_name(worker_id)}")
         self.memory_limit_bytes = memory_limit_bytes
@@ -309,10 +314,13 @@ class Verifier:
                      notes=self.sandbox_notes)
 
     def close(self) -> None:
-        """Stop the fork server; it kills every running child's process group."""
+        """Stop the fork server (it kills every running child's process group) and
+        remove a default scratch root."""
         with self._start_lock:
             self._pool.close()
             self._started = False
+            if self._own_scratch:
+                shutil.rmtree(self.scratch_root, ignore_errors=True)
 
     def _probe(self) -> None:
         candidates: list[tuple[int, int] | None] = [None]

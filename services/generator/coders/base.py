@@ -108,6 +108,9 @@ class BuiltinCoder:
             raise CoderError(f"built-in coder's process died (exit code {exc.exitcode}) while "
                              "running the task's code") from exc
         if error is not None:
+            if error.endswith("use the LLM coder"):
+                error += (" (point the generator at one with AIKG_LLM_BASE_URL and "
+                          "AIKG_LLM_MODEL, then submit with coder 'llm'; README: Using an LLM)")
             raise CoderError(error)
         assert code is not None
         return Candidate(code=code, coder=self.name, meta=params)

@@ -1,0 +1,109 @@
+"""Helpers shared by the service-level tests: a hand-written candidate, running the
+worker and generator in the test's loop, and reading a stream's history."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+
+from schemas import JobEvent, decode, subjects
+from services.common.bus import Bus
+from services.common.settings import Settings
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = ROOT / "tasks"
+
+# A correct hand-written candidate for tasks/relu.py (any shape: it runs flattened).
+RELU_KERNEL = '''\
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        n = x.numel()
+        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
+        return out
+'''
+# Runs, but clamps at 0.5 instead of 0: a mismatch on every value in (0, 0.5).
+WRONG_RELU_KERNEL = RELU_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5)")
+
+
+@contextlib.asynccontextmanager
+async def services_running(settings: Settings, bus: Bus, *,
+                           generator: bool = True) -> AsyncIterator[None]:
+    """A cpu worker (and a generator) as tasks of this loop until the block ends;
+    waits for the worker's first heartbeat."""
+    from services.generator.service import run_generator
+    from services.worker.service import run_worker
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(run_worker(settings, stop), name="worker")]
+    if generator:
+        tasks.append(asyncio.create_task(run_generator(settings, stop), name="generator"))
+    try:
+        for _ in range(1200):
+            for t in tasks:
+                if t.done():
+                    t.result()
+            with contextlib.suppress(Exception):
+                if await bus.workers.keys():
+                    break
+            await asyncio.sleep(0.05)
+        else:
+            raise TimeoutError("worker never sent a heartbeat")
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+
+
+async def wait_terminal(client: httpx.AsyncClient, job_id: str, timeout_s: float = 180) -> dict:
+    """Poll the status route until the job ends; its record as JSON."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline:
+        resp = await client.get(f"/api/v1/jobs/{job_id}/status")
+        if resp.status_code == 200 and resp.json()["status"] in ("completed", "failed",
+                                                                 "cancelled"):
+            return resp.json()
+        await asyncio.sleep(0.2)
+    raise TimeoutError(f"job {job_id} did not finish in {timeout_s}s")
+
+
+async def stream_messages(bus: Bus, subject: str) -> list[bytes]:
+    """Every message on ``subject`` still in its stream (an ordered consumer from the start)."""
+    sub = await bus.js.subscribe(subject, ordered_consumer=True)
+    out = []
+    try:
+        while True:
+            out.append((await sub.next_msg(timeout=0.5)).data)
+    except Exception:  # noqa: BLE001 - timeout: no more history
+        pass
+    finally:
+        await sub.unsubscribe()
+    return out
+
+
+async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
+    """Every event of the job so far, from the JOB_EVENTS stream."""
+    return [decode(m, JobEvent) for m in await stream_messages(bus, subjects.job_events(job_id))]
