@@ -12,6 +12,7 @@ import httpx
 
 from schemas import JobEvent, decode, subjects
 from services.common.bus import Bus
+from services.common.jobs import live_workers
 from services.common.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +66,9 @@ async def services_running(settings: Settings, bus: Bus, *,
             for t in tasks:
                 if t.done():
                     t.result()
+            # The gateway's own check: a worker it would route a submission to.
             with contextlib.suppress(Exception):
-                if await bus.workers.keys():
+                if await live_workers(bus):
                     break
             await asyncio.sleep(0.05)
         else:
