@@ -85,7 +85,8 @@ def best_table(record: JobRecord) -> Table | None:
         return None
     t = Table(title="best candidates", title_justify="left")
     for column in ("rank", "candidate", "round", "island", "parent", "coder", "speedup"):
-        t.add_column(column)
+        # Ids share the job id as prefix: fold them rather than cut the telling end.
+        t.add_column(column, overflow="fold")
     for rank, c in enumerate(record.result.best, 1):
         t.add_row(str(rank), c.candidate_id, str(c.round + 1), str(c.island),
                   c.parent_id or "-", c.coder,

@@ -191,12 +191,16 @@ async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
             return SubmitResponse(job_id=job_id, status=existing.status,
                                   backend=existing.backend, arch=existing.arch,
                                   message="job already submitted")
+        # The event goes first so that a job's history starts with it: a generator may
+        # pick the job up and report "started" before this handler runs on.
+        await publish_event(bus, JobEvent(job_id=job_id, event="submitted", status="pending",
+                                          message=f"{record.backend}/{arch}"))
         try:
             await publish_json(bus.js, subjects.JOBS_SUBMIT, record.request, msg_id=job_id)
         except Exception as exc:
+            await publish_event(bus, JobEvent(job_id=job_id, event="error", status="pending",
+                                              message=f"submission withdrawn: {exc}"))
             await _withdraw(bus, job_id, exc)
-        await publish_event(bus, JobEvent(job_id=job_id, event="submitted", status="pending",
-                                          message=f"{record.backend}/{arch}"))
         log.info("job_submitted", op_name=record.op_name, backend=record.backend, arch=arch,
                  job_type=record.job_type, workflow=data.workflow)
     SUBMIT_SECONDS.observe(time.perf_counter() - started)
