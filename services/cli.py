@@ -78,6 +78,7 @@ UNREACHABLE_GRACE_S = 30.0
 
 app = typer.Typer(
     name="aikg",
+    context_settings={"help_option_names": ["-h", "--help"]},
     help=(
         "AIKG: turn a PyTorch reference operator (KernelBench task) into a verified Triton "
         "kernel. Services exchange events over NATS; `aikg up` runs all of them on this "
