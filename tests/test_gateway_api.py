@@ -359,3 +359,19 @@ async def test_gateway_stops_promptly_with_an_event_stream_open(
             assert r.status_code == 200
             stop.set()
             await asyncio.wait_for(serving, 10)
+
+
+async def test_nats_gone_answers_503_with_retry_after(nats_server, gateway: str) -> None:
+    """With the NATS server killed, routes that need it answer 503 (retry), never 500."""
+    nats_server.kill()
+    await asyncio.sleep(0.5)  # the client notices the closed socket
+    async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
+        for path in ("/api/v1/workers", "/api/v1/jobs/some-job/status", "/api/v1/jobs"):
+            t0 = asyncio.get_running_loop().time()
+            resp = await client.get(path)
+            assert resp.status_code == 503, (path, resp.status_code, resp.text)
+            assert resp.headers.get("retry-after")
+            # Fails fast while reconnecting instead of waiting out a request timeout.
+            assert asyncio.get_running_loop().time() - t0 < 5
+        ready = await client.get("/readyz")
+        assert ready.status_code == 503

@@ -28,6 +28,7 @@ from typing import Annotated, Any, NoReturn
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 import uvicorn
 from litestar import Litestar, MediaType, Request, Response, get, post
@@ -127,7 +128,12 @@ def _bus(state: State) -> Bus:
     """The app's bus, or 503 while it is not connected yet (startup) or any more."""
     bus: Bus | None = state.get("bus")
     if bus is None:
-        raise HTTPException(status_code=503, detail="gateway is not connected to NATS yet; retry")
+        raise HTTPException(status_code=503, detail="gateway is not connected to NATS yet; retry",
+                            headers={"Retry-After": "2"})
+    if not bus.nc.is_connected:
+        # Reconnecting: answer now rather than after a 10 s request timeout.
+        raise HTTPException(status_code=503, detail="gateway lost its NATS connection and is "
+                            "reconnecting; retry shortly", headers={"Retry-After": "2"})
     return bus
 
 
@@ -226,6 +232,8 @@ def _unknown_job(job_id: str) -> NotFoundException:
 
 
 # NATS failures a request can meet (server gone, reconnecting, slow): answered 503.
+# JetStream's answers while a stream or consumer has no leader.
+_JS_TROUBLE = (nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
 _NATS_TROUBLE = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError,
                  nats.errors.NoRespondersError, nats.errors.StaleConnectionError, TimeoutError)
 
@@ -440,6 +448,13 @@ def _error_response(request: Request, exc: Exception) -> Response[dict[str, Any]
         elif exc.extra:
             body["errors"] = exc.extra
         return Response(body, status_code=exc.status_code, headers=exc.headers)
+    if isinstance(exc, _NATS_TROUBLE + _JS_TROUBLE):
+        # Met outside the routes' own handling, e.g. while a cluster node fails over:
+        # the client's retry will likely succeed, so say so instead of a 500.
+        log.warning("nats_unavailable", path=request.url.path, error=exc.__class__.__name__)
+        return Response({"status_code": 503, "detail": "NATS did not answer in time (a "
+                         "cluster node may be failing over); retry shortly"},
+                        status_code=503, headers={"Retry-After": "2"})
     log.exception("unhandled_error", path=request.url.path)
     return Response({"status_code": 500, "detail": f"internal error: {exc.__class__.__name__}"},
                     status_code=500)
