@@ -272,7 +272,7 @@ def local_stack(
     Raises:
         typer.Exit: code 1 when a service dies or is not up within ``ready_timeout`` s.
     """
-    from services.common.embedded import EmbeddedNatsServer
+    from services.common.embedded import EmbeddedNatsServer, die_with_parent
 
     nats: EmbeddedNatsServer | None = None
     children: dict[str, subprocess.Popen[bytes]] = {}
@@ -280,7 +280,7 @@ def local_stack(
     try:
         nats_url = settings.nats_url
         if not nats_url:
-            nats = EmbeddedNatsServer(store_dir)
+            nats = EmbeddedNatsServer(store_dir, die_with_parent=True)
             try:
                 nats_url = nats.start()
             except (RuntimeError, FileNotFoundError) as exc:
@@ -307,7 +307,7 @@ def local_stack(
                 children[name] = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", *args],
                     env=env, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
-                    start_new_session=True,
+                    start_new_session=True, preexec_fn=die_with_parent,
                 )
             finally:
                 if stream is not None:

@@ -248,3 +248,25 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
     assert str(tmp_path / "logs" / "gateway.log") in err.decode()
     assert "cannot listen" in (tmp_path / "logs" / "gateway.log").read_text()
     assert not _alive(family)
+
+
+@pytest.mark.slow
+async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port) -> None:
+    """SIGKILL gives `aikg up` no chance to clean up: its children must go by themselves."""
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    proc = await asyncio.create_subprocess_exec(
+        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    line = await asyncio.wait_for(proc.stdout.readline(), 120)
+    assert b"AIKG is up" in line, line
+    family = _descendants(proc.pid)
+    assert len(family) >= 4  # nats-server, gateway, generator, worker
+    proc.kill()
+    await proc.wait()
+    deadline = asyncio.get_running_loop().time() + 30
+    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+    assert not _alive(family), f"still running: {sorted(_alive(family))}"

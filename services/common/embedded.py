@@ -7,6 +7,7 @@ server picks its own free loopback port (``-p -1``) and we read it back from its
 
 from __future__ import annotations
 
+import ctypes
 import re
 import shutil
 import signal
@@ -18,8 +19,20 @@ import threading
 import time
 from pathlib import Path
 
+# prctl(2) option: signal to deliver when the parent thread dies (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
 _MONITOR = re.compile(r"Starting http monitor on ([\d.]+):(\d+)")
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: ask Linux to SIGTERM this child when its parent dies, so a
+    SIGKILLed ``aikg up`` leaves no server or service behind. A no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def nats_server_binary() -> str:
@@ -49,6 +62,8 @@ class EmbeddedNatsServer:
     Args:
         store_dir: JetStream storage directory; None creates a temporary one that
             :meth:`stop` removes.
+        die_with_parent: the server gets SIGTERM when the thread that started it
+            dies, even by SIGKILL (``aikg up``); start it from a long-lived thread.
         port: client port; -1 lets the server choose a free one.
         extra_args: further command-line flags (cluster routes, server name ...).
     """
@@ -60,8 +75,10 @@ class EmbeddedNatsServer:
         port: int = -1,
         host: str = "127.0.0.1",
         extra_args: list[str] | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self._own_dir = store_dir is None
+        self.die_with_parent = die_with_parent
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="aikg-nats-"))
         self.host = host
         self.port = port
@@ -93,6 +110,7 @@ class EmbeddedNatsServer:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            preexec_fn=die_with_parent if self.die_with_parent else None,
         )
         found = threading.Event()
 
