@@ -19,33 +19,11 @@ import pytest
 
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
+from tests.test_verifier import RELU_TASK
 
 SECRET = "sekrit"
 
-TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        return torch.relu(x)
-
-
-batch_size = 16
-dim = 1024
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
+TASK = RELU_TASK
 
 PRELUDE = """\
 import time

@@ -10,8 +10,6 @@ for all three, so the ``logger`` name (``aikg.gateway``, ``aikg.generator``,
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import io
 import json
 from collections.abc import Iterator
@@ -24,10 +22,8 @@ import structlog
 from services.common.bus import Bus
 from services.common.logging import configure_logging
 from services.common.settings import Settings
-from services.generator.service import run_generator
-from services.worker.service import run_worker
 from tests.conftest import RELU_TASK, running_gateway
-from tests.helpers import RELU_KERNEL, wait_terminal
+from tests.helpers import RELU_KERNEL, services_running, wait_terminal
 
 JOB_ID = "follow-me-relu"
 WORKER_IDS = ("worker_id", "request_id", "candidate_id")
@@ -66,29 +62,14 @@ def test_configure_logging_writes_json_with_bound_ids() -> None:
 @pytest.mark.slow
 async def test_one_job_is_followed_across_the_services_by_its_id(
         settings: Settings, bus: Bus, log_file: Path) -> None:
-    stop = asyncio.Event()
-    tasks = [asyncio.create_task(run_worker(settings, stop), name="worker"),
-             asyncio.create_task(run_generator(settings, stop), name="generator")]
-    try:
-        async with running_gateway(settings) as url:
-            for _ in range(1200):
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                with contextlib.suppress(Exception):
-                    if await bus.workers.keys():
-                        break
-                await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(base_url=url, timeout=15) as client:
-                resp = await client.post("/api/v1/jobs/submit", json={
-                    "op_name": "relu", "task_desc": RELU_TASK, "backend": "cpu",
-                    "job_id": JOB_ID, "init_code": RELU_KERNEL, "trials": 1})
-                assert resp.status_code == 200, resp.text
-                final = await wait_terminal(client, JOB_ID)
-            assert final["status"] == "completed", final
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+    async with services_running(settings, bus), running_gateway(settings) as url:
+        async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+            resp = await client.post("/api/v1/jobs/submit", json={
+                "op_name": "relu", "task_desc": RELU_TASK, "backend": "cpu",
+                "job_id": JOB_ID, "init_code": RELU_KERNEL, "trials": 1})
+            assert resp.status_code == 200, resp.text
+            final = await wait_terminal(client, JOB_ID)
+        assert final["status"] == "completed", final
 
     lines = [line for line in log_file.read_text().splitlines() if JOB_ID in line]
     assert lines, "no log line mentions the job"
