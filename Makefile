@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TASK ?= tasks/relu.py
 
-.PHONY: venv prometheus run test lint bench schema clean
+.PHONY: venv prometheus run test lint bench schema wheelhouse clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "AIKG needs Python >= 3.11; set PYTHON=python3.11")'
@@ -42,5 +42,22 @@ bench: venv
 schema: venv
 	$(VENV)/bin/aikg schema
 
+# Wheels of every runtime dependency except torch and triton, for a machine without
+# internet that brings its own CUDA builds of both (README, "Offline GPU machines"):
+# wheelhouse/requirements.txt lists what to install there. Set WHEEL_PYTHON to that
+# machine's Python (major.minor) and WHEEL_PLATFORMS to its platform tags.
+WHEELHOUSE ?= wheelhouse
+WHEEL_PYTHON ?= 3.12
+WHEEL_PLATFORMS ?= manylinux_2_39_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 \
+  manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 \
+  manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
+wheelhouse: venv
+	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
+	$(PY) -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if d.split("=")[0].strip() not in ("torch", "triton")))' > $(WHEELHOUSE)/requirements.txt
+	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
+	  --python-version $(WHEEL_PYTHON) $(addprefix --platform ,$(WHEEL_PLATFORMS)) \
+	  -d $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
+	@du -sh $(WHEELHOUSE)
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache wheelhouse

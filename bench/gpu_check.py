@@ -1,9 +1,12 @@
-"""The worker's CUDA path on a real NVIDIA GPU, in one run: ``python -m bench.gpu_check``.
+"""The CUDA path on a real NVIDIA GPU, in one run: ``python -m bench.gpu_check``.
 
-Prepared for a GPU machine with the repo's venv (a CUDA build of torch, and triton);
-on a machine without one it stops at once with exit status 2 and says why. One
-:class:`services.worker.verifier.Verifier` (``backend="cuda"``, the fork server and
-sandbox a worker uses) checks, in order:
+Prepared for a GPU machine with a CUDA build of torch and triton (the repo's venv, or
+a machine's own torch with the other dependencies installed from a wheelhouse: see
+the README, "Offline GPU machines"); on a machine without one it stops at once with
+exit status 2 and says why.
+
+Part ``worker``: one :class:`services.worker.verifier.Verifier` (``backend="cuda"``,
+the fork server and sandbox a worker uses) checks, in order:
 
 1. a correct fused element-wise kernel (the built-in coder's output for
    ``tasks/gelu.py`` at batch 4096 x dim 16384, float32: 256 MiB per tensor) in
@@ -17,6 +20,13 @@ sandbox a worker uses) checks, in order:
 3. the correct kernel again on the same Verifier: it must pass, showing that the
    device and the pool survived the faulting candidate.
 
+Part ``evolve``: the whole product path. An embedded stack (``aikg up``: NATS,
+gateway, generator, one ``cuda`` worker on ``--device``) runs an evolve job over
+HTTP on ``tasks/swish_chain.py`` (six eager PyTorch kernels that the built-in coder
+fuses into one), 3 rounds x 4 candidates x 2 islands by default, with the built-in
+coder's launch-parameter search; the job must complete and its best candidate must
+have a worker-measured speedup above 1.0 over eager PyTorch.
+
 Exit status 0 when every expectation holds, 1 when one does not, 2 when the machine
 cannot run the check (no CUDA).
 """
@@ -25,13 +35,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
+import shutil
+import socket
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_PATH = ROOT / "tasks" / "gelu.py"
+EVOLVE_TASK_PATH = ROOT / "tasks" / "swish_chain.py"
 # Elements past the output tensor the faulting store writes to: 2**36 float32 is 256 GiB,
 # beyond the memory of any current GPU, so the address cannot be another allocation.
 OOB_OFFSET = 1 << 36
@@ -88,7 +105,11 @@ def describe(result) -> str:
     return ", ".join(parts)
 
 
-async def run_checks(args: argparse.Namespace) -> int:
+Check = tuple[str, str, bool, str]  # (name, expected, held, what came)
+
+
+async def worker_checks(args: argparse.Namespace) -> list[Check]:
+    """Part ``worker``: correct kernel, out-of-bounds store, correct kernel again."""
     from schemas import VerifyRequest
     from services.generator.coders.builtin import lower_task
     from services.worker.verifier import Verifier
@@ -100,13 +121,14 @@ async def run_checks(args: argparse.Namespace) -> int:
     tensor_bytes = 4 * args.batch * args.dim
     verifier = Verifier("cuda", worker_id="gpu-check",
                         memory_limit_bytes=max(8 << 30, 4 * tensor_bytes))
-    print(f"task {TASK_PATH.relative_to(ROOT)} at {shapes} (float32, "
-          f"{tensor_bytes / (1 << 20):.0f} MiB per tensor) on cuda device {args.device}")
+    print(f"part worker: task {TASK_PATH.relative_to(ROOT)} at {shapes} (float32, "
+          f"{tensor_bytes / (1 << 20):.0f} MiB per tensor) on cuda device {args.device}",
+          flush=True)
     started = time.perf_counter()
     verifier.start()
     print(f"verifier started in {time.perf_counter() - started:.1f} s "
           f"(network isolated: {verifier.network_isolated}, run as: {verifier.run_as}, "
-          f"notes: {verifier.sandbox_notes or 'none'})")
+          f"notes: {verifier.sandbox_notes or 'none'})", flush=True)
 
     def request(name: str, code: str, mode: str) -> VerifyRequest:
         return VerifyRequest(
@@ -114,10 +136,10 @@ async def run_checks(args: argparse.Namespace) -> int:
             op_name="gelu", task_desc=task, code=code, backend="cuda", arch=args.arch,
             mode=mode, shape_overrides=shapes, timeout_s=args.timeout, trials=args.trials)
 
-    checks: list[tuple[str, str, bool, str]] = []
+    checks: list[Check] = []
     try:
         first = await verifier.verify(request("correct", correct, "profile"), device=args.device)
-        print(f"\n1. correct kernel, profile: {describe(first)}")
+        print(f"\n1. correct kernel, profile: {describe(first)}", flush=True)
         ok = (first.passed and first.speedup is not None and first.gen_time_us is not None
               and first.base_time_us is not None and first.gen_time_us > 0)
         checks.append(("correct kernel passes with a measured speedup",
@@ -126,7 +148,7 @@ async def run_checks(args: argparse.Namespace) -> int:
 
         second = await verifier.verify(request("oob-store", faulty, "verify"),
                                        device=args.device)
-        print(f"\n2. out-of-bounds store: {describe(second)}")
+        print(f"\n2. out-of-bounds store: {describe(second)}", flush=True)
         if second.log:
             print("   log tail: " + second.log[-600:].replace("\n", "\n   "))
         if second.stage == "crash":
@@ -138,26 +160,143 @@ async def run_checks(args: argparse.Namespace) -> int:
 
         third = await verifier.verify(request("correct-again", correct, "profile"),
                                       device=args.device)
-        print(f"\n3. correct kernel again, same verifier: {describe(third)}")
+        print(f"\n3. correct kernel again, same verifier: {describe(third)}", flush=True)
         checks.append(("next candidate on the same verifier passes", "passed",
                        third.passed, f"passed={third.passed} stage={third.stage}"))
     finally:
         verifier.close()
+    return checks
 
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _event_line(event: dict[str, Any]) -> str:
+    parts = [f"{event.get('event', '?'):<18}"]
+    if event.get("candidate_id"):
+        parts.append(str(event["candidate_id"]))
+    verdict = event.get("verdict") or {}
+    if verdict:
+        parts.append(f"passed={verdict.get('passed')} stage={verdict.get('stage')}")
+        if verdict.get("speedup") is not None:
+            parts.append(f"speedup={verdict['speedup']:.2f}x "
+                         f"(kernel {verdict.get('gen_time_us', 0):.1f} us, "
+                         f"eager {verdict.get('base_time_us', 0):.1f} us)")
+        if verdict.get("error"):
+            parts.append(f"error={str(verdict['error'])[:160]!r}")
+    elif event.get("message"):
+        parts.append(str(event["message"])[:200])
+    return "  " + " ".join(parts)
+
+
+def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check]:
+    """Part ``evolve``: an evolve job through ``aikg up``'s stack with one worker.
+
+    ``backend`` is ``cuda`` here; ``cpu`` (with ``args.arch`` None) runs the same
+    plumbing without a GPU, where the speedup expectation cannot hold.
+    """
+    from services.cli import local_stack
+    from services.common.settings import load_settings
+    from services.sdk import AIKGClient
+
+    shapes = {"batch_size": args.batch, "dim": args.dim}
+    log_dir = Path(args.log_dir) if args.log_dir else Path(
+        tempfile.mkdtemp(prefix="aikg-gpu-check-"))
+    settings = load_settings()
+    print(f"\npart evolve: task {EVOLVE_TASK_PATH.relative_to(ROOT)} at {shapes}, "
+          f"{args.rounds} rounds x {args.parallel} candidates x {args.islands} islands on "
+          f"{backend}/{args.arch or 'any'} device {args.device}; service logs in {log_dir}",
+          flush=True)
+    started = time.monotonic()
+    checks: list[Check] = []
+    with local_stack(settings, host="127.0.0.1", port=_free_port(), backend=backend,
+                     arch=args.arch, devices=args.device, store_dir=None, log_dir=log_dir,
+                     verbose=False, ready_timeout=300.0,
+                     stopping=threading.Event()) as stack:
+        print(f"stack up in {time.monotonic() - started:.1f} s: {stack.describe()}",
+              flush=True)
+        with AIKGClient(stack.gateway_url, token=settings.api_token or None) as client:
+            job_id = client.submit_job(
+                EVOLVE_TASK_PATH.stem, EVOLVE_TASK_PATH.read_text(), job_type="evolve",
+                backend=backend, arch=args.arch, coder="builtin", max_rounds=args.rounds,
+                parallel_num=args.parallel, num_islands=args.islands, shape_overrides=shapes)
+            print(f"submitted evolve job {job_id}", flush=True)
+            deadline = time.monotonic() + args.evolve_timeout
+            for event in client.stream_events(job_id):
+                print(_event_line(event), flush=True)
+                if time.monotonic() > deadline:
+                    client.cancel_job(job_id)
+                    print(f"  cancelled: no end within {args.evolve_timeout:g} s")
+                    break
+            record = client.get_job_status(job_id)
+    if args.record_out:
+        Path(args.record_out).write_text(json.dumps(record, indent=1))
+    if not args.log_dir and record.get("status") == "completed":
+        shutil.rmtree(log_dir, ignore_errors=True)
+    summary = record.get("evolve") or {}
+    candidates = summary.get("candidates", [])
+    print(f"\njob {job_id}: status {record.get('status')}, fitness "
+          f"{summary.get('fitness')}, {len(candidates)} candidates, "
+          f"{len(summary.get('migrations', []))} migrations, "
+          f"{time.monotonic() - started:.0f} s")
+    print(f"  round island {'candidate':<10} {'params':<46} passed speedup")
+    for c in candidates:
+        params = ",".join(f"{k}={v}" for k, v in sorted((c.get("params") or {}).items()))
+        speedup = f"{c['speedup']:.2f}x" if c.get("speedup") is not None else "-"
+        print(f"  {c.get('round', '?'):>5} {c.get('island', '?'):>6} "
+              f"{str(c.get('candidate_id')).removeprefix(job_id + '-'):<10} {params[:46]:<46} "
+              f"{str(c.get('passed')):<6} {speedup}")
+    result = record.get("result") or {}
+    best = (result.get("best") or [None])[0] or {}
+    print(f"best: {best.get('candidate_id')} speedup={best.get('speedup')} "
+          f"kernel={best.get('gen_time_us')} us eager={best.get('base_time_us')} us "
+          f"params={best.get('params')}")
+    checks.append(("evolve job completes", "status completed, passed",
+                   record.get("status") == "completed" and bool(result.get("passed")),
+                   f"status={record.get('status')} passed={result.get('passed')} "
+                   f"error={record.get('error')!r}"))
+    speedup = best.get("speedup")
+    checks.append(("best evolve candidate beats eager PyTorch", "worker-measured speedup > 1.0",
+                   bool(best.get("passed")) and speedup is not None and speedup > 1.0
+                   and best.get("gen_time_us") is not None,
+                   f"speedup={speedup}"))
+    return checks
+
+
+def run_checks(args: argparse.Namespace) -> int:
+    """Run the selected parts; print a summary; 0 when every expectation holds, else 1."""
+    checks: list[Check] = []
+    expected = 0
+    if "worker" in args.parts:
+        expected += 3
+        checks += asyncio.run(worker_checks(args))
+    if "evolve" in args.parts:
+        expected += 2
+        try:
+            checks += evolve_checks(args)
+        except SystemExit as exc:  # local_stack's typer.Exit when the stack does not come up
+            print(f"the stack did not come up (exit {exc}); service logs above", flush=True)
     print("\nsummary")
     for name, want, ok, got in checks:
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: expected {want}; got {got}")
-    failed = [c for c in checks if not c[2]]
-    print("gpu_check: " + ("all expectations hold" if not failed and len(checks) == 3
-                           else f"{len(failed) or 3 - len(checks)} expectation(s) failed"))
-    return 0 if not failed and len(checks) == 3 else 1
+    failed = sum(not c[2] for c in checks) + expected - len(checks)
+    print("gpu_check: " + ("all expectations hold" if not failed
+                           else f"{failed} expectation(s) failed"))
+    return 0 if not failed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu_check",
-        description="Run the worker's CUDA verification path on this machine's GPU: a "
-                    "correct kernel (profiled), an out-of-bounds store, the correct one again.")
+        description="Run AIKG's CUDA path on this machine's GPU. Part worker: a correct "
+                    "kernel (profiled), an out-of-bounds store, the correct one again, on "
+                    "one Verifier. Part evolve: an evolve job through a local stack whose "
+                    "best candidate must beat eager PyTorch.")
+    parser.add_argument("--parts", nargs="+", choices=("worker", "evolve"),
+                        default=["worker", "evolve"], help="parts to run (default both)")
     parser.add_argument("--device", default="0", help="CUDA device ordinal to use (default 0)")
     parser.add_argument("--arch", default="h200", help="arch name in the requests (default h200)")
     parser.add_argument("--batch", type=int, default=4096, help="batch_size (default 4096)")
@@ -165,6 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=3, help="trials per candidate (default 3)")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="timeout_s of each verification, seconds (default 600)")
+    parser.add_argument("--rounds", type=int, default=3, help="evolve max_rounds (default 3)")
+    parser.add_argument("--parallel", type=int, default=4,
+                        help="evolve parallel_num (default 4)")
+    parser.add_argument("--islands", type=int, default=2, help="evolve num_islands (default 2)")
+    parser.add_argument("--evolve-timeout", type=float, default=420.0,
+                        help="seconds the evolve job may take before it is cancelled "
+                             "(default 420)")
+    parser.add_argument("--log-dir", help="where the stack's service logs go "
+                                          "(default a new temp dir)")
+    parser.add_argument("--record-out", help="write the evolve job's final record (JSON) here")
     args = parser.parse_args(argv)
     problem = cuda_problem()
     if problem is not None:
@@ -174,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configure_logging("gpu_check", "warning", "console")
     try:
-        return asyncio.run(run_checks(args))
+        return run_checks(args)
     except Exception as exc:  # noqa: BLE001 - one clear line, then the traceback
         print(f"gpu_check: the check itself failed: {type(exc).__name__}: {exc}",
               file=sys.stderr)
