@@ -741,6 +741,48 @@ def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
                                                 path)) from None
 
 
+_PROBE_KERNEL = """\
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def probe_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2.0 + 1.0, mask=mask)
+"""
+
+
+def _probe_kernel(spec: ChildSpec) -> None:
+    """Compile and launch a tiny Triton kernel the way candidates will.
+
+    After the user switch this needs what every candidate needs: the device nodes,
+    a writable Triton cache, Triton's bundled compiler tools (ptxas on cuda) and the
+    driver. Failing here lets the worker fall back to its own user, or refuse to
+    start, instead of failing every candidate at ``compile``.
+
+    Raises:
+        JobFailure: stage ``infrastructure``, naming what failed.
+    """
+    path = os.path.join(spec.scratch_dir, "probe_kernel.py")
+    with open(path, "w") as f:
+        f.write(_PROBE_KERNEL)
+    try:
+        module = _load_module("aikg_probe_kernel", path)
+        device = _device(spec.backend)
+        x = torch.arange(100, dtype=torch.float32, device=device)
+        out = torch.empty_like(x)
+        module.probe_kernel[(1,)](x, out, x.numel(), BLOCK=128)
+        _synchronize(spec.backend)
+        wrong = not torch.equal(out.cpu(), x.cpu() * 2.0 + 1.0)
+    except Exception as exc:
+        raise JobFailure(_failure("infrastructure", "a probe Triton kernel", exc)) from None
+    if wrong:
+        raise JobFailure(Failure(stage="infrastructure",
+                                 message="a probe Triton kernel returned wrong values"))
+
+
 def _run_probe(spec: ChildSpec, channel: Channel) -> None:
     # After the user switch the Python installation must still be readable (lazy
     # imports) and the scratch directory writable.
@@ -751,6 +793,7 @@ def _run_probe(spec: ChildSpec, channel: Channel) -> None:
     if spec.backend == "cuda" and not torch.cuda.is_available():
         raise JobFailure(Failure(stage="infrastructure",
                                  message="no CUDA device is usable inside the sandbox"))
+    _probe_kernel(spec)
 
 
 def _run(spec: ChildSpec, channel: Channel) -> None:

@@ -33,7 +33,9 @@ Sandbox (see :mod:`services.worker.sandbox`, :func:`services.worker._child.enter
 own process group killed at the end, RLIMIT_CPU/FSIZE/NOFILE/CORE (and RLIMIT_AS on
 cpu), scratch directory, no secrets in the environment, own Triton cache per
 device, one visible device, a private network namespace and an unprivileged user
-where the machine permits (probed by :meth:`Verifier.start`).
+where the machine permits (probed by :meth:`Verifier.start`: a sandboxed child
+compiles and launches a tiny Triton kernel on the backend's device as that user, and
+the worker keeps its own user when that fails).
 """
 
 from __future__ import annotations
