@@ -76,9 +76,11 @@ POLL_INTERVAL_S = 0.5
 # (a restart of the gateway takes a few seconds; the job itself lives in NATS).
 UNREACHABLE_GRACE_S = 30.0
 
+HELP_OPTION_NAMES = ["-h", "--help"]
+
 app = typer.Typer(
     name="aikg",
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": HELP_OPTION_NAMES},
     help=(
         "AIKG: turn a PyTorch reference operator (KernelBench task) into a verified Triton "
         "kernel. Services exchange events over NATS; `aikg up` runs all of them on this "
@@ -893,9 +895,26 @@ def schema(
         out.print(str(path), markup=False, soft_wrap=True)
 
 
+def _flags_without_metavar(command: Any) -> Any:
+    """Blank the metavar of every flag (``--wait``, ``--help``), recursively.
+
+    typer's rich help prints each option's type, so flags, which take no value,
+    would read ``--wait <bool>``, as if they wanted one.
+    """
+    # The help option is made on first use and cached; make it now, with the app's names.
+    help_option = command.get_help_option(
+        typer.Context(command, help_option_names=HELP_OPTION_NAMES))
+    for param in [*command.params, help_option]:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _flags_without_metavar(sub)
+    return command
+
+
 def main() -> None:
     """Console script ``aikg``."""
-    app()
+    _flags_without_metavar(typer.main.get_command(app))()
 
 
 if __name__ == "__main__":

@@ -77,6 +77,12 @@ async def test_help_answers_the_question() -> None:
         assert code == 0, command
         for word in words:
             assert word.lower() in out.lower(), (command, word)
+        # Flags take no value, so no type is shown after them; valued options keep theirs.
+        assert "<bool>" not in out, (command, out)
+    code, out, _ = await aikg("submit", "-h")
+    wait_line = next(line for line in out.splitlines() if line.startswith("│ --wait "))
+    assert "<" not in wait_line and "Follow the job" in wait_line
+    assert "<float>" in next(line for line in out.splitlines() if line.startswith("│ --timeout"))
 
 
 async def test_list_cancel_workers(gateway: str, bus: Bus, cpu_worker: None,
