@@ -692,7 +692,7 @@ def list_jobs(
     if not page["jobs"]:
         out.print("no jobs" + (" match" if status_filter or op_name else " yet"), markup=False)
         return
-    out.print(jobs_table(page))
+    out.print(jobs_table(page, out.width))
     shown = len(page["jobs"])
     if page["total"] > offset + shown:
         err.print(f"{shown} of {page['total']} jobs; more with --offset {offset + shown}",

@@ -183,21 +183,39 @@ def _short_time(value: str | None) -> str:
     return value.replace("T", " ")[:19]
 
 
-def jobs_table(page: dict) -> Table:
-    """``aikg list``: one row per job summary of a ``GET /api/v1/jobs`` page."""
+# Below this terminal width `aikg list` leaves out backend/arch and submit time (both
+# in `aikg status`): with a whole job id (36 characters) there is no room for them.
+NARROW_LIST_WIDTH = 110
+
+
+def jobs_table(page: dict, width: int = 200) -> Table:
+    """``aikg list``: one row per job summary of a ``GET /api/v1/jobs`` page.
+
+    Job ids and statuses stay whole on one line (ids are copied into ``aikg status``);
+    on a terminal narrower than ``NARROW_LIST_WIDTH`` columns the backend/arch and
+    submit-time columns are left out, and the result folds.
+    """
+    wide = width >= NARROW_LIST_WIDTH
     t = Table(box=None, header_style="bold", pad_edge=False)
-    for name in ("job", "status", "op", "backend/arch", "submitted", "result"):
-        t.add_column(name, overflow="fold")
-    for j in page.get("jobs", []):
+    jobs = page.get("jobs", [])
+    t.add_column("job", no_wrap=True, min_width=max((len(j["job_id"]) for j in jobs), default=3))
+    t.add_column("status", no_wrap=True, min_width=9)
+    t.add_column("op", overflow="fold")
+    if wide:
+        t.add_column("backend/arch", overflow="fold")
+        t.add_column("submitted (UTC)", no_wrap=True)
+    t.add_column("result", overflow="fold")
+    for j in jobs:
         if j.get("passed") is True:
             outcome = "passed" + (f" ({j['speedup']:.2f}x)" if j.get("speedup") else "")
         elif j.get("error"):
             outcome = j["error"]
         else:
             outcome = j.get("message") or j.get("phase") or ""
+        where = ([f"{j['backend']}/{j.get('arch') or '-'}", _short_time(j.get("submit_time"))]
+                 if wide else [])
         t.add_row(j["job_id"], Text(j["status"], style=_STATUS_STYLE.get(j["status"], "")),
-                  j["op_name"], f"{j['backend']}/{j.get('arch') or '-'}",
-                  _short_time(j.get("submit_time")), Text(outcome[:160]))
+                  j["op_name"], *where, Text(outcome[:160]))
     return t
 
 

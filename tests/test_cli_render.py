@@ -1,4 +1,4 @@
-"""Terminal rendering of evolve jobs: the live per-island table and the best list."""
+"""Terminal rendering: the live per-island table, the best list, and `aikg list`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from schemas import (
     JobSubmit,
     Migration,
 )
-from services.cli_render import live_view, record_view
+from services.cli_render import jobs_table, live_view, record_view
 from services.common.jobs import new_record
 
 
@@ -58,3 +58,32 @@ def test_cpu_evolve_says_speedup_is_not_meaningful_and_lists_best() -> None:
     text = render(record_view(record))
     assert "n/a (cpu)" in text
     assert "best candidates" in text and "c0" in text
+
+
+def _list_lines(width: int) -> list[str]:
+    page = {"jobs": [
+        {"job_id": "job-6b64edecba2147378768aa53cbd9cc32", "status": "completed",
+         "op_name": "swish_chain", "backend": "cuda", "arch": "h200",
+         "submit_time": "2026-11-30T07:50:00Z", "passed": True, "speedup": 4.25},
+        {"job_id": "my-job", "status": "failed", "op_name": "matmul", "backend": "cpu",
+         "arch": "x86_64", "submit_time": "2026-11-30T07:51:00Z",
+         "error": "cannot lower aten.mm.default: the built-in coder handles element-wise "
+                  "chains only"}]}
+    console = Console(width=width, record=True)
+    console.print(jobs_table(page, width))
+    return console.export_text().splitlines()
+
+
+def test_list_keeps_job_ids_whole_on_an_80_column_terminal() -> None:
+    lines = _list_lines(80)
+    assert all(len(line) <= 80 for line in lines)
+    assert any(line.startswith("job-6b64edecba2147378768aa53cbd9cc32  completed") for line in lines)
+    assert "passed (4.25x)" in "\n".join(lines)
+    # No room for these at 80 columns; `aikg status` has them.
+    assert "backend/arch" not in lines[0] and "h200" not in "\n".join(lines)
+
+
+def test_list_shows_backend_and_submit_time_when_wide() -> None:
+    text = "\n".join(_list_lines(160))
+    assert "cuda/h200" in text and "2026-11-30 07:51:00" in text
+    assert "cannot lower aten.mm.default" in text
