@@ -425,3 +425,28 @@ async def test_consumer_deleted_under_a_running_worker_is_recreated(
         assert result.passed, (result.stage, result.error)
         info = await consumer_info(bus, settings)
         assert info.config.ack_wait == pytest.approx(3.0)
+
+
+async def test_heartbeat_is_back_promptly_after_nats_restarts(
+        nats_server, settings: Settings, bus: Bus) -> None:
+    """A NATS outage longer than the heartbeat period: the worker keeps running and its
+    heartbeat key is renewed soon after the server is back (failed puts are retried
+    every HEARTBEAT_RETRY_S, not a period later)."""
+    async with running_worker(settings, bus, worker_heartbeat_s=2.0) as (worker, task):
+        before = (await bus.workers.get(worker.worker_id)).revision
+        nats_server.kill()
+        await asyncio.sleep(3.0)  # puts fail meanwhile
+        nats_server.start()  # same port, same JetStream store
+        restarted = time.monotonic()
+
+        async def renewed() -> bool:
+            with contextlib.suppress(Exception):
+                entry = await bus.workers.get(worker.worker_id)
+                return entry.value is not None and entry.revision > before
+            return False
+
+        await poll(renewed, 15.0, "a heartbeat after the restart")
+        elapsed = time.monotonic() - restarted
+        print(f"heartbeat renewed {elapsed:.2f} s after NATS came back")
+        assert elapsed < 3.0
+        assert not task.done()

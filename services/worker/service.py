@@ -101,6 +101,8 @@ def default_worker_id() -> str:
 # How long one pull request waits on the server for requests, seconds; a stop or
 # drain takes effect within this.
 PULL_EXPIRES_S = 1.0
+# Seconds between attempts at a heartbeat put that failed (NATS away or failing over).
+HEARTBEAT_RETRY_S = 0.5
 # Attempts at each publish that ends a request (its result, its DLQ copy) before the
 # handler gives up and leaves the message to JetStream's redelivery.
 FINAL_PUBLISH_ATTEMPTS = 3
@@ -276,13 +278,23 @@ class Worker:
         )
 
     async def heartbeat(self) -> None:
-        """Put WorkerInfo into the ``workers`` bucket every ``worker_heartbeat_s``."""
+        """Put WorkerInfo into the ``workers`` bucket every ``worker_heartbeat_s``.
+
+        Each put may take at most one period; a failed one (NATS reconnecting, a
+        bucket leader failing over) is retried every ``HEARTBEAT_RETRY_S`` rather than a
+        period later, so the key (TTL: three periods) outlives a short outage and is
+        back as soon as NATS answers again.
+        """
+        period = self.settings.worker_heartbeat_s
         while True:
             try:
-                await self.bus.workers.put(self.worker_id, encode(self.info()))
+                await asyncio.wait_for(
+                    self.bus.workers.put(self.worker_id, encode(self.info())), period)
+                delay = period
             except Exception as exc:  # noqa: BLE001 - keep beating through reconnects
-                self.log.warning("heartbeat_failed", error=str(exc))
-            await asyncio.sleep(self.settings.worker_heartbeat_s)
+                self.log.warning("heartbeat_failed", error=str(exc) or type(exc).__name__)
+                delay = min(HEARTBEAT_RETRY_S, period)
+            await asyncio.sleep(delay)
 
     async def run(self, stop: asyncio.Event, abandon: asyncio.Event | None = None) -> None:
         """Serve until ``stop`` is set or a drain is requested; then clean up.
