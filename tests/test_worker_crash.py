@@ -294,6 +294,10 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
     print(f"{ROUNDS} rounds in {elapsed:.1f} s; lease expiry after the kill: "
           f"max {max(lease_expiries):.1f} s (TTL {LEASE_TTL_S:g} s)")
     assert not strays, f"processes outlived their worker: {sorted(strays)}"
+    # A SIGKILLed worker's fork server removes its scratch root (runs, Triton caches).
+    scratch = Path(os.environ.get("TMPDIR", "/tmp"))
+    left = [w.worker_id for w in every if (scratch / f"aikg-worker-{w.worker_id}").exists()]
+    assert not left, f"scratch roots left behind by: {left}"
     assert len(lease_expiries) == ROUNDS
     # The bucket's TTL counts from the last renewal, at most one heartbeat before the
     # kill; the server checks expiries about once a second.

@@ -15,7 +15,10 @@ has been reaped, and closes it.
 The server is a child subreaper: processes a candidate forks and orphans are
 re-parented here and killed. When a child is reaped its whole process group is
 killed too. When the control socket closes (the worker exited or closed the pool),
-every child's group is killed and the server exits.
+every child's group is killed and the server exits. A pool closed on purpose sends
+``BYE`` first; a control socket that closes without it means the worker died
+(SIGKILL, OOM kill), and the server then removes the directory named by its optional
+second argument (the dead worker's scratch root: run directories, Triton caches).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import ctypes
 import os
 import selectors
+import shutil
 import signal
 import socket
 import struct
@@ -32,6 +36,7 @@ import sys
 _PID = struct.Struct("!q")
 _PR_SET_CHILD_SUBREAPER = 36
 READY = b"ready"
+BYE = b"bye"
 
 
 def _preload() -> None:
@@ -76,8 +81,12 @@ def _kill_orphans(me: int, children: dict[int, socket.socket]) -> None:
                 os.kill(int(entry), signal.SIGKILL)
 
 
-def serve(control: socket.socket) -> None:
-    """Fork a child per control message until the control socket closes."""
+def serve(control: socket.socket) -> bool:
+    """Fork a child per control message until the control socket closes.
+
+    Returns:
+        True when the worker said ``BYE`` before closing it.
+    """
     from services.worker import _child
 
     me = os.getpid()
@@ -89,6 +98,7 @@ def serve(control: socket.socket) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, socket.socket] = {}
+    told_bye = False
     selector = selectors.DefaultSelector()
     selector.register(control, selectors.EVENT_READ)
     selector.register(wake_r, selectors.EVENT_READ)
@@ -130,7 +140,10 @@ def serve(control: socket.socket) -> None:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
                 _kill_orphans(me, {})
-                return
+                return told_bye
+            if message == BYE and not fds:
+                told_bye = True
+                continue
             if len(fds) != 2:
                 for fd in fds:
                     os.close(fd)
@@ -161,8 +174,10 @@ def serve(control: socket.socket) -> None:
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     control.setblocking(True)
+    orphan_cleanup = sys.argv[2] if len(sys.argv) > 2 else None
     _preload()
-    serve(control)
+    if not serve(control) and orphan_cleanup:
+        shutil.rmtree(orphan_cleanup, ignore_errors=True)
     # Skip interpreter teardown: unloading torch costs ~1.7 s of CPU on every worker
     # exit, and there is nothing left to flush.
     os._exit(0)

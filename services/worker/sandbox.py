@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from services.worker import _child
+from services.worker import _child, _forkserver
 from services.worker._child import ChildSpec, is_secret
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -240,9 +240,13 @@ class SandboxPool:
         env: environment of the server (and so of its children before their own
             scrub); secrets are removed from it. Default: this process's.
         start_timeout_s: how long :meth:`start` waits for the imports, seconds.
+        orphan_cleanup: a directory the server removes when this process dies without
+            closing the pool (SIGKILL, OOM kill): a dead worker's scratch root.
     """
 
-    def __init__(self, env: Mapping[str, str] | None = None, start_timeout_s: float = 300.0):
+    def __init__(self, env: Mapping[str, str] | None = None, start_timeout_s: float = 300.0,
+                 orphan_cleanup: str | Path | None = None):
+        self.orphan_cleanup = orphan_cleanup
         base = clean_environment(os.environ if env is None else env)
         base.setdefault("MALLOC_ARENA_MAX", _MALLOC_ARENA_MAX)
         self.env = base
@@ -270,7 +274,8 @@ class SandboxPool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "services.worker._forkserver", str(theirs.fileno())],
+                [sys.executable, "-m", "services.worker._forkserver", str(theirs.fileno()),
+                 *([str(self.orphan_cleanup)] if self.orphan_cleanup is not None else [])],
                 pass_fds=[theirs.fileno()], env=self.env, cwd=_REPO_ROOT,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
@@ -289,6 +294,9 @@ class SandboxPool:
 
     def _stop_locked(self) -> None:
         if self._control is not None:
+            # Closed on purpose: the server must not take it for this process's death.
+            with contextlib.suppress(OSError):
+                self._control.send(_forkserver.BYE)
             self._control.close()
             self._control = None
         if self._proc is not None:

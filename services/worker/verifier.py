@@ -276,7 +276,9 @@ class Verifier:
             server_env["TRITON_INTERPRET"] = "1"
         else:
             server_env.pop("TRITON_INTERPRET", None)
-        self._pool = SandboxPool(env=server_env)
+        # A SIGKILLed worker cannot remove its own scratch root; its fork server does.
+        self._pool = SandboxPool(env=server_env, orphan_cleanup=(
+            self.scratch_root if self._own_scratch else None))
         self._started = False
         self._start_lock = threading.Lock()
         self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
