@@ -92,11 +92,12 @@ app = typer.Typer(
         "Environment: AIKG_NATS_URL (NATS server URLs, comma-separated), AIKG_GATEWAY_URL "
         "(where the client commands reach the gateway), AIKG_API_TOKEN (bearer token of the "
         "gateway), AIKG_LOG_LEVEL, AIKG_LOG_FORMAT (json|console); every Settings field "
-        "has an AIKG_<FIELD> variable (services/common/settings.py)."
+        "has an `AIKG_<FIELD>` variable (services/common/settings.py)."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 
 out = Console(highlight=False)
@@ -180,7 +181,7 @@ def worker(
     metrics_port: Annotated[int | None, typer.Option(
         envvar="AIKG_METRICS_PORT", help="Prometheus /metrics port; 0 free port, -1 off.")] = None,
 ) -> None:
-    """Verify and profile candidates on this machine's devices (pulls verify.<backend>.<arch>).
+    """Verify and profile candidates on this machine's devices (pulls `verify.<backend>.<arch>`).
 
     Needs AIKG_NATS_URL.
     """
@@ -567,7 +568,7 @@ def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> ht
 @app.command()
 def submit(
     file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True,
+        exists=True, dir_okay=False, readable=True, metavar="FILE",
         help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
     op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
     backend: Annotated[str, typer.Option(help="cpu | cuda | ascend.")] = "cpu",
@@ -583,8 +584,24 @@ def submit(
         "--shape", metavar="NAME=VALUE",
         help="Rebind a module-level name of the task before get_inputs() (repeatable), "
         "e.g. --shape batch_size=16. VALUE: int, float, true/false, else string.")] = None,
-    max_rounds: Annotated[int | None, typer.Option(help="Evolve rounds.")] = None,
-    parallel_num: Annotated[int | None, typer.Option(help="Candidates per evolve round.")] = None,
+    max_rounds: Annotated[int | None, typer.Option(
+        help="Evolve rounds; default 1.", show_default=False)] = None,
+    parallel_num: Annotated[int | None, typer.Option(
+        help="Candidates per evolve round; default 1.", show_default=False)] = None,
+    num_islands: Annotated[int | None, typer.Option(
+        help="Evolve islands (separate populations); default 1.", show_default=False)] = None,
+    migration_interval: Annotated[int | None, typer.Option(
+        help="Rounds between migrations of the best candidates to the next island; "
+        "default 2.", show_default=False)] = None,
+    elite_size: Annotated[int | None, typer.Option(
+        help="Best candidates kept in the elite archive across islands; default 5.",
+        show_default=False)] = None,
+    parent_selection_prob: Annotated[float | None, typer.Option(
+        help="Chance that an evolve parent is the island's best rather than a random "
+        "passed candidate; default 0.5.", show_default=False)] = None,
+    max_attempts: Annotated[int | None, typer.Option(
+        help="Candidates a single job may try, repairs included; default 3.",
+        show_default=False)] = None,
     job_id: Annotated[str | None, typer.Option(
         help="Client-chosen job id (letters, digits, _ and -); resubmitting the same job "
         "with it is idempotent.")] = None,
@@ -614,7 +631,9 @@ def submit(
         "shape_overrides": dict(parse_shape(s) for s in shape or []),
     }
     optional = {"arch": arch, "coder": coder, "job_id": job_id, "max_rounds": max_rounds,
-                "parallel_num": parallel_num}
+                "parallel_num": parallel_num, "num_islands": num_islands,
+                "migration_interval": migration_interval, "elite_size": elite_size,
+                "parent_selection_prob": parent_selection_prob, "max_attempts": max_attempts}
     body.update({k: v for k, v in optional.items() if v is not None})
     with _client(gateway_url, token) as client:
         response = _request(client, "POST", "/api/v1/jobs/submit", json=body)
@@ -625,6 +644,8 @@ def submit(
                 sys.stdout.write(json.dumps(accepted) + "\n")
             else:
                 out.print(new_id, markup=False)
+                err.print(f"follow it: aikg status {new_id} | aikg events {new_id}",
+                          markup=False, soft_wrap=True)
             return
         live = not as_json and out.is_terminal
         if live:
@@ -817,7 +838,7 @@ async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | Non
 @app.command()
 def run(
     file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True,
+        exists=True, dir_okay=False, readable=True, metavar="FILE",
         help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
     op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
     backend: Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")] = "cpu",
@@ -888,7 +909,7 @@ def schema(
         "--out", help="Directory to write; default schemas/json of this checkout.")] = None,
 ) -> None:
     """Write the JSON Schema of every wire record (JobSubmit, JobRecord, JobEvent,
-    VerifyRequest, VerifyResult, WorkerInfo) as <Record>.json, for non-Python clients."""
+    VerifyRequest, VerifyResult, WorkerInfo) as `<Record>.json`, for non-Python clients."""
     from schemas.export import JSON_DIR, export_json_schemas
 
     for path in export_json_schemas(out_dir or JSON_DIR):

@@ -78,6 +78,28 @@ async def test_submit_prints_job_id_with_shape_overrides(
     overrides = record["request"]["shape_overrides"]
     assert overrides == {"batch_size": 16, "dim": 4096}
     assert all(type(v) is int for v in overrides.values())
+    assert f"aikg status {job_id}" in err  # where to go next, on stderr (stdout: the id)
+
+
+async def test_submit_passes_every_evolve_parameter(
+    gateway: str, bus: Bus, cpu_worker: None, task_file: Path
+) -> None:
+    code, out, err = await aikg(
+        "submit", str(task_file), "--gateway", gateway, "--job-type", "evolve",
+        "--max-rounds", "3", "--parallel-num", "4", "--num-islands", "2",
+        "--migration-interval", "1", "--elite-size", "2", "--parent-selection-prob", "0.25",
+        "--max-attempts", "5")
+    assert code == 0, err
+    request = json.loads((await bus.jobs.get(out.strip())).value)["request"]
+    assert {k: request[k] for k in ("job_type", "max_rounds", "parallel_num", "num_islands",
+                                    "migration_interval", "elite_size",
+                                    "parent_selection_prob", "max_attempts")} == {
+        "job_type": "evolve", "max_rounds": 3, "parallel_num": 4, "num_islands": 2,
+        "migration_interval": 1, "elite_size": 2, "parent_selection_prob": 0.25,
+        "max_attempts": 5}
+    code, _, err = await aikg("submit", str(task_file), "--gateway", gateway,
+                              "--parent-selection-prob", "1.5")
+    assert code == 2 and "parent_selection_prob" in err
 
 
 async def test_submit_json_and_status(gateway: str, cpu_worker: None, task_file: Path) -> None:
