@@ -43,9 +43,11 @@ schema: venv
 	$(VENV)/bin/aikg schema
 
 # Wheels of every runtime dependency except torch and triton, for a machine without
-# internet that brings its own CUDA builds of both (README, "Offline GPU machines"):
-# wheelhouse/requirements.txt lists what to install there. Set WHEEL_PYTHON to that
-# machine's Python (major.minor) and WHEEL_PLATFORMS to its platform tags.
+# internet that brings its own CUDA builds of both (README, "Offline GPU machines"),
+# plus the build requirements of `pip install -e .` there; wheelhouse/requirements.txt
+# lists what to install. Set WHEEL_PYTHON to that machine's Python (major.minor) and
+# WHEEL_PLATFORMS to its platform tags (aarch64: manylinux_2_28_aarch64
+# manylinux_2_17_aarch64 manylinux2014_aarch64).
 WHEELHOUSE ?= wheelhouse
 WHEEL_PYTHON ?= 3.12
 WHEEL_PLATFORMS ?= manylinux_2_39_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x86_64 \
@@ -53,10 +55,11 @@ WHEEL_PLATFORMS ?= manylinux_2_39_x86_64 manylinux_2_35_x86_64 manylinux_2_34_x8
   manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64
 wheelhouse: venv
 	rm -rf $(WHEELHOUSE) && mkdir -p $(WHEELHOUSE)
-	$(PY) -c 'import tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if d.split("=")[0].strip() not in ("torch", "triton")))' > $(WHEELHOUSE)/requirements.txt
+	$(PY) -c 'import re, tomllib; deps = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]; print("\n".join(d for d in deps if re.split(r"[^A-Za-z0-9._-]", d, maxsplit=1)[0].lower() not in ("torch", "triton")))' > $(WHEELHOUSE)/requirements.txt
+	$(PY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))' > $(WHEELHOUSE)/build-requirements.txt
 	$(PY) -m pip download --quiet --disable-pip-version-check --only-binary=:all: \
 	  --python-version $(WHEEL_PYTHON) $(addprefix --platform ,$(WHEEL_PLATFORMS)) \
-	  -d $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt
+	  -d $(WHEELHOUSE) -r $(WHEELHOUSE)/requirements.txt -r $(WHEELHOUSE)/build-requirements.txt
 	@du -sh $(WHEELHOUSE)
 
 clean:

