@@ -61,8 +61,9 @@ def cuda_problem() -> str | None:
     except ImportError as exc:
         return f"torch is not importable ({exc}); run with the repo's venv (.venv/bin/python)"
     if torch.version.cuda is None:
-        return (f"this torch ({torch.__version__}) is a CPU-only build (torch.version.cuda is "
-                "None); install a CUDA build of torch in the venv on the GPU machine")
+        return (f"this torch ({torch.__version__}, in {sys.executable}) is a CPU-only build "
+                "(torch.version.cuda is None); run with a Python that has a CUDA build of torch "
+                "(README, \"Offline GPU machines\")")
     # Only the driver is asked here; no context is created in this process (the
     # Verifier's children each create their own).
     if not torch.cuda.is_available():
@@ -291,14 +292,24 @@ def run_checks(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m bench.gpu_check",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run AIKG's CUDA path on this machine's GPU. Part worker: a correct "
                     "kernel (profiled), an out-of-bounds store, the correct one again, on "
                     "one Verifier. Part evolve: an evolve job through a local stack whose "
-                    "best candidate must beat eager PyTorch.")
+                    "best candidate must beat eager PyTorch.",
+        epilog="needs: an NVIDIA GPU, a CUDA build of torch and triton in this Python, the\n"
+               "project's other dependencies; GPU memory: a few tensors of batch x dim float32\n"
+               "(256 MiB each at the defaults) plus a 256 MiB L2-flush buffer.\n"
+               "time: each verification compiles its kernel (seconds) and runs 3 trials and 20\n"
+               "timed repeats; the evolve part verifies rounds x parallel candidates one after\n"
+               "another on one device and is cancelled after --evolve-timeout seconds.\n"
+               "exit status: 0 every expectation holds, 1 one does not, 2 no usable GPU here.")
     parser.add_argument("--parts", nargs="+", choices=("worker", "evolve"),
                         default=["worker", "evolve"], help="parts to run (default both)")
     parser.add_argument("--device", default="0", help="CUDA device ordinal to use (default 0)")
-    parser.add_argument("--arch", default="h200", help="arch name in the requests (default h200)")
+    parser.add_argument("--arch", default="h200",
+                        help="arch label of the worker and the requests, not a compile target "
+                             "(default h200)")
     parser.add_argument("--batch", type=int, default=4096, help="batch_size (default 4096)")
     parser.add_argument("--dim", type=int, default=16384, help="dim (default 16384)")
     parser.add_argument("--trials", type=int, default=3, help="trials per candidate (default 3)")
