@@ -183,6 +183,18 @@ def _short_time(value: str | None) -> str:
     return value.replace("T", " ")[:19]
 
 
+def _clip(text: str, limit: int) -> str:
+    """The first line of ``text``, cut to ``limit`` characters at a word, with an ellipsis
+    when anything was left out."""
+    first = text.strip().split("\n", 1)[0]
+    if len(first) <= limit and first == text.strip():
+        return first
+    cut = first[:limit]
+    if len(first) > limit and " " in cut:
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip(" ,;:") + " …"
+
+
 # Below this terminal width `aikg list` leaves out backend/arch and submit time (both
 # in `aikg status`): with a whole job id (36 characters) there is no room for them.
 NARROW_LIST_WIDTH = 110
@@ -196,7 +208,9 @@ def jobs_table(page: dict, width: int = 200) -> Table:
     submit-time columns are left out, and the result folds.
     """
     wide = width >= NARROW_LIST_WIDTH
-    t = Table(box=None, header_style="bold", pad_edge=False)
+    t = Table(box=None, header_style="bold", pad_edge=False, caption_justify="left",
+              caption=None if wide else "narrow terminal: backend/arch and submit time left "
+              "out; `aikg status JOB_ID` shows everything")
     jobs = page.get("jobs", [])
     t.add_column("job", no_wrap=True, min_width=max((len(j["job_id"]) for j in jobs), default=3))
     t.add_column("status", no_wrap=True, min_width=9)
@@ -215,7 +229,7 @@ def jobs_table(page: dict, width: int = 200) -> Table:
         where = ([f"{j['backend']}/{j.get('arch') or '-'}", _short_time(j.get("submit_time"))]
                  if wide else [])
         t.add_row(j["job_id"], Text(j["status"], style=_STATUS_STYLE.get(j["status"], "")),
-                  j["op_name"], *where, Text(outcome[:160]))
+                  j["op_name"], *where, Text(_clip(outcome, 160 if wide else 60)))
     return t
 
 

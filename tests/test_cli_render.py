@@ -87,3 +87,15 @@ def test_list_shows_backend_and_submit_time_when_wide() -> None:
     text = "\n".join(_list_lines(160))
     assert "cuda/h200" in text and "2026-11-30 07:51:00" in text
     assert "cannot lower aten.mm.default" in text
+
+
+def test_list_clips_long_results_at_a_word_with_an_ellipsis() -> None:
+    from services.cli_render import _clip
+
+    assert _clip("passed (2.00x)", 160) == "passed (2.00x)"
+    long = "cannot lower aten.mm.default: " + "the built-in coder handles chains " * 10
+    clipped = _clip(long, 160)
+    assert len(clipped) <= 162 and clipped.endswith(" …") and long.startswith(clipped[:-2])
+    assert _clip("first line\nTraceback ...", 160) == "first line …"
+    text = "\n".join(_list_lines(80))
+    assert "aikg status JOB_ID" in text
