@@ -279,6 +279,8 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     proc = await asyncio.create_subprocess_exec(
         *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        # A killed `aikg up` cannot remove a temporary store; this one is the test's.
+        "--store-dir", str(tmp_path / "nats"),
         env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
