@@ -372,6 +372,7 @@ def up(
     """
     settings = _settings()
     stopping = threading.Event()
+    stack: LocalStack | None = None
 
     def on_signal(_sig: int, _frame: Any) -> None:
         stopping.set()
@@ -394,6 +395,8 @@ def up(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if logged := [p for p in stack.logs.values() if p.exists()] if stack else []:
+            err.print(f"service logs kept in {logged[0].parent}", markup=False, soft_wrap=True)
     raise typer.Exit(int(code))
 
 
@@ -442,6 +445,7 @@ def demo(
         # A throw-away stack that did its job leaves nothing behind; on failure the
         # logs stay for a look (their directory was printed at start).
         shutil.rmtree(next(iter(stack.logs.values())).parent, ignore_errors=True)
+        err.print("logs removed: the job passed", markup=False)
     raise typer.Exit(int(code))
 
 

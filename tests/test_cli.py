@@ -241,7 +241,9 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
         if proc.returncode is None:
             proc.terminate()
         code = await asyncio.wait_for(proc.wait(), 60)
-    assert code == 0, (await proc.stderr.read()).decode()
+    stderr = (await proc.stderr.read()).decode()
+    assert code == 0, stderr
+    assert f"service logs kept in {tmp_path / 'logs'}" in stderr
     assert not _alive(family)
     assert {"gateway.log", "generator.log", "worker.log"} <= {
         p.name for p in (tmp_path / "logs").iterdir()}
@@ -294,3 +296,16 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     while _alive(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
     assert not _alive(family), f"still running: {sorted(_alive(family))}"
+
+
+@pytest.mark.slow
+async def test_demo_is_the_main_job_end_to_end() -> None:
+    """`make run` = `aikg demo tasks/relu.py`: a throw-away stack, a passed verdict and the
+    kernel on stdout, and nothing left behind when the job passed."""
+    code, out, err = await aikg("demo", "tasks/relu.py", timeout=600)
+    assert code == 0, out + err
+    assert "completed" in out and "passed" in out
+    assert "@triton.jit" in out and "class ModelNew" in out
+    log_dir = Path(next(line for line in err.splitlines() if line.startswith("logs: "))[6:])
+    assert "logs removed: the job passed" in err
+    assert not log_dir.exists()
