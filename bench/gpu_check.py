@@ -38,13 +38,11 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_PATH = ROOT / "tasks" / "gelu.py"
@@ -169,37 +167,14 @@ async def worker_checks(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _event_line(event: dict[str, Any]) -> str:
-    parts = [f"{event.get('event', '?'):<18}"]
-    if event.get("candidate_id"):
-        parts.append(str(event["candidate_id"]))
-    verdict = event.get("verdict") or {}
-    if verdict:
-        parts.append(f"passed={verdict.get('passed')} stage={verdict.get('stage')}")
-        if verdict.get("speedup") is not None:
-            parts.append(f"speedup={verdict['speedup']:.2f}x "
-                         f"(kernel {verdict.get('gen_time_us', 0):.1f} us, "
-                         f"eager {verdict.get('base_time_us', 0):.1f} us)")
-        if verdict.get("error"):
-            parts.append(f"error={str(verdict['error'])[:160]!r}")
-    elif event.get("message"):
-        parts.append(str(event["message"])[:200])
-    return "  " + " ".join(parts)
-
-
 def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check]:
     """Part ``evolve``: an evolve job through ``aikg up``'s stack with one worker.
 
     ``backend`` is ``cuda`` here; ``cpu`` (with ``args.arch`` None) runs the same
     plumbing without a GPU, where the speedup expectation cannot hold.
     """
-    from services.cli import local_stack
+    from services.cli import free_port, local_stack
+    from services.cli_render import event_line
     from services.common.settings import load_settings
     from services.sdk import AIKGClient
 
@@ -213,7 +188,7 @@ def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check
           flush=True)
     started = time.monotonic()
     checks: list[Check] = []
-    with local_stack(settings, host="127.0.0.1", port=_free_port(), backend=backend,
+    with local_stack(settings, host="127.0.0.1", port=free_port(), backend=backend,
                      arch=args.arch, devices=args.device, store_dir=None, log_dir=log_dir,
                      verbose=False, ready_timeout=300.0,
                      stopping=threading.Event()) as stack:
@@ -227,7 +202,7 @@ def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check
             print(f"submitted evolve job {job_id}", flush=True)
             deadline = time.monotonic() + args.evolve_timeout
             for event in client.stream_events(job_id):
-                print(_event_line(event), flush=True)
+                print("  " + event_line(event).plain, flush=True)
                 if time.monotonic() > deadline:
                     client.cancel_job(job_id)
                     print(f"  cancelled: no end within {args.evolve_timeout:g} s")

@@ -262,6 +262,13 @@ class LocalStack:
                 f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picked it)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 @contextlib.contextmanager
 def local_stack(
     settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
@@ -423,9 +430,7 @@ def demo(
         _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
     body = {"op_name": file.stem, "task_desc": task_desc, "backend": "cpu",
             "shape_overrides": dict(parse_shape(s) for s in shape or [])}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
     started = time.monotonic()
     with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,

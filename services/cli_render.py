@@ -259,6 +259,9 @@ def event_line(event: dict) -> Text:
     if verdict:
         if verdict.get("passed"):
             line.append(" passed", style="green")
+            if verdict.get("speedup") is not None:
+                line.append(f" {verdict['speedup']:.2f}x (kernel {verdict.get('gen_time_us', 0):.1f} us, "
+                            f"eager {verdict.get('base_time_us', 0):.1f} us)")
         else:
             line.append(f" failed at {verdict.get('stage')}", style="red")
     message = event.get("message")

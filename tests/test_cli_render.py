@@ -11,7 +11,7 @@ from schemas import (
     JobSubmit,
     Migration,
 )
-from services.cli_render import jobs_table, live_view, record_view
+from services.cli_render import event_line, jobs_table, live_view, record_view
 from services.common.jobs import new_record
 
 
@@ -99,3 +99,14 @@ def test_list_clips_long_results_at_a_word_with_an_ellipsis() -> None:
     assert _clip("first line\nTraceback ...", 160) == "first line …"
     text = "\n".join(_list_lines(80))
     assert "aikg status JOB_ID" in text
+
+
+def test_event_line_shows_a_measured_speedup() -> None:
+    line = event_line({"event": "verify_result", "time": "2026-11-30T08:00:00+00:00",
+                       "candidate_id": "c3", "verdict": {"passed": True, "speedup": 2.5,
+                                                         "gen_time_us": 40.0,
+                                                         "base_time_us": 100.0}}).plain
+    assert "c3 passed 2.50x (kernel 40.0 us, eager 100.0 us)" in line
+    failed = event_line({"event": "verify_result", "candidate_id": "c4",
+                         "verdict": {"passed": False, "stage": "mismatch"}}).plain
+    assert "c4 failed at mismatch" in failed and "x (" not in failed

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 DTYPES = ("fp32", "fp16", "bf16")
 
 _COMPILE_ALL = r'''
-import importlib.util, json, os, sys
+import importlib.util, json, sys
 from pathlib import Path
 
 import triton
