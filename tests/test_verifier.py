@@ -373,14 +373,18 @@ def test_output_count_mismatch():
 # ------------------------------------------------------------------ sandbox helpers
 
 
-def test_secret_scrub_rules():
-    environ = {"HOME": "/root", "AIKG_LLM_API_KEY": "x", "NATS_CREDS_FILE": "x"}
-    _child.scrub_environment(environ)
-    assert environ == {"HOME": "/root"}
+def test_environment_is_an_allowlist():
     env = {"PATH": "/bin", "AIKG_LLM_API_KEY": "x", "OPENAI_API_KEY": "x", "GITHUB_TOKEN": "x",
            "DB_PASSWORD": "x", "AWS_SECRET_ACCESS_KEY": "x", "MY_CREDENTIALS": "x",
-           "AIKG_NATS_URL": "x", "NATS_URL": "x", "AIKG_WORKER_BACKEND": "cpu"}
-    assert clean_environment(env) == {"PATH": "/bin", "AIKG_WORKER_BACKEND": "cpu"}
+           "AIKG_NATS_URL": "x", "NATS_URL": "x", "AIKG_WORKER_BACKEND": "cpu",
+           "DATABASE_URL": "postgres://u:p@db/x", "HOME": "/root", "SSH_AUTH_SOCK": "/s",
+           "OPENBLAS_CORETYPE": "Haswell", "CUDA_VISIBLE_DEVICES": "0", "LC_ALL": "C",
+           "TRITON_CACHE_DIR": "/c", "TRITON_API_TOKEN": "x"}
+    assert clean_environment(env) == {"PATH": "/bin", "OPENBLAS_CORETYPE": "Haswell",
+                                      "CUDA_VISIBLE_DEVICES": "0", "LC_ALL": "C",
+                                      "TRITON_CACHE_DIR": "/c"}
+    assert clean_environment(env, ("DATABASE_*",)) == {
+        **clean_environment(env), "DATABASE_URL": "postgres://u:p@db/x"}
 
 
 def test_describe_exit():
@@ -449,10 +453,10 @@ def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):
 
 async def test_pool_recovers_after_the_fork_server_dies(verifier):
     """Last in this module: it costs a fork-server restart (~2 s)."""
-    proc = verifier._pool._proc
+    proc = verifier.sandbox.pool._proc
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    restarts = verifier._pool.restarts
+    restarts = verifier.sandbox.pool.restarts
     result = await verifier.verify(request(), device="0")
     assert result.passed, result
-    assert verifier._pool.restarts == restarts + 1
+    assert verifier.sandbox.pool.restarts == restarts + 1

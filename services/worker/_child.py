@@ -39,6 +39,7 @@ import struct
 import sys
 import time
 import traceback
+from pathlib import Path
 from typing import Any, Literal, NoReturn
 
 import msgspec
@@ -53,20 +54,9 @@ _MAX_MESSAGE_CHARS = 2000
 STDOUT_FILE = "stdout.txt"
 STDERR_FILE = "stderr.txt"
 
-# Variables whose names contain these substrings (case-insensitive), or start with
-# these prefixes, are removed from a child's environment before any job code runs.
-SECRET_SUBSTRINGS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "AUTH")
-SECRET_PREFIXES = ("AIKG_LLM_", "AIKG_NATS_", "NATS_")
-
-# Linux constants (include/uapi/linux/prctl.h, sched.h, capability.h).
+# Linux constants (include/uapi/linux/prctl.h, sched.h).
 _PR_SET_PDEATHSIG = 1
-_PR_SET_KEEPCAPS = 8
-_PR_SET_NO_NEW_PRIVS = 38
-_PR_CAP_AMBIENT = 47
-_PR_CAP_AMBIENT_RAISE = 2
 _CLONE_NEWNET = 0x40000000
-_CAP_DAC_READ_SEARCH = 2
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
 
 
 # ---------------------------------------------------------------- wire records
@@ -81,7 +71,7 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     server runs as root (None: keep the current user).
     """
 
-    role: Literal["probe", "reference", "candidate"]
+    role: Literal["probe", "reference", "candidate", "lower"]
     scratch_dir: str
     backend: str = "cpu"
     env: dict[str, str] = {}
@@ -99,19 +89,31 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     processes: int = 4096
     run_as: tuple[int, int] | None = None
     isolate_network: bool = True
+    env_allow: list[str] = []
+    landlock: bool = True
+    seccomp: bool = True
+    lower_params: dict[str, int] = {}
     warmup: int = 3
     repeats: int = 20
     flush_bytes: int = 256 << 20
 
 
 class Hello(msgspec.Struct, tag="hello"):
-    """The child entered its sandbox; ``notes`` lists isolation steps that failed."""
+    """The child entered its sandbox; ``notes`` lists isolation steps that failed.
+
+    ``capabilities``: the bitwise OR of every capability set left (0: none);
+    ``landlock_abi``: the Landlock ABI confining its files (0: none); ``seccomp``:
+    whether the syscall filter is loaded.
+    """
 
     pid: int
     uid: int
     network_isolated: bool
     address_space_bytes: int | None
     notes: list[str]
+    capabilities: int = 0
+    landlock_abi: int = 0
+    seccomp: bool = False
 
 
 class Progress(msgspec.Struct, tag="progress"):
@@ -172,11 +174,17 @@ class Failure(msgspec.Struct, tag="failure"):
     traceback: str = ""
 
 
+class Lowered(msgspec.Struct, tag="lowered"):
+    """The built-in coder's candidate source for the task (role ``lower``)."""
+
+    code: str
+
+
 class Done(msgspec.Struct, tag="done"):
     """All frames were sent."""
 
 
-Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Done
+Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done
 
 _encoder = msgspec.msgpack.Encoder()
 FRAME_DECODER = msgspec.msgpack.Decoder(Frame)
@@ -225,18 +233,6 @@ class Channel:
 # ---------------------------------------------------------------- sandbox entry
 
 
-def is_secret(name: str) -> bool:
-    """True for environment variable names a candidate must not see."""
-    upper = name.upper()
-    return any(s in upper for s in SECRET_SUBSTRINGS) or upper.startswith(SECRET_PREFIXES)
-
-
-def scrub_environment(environ: dict[str, str] | os._Environ) -> None:
-    """Remove secret-looking variables from ``environ`` in place (see :func:`is_secret`)."""
-    for name in [n for n in environ if is_secret(n)]:
-        del environ[name]
-
-
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
 
@@ -256,43 +252,6 @@ def _address_space() -> int:
     return 0
 
 
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [
-        ("effective", ctypes.c_uint32),
-        ("permitted", ctypes.c_uint32),
-        ("inheritable", ctypes.c_uint32),
-    ]
-
-
-def _drop_privileges(uid: int, gid: int) -> None:
-    """Become ``uid``/``gid``, keeping only CAP_DAC_READ_SEARCH.
-
-    The capability lets the child read the Python installation wherever it lives
-    (here under /root, mode 0700) while it can no longer write outside its scratch
-    directory, signal the worker, or read another process's environment
-    (/proc/<pid>/environ needs ptrace rights over the target). ``no_new_privs``
-    stops set-uid programs from giving root back.
-    """
-    libc = _libc()
-    _prctl(_PR_SET_KEEPCAPS, 1)
-    os.setgroups([])
-    os.setresgid(gid, gid, gid)
-    os.setresuid(uid, uid, uid)
-    bit = 1 << _CAP_DAC_READ_SEARCH
-    header = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-    data = (_CapData * 2)(_CapData(bit, bit, bit), _CapData(0, 0, 0))
-    if libc.capset(ctypes.byref(header), data) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"capset: {os.strerror(err)}")
-    # Ambient: tools the child execs (ptxas on cuda) can read the installation too.
-    libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_RAISE, _CAP_DAC_READ_SEARCH, 0, 0)
-    _prctl(_PR_SET_NO_NEW_PRIVS, 1)
-
-
 def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
     _, hard = resource.getrlimit(which)
     if hard != resource.RLIM_INFINITY:
@@ -303,17 +262,25 @@ def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
 def enter_sandbox(spec: ChildSpec) -> Hello:
     """Isolate this (freshly forked) process before any task or candidate code runs.
 
-    Steps, in order: own session and process group (the parent kills the group);
-    die with the fork server; a private network namespace (loopback only, down)
-    when permitted; an environment without secrets plus ``spec.env`` (TRITON_CACHE_DIR,
-    CUDA_VISIBLE_DEVICES or TRITON_INTERPRET ...); chdir into the scratch directory;
-    stdout/stderr to files there, stdin from /dev/null; resource limits; finally the
-    switch to an unprivileged user. Steps the machine does not permit are recorded in
-    the returned :class:`Hello`'s ``notes`` and skipped.
+    Steps, in order: own session and process group (the parent kills the group); die
+    with the fork server; a private network namespace (loopback only, down); the
+    environment reduced to an allowlist (:func:`services.worker.isolation.allowed_environment`)
+    plus ``spec.env``; chdir into the scratch directory; stdout/stderr to files there,
+    stdin from /dev/null; resource limits; the switch to an unprivileged user with
+    every capability dropped (:func:`services.worker.isolation.drop_privileges`);
+    Landlock confining reads to the Python installation and system directories and
+    writes to the scratch directory and Triton cache; a seccomp filter. Steps the
+    machine does not permit are recorded in the returned :class:`Hello`'s ``notes``
+    and skipped; a failed user switch is an error (the child then runs nothing).
 
     Returns:
         The Hello frame to send.
+
+    Raises:
+        OSError: the switch to ``spec.run_as`` failed part-way.
     """
+    from services.worker import isolation
+
     notes: list[str] = []
     os.setsid()
     server = os.getppid()
@@ -329,9 +296,10 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
             notes.append(f"network not isolated: unshare(CLONE_NEWNET) failed: "
                          f"{os.strerror(ctypes.get_errno())}")
 
-    scrub_environment(os.environ)
-    for name, value in spec.env.items():
-        os.environ[name] = value
+    kept = isolation.allowed_environment(os.environ, spec.env_allow)
+    os.environ.clear()
+    os.environ.update(kept)
+    os.environ.update(spec.env)
     os.environ["HOME"] = spec.scratch_dir
     os.environ["TMPDIR"] = spec.scratch_dir
     os.chdir(spec.scratch_dir)
@@ -358,10 +326,35 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
 
     if spec.run_as is not None and os.geteuid() == 0:
         _set_limit(resource.RLIMIT_NPROC, spec.processes)
-        _drop_privileges(*spec.run_as)
+        isolation.drop_privileges(*spec.run_as)
+    else:
+        isolation.harden_process()
+
+    landlock_abi = 0
+    if spec.landlock:
+        repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        write = [spec.scratch_dir]
+        if os.environ.get("TRITON_CACHE_DIR"):
+            write.append(os.environ["TRITON_CACHE_DIR"])
+        try:
+            landlock_abi = isolation.restrict_filesystem(
+                isolation.python_paths(Path(repo_root)), write)
+        except OSError as exc:
+            notes.append(f"files not confined (Landlock): {exc.strerror or exc}")
+    seccomp = False
+    if spec.seccomp:
+        try:
+            isolation.restrict_syscalls()
+            seccomp = True
+        except OSError as exc:
+            notes.append(f"syscalls not filtered (seccomp): {exc.strerror or exc}")
     os.umask(0o077)
+    capabilities = 0
+    for value in isolation.capability_sets().values():
+        capabilities |= value
     return Hello(pid=os.getpid(), uid=os.getuid(), network_isolated=network_isolated,
-                 address_space_bytes=address_space, notes=notes)
+                 address_space_bytes=address_space, notes=notes, capabilities=capabilities,
+                 landlock_abi=landlock_abi, seccomp=seccomp)
 
 
 # ---------------------------------------------------------------- job helpers
@@ -796,6 +789,26 @@ def _run_probe(spec: ChildSpec, channel: Channel) -> None:
     _probe_kernel(spec)
 
 
+def _run_lower(spec: ChildSpec, channel: Channel) -> None:
+    """The built-in coder on the task at ``spec.task_path``: a Lowered frame, or a
+    Failure at stage ``lower`` whose message says why (the op it cannot lower, the
+    task's own error)."""
+    from services.generator.coders.builtin import LoweringError, lower_task
+
+    channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
+    with open(spec.task_path, encoding="utf-8") as f:
+        task_desc = f.read()
+    try:
+        code = lower_task(task_desc, dict(spec.shape_overrides), **spec.lower_params)
+    except LoweringError as exc:
+        raise JobFailure(Failure(stage="lower", message=str(exc))) from None
+    except Exception as exc:  # noqa: BLE001 - the task's own code may raise anything
+        failure = _failure("lower", "the built-in coder", exc, spec.task_path)
+        failure.message = "built-in coder failed: " + failure.message
+        raise JobFailure(failure) from None
+    channel.send(Lowered(code=code))
+
+
 def _run(spec: ChildSpec, channel: Channel) -> None:
     if spec.backend == "cpu":
         import triton
@@ -810,6 +823,9 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
             raise JobFailure(_failure("infrastructure", "importing torch_npu", exc)) from None
     if spec.role == "probe":
         _run_probe(spec, channel)
+        return
+    if spec.role == "lower":
+        _run_lower(spec, channel)
         return
     channel.send(Progress(phase="loading the task"))
     try:

@@ -17,14 +17,20 @@ re-parented here and killed. When a child is reaped its whole process group is
 killed too. When the control socket closes (the worker exited or closed the pool),
 every child's group is killed and the server exits. A pool closed on purpose sends
 ``BYE`` first; a control socket that closes without it means the worker died
-(SIGKILL, OOM kill), and the server then removes the directory named by its optional
-second argument (the dead worker's scratch root: run directories, Triton caches).
+(SIGKILL, OOM kill), and the server then removes the directory named ``orphan_cleanup``
+in its optional second argument, a JSON object (the dead worker's scratch root: run
+directories, Triton caches). The same object may ask for ``private_mounts`` (run as
+root: a private mount namespace in which the sandbox user can reach the interpreter and
+the ``visible`` paths, see :func:`services.worker.isolation.private_mounts`) and
+``preload``, more modules to import before the first fork.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
+import json
 import os
 import selectors
 import shutil
@@ -32,6 +38,7 @@ import signal
 import socket
 import struct
 import sys
+from pathlib import Path
 
 _PID = struct.Struct("!q")
 _PR_SET_CHILD_SUBREAPER = 36
@@ -39,7 +46,7 @@ READY = b"ready"
 BYE = b"bye"
 
 
-def _preload() -> None:
+def _preload(extra: list[str]) -> None:
     """Import what every child needs, so a fork starts warm.
 
     Only imports: no tensor is created here, so no OpenMP or CUDA state exists to be
@@ -57,6 +64,15 @@ def _preload() -> None:
     import triton.runtime.interpreter  # noqa: F401
 
     import services.worker._child  # noqa: F401
+    import services.worker.isolation  # noqa: F401
+
+    # The sandbox's own libraries (each child applies them before any job code runs).
+    for name in ("landlock", "landlock.plumbing", "pyseccomp"):
+        with contextlib.suppress(ImportError, OSError):
+            importlib.import_module(name)
+
+    for name in extra:
+        importlib.import_module(name)
 
 
 def _kill_group(pid: int) -> None:
@@ -174,8 +190,20 @@ def serve(control: socket.socket) -> bool:
 def main() -> None:
     control = socket.socket(fileno=int(sys.argv[1]))
     control.setblocking(True)
-    orphan_cleanup = sys.argv[2] if len(sys.argv) > 2 else None
-    _preload()
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    orphan_cleanup = options.get("orphan_cleanup")
+    notes: list[str] = []
+    if options.get("private_mounts") and os.geteuid() == 0:
+        from services.worker import isolation
+
+        # What children must still reach once they are an unprivileged user: the
+        # interpreter and its packages, the scratch root.
+        notes = isolation.private_mounts(
+            [*map(str, isolation.python_paths(Path(__file__).resolve().parents[2])),
+             *options.get("visible", [])])
+    _preload(options.get("preload", []))
+    if notes:
+        print("\n".join(notes), file=sys.stderr, flush=True)
     if not serve(control) and orphan_cleanup:
         shutil.rmtree(orphan_cleanup, ignore_errors=True)
     # Skip interpreter teardown: unloading torch costs ~1.7 s of CPU on every worker

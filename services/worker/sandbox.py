@@ -17,19 +17,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import os
+import pwd
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.worker import _child, _forkserver
-from services.worker._child import ChildSpec, is_secret
+from services.worker import _child, _forkserver, isolation
+from services.worker._child import ChildSpec
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PID_BYTES = 8
@@ -74,9 +80,9 @@ def describe_exit(status: int | None) -> str:
     return f"wait status {status}"
 
 
-def clean_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without secrets (see :func:`services.worker._child.is_secret`)."""
-    return {k: v for k, v in environ.items() if not is_secret(k)}
+def clean_environment(environ: Mapping[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
+    """The allowlisted part of ``environ`` (see :func:`services.worker.isolation.env_allowed`)."""
+    return isolation.allowed_environment(environ, extra)
 
 
 def read_tail(path: Path, limit: int) -> tuple[str, int]:
@@ -238,16 +244,27 @@ class SandboxPool:
 
     Args:
         env: environment of the server (and so of its children before their own
-            scrub); secrets are removed from it. Default: this process's.
+            allowlist); only allowlisted variables are kept. Default: this process's.
         start_timeout_s: how long :meth:`start` waits for the imports, seconds.
         orphan_cleanup: a directory the server removes when this process dies without
             closing the pool (SIGKILL, OOM kill): a dead worker's scratch root.
+        visible: paths children must reach after the user switch (the scratch root);
+            when set and this process is root, the server builds a private mount
+            namespace for them (:func:`services.worker.isolation.private_mounts`).
+        preload: more modules the server imports before forking.
+        env_allow: more variable names (or ``PREFIX*``) to keep.
     """
 
     def __init__(self, env: Mapping[str, str] | None = None, start_timeout_s: float = 300.0,
-                 orphan_cleanup: str | Path | None = None):
+                 orphan_cleanup: str | Path | None = None,
+                 visible: list[str | Path] | None = None, preload: list[str] | None = None,
+                 env_allow: tuple[str, ...] = ()):
         self.orphan_cleanup = orphan_cleanup
-        base = clean_environment(os.environ if env is None else env)
+        self.options = {"orphan_cleanup": str(orphan_cleanup) if orphan_cleanup else None,
+                        "private_mounts": visible is not None,
+                        "visible": [str(p) for p in visible or ()],
+                        "preload": list(preload or ())}
+        base = clean_environment(os.environ if env is None else env, env_allow)
         base.setdefault("MALLOC_ARENA_MAX", _MALLOC_ARENA_MAX)
         self.env = base
         self.start_timeout_s = start_timeout_s
@@ -275,7 +292,7 @@ class SandboxPool:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "services.worker._forkserver", str(theirs.fileno()),
-                 *([str(self.orphan_cleanup)] if self.orphan_cleanup is not None else [])],
+                 json.dumps(self.options)],
                 pass_fds=[theirs.fileno()], env=self.env, cwd=_REPO_ROOT,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
@@ -352,3 +369,333 @@ class SandboxPool:
                 status_ours.setblocking(False)
                 return ChildRun(spec, result_ours, status_ours, max_frame_bytes)
         raise PoolBroken("the sandbox server is not accepting jobs")
+
+
+# ---------------------------------------------------------------- the sandbox
+
+
+# Isolation mechanisms a Sandbox can be told to require (setting ``sandbox_require``).
+MECHANISMS = ("user", "capabilities", "network", "landlock", "seccomp")
+_PROBE_TIMEOUT_S = 120.0
+_EXIT_WAIT_S = 5.0
+
+
+class SandboxRefused(PoolBroken):
+    """A mechanism the operator required (``sandbox_require``) is not available here."""
+
+
+class LoweringFailed(Exception):
+    """The built-in coder could not lower a task; the message says why (for the user)."""
+
+
+def safe_name(text: str) -> str:
+    """``text`` reduced to a short file-name-safe token."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "x"
+
+
+@dataclass
+class Isolation:
+    """What the sandbox probe found: the confinement every child of a :class:`Sandbox` gets.
+
+    ``run_as``: (uid, gid) children switch to, or None when they keep this process's
+    user; ``capabilities``: capability bits a child still holds (0: none);
+    ``landlock_abi``: 0 when files are not confined; ``notes``: each step the machine
+    did not permit, in words.
+    """
+
+    run_as: tuple[int, int] | None = None
+    network_isolated: bool = False
+    capabilities: int = 0
+    landlock_abi: int = 0
+    seccomp: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def in_force(self) -> dict[str, bool]:
+        """Each of :data:`MECHANISMS` -> whether children have it."""
+        return {"user": self.run_as is not None and self.run_as[0] != 0,
+                "capabilities": self.capabilities == 0,
+                "network": self.network_isolated,
+                "landlock": self.landlock_abi > 0,
+                "seccomp": self.seccomp}
+
+    def summary(self) -> list[str]:
+        """One short phrase per mechanism, e.g. ``user 65534``, ``no landlock``."""
+        on = self.in_force()
+        words = {"user": f"user {self.run_as[0]}" if on["user"] else "no user switch",
+                 "capabilities": "no capabilities" if on["capabilities"]
+                 else f"capabilities {self.capabilities:#x}",
+                 "network": "no network" if on["network"] else "network reachable",
+                 "landlock": f"landlock v{self.landlock_abi}" if on["landlock"] else "no landlock",
+                 "seccomp": "seccomp" if on["seccomp"] else "no seccomp"}
+        return [words[m] for m in MECHANISMS]
+
+
+class Sandbox:
+    """The one way this service runs untrusted code: a warm fork server, the probe of
+    what confinement this machine permits, scratch directories and child specs.
+
+    The worker's :class:`~services.worker.verifier.Verifier` runs references and
+    candidates in it; the generator and the SDK run the built-in coder's lowering of a
+    task in it (:meth:`lower`). Every child is a fresh process (no state carried from
+    one job to the next) confined as :func:`services.worker._child.enter_sandbox` says.
+
+    Args:
+        backend: ``cpu`` (Triton interpreter), ``cuda`` or ``ascend``: the device the
+            children use (the probe launches a Triton kernel on it).
+        name: names the default scratch root ``<tmp>/aikg-<name>``.
+        scratch_root: where run directories and per-device Triton caches live; a
+            default one is removed on :meth:`close` (and by the fork server when this
+            process dies).
+        require: mechanisms (:data:`MECHANISMS`) without which :meth:`start` refuses.
+        env_allow: more environment variable names (or ``PREFIX*``) children keep.
+        preload: more modules the fork server imports once.
+
+    Raises:
+        ValueError: ``backend`` or a name in ``require`` is unknown.
+    """
+
+    def __init__(self, backend: str, *, name: str, scratch_root: str | Path | None = None,
+                 require: tuple[str, ...] | list[str] = (), env_allow: tuple[str, ...] = (),
+                 preload: tuple[str, ...] = ()) -> None:
+        if backend not in ("cpu", "cuda", "ascend"):
+            raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
+        unknown = sorted(set(require) - set(MECHANISMS))
+        if unknown:
+            raise ValueError(f"unknown sandbox mechanism(s) {', '.join(unknown)}; "
+                             f"choose from {', '.join(MECHANISMS)}")
+        self.backend = backend
+        self.require = tuple(require)
+        self.env_allow = tuple(env_allow)
+        self.own_scratch = scratch_root is None
+        self.scratch_root = Path(scratch_root) if scratch_root is not None else (
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"aikg-{safe_name(name)}")
+        self.isolation = Isolation()
+        # Triton decides at import time whether its standard library (tl.sigmoid,
+        # tl.softmax ...) is interpreted, so the fork server must import it with
+        # TRITON_INTERPRET already set on the cpu backend; a child's later switch only
+        # covers kernels the candidate defines itself.
+        server_env = dict(os.environ)
+        if backend == "cpu":
+            server_env["TRITON_INTERPRET"] = "1"
+        else:
+            server_env.pop("TRITON_INTERPRET", None)
+        self.pool = SandboxPool(
+            env=server_env, env_allow=self.env_allow, preload=list(preload),
+            # A SIGKILLed owner cannot remove its own scratch root; its fork server does.
+            orphan_cleanup=self.scratch_root if self.own_scratch else None,
+            visible=[self.scratch_root])
+        self.started = False
+        self._start_lock = threading.Lock()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Start the fork server and probe the sandbox (blocks for seconds). Idempotent.
+
+        Raises:
+            PoolBroken: the server did not start, or no sandboxed child could run.
+            SandboxRefused: a required mechanism is not available.
+        """
+        with self._start_lock:
+            if self.started:
+                return
+            self.scratch_root.mkdir(parents=True, exist_ok=True)
+            os.chmod(self.scratch_root, 0o711)
+            for sub in ("runs", "triton-cache"):
+                (self.scratch_root / sub).mkdir(exist_ok=True)
+                os.chmod(self.scratch_root / sub, 0o711)
+            self.pool.start()
+            try:
+                self.isolation = self._probe()
+                missing = [m for m, on in self.isolation.in_force().items()
+                           if m in self.require and not on]
+                if missing:
+                    raise SandboxRefused(
+                        f"the sandbox lacks {', '.join(missing)}, which the setting "
+                        f"sandbox_require asks for: {'; '.join(self.isolation.notes) or 'see the notes'}")
+            except BaseException:
+                self.pool.close()
+                raise
+            self.started = True
+
+    def close(self) -> None:
+        """Stop the fork server (it kills every child's process group); remove a default
+        scratch root."""
+        with self._start_lock:
+            self.pool.close()
+            self.started = False
+            if self.own_scratch:
+                shutil.rmtree(self.scratch_root, ignore_errors=True)
+
+    def _probe(self) -> Isolation:
+        """Run probe children: as user ``nobody`` first (when root), else as this user."""
+        notes: list[str] = []
+        choices: list[tuple[int, int] | None] = [None]
+        if os.geteuid() == 0:
+            try:
+                nobody = pwd.getpwnam("nobody")
+                choices.insert(0, (nobody.pw_uid, nobody.pw_gid))
+            except KeyError:
+                notes.append("children run as root: no user 'nobody'")
+        failure = ""
+        for run_as in choices:
+            hello, failure = _in_thread(self._probe_once(run_as))
+            if hello is not None:
+                return Isolation(run_as=run_as, network_isolated=hello.network_isolated,
+                                 capabilities=hello.capabilities,
+                                 landlock_abi=hello.landlock_abi, seccomp=hello.seccomp,
+                                 notes=notes + hello.notes)
+            notes.append(f"children keep this process's user: switching to uid {run_as[0]} "
+                         f"failed: {failure}" if run_as else failure)
+        raise PoolBroken(f"no sandboxed child could run: {failure}")
+
+    async def _probe_once(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
+        scratch = self.scratch("probe", "probe", run_as)
+        # No device restriction: the probe checks that some device is usable at all.
+        env = {k: v for k, v in self.child_env("probe", run_as).items()
+               if k not in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")}
+        spec = ChildSpec(role="probe", scratch_dir=str(scratch), backend=self.backend,
+                         env=env, run_as=run_as, env_allow=list(self.env_allow))
+        run = await self.spawn(spec, 1 << 20)
+        hello = None
+        try:
+            async with asyncio.timeout(_PROBE_TIMEOUT_S):
+                while True:
+                    frame = await run.frame()
+                    if isinstance(frame, _child.Hello):
+                        hello = frame
+                    elif isinstance(frame, _child.Failure):
+                        return None, frame.message
+                    elif isinstance(frame, _child.Done):
+                        return hello, ""
+                    elif frame is None:
+                        status = await run.wait(_EXIT_WAIT_S)
+                        return None, f"the probe child {describe_exit(status)}: " + \
+                            run.output(4096)
+        finally:
+            await run.close()
+
+    # ------------------------------------------------------------ children
+
+    def scratch(self, label: str, role: str, run_as: tuple[int, int] | None = None) -> Path:
+        """A fresh scratch directory (mode 0700, owned by the sandbox user) for one child."""
+        path = self.scratch_root / "runs" / f"{safe_name(label)}-{role}-{uuid.uuid4().hex[:8]}"
+        path.mkdir(mode=0o700)
+        run_as = run_as if run_as is not None else self.isolation.run_as
+        if run_as is not None:
+            os.chown(path, *run_as)
+        return path
+
+    def child_env(self, device: str, run_as: tuple[int, int] | None = None) -> dict[str, str]:
+        """Variables set in a child for ``device``: its Triton cache, its one visible device."""
+        run_as = run_as if run_as is not None else self.isolation.run_as
+        cache = self.scratch_root / "triton-cache" / safe_name(device)
+        if not cache.exists():
+            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if run_as is not None:
+                os.chown(cache, *run_as)
+        env = {"TRITON_CACHE_DIR": str(cache)}
+        if self.backend == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = device
+        elif self.backend == "ascend":
+            env["ASCEND_RT_VISIBLE_DEVICES"] = device
+        else:
+            env["TRITON_INTERPRET"] = "1"
+        return env
+
+    def spec(self, role: str, scratch: Path, device: str, **fields: Any) -> ChildSpec:
+        """A ChildSpec for ``role`` with this sandbox's user, environment and isolation."""
+        return ChildSpec(role=role, scratch_dir=str(scratch), backend=self.backend,
+                         env=self.child_env(device), run_as=self.isolation.run_as,
+                         isolate_network=True, env_allow=list(self.env_allow), **fields)
+
+    async def spawn(self, spec: ChildSpec, max_frame_bytes: int) -> ChildRun:
+        """Fork a child for ``spec`` and wait for its pid.
+
+        Raises:
+            PoolBroken: the fork server is gone and could not be restarted (the
+                scratch directory is removed).
+        """
+        try:
+            run = await asyncio.to_thread(self.pool.spawn, spec, max_frame_bytes)
+        except PoolBroken:
+            shutil.rmtree(spec.scratch_dir, ignore_errors=True)
+            raise
+        try:
+            await run.start()
+        except PoolBroken:
+            await run.close()
+            raise
+        return run
+
+    async def lower(self, task_desc: str, shape_overrides: Mapping[str, Any] | None = None,
+                    params: Mapping[str, int] | None = None, *, timeout_s: float = 120.0,
+                    label: str = "lower") -> str:
+        """The built-in coder's candidate for ``task_desc``, lowered in a sandboxed child.
+
+        The task's module code, ``Model`` construction and ``torch.export`` run only
+        there: as the sandbox user, without network, in a fresh process killed with its
+        process group after ``timeout_s`` seconds.
+
+        Args:
+            params: launch parameters of ``lower_task`` (``block_size``, ``num_warps``,
+                ``num_stages``).
+
+        Returns:
+            The candidate's source.
+
+        Raises:
+            LoweringFailed: the task cannot be lowered (the message names the op), its
+                code raised, killed the child, or outlived ``timeout_s``.
+            PoolBroken: the sandbox is not started or its server is gone.
+        """
+        if not self.started:
+            raise PoolBroken("the sandbox is not started")
+        scratch = self.scratch(label, "lower")
+        task_path = scratch / "task.py"
+        task_path.write_text(task_desc, encoding="utf-8")
+        spec = self.spec("lower", scratch, "lower", task_path=str(task_path),
+                         shape_overrides=dict(shape_overrides or {}),
+                         lower_params=dict(params or {}),
+                         cpu_seconds=math.ceil(timeout_s) + 10)
+        run = await self.spawn(spec, 64 << 20)
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    frame = await run.frame()
+                    if isinstance(frame, _child.Lowered):
+                        return frame.code
+                    if isinstance(frame, _child.Failure):
+                        raise LoweringFailed(frame.message)
+                    if frame is None or isinstance(frame, _child.Done):
+                        status = await run.wait(_EXIT_WAIT_S)
+                        tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
+                        raise LoweringFailed(
+                            f"built-in coder's process {describe_exit(status)} while running "
+                            f"the task's code" + (f": {tail}" if tail else ""))
+        except TimeoutError:
+            raise LoweringFailed(
+                f"built-in coder gave up after {timeout_s:.0f} s: the task's code did not "
+                "finish (check get_inputs()/forward, or shrink it with shape_overrides)") from None
+        except ProtocolError as exc:
+            raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
+        finally:
+            await run.close()
+
+
+def _in_thread(coro: Any) -> Any:
+    """Run ``coro`` on a fresh event loop in its own thread (callable from sync code
+    that may itself be running inside an event loop); its exception becomes
+    ``(None, "Type: message")``."""
+    box: dict[str, Any] = {}
+
+    def runner() -> None:
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller
+            box["value"] = (None, f"{type(exc).__name__}: {exc}")
+
+    thread = threading.Thread(target=runner, name="aikg-sandbox-probe")
+    thread.start()
+    thread.join()
+    return box["value"]

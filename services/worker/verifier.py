@@ -45,12 +45,7 @@ import hashlib
 import json
 import math
 import os
-import pwd
-import re
-import shutil
-import threading
 import time
-import uuid
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -68,7 +63,7 @@ from services.worker.sandbox import (
     ChildRun,
     PoolBroken,
     ProtocolError,
-    SandboxPool,
+    Sandbox,
     describe_exit,
 )
 from services.worker.static_check import check_candidate
@@ -85,7 +80,6 @@ REFERENCE_CACHE_BYTES = 1 << 30
 # clones); 8x leaves room for kernels with large temporaries.
 _ADDRESS_SPACE_SLACK = 2 << 30
 _ADDRESS_SPACE_FACTOR = 8
-_PROBE_TIMEOUT_S = 120.0
 _EXIT_WAIT_S = 5.0
 # A child's reported timing total may exceed the wall time seen here by this much
 # (clock granularity, frame latency) before it counts as inconsistent.
@@ -208,10 +202,6 @@ def _decode_tensor(meta: _child.TensorMeta, data: bytearray) -> torch.Tensor:
     return torch.frombuffer(data, dtype=dtype).reshape(meta.shape)
 
 
-def _safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "x"
-
-
 def _join_log(*parts: str, limit: int) -> str:
     text = "\n".join(p for p in parts if p)
     data = text.encode()
@@ -249,38 +239,22 @@ class Verifier:
 
     def __init__(self, backend: str, *, worker_id: str, scratch_root: str | Path | None = None,
                  memory_limit_bytes: int | None = None, output_limit_bytes: int = 64 * 1024,
-                 speedup_flag_bound: float = 50.0) -> None:
+                 speedup_flag_bound: float = 50.0, sandbox_require: tuple[str, ...] = (),
+                 sandbox_env_allow: tuple[str, ...] = ()) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
         self.worker_id = worker_id
-        # A default scratch root is this worker's own and goes with it on close(); a
-        # given one (e.g. to keep Triton caches across restarts) is left in place.
-        self._own_scratch = scratch_root is None
-        self.scratch_root = Path(scratch_root) if scratch_root is not None else (
-            Path(os.environ.get("TMPDIR", "/tmp")) / f"aikg-worker-{_safe_name(worker_id)}")
         self.memory_limit_bytes = memory_limit_bytes
         self.output_limit_bytes = output_limit_bytes
         self.speedup_flag_bound = speedup_flag_bound
         self.reference_runs = 0
         self.candidate_runs = 0
-        self.network_isolated: bool | None = None
-        self.run_as: tuple[int, int] | None = None
-        self.sandbox_notes: list[str] = []
-        # Triton decides at import time whether its standard library (tl.sigmoid,
-        # tl.softmax ...) is interpreted, so the fork server must import it with
-        # TRITON_INTERPRET already set on the cpu backend; a child's later switch only
-        # covers kernels the candidate defines itself.
-        server_env = dict(os.environ)
-        if backend == "cpu":
-            server_env["TRITON_INTERPRET"] = "1"
-        else:
-            server_env.pop("TRITON_INTERPRET", None)
-        # A SIGKILLed worker cannot remove its own scratch root; its fork server does.
-        self._pool = SandboxPool(env=server_env, orphan_cleanup=(
-            self.scratch_root if self._own_scratch else None))
-        self._started = False
-        self._start_lock = threading.Lock()
+        # A default scratch root is this worker's own and goes with it on close(); a
+        # given one (e.g. to keep Triton caches across restarts) is left in place.
+        self.sandbox = Sandbox(backend, name=f"worker-{worker_id}", scratch_root=scratch_root,
+                               require=sandbox_require, env_allow=sandbox_env_allow)
+        self.scratch_root = self.sandbox.scratch_root
         self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
         self._input_bytes: dict[tuple[str, str], int] = {}
         self._base_times: dict[tuple[str, str, str], float] = {}
@@ -289,6 +263,25 @@ class Verifier:
 
     # ------------------------------------------------------------ lifecycle
 
+    @property
+    def run_as(self) -> tuple[int, int] | None:
+        """(uid, gid) children switch to, or None when they keep this user."""
+        return self.sandbox.isolation.run_as
+
+    @property
+    def network_isolated(self) -> bool | None:
+        """Whether children run in a private network namespace (None before :meth:`start`)."""
+        return self.sandbox.isolation.network_isolated if self.sandbox.started else None
+
+    @property
+    def sandbox_notes(self) -> list[str]:
+        """Isolation steps this machine did not permit."""
+        return self.sandbox.isolation.notes
+
+    @property
+    def _started(self) -> bool:
+        return self.sandbox.started
+
     def start(self) -> None:
         """Start the fork server (imports torch and triton there once) and probe the sandbox.
 
@@ -296,134 +289,32 @@ class Verifier:
 
         Raises:
             PoolBroken: the server did not start, or no sandboxed child could run.
+            SandboxRefused: a mechanism in ``sandbox_require`` is not available.
         """
-        with self._start_lock:
-            if self._started:
-                return
-            self.scratch_root.mkdir(parents=True, exist_ok=True)
-            os.chmod(self.scratch_root, 0o711)
-            for sub in ("runs", "triton-cache"):
-                (self.scratch_root / sub).mkdir(exist_ok=True)
-                os.chmod(self.scratch_root / sub, 0o711)
-            self._pool.start()
-            self.sandbox_notes = []
-            try:
-                self._probe()
-            except BaseException:
-                self._pool.close()
-                raise
-            self._started = True
-            log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
-                     network_isolated=self.network_isolated, run_as=self.run_as,
-                     notes=self.sandbox_notes)
+        if self.sandbox.started:
+            return
+        self.sandbox.start()
+        log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
+                 sandbox=self.sandbox.isolation.summary(), notes=self.sandbox_notes)
 
     def close(self) -> None:
         """Stop the fork server (it kills every running child's process group) and
         remove a default scratch root."""
-        with self._start_lock:
-            self._pool.close()
-            self._started = False
-            if self._own_scratch:
-                shutil.rmtree(self.scratch_root, ignore_errors=True)
-
-    def _probe(self) -> None:
-        candidates: list[tuple[int, int] | None] = [None]
-        if os.geteuid() == 0:
-            try:
-                nobody = pwd.getpwnam("nobody")
-                candidates.insert(0, (nobody.pw_uid, nobody.pw_gid))
-            except KeyError:
-                self.sandbox_notes.append("children run as root: no user 'nobody'")
-        failure = ""
-        for run_as in candidates:
-            hello, failure = self._run_probe(run_as)
-            if hello is not None:
-                self.run_as = run_as
-                self.network_isolated = hello.network_isolated
-                self.sandbox_notes.extend(hello.notes)
-                return
-            self.sandbox_notes.append(
-                f"children keep the worker's user: switching to uid {run_as[0]} failed: "
-                f"{failure}" if run_as else failure)
-        raise PoolBroken(f"no sandboxed child could run: {failure}")
-
-    def _run_probe(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
-        box: dict[str, Any] = {}
-
-        def runner() -> None:
-            try:
-                box["value"] = asyncio.run(self._probe_once(run_as))
-            except BaseException as exc:  # noqa: BLE001 - reported to the caller
-                box["value"] = (None, f"{type(exc).__name__}: {exc}")
-
-        thread = threading.Thread(target=runner, name="aikg-sandbox-probe")
-        thread.start()
-        thread.join()
-        return box["value"]
-
-    async def _probe_once(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
-        scratch = self._scratch("probe", "probe", run_as)
-        # No device restriction: the probe checks that some device is usable at all.
-        env = {k: v for k, v in self._child_env("probe", run_as).items()
-               if k not in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")}
-        spec = ChildSpec(role="probe", scratch_dir=str(scratch), backend=self.backend,
-                         env=env, run_as=run_as)
-        run = await self._spawn(spec, 1 << 20)
-        hello = None
-        try:
-            async with asyncio.timeout(_PROBE_TIMEOUT_S):
-                while True:
-                    frame = await run.frame()
-                    if isinstance(frame, _child.Hello):
-                        hello = frame
-                    elif isinstance(frame, _child.Failure):
-                        return None, frame.message
-                    elif isinstance(frame, _child.Done):
-                        return hello, ""
-                    elif frame is None:
-                        status = await run.wait(_EXIT_WAIT_S)
-                        return None, f"the probe child {describe_exit(status)}: " + \
-                            run.output(4096)
-        finally:
-            await run.close()
+        self.sandbox.close()
 
     # ------------------------------------------------------------ helpers
 
     def _scratch(self, request_id: str, role: str, run_as: tuple[int, int] | None) -> Path:
-        path = self.scratch_root / "runs" / (
-            f"{_safe_name(request_id)}-{role}-{uuid.uuid4().hex[:8]}")
-        path.mkdir(mode=0o700)
-        if run_as is not None:
-            os.chown(path, *run_as)
-        return path
+        return self.sandbox.scratch(request_id, role, run_as)
 
     def _child_env(self, device: str, run_as: tuple[int, int] | None) -> dict[str, str]:
-        cache = self.scratch_root / "triton-cache" / _safe_name(device)
-        if not cache.exists():
-            cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if run_as is not None:
-                os.chown(cache, *run_as)
-        env = {"TRITON_CACHE_DIR": str(cache)}
-        if self.backend == "cuda":
-            env["CUDA_VISIBLE_DEVICES"] = device
-        elif self.backend == "ascend":
-            env["ASCEND_RT_VISIBLE_DEVICES"] = device
-        else:
-            env["TRITON_INTERPRET"] = "1"
-        return env
+        return self.sandbox.child_env(device, run_as)
 
     async def _spawn(self, spec: ChildSpec, max_frame_bytes: int) -> ChildRun:
         try:
-            run = await asyncio.to_thread(self._pool.spawn, spec, max_frame_bytes)
+            return await self.sandbox.spawn(spec, max_frame_bytes)
         except PoolBroken as exc:
-            shutil.rmtree(spec.scratch_dir, ignore_errors=True)
             raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
-        try:
-            await run.start()
-        except PoolBroken as exc:
-            await run.close()
-            raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
-        return run
 
     def _spec(self, request: VerifyRequest, role: str, device: str, seeds: list[int],
               **kwargs: Any) -> ChildSpec:
@@ -439,7 +330,8 @@ class Verifier:
             env=self._child_env(device, self.run_as), task_path=str(scratch / "task.py"),
             candidate_path=candidate, seeds=seeds,
             shape_overrides=dict(request.shape_overrides), cpu_seconds=cpu_seconds,
-            run_as=self.run_as, isolate_network=True, **kwargs)
+            run_as=self.run_as, isolate_network=True,
+            env_allow=list(self.sandbox.env_allow), **kwargs)
 
     # ------------------------------------------------------------ verify
 
