@@ -43,6 +43,17 @@ def get_init_inputs():
 """
 
 
+@pytest.fixture(scope="session")
+def lowering_sandbox():
+    """One started built-in coder sandbox for the whole session (a fork server)."""
+    from services.generator.coders.base import lowering_sandbox as make
+
+    sandbox = make("test-lowering")
+    sandbox.start()
+    yield sandbox
+    sandbox.close()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (the OS picks it)."""
     with socket.socket() as s:

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from schemas import JobSubmit, VerifyRequest, VerifyResult
-from services.generator.coders.base import BuiltinCoder, Candidate, make_pool
+from services.generator.coders.base import BuiltinCoder, Candidate
 from services.generator.evolve import (
     BuiltinMutator,
     EvolveSearch,
@@ -31,11 +31,8 @@ def verifier():
 
 
 @pytest.fixture(scope="module")
-def coder():
-    pool = make_pool(1)
-    yield BuiltinCoder(pool)
-    pool.stop()
-    pool.join(10)
+def coder(lowering_sandbox):
+    return BuiltinCoder(lowering_sandbox)
 
 
 def make_submit(**kw) -> JobSubmit:
@@ -139,7 +136,7 @@ async def test_resume_keeps_every_verified_candidate(verifier, coder) -> None:
     assert result.passed
 
 
-async def test_duplicate_code_reuses_the_verdict(verifier) -> None:
+async def test_duplicate_code_reuses_the_verdict(verifier, lowering_sandbox) -> None:
     submit = make_submit(job_id="evo-dup", max_rounds=2, parallel_num=2, num_islands=1)
     rec = Recorder(verifier, submit)
 
@@ -156,11 +153,7 @@ async def test_duplicate_code_reuses_the_verdict(verifier) -> None:
             # Same code, other formatting: the normalised hash matches.
             return Candidate(code=parent_code + "\n# reformatted\n", coder=self.name)
 
-    pool = make_pool(1)
-    try:
-        seed = await BuiltinCoder(pool).generate(submit)
-    finally:
-        pool.stop()
+    seed = await BuiltinCoder(lowering_sandbox).generate(submit)
     mutator = SameCode()
     mutator.code = seed.code
     search = EvolveSearch(submit, mutator, rec.verify, rec.report, rec.checkpoint,

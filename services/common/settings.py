@@ -58,6 +58,15 @@ class Settings(msgspec.Struct, kw_only=True):
         generator_concurrency: jobs one generator process runs at once.
         verify_result_timeout_s: how long the generator waits for one candidate's
             verdict, queueing included, before failing the job.
+        lowering_timeout_s: limit on one built-in coder lowering of a task (its code
+            and ``torch.export`` in a sandboxed child), seconds; past it the job fails
+            with a message saying so.
+        sandbox_require: comma-separated isolation mechanisms (``user``,
+            ``capabilities``, ``network``, ``landlock``, ``seccomp``) without which a
+            worker or generator refuses to start; empty runs with what the machine
+            permits and reports the rest.
+        sandbox_env_allow: comma-separated extra environment variable names (or
+            ``PREFIX*``) that sandboxed children keep beyond the built-in allowlist.
         api_token: bearer token the gateway requires on every route but health;
             empty turns auth off.
         llm_base_url: OpenAI-compatible endpoint of the LLM agents
@@ -107,6 +116,9 @@ class Settings(msgspec.Struct, kw_only=True):
     worker_id: str = ""
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
+    lowering_timeout_s: float = 120.0
+    sandbox_require: str = ""
+    sandbox_env_allow: str = ""
     api_token: str = ""
     llm_base_url: str = ""
     llm_api_key: str = ""
@@ -148,6 +160,16 @@ class Settings(msgspec.Struct, kw_only=True):
     def arch(self) -> str:
         """The worker's arch, defaulting to this machine's CPU arch."""
         return self.worker_arch or machine_arch()
+
+    @property
+    def sandbox_require_list(self) -> tuple[str, ...]:
+        """``sandbox_require`` as a tuple: ``"landlock,user"`` -> ``("landlock", "user")``."""
+        return tuple(m.strip() for m in self.sandbox_require.split(",") if m.strip())
+
+    @property
+    def sandbox_env_allow_list(self) -> tuple[str, ...]:
+        """``sandbox_env_allow`` as a tuple of names / ``PREFIX*`` patterns."""
+        return tuple(m.strip() for m in self.sandbox_env_allow.split(",") if m.strip())
 
     @property
     def devices(self) -> list[str]:

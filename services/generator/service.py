@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import os
 import time
 from collections.abc import Awaitable
 
@@ -76,7 +77,7 @@ from services.common.metrics import start_metrics_server
 from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
 from services.generator.agents import Conductor, Designer, LLMCoder
-from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, make_pool
+from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, lowering_sandbox
 from services.generator.evolve_run import EvolveJob
 from services.generator.llm import Completion, LLMClient, LLMConfigError, Message
 from services.generator.workflows import (
@@ -125,8 +126,10 @@ class Generator:
         self.bus = bus
         self.settings = settings
         self.jobs = JobStore(bus.jobs)
-        self.pool = make_pool(workers=max(1, min(2, settings.generator_concurrency)))
-        self.builtin = BuiltinCoder(self.pool)
+        self.sandbox = lowering_sandbox(
+            f"generator-{os.getpid()}", require=settings.sandbox_require_list,
+            env_allow=settings.sandbox_env_allow_list)
+        self.builtin = BuiltinCoder(self.sandbox, timeout_s=settings.lowering_timeout_s)
         self.slots = asyncio.Semaphore(settings.generator_concurrency)
         self.tasks: set[asyncio.Task] = set()
         self.llm: LLMClient | None = None
@@ -147,6 +150,10 @@ class Generator:
             max_deliver=JOB_MAX_DELIVER + 1,
         )
         await self._align_ack_wait()
+        # Before the first job: every lowering runs the task's code in this sandbox.
+        await asyncio.to_thread(self.sandbox.start)
+        log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
+                 notes=self.sandbox.isolation.notes)
         if self.llm_error:
             log.error("llm_config_invalid", error=self.llm_error)
         log.info("generator_started", concurrency=self.settings.generator_concurrency,
@@ -169,8 +176,7 @@ class Generator:
                 await psub.unsubscribe()
             if self.llm is not None:
                 await self.llm.aclose()
-            self.pool.stop()
-            await asyncio.to_thread(self.pool.join, 10)
+            await asyncio.to_thread(self.sandbox.close)
             log.info("generator_stopped")
 
     async def _align_ack_wait(self) -> None:

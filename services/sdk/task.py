@@ -8,23 +8,20 @@ returns ``(op_name, passed, info)``.
 
 Candidates are, in order, ``init_code`` when given, then the built-in coder's kernel
 (:func:`services.generator.coders.builtin.lower_task`, which executes the task's code:
-it runs in a fresh child process, never here). The first candidate that passes ends the
+it runs in a sandboxed child process, never here). The first candidate that passes ends the
 task; ``max_attempts`` bounds the verifications.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
+import atexit
 import os
 import re
-import signal
-import sys
+import threading
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,43 +37,49 @@ from services.sdk.workers import (
 LOWERING_TIMEOUT_S = 120.0
 WORKFLOWS = ("coder_only_workflow", "default_workflow")
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
-# Where `services` lives, so the child imports this checkout even when not installed.
-_ROOT = Path(__file__).resolve().parents[2]
+
+if TYPE_CHECKING:
+    from services.worker.sandbox import Sandbox
+
+_sandbox: Sandbox | None = None
+_sandbox_lock = threading.Lock()
+
+
+def _lowering_sandbox() -> Sandbox:
+    """This process's built-in coder sandbox, started on first use, closed at exit."""
+    # Imported here: the SDK's HTTP client must not pull in torch.
+    from services.generator.coders.base import lowering_sandbox
+
+    global _sandbox
+    with _sandbox_lock:
+        if _sandbox is None:
+            sandbox = lowering_sandbox(f"sdk-{os.getpid()}")
+            sandbox.start()
+            atexit.register(sandbox.close)
+            _sandbox = sandbox
+        return _sandbox
+
 
 async def lower_in_child(task_desc: str, shape_overrides: Mapping[str, Any] | None = None,
                          timeout_s: float = LOWERING_TIMEOUT_S) -> tuple[str | None, str | None]:
-    """Run the built-in coder on ``task_desc`` in a fresh child process (it executes
-    the task's code; see :mod:`services.sdk._lower`).
+    """Run the built-in coder on ``task_desc`` in a sandboxed child (it executes the
+    task's code: as an unprivileged user, without network, confined by Landlock and
+    seccomp where the machine permits; see :class:`services.worker.sandbox.Sandbox`).
 
     Returns:
         ``(candidate source, None)``, or ``(None, reason)`` when the task cannot be
         lowered (the reason names the op), its code failed or killed the child, or it
         took longer than ``timeout_s`` seconds.
     """
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.sdk._lower", stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-        start_new_session=True)
-    request = json.dumps({"task_desc": task_desc, "shape_overrides": dict(shape_overrides or {})})
+    from services.worker.sandbox import LoweringFailed, PoolBroken
+
     try:
-        out, err = await asyncio.wait_for(proc.communicate(request.encode()), timeout_s)
-    except TimeoutError:
-        return None, (f"built-in coder gave up after {timeout_s:.0f} s: the task's code did not "
-                      "finish (check get_inputs()/forward, or shrink it with shape_overrides)")
-    finally:
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-    try:
-        reply = json.loads(out)
-    except ValueError:
-        tail = err.decode(errors="replace").strip().splitlines()[-3:]
-        return None, (f"built-in coder's process died (exit code {proc.returncode}) while "
-                      f"running the task's code: {' / '.join(tail) or 'no output'}")
-    return reply.get("code"), reply.get("error")
+        sandbox = await asyncio.to_thread(_lowering_sandbox)
+        return await sandbox.lower(task_desc, shape_overrides, timeout_s=timeout_s), None
+    except LoweringFailed as exc:
+        return None, str(exc)
+    except PoolBroken as exc:
+        return None, f"built-in coder's sandbox is broken: {exc}"
 
 
 class Task:
