@@ -1,0 +1,317 @@
+"""Untrusted code stays in the sandbox: a task's own module code and a candidate, tried as
+an attacker would, in every place they run (the generator's built-in coder, the
+worker's reference and candidate children, ``aikg run`` and ``LocalWorker``).
+
+The hostile task records what it can see (its uid, capability sets, the environment,
+a connection to the NATS port) and raises it as its error, so the verdict carries the
+record. The hostile candidate reads a root-only file, a NATS store, another job's
+scratch directory and the worker's own files through several file APIs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from schemas import VerifyRequest
+from services.worker.verifier import Verifier
+from tests.helpers import RELU_KERNEL, ROOT, services_running, wait_terminal
+
+SECRET = "sk-sandbox-test-secret"
+DB_URL = "postgres://aikg:hunter2@db.internal/aikg"
+
+FACTS_TASK = '''\
+import json, os, socket
+import torch
+import torch.nn as nn
+
+FACTS = {{"uid": os.getuid(), "euid": os.geteuid(),
+          "visible": sorted(k for k in os.environ
+                            if k.startswith(("AIKG_", "DATABASE", "NATS")) or "{secret}" in os.environ[k])}}
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2).close()
+    FACTS["nats"] = "connected"
+except OSError as exc:
+    FACTS["nats"] = type(exc).__name__
+with open("/proc/self/status") as f:
+    FACTS["caps"] = {{l.split(":")[0]: l.split()[1] for l in f if l.startswith("Cap")}}
+raise RuntimeError("SANDBOX-FACTS " + json.dumps(FACTS) + " END")
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+# Module-level code of a candidate: runs at import, before the static check's forward
+# rules apply, and reaches os/io/codecs through torch's own module attributes.
+READS_CANDIDATE = RELU_KERNEL.replace("class ModelNew(nn.Module):", '''\
+_os = torch.serialization.os
+_io = torch.serialization.io
+FACTS = {{}}
+for _name, _read in (
+        ("os.open", lambda p: _os.read(_os.open(p, _os.O_RDONLY), 64)),
+        ("io.FileIO", lambda p: _io.FileIO(p).read()),
+        ("io.open", lambda p: _io.open(p, "rb").read()),
+        ("codecs.open", lambda p: _os.sys.modules["codecs"].open(p, "rb").read())):
+    for _what, _path in (("secret", "{secret_file}"), ("worker_file", "{worker_file}"),
+                         ("proc_environ", "/proc/1/environ")):
+        try:
+            _read(_path)
+            FACTS[_name + " " + _what] = "read"
+        except Exception as _exc:
+            FACTS[_name + " " + _what] = type(_exc).__name__
+for _what, _path in (("nats_store", "{store}"), ("other_runs", "{runs}"), ("root_home", "/root")):
+    try:
+        _os.listdir(_path)
+        FACTS["listdir " + _what] = "listed"
+    except Exception as _exc:
+        FACTS["listdir " + _what] = type(_exc).__name__
+FACTS["env"] = sorted(k for k in _os.environ if k in ("DATABASE_URL", "AIKG_LLM_API_KEY"))
+FACTS["uid"] = _os.getuid()
+
+
+class ModelNew(nn.Module):''').replace("        return out\n", '''\
+        if FACTS:
+            raise RuntimeError("SANDBOX-FACTS " + str(FACTS).replace("'", '"') + " END")
+        return out
+''')
+
+HANGING_TASK = '''\
+import time
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        while True:
+            time.sleep(1)
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+def facts_of(text: str) -> dict:
+    """The JSON a hostile task or candidate raised (between SANDBOX-FACTS and END)."""
+    # ``aikg run --json`` prints the error inside a JSON string: undo its escaping.
+    text = text.replace('\\"', '"')
+    match = re.search(r"SANDBOX-FACTS (\{.*?\}) END", text, re.S)
+    assert match, f"no recorded facts in: {text[:2000]}"
+    return json.loads(match.group(1))
+
+
+def assert_confined(facts: dict) -> None:
+    """What a task's code saw: no secret, no bus, and (as root here) no privilege."""
+    assert facts["visible"] == [], facts
+    assert facts["nats"] != "connected", facts
+    if os.geteuid() == 0:
+        assert facts["uid"] != 0 and facts["euid"] != 0, facts
+        assert set(facts["caps"].values()) == {"0000000000000000"}, facts
+
+
+@pytest.fixture
+def secret_env(monkeypatch) -> None:
+    """Secrets in the services' own environment, as an operator's shell might have."""
+    monkeypatch.setenv("AIKG_LLM_API_KEY", SECRET)
+    monkeypatch.setenv("DATABASE_URL", DB_URL)
+
+
+@pytest.fixture(scope="module")
+def verifier(tmp_path_factory):
+    """A worker's verifier started while the environment holds secrets."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AIKG_LLM_API_KEY", SECRET)
+        mp.setenv("DATABASE_URL", DB_URL)
+        v = Verifier("cpu", worker_id="test-sandbox",
+                     scratch_root=tmp_path_factory.mktemp("sandbox") / "verifier")
+        v.start()
+    yield v
+    v.close()
+
+
+def request(task: str, code: str) -> VerifyRequest:
+    return VerifyRequest(request_id=f"req-{uuid.uuid4().hex[:8]}", job_id="job-sandbox",
+                         candidate_id="cand", op_name="relu", task_desc=task, code=code,
+                         backend="cpu", arch="x86_64", trials=1, timeout_s=60)
+
+
+async def test_probe_reports_every_mechanism(verifier) -> None:
+    iso = verifier.sandbox.isolation
+    summary = iso.summary()
+    assert len(summary) == 5
+    if os.geteuid() == 0:
+        # Root on a Linux >= 5.13 with Landlock and libseccomp: everything in force.
+        assert iso.in_force() == {m: True for m in iso.in_force()}, iso.notes
+        assert summary[1] == "no capabilities" and iso.capabilities == 0
+
+
+async def test_task_code_in_the_worker_sees_no_secret_no_network_no_privilege(
+        verifier, nats_server) -> None:
+    task = FACTS_TASK.format(secret=SECRET, port=nats_server.port)
+    result = await verifier.verify(request(task, RELU_KERNEL), device="0")
+    assert result.stage == "infrastructure", result
+    assert_confined(facts_of(result.error))
+
+
+async def test_candidate_cannot_read_past_its_scratch_directory(verifier, nats_server) -> None:
+    if verifier.run_as is None or not verifier.sandbox.isolation.landlock_abi:
+        pytest.skip("this machine permits no user switch or no Landlock: "
+                    + "; ".join(verifier.sandbox_notes))
+    # A root-only file in a directory anyone may traverse: only permissions protect it.
+    secret_dir = Path("/tmp") / f"aikg-test-secret-{uuid.uuid4().hex[:8]}"
+    secret_dir.mkdir(mode=0o755)
+    secret_file = secret_dir / "secret"
+    secret_file.write_text("root only")
+    secret_file.chmod(0o600)
+    other_run = verifier.sandbox.scratch("other-job", "candidate")
+    (other_run / "candidate.py").write_text("# another job's kernel")
+    try:
+        code = READS_CANDIDATE.format(secret_file=secret_file, worker_file=ROOT / "pyproject.toml",
+                                      store=nats_server.store_dir, runs=other_run)
+        result = await verifier.verify(request(FACTS_TASK.split("FACTS =")[0] + '''
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+''', code), device="0")
+    finally:
+        secret_file.unlink()
+        secret_dir.rmdir()
+    assert result.stage == "runtime", result
+    facts = facts_of(result.error)
+    reads = {k: v for k, v in facts.items() if k.split()[0] in (
+        "os.open", "io.FileIO", "io.open", "codecs.open", "listdir")}
+    assert len(reads) == 15, facts
+    # Denied (Landlock, permissions) or not even visible (the private mount namespace).
+    assert set(reads.values()) <= {"PermissionError", "FileNotFoundError"}, facts
+    assert facts["env"] == [] and facts["uid"] != 0, facts
+    # ... and the verifier serves the next candidate normally.
+    ok = await verifier.verify(request(FACTS_TASK.split("FACTS =")[0] + '''
+class Model(nn.Module):
+    def forward(self, x):
+        return torch.relu(x)
+
+
+def get_inputs():
+    return [torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+''', RELU_KERNEL), device="0")
+    assert ok.passed, ok
+
+
+async def test_task_code_in_the_generator_through_the_gateway(
+        settings, bus, start_gateway, nats_server, secret_env) -> None:
+    """Submitted over HTTP: the lowering runs the task's code in the sandbox only."""
+    gateway = await start_gateway(settings)
+    task = FACTS_TASK.format(secret=SECRET, port=nats_server.port)
+    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+                                                                  timeout=10) as client:
+        resp = await client.post("/api/v1/jobs/submit", json={
+            "op_name": "facts", "task_desc": task, "backend": "cpu", "arch": settings.arch})
+        assert resp.status_code in (200, 201, 202), resp.text
+        record = await wait_terminal(client, resp.json()["job_id"], timeout_s=120)
+    assert record["status"] == "failed", record
+    assert record["error"].startswith("task source raised RuntimeError"), record["error"]
+    assert_confined(facts_of(record["error"]))
+
+
+async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gateway,
+                                                       relu_task) -> None:
+    """Two tasks whose Model.__init__ never returns, then a relu: the relu job's latency
+    stays within 2x of an idle run; the hanging jobs fail once the lowering times out."""
+    settings = type(settings)(**{**{f: getattr(settings, f) for f in settings.__struct_fields__},
+                                 "lowering_timeout_s": 20.0})
+    gateway = await start_gateway(settings)
+    body = {"op_name": "relu", "task_desc": relu_task, "backend": "cpu", "arch": settings.arch}
+
+    async def job(client: httpx.AsyncClient, **fields) -> str:
+        resp = await client.post("/api/v1/jobs/submit", json={**body, **fields})
+        assert resp.status_code in (200, 201, 202), resp.text
+        return resp.json()["job_id"]
+
+    async def timed(client: httpx.AsyncClient) -> float:
+        started = time.monotonic()
+        record = await wait_terminal(client, await job(client), timeout_s=120)
+        assert record["status"] == "completed", record
+        return time.monotonic() - started
+
+    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+                                                                  timeout=10) as client:
+        await timed(client)  # warm: the first job pays for the worker's first reference
+        idle = await timed(client)
+        hung = [await job(client, op_name="hang", task_desc=HANGING_TASK) for _ in range(2)]
+        await asyncio.sleep(1.0)  # both are lowering (and hanging) now
+        busy = await timed(client)
+        ends = [await wait_terminal(client, j, timeout_s=90) for j in hung]
+    assert busy <= 2 * idle, f"relu took {busy:.2f} s beside two hanging tasks, {idle:.2f} s idle"
+    for record in ends:
+        assert record["status"] == "failed", record
+        assert "gave up after 20 s" in record["error"], record["error"]
+
+
+def test_aikg_run_lowers_in_the_sandbox(tmp_path, secret_env, nats_server) -> None:
+    task = tmp_path / "facts.py"
+    task.write_text(FACTS_TASK.format(secret=SECRET, port=nats_server.port))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "run", str(task), "--json"],
+                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert_confined(facts_of(proc.stdout + proc.stderr))
+
+
+async def test_local_worker_runs_task_code_in_the_sandbox(secret_env, nats_server) -> None:
+    from services.sdk import LocalWorker, Task, WorkerManager
+
+    task = FACTS_TASK.format(secret=SECRET, port=nats_server.port)
+    manager = WorkerManager()
+    worker = LocalWorker([0], backend="cpu")
+    manager.add(worker, "cpu", worker.arch, 1)
+    try:
+        # init_code first: the worker's reference child runs the task; then the
+        # built-in coder's lowering runs it too.
+        _, passed, info = await Task("facts", task, task_id="sandbox", backend="cpu",
+                                     arch=worker.arch, init_code=RELU_KERNEL,
+                                     worker_manager=manager).run()
+    finally:
+        await worker.close()
+    assert not passed
+    assert_confined(facts_of(info["error"]))
