@@ -392,14 +392,20 @@ def encode(obj: Any) -> bytes:
 
 
 def decode(data: bytes | str, type: type[T]) -> T:
-    """Decode JSON bytes into ``type``.
+    """Decode JSON bytes into ``type``, with msgspec's strict rules.
+
+    Strict (https://jcristharif.com/msgspec/usage.html#strict-vs-lax-mode): a number in
+    a string (``"max_rounds": "3"``), a float for an integer field or a string for a
+    boolean is refused; an integer for a float field is accepted. Every door applies
+    this rule: the generator decoding a raw ``nats pub`` on ``jobs.submit`` and the
+    gateway's ``POST /api/v1/jobs/submit`` (whose framework alone would be lax).
 
     Raises:
         msgspec.ValidationError: the JSON is well-formed but breaks the schema; the
             message names the field (``... - at `$.backend```).
         msgspec.DecodeError: the bytes are not JSON.
     """
-    return msgspec.json.decode(data, type=type)
+    return msgspec.json.decode(data, type=type, strict=True)
 
 
 ALL_RECORDS: tuple[type[Struct], ...] = (

@@ -694,7 +694,7 @@ def status(
 def list_jobs(
     status_filter: Annotated[str | None, typer.Option(
         "--status", help="Only jobs with this status: pending, running, completed, failed, "
-        "cancelled.")] = None,
+        "cancelled, or corrupt (records that do not decode).")] = None,
     op_name: Annotated[str | None, typer.Option(help="Only jobs of this operator.")] = None,
     limit: Annotated[int, typer.Option(min=1, max=500, help="Jobs to show.")] = 20,
     offset: Annotated[int, typer.Option(min=0, help="Newest jobs to skip.")] = 0,

@@ -25,6 +25,8 @@ _STATUS_STYLE = {
     "completed": "green",
     "failed": "red",
     "cancelled": "magenta",
+    # A record in the jobs bucket that does not decode (GET /api/v1/jobs lists it so).
+    "corrupt": "bold red",
 }
 
 

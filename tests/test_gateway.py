@@ -7,6 +7,7 @@ import json
 
 import httpx
 import msgspec
+import nats.js.errors
 import pytest
 
 from schemas import JobEvent, JobSubmit, decode, subjects
@@ -207,6 +208,65 @@ async def test_api_token(
         good = {"Authorization": "Bearer s3cret"}
         assert (await c.post("/api/v1/jobs/submit", json=job(), headers=good)).status_code == 200
         assert (await c.get("/api/v1/workers", headers=good)).status_code == 200
+
+
+async def test_api_token_wrong_value_of_any_length_is_401(
+    start_gateway, settings: Settings, bus: Bus, fake_worker_heartbeat, job
+) -> None:
+    """The token is compared in constant time (hmac.compare_digest); a wrong token of
+    the right length, of another length, in another case or with non-ASCII bytes is
+    refused alike, never a 500."""
+    from services.gateway.app import _token_matches
+
+    await fake_worker_heartbeat(bus)
+    url = await start_gateway(msgspec.structs.replace(settings, api_token="s3cret"))
+    wrong = [b"Bearer s3creT", b"Bearer s3cre", b"Bearer s3cret-and-more", b"bearer s3cret",
+             b"Bearer s\xe9cret", b"s3cret", b"Bearer"]
+    assert len(wrong[0]) == len(b"Bearer s3cret")  # same length, one byte differs
+    async with httpx.AsyncClient(base_url=url) as c:
+        for value in wrong:
+            r = await c.get("/api/v1/jobs", headers=[(b"Authorization", value)])
+            assert r.status_code == 401, (value, r.text)
+            assert "AIKG_API_TOKEN" in r.json()["detail"]
+        good = await c.get("/api/v1/jobs", headers={"Authorization": "Bearer s3cret"})
+        assert good.status_code == 200
+    assert _token_matches("Bearer s3cret", b"Bearer s3cret")
+    assert not _token_matches("Bearer s\udcffcret", b"Bearer s3cret")  # no TypeError
+
+
+@pytest.mark.parametrize(
+    ("fields", "path", "expected"),
+    [
+        ({"max_rounds": "3"}, "$.max_rounds", "Expected `int`, got `str`"),
+        ({"max_attempts": 2.0}, "$.max_attempts", "Expected `int`, got `float`"),
+        ({"parent_selection_prob": "0.5"}, "$.parent_selection_prob",
+         "Expected `float`, got `str`"),
+        ({"timeout_s": "30"}, "$.timeout_s", "Expected `float`, got `str`"),
+        ({"shape_overrides": {"batch_size": 2}, "trials": "2"}, "$.trials",
+         "Expected `int`, got `str`"),
+    ],
+    ids=["int_as_str", "int_as_float", "float_as_str", "timeout_as_str", "trials_as_str"],
+)
+async def test_numbers_in_strings_are_400_naming_the_field(
+    client: httpx.AsyncClient, bus: Bus, cpu_worker: None, job, fields: dict, path: str,
+    expected: str,
+) -> None:
+    r = await client.post("/api/v1/jobs/submit", json=job(job_id="strict-1", **fields))
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["detail"] == f"invalid request: {expected} - at `{path}`"
+    assert body["errors"][0]["key"] == path.removeprefix("$.")
+    with pytest.raises(nats.js.errors.KeyNotFoundError):  # nothing was recorded
+        await bus.jobs.get("strict-1")
+
+
+async def test_integer_for_a_float_field_is_accepted(
+    client: httpx.AsyncClient, cpu_worker: None, job
+) -> None:
+    """msgspec's strict mode still takes an int where a float is wanted (JSON has one
+    number type and ``30`` is a fine ``timeout_s``)."""
+    r = await client.post("/api/v1/jobs/submit", json=job(timeout_s=30, parent_selection_prob=1))
+    assert r.status_code == 200, r.text
 
 
 async def test_serve_gateway_fails_clearly_on_port_in_use(gateway: str, settings: Settings) -> None:

@@ -129,6 +129,81 @@ async def test_list_empty_and_bad_query_is_400(client: httpx.AsyncClient) -> Non
         assert word in r.text
 
 
+# --- corrupt records ----------------------------------------------------------------
+
+GARBAGE = b"\x00\xff not a job record {"
+
+
+async def test_corrupt_record_is_a_clear_error_on_every_route_and_listed_as_corrupt(
+    client: httpx.AsyncClient, bus: Bus, cpu_worker: None, job
+) -> None:
+    good = await submit(client, job(job_id="good-1"))
+    bad = await submit(client, job(job_id="bad-1"))
+    await bus.jobs.put(bad, GARBAGE)
+    # Well-formed JSON that breaks the schema is corrupt too, with the field named.
+    await bus.jobs.put("bad-2", json.dumps({"job_id": "bad-2", "status": 7}).encode())
+
+    for job_id, fault in ((bad, "JSON is malformed"), ("bad-2", "$.status")):
+        for method, suffix in (("GET", ""), ("GET", "/status"), ("POST", "/cancel"),
+                               ("GET", "/kernel"), ("GET", "/events")):
+            r = await client.request(method, f"/api/v1/jobs/{job_id}{suffix}")
+            assert r.status_code == 500, (method, suffix, r.text)
+            body = r.json()
+            assert body["detail"].startswith(f"job record {job_id} is corrupt: ")
+            assert fault in body["detail"] and fault in body["fault"]
+            assert f"nats kv del jobs {job_id}" in body["detail"]
+            assert body["job_id"] == job_id
+    # The cancel wrote nothing over the bad bytes.
+    assert (await bus.jobs.get(bad)).value == GARBAGE
+    # Resubmitting under a corrupt id says so too, instead of a bare 500.
+    r = await client.post("/api/v1/jobs", json=job(job_id=bad))
+    assert r.status_code == 500 and f"job record {bad} is corrupt" in r.json()["detail"]
+
+    page = (await client.get("/api/v1/jobs")).json()
+    rows = {row["job_id"]: row for row in page["jobs"]}
+    assert page["total"] == 3 and set(rows) == {good, bad, "bad-2"}
+    assert rows[good]["status"] == "pending"
+    for job_id in (bad, "bad-2"):
+        assert rows[job_id]["status"] == "corrupt"
+        assert rows[job_id]["error"].startswith(f"job record {job_id} is corrupt")
+        assert rows[job_id]["submit_time"]
+    only = (await client.get("/api/v1/jobs", params={"status": "corrupt"})).json()
+    assert sorted(j["job_id"] for j in only["jobs"]) == ["bad-1", "bad-2"]
+    pending = (await client.get("/api/v1/jobs", params={"status": "pending"})).json()
+    assert [j["job_id"] for j in pending["jobs"]] == [good]
+    by_op = (await client.get("/api/v1/jobs", params={"op_name": "relu"})).json()
+    assert [j["job_id"] for j in by_op["jobs"]] == [good]
+
+
+async def test_event_stream_says_once_when_the_record_turns_corrupt(
+    client: httpx.AsyncClient, bus: Bus, cpu_worker: None, job, monkeypatch
+) -> None:
+    from services.gateway import events
+
+    monkeypatch.setattr(events, "RECORD_CHECK_S", 0.1)
+    job_id = await submit(client, job())
+    got: list[dict] = []
+
+    async def follow() -> None:
+        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as c:
+            async with c.stream("GET", f"/api/v1/jobs/{job_id}/events") as r:
+                async for e in _iter_sse(r):
+                    got.append(e)
+
+    follower = asyncio.create_task(follow())
+    await _until(lambda: len(got) == 1)
+    await bus.jobs.put(job_id, GARBAGE)
+    await _until(lambda: len(got) == 2)
+    assert got[1]["event"] == "error" and "id" not in got[1]
+    assert json.loads(got[1]["data"])["message"].startswith(f"job record {job_id} is corrupt")
+    await asyncio.sleep(0.5)  # several record checks later: still one error event
+    assert len(got) == 2 and not follower.done()
+    # What a generator does when it meets the bad record: a failed record, one event.
+    await publish_event(bus, JobEvent(job_id=job_id, event="failed", status="failed"))
+    await asyncio.wait_for(follower, 10)
+    assert [e["event"] for e in got] == ["submitted", "error", "failed"]
+
+
 # --- cancel, kernel ------------------------------------------------------------------
 
 

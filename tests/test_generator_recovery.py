@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import nats.js.errors
 import pytest
 
 from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, encode, subjects
@@ -215,3 +217,100 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
     assert any("resumed with 1 recorded candidate" in e.message for e in events)
     # Which path kill #1 exercised depends on the worker's speed; both must hold.
     print(f"kill #1 while attempt 1 was being verified: {killed_while_verifying}")
+
+
+# --- corrupt records, strict raw submissions (issue 11 item 5) ---------------------
+
+RELU = (ROOT / "tasks" / "relu.py").read_text()
+GARBAGE = b"\x00\xff this is not a job record {"
+
+
+@contextlib.asynccontextmanager
+async def generator_in_loop(settings: Settings) -> AsyncIterator[None]:
+    """A real generator (``run_generator``) as a task of this loop until the block ends."""
+    from services.generator.service import run_generator
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_generator(settings, stop), name="generator")
+    try:
+        yield
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 60)
+
+
+async def submit_raw(bus: Bus, job_id: str, body: bytes) -> None:
+    """What `nats pub jobs.submit '<json>' -H Nats-Msg-Id:<id>` does."""
+    await bus.js.publish(subjects.JOBS_SUBMIT, body, headers={"Nats-Msg-Id": job_id})
+
+
+def relu_submit(job_id: str, settings: Settings) -> bytes:
+    return encode(JobSubmit(op_name="relu", task_desc=RELU, backend="cpu", arch=settings.arch,
+                            coder="builtin", job_id=job_id))
+
+
+async def test_corrupt_record_fails_the_job_once_without_redelivery(
+        settings: Settings, bus: Bus, capfd: pytest.CaptureFixture[str]) -> None:
+    """Garbage under a pending job's key and under a running job's key: each job ends
+    ``failed`` once, its error naming the job and the fault, with one ``failed`` event,
+    its message acked (no redelivery, nothing dead-lettered)."""
+    pending, running = "corrupt-pending", "corrupt-running"
+    await bus.jobs.put(pending, GARBAGE)
+
+    def status_is(job_id: str, expected: str):
+        async def check() -> bool:
+            with contextlib.suppress(Exception):  # garbage decodes to nothing
+                return decode((await bus.jobs.get(job_id)).value, JobRecord).status == expected
+            return False
+        return check
+
+    async with generator_in_loop(settings):
+        await submit_raw(bus, pending, relu_submit(pending, settings))
+        await submit_raw(bus, running, relu_submit(running, settings))
+        # No worker serves verify.cpu.*: the running job waits for a verdict until
+        # its record is spoiled under it.
+        await wait_for(status_is(running, "running"), 60, "job running")
+        await bus.jobs.put(running, GARBAGE)
+        for job_id in (pending, running):
+            await wait_for(status_is(job_id, "failed"), 30, f"{job_id} failed")
+        await asyncio.sleep(2 * 0.5 + 1.0)  # a second poll or a redelivery would show by now
+        consumer = await bus.js.consumer_info(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
+        dlq = await history(bus, subjects.dlq(subjects.JOBS_SUBMIT))
+
+    for job_id in (pending, running):
+        record = decode((await bus.jobs.get(job_id)).value, JobRecord)
+        assert record.status == "failed" and record.end_time is not None
+        assert record.error is not None
+        assert f"job record {job_id} is corrupt" in record.error, record.error
+        assert "malformed" in record.error.lower()  # msgspec: "JSON is malformed: ..."
+        assert record.request.op_name == "relu"  # the submission is kept
+        events = [decode(m, JobEvent) for m in await history(bus, subjects.job_events(job_id))]
+        failed = [e for e in events if e.event == "failed"]
+        assert len(failed) == 1 and f"job record {job_id} is corrupt" in failed[0].message
+    assert consumer.num_ack_pending == 0 and consumer.num_redelivered == 0, consumer
+    assert dlq == []
+    logs = capfd.readouterr()
+    assert "job_handler_failed" not in logs.out + logs.err
+    assert "Traceback" not in logs.out + logs.err
+
+
+async def test_raw_submission_is_decoded_strictly(settings: Settings, bus: Bus) -> None:
+    """The ``nats pub`` door has the HTTP door's rule: ``"max_rounds": "3"`` is refused,
+    the reason naming the field, and nothing runs."""
+    job_id = "strict-raw"
+    body = json.loads(relu_submit(job_id, settings))
+    body["max_rounds"] = "3"
+    async with generator_in_loop(settings):
+        await submit_raw(bus, job_id, json.dumps(body).encode())
+
+        async def refused() -> bool:
+            return bool(await history(bus, subjects.job_events(job_id)))
+
+        await wait_for(refused, 30, "refusal event")
+        dlq = await bus.js.get_last_msg(subjects.STREAM_DLQ, subjects.dlq(subjects.JOBS_SUBMIT))
+    events = [decode(m, JobEvent) for m in await history(bus, subjects.job_events(job_id))]
+    assert [e.event for e in events] == ["failed"]
+    assert "Expected `int`, got `str` - at `$.max_rounds`" in events[0].message
+    assert "$.max_rounds" in dlq.headers["Aikg-Dlq-Reason"]
+    with pytest.raises(nats.js.errors.KeyNotFoundError):  # nothing was accepted
+        await bus.jobs.get(job_id)

@@ -1,9 +1,11 @@
 """Hostile candidates: each gets the right stage, and the same Verifier keeps serving.
 
 Candidates that would be stopped by the static checks are tested twice where it
-matters: once as written (stage ``static``), once with the check bypassed through
+matters: once as written (stage ``static``), once with the static check turned off
+(fixture ``no_static_check``) and the forbidden module reached through
 ``getattr(torch, "o" + "s")`` (torch's module namespace holds ``os`` and ``ctypes``),
-to show that the sandbox holds on its own.
+to show that the sandbox holds on its own. (The static check itself refuses that
+computed ``getattr``: rule S016.)
 """
 
 from __future__ import annotations
@@ -91,6 +93,14 @@ def verifier(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = value
+
+
+@pytest.fixture
+def no_static_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn the verifier's static check off for one test, so that a candidate reaches
+    the sandbox: what the test then shows is the sandbox's own hold."""
+    monkeypatch.setattr("services.worker.verifier.check_candidate",
+                        lambda code, dsl="triton": [])
 
 
 async def still_serves(verifier: Verifier) -> None:
@@ -200,7 +210,7 @@ async def test_ctypes_is_static(verifier):
     await still_serves(verifier)
 
 
-async def test_segfault_past_the_static_check_is_a_crash(verifier):
+async def test_segfault_past_the_static_check_is_a_crash(verifier, no_static_check):
     code = candidate("""
         getattr(torch, "ctyp" + "es").string_at(0)
         return relu(x)
@@ -222,7 +232,7 @@ async def test_os_exit_is_static(verifier):
     await still_serves(verifier)
 
 
-async def test_os_exit_past_the_static_check_is_a_crash(verifier):
+async def test_os_exit_past_the_static_check_is_a_crash(verifier, no_static_check):
     code = candidate("""getattr(torch, "o" + "s")._exit(0)
 return relu(x)""")
     result = await verifier.verify(request(code), device="0")
@@ -232,7 +242,7 @@ return relu(x)""")
 
 
 @pytest.mark.parametrize("escape", [False, True], ids=["same-group", "own-session"])
-async def test_forked_grandchild_does_not_outlive_the_run(verifier, escape):
+async def test_forked_grandchild_does_not_outlive_the_run(verifier, escape, no_static_check):
     # The child may write only its scratch directory (its cwd), so the grandchild's pid
     # comes back in the candidate's error message.
     code = candidate(f"""
@@ -297,7 +307,7 @@ async def test_writing_files_is_static(verifier):
     await still_serves(verifier)
 
 
-async def test_writing_outside_scratch_past_the_static_check_is_denied(verifier, tmp_path):
+async def test_writing_outside_scratch_past_the_static_check_is_denied(verifier, tmp_path, no_static_check):
     if verifier.run_as is None:
         pytest.skip("children keep the worker's user on this machine")
     protected = tmp_path / "protected"
@@ -316,7 +326,7 @@ async def test_writing_outside_scratch_past_the_static_check_is_denied(verifier,
     await still_serves(verifier)
 
 
-async def test_environment_secrets_are_absent(verifier):
+async def test_environment_secrets_are_absent(verifier, no_static_check):
     code = candidate("""
         env = getattr(getattr(torch, "o" + "s"), "envi" + "ron")
         print(dict(env))
@@ -331,7 +341,7 @@ async def test_environment_secrets_are_absent(verifier):
     await still_serves(verifier)
 
 
-async def test_reading_the_workers_environment_is_denied(verifier):
+async def test_reading_the_workers_environment_is_denied(verifier, no_static_check):
     if verifier.run_as is None:
         pytest.skip("children keep the worker's user on this machine")
     code = candidate(f"""
@@ -346,7 +356,7 @@ async def test_reading_the_workers_environment_is_denied(verifier):
     await still_serves(verifier)
 
 
-async def test_network_is_unreachable(verifier):
+async def test_network_is_unreachable(verifier, no_static_check):
     if not verifier.network_isolated:
         pytest.skip("network namespaces are not permitted on this machine")
     listener = socket.create_server(("127.0.0.1", 0))
@@ -368,7 +378,7 @@ async def test_network_is_unreachable(verifier):
     await still_serves(verifier)
 
 
-async def test_forged_done_frame_does_not_pass(verifier):
+async def test_forged_done_frame_does_not_pass(verifier, no_static_check):
     code = candidate("""
         sys_os = getattr(torch, "o" + "s")
         payload = bytes([0x81, 0xA4]) + b"type" + bytes([0xA4]) + b"done"

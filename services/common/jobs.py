@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -27,9 +28,85 @@ from schemas import (
     subjects,
     utcnow,
 )
-from services.common.bus import Bus, JobStore
+from services.common.bus import Bus, JobNotFound, JobStore
 
 log = structlog.get_logger("aikg.jobs")
+
+# Longest piece of a decoder's complaint kept in a corrupt record's error text, characters.
+_FAULT_CHARS = 300
+
+
+class JobRecordCorrupt(Exception):
+    """A job's value in the ``jobs`` bucket does not decode as a :class:`JobRecord`.
+
+    Written by something other than AIKG (``nats kv put``, a task's code with bus
+    access, a newer or broken client) or truncated. Not a :class:`JobNotFound`: the
+    job exists, its record cannot be read.
+
+    Attributes:
+        job_id: the key.
+        fault: what the decoder said (``JSON is malformed: ...`` or ``Expected `str`,
+            got `int` - at `$.status```), at most 300 characters.
+        revision: the key's revision holding the bad value, for a compare-and-swap
+            that replaces exactly that value.
+    """
+
+    def __init__(self, job_id: str, fault: str, revision: int | None = None) -> None:
+        self.job_id = job_id
+        self.fault = fault[:_FAULT_CHARS]
+        self.revision = revision
+        super().__init__(f"job record {job_id} is corrupt: {self.fault}")
+
+
+def decode_record(job_id: str, value: bytes) -> JobRecord:
+    """Decode a ``jobs`` bucket value, naming the job when it does not decode.
+
+    Raises:
+        JobRecordCorrupt: not JSON, or JSON that breaks the :class:`JobRecord` schema.
+    """
+    try:
+        return decode(value, JobRecord)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise JobRecordCorrupt(job_id, str(exc) or exc.__class__.__name__) from exc
+
+
+class CheckedJobStore(JobStore):
+    """:class:`~services.common.bus.JobStore` whose reads raise :class:`JobRecordCorrupt`
+    (job id, decoder message, revision) instead of msgspec's bare ``DecodeError`` /
+    ``ValidationError``; :meth:`update` and :meth:`list` read through it too.
+    """
+
+    async def get(self, job_id: str) -> tuple[JobRecord, int]:
+        """The record and its revision.
+
+        Raises:
+            JobNotFound: no such job.
+            JobRecordCorrupt: the value does not decode.
+        """
+        try:
+            entry = await self.kv.get(job_id)
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError) as exc:
+            raise JobNotFound(job_id) from exc
+        assert entry.value is not None and entry.revision is not None
+        try:
+            return decode_record(job_id, entry.value), entry.revision
+        except JobRecordCorrupt as exc:
+            exc.revision = entry.revision
+            raise
+
+    async def replace_corrupt(self, corrupt: JobRecordCorrupt, record: JobRecord) -> bool:
+        """Overwrite the bad value ``corrupt`` was raised for with ``record``, by
+        compare-and-swap on its revision.
+
+        Returns:
+            False when the key changed since (someone else wrote it): nothing written.
+        """
+        record.updated_at = utcnow()
+        try:
+            await self.kv.update(corrupt.job_id, encode(record), last=corrupt.revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        return True
 
 REQUIRED_TASK_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
@@ -165,6 +242,7 @@ async def cancel_job(bus: Bus, job_id: str, reason: str = "cancelled by user") -
 
     Raises:
         services.common.bus.JobNotFound: no such job.
+        JobRecordCorrupt: the job's record does not decode (nothing is written).
     """
     def change(record: JobRecord) -> JobRecord | None:
         if record.status in TERMINAL_STATUSES:
@@ -176,8 +254,9 @@ async def cancel_job(bus: Bus, job_id: str, reason: str = "cancelled by user") -
         record.progress.message = reason
         return record
 
-    before, _ = await JobStore(bus.jobs).get(job_id)
-    record = await JobStore(bus.jobs).update(job_id, change)
+    store = CheckedJobStore(bus.jobs)
+    before, _ = await store.get(job_id)
+    record = await store.update(job_id, change)
     if before.status not in TERMINAL_STATUSES and record.status == "cancelled":
         await publish_event(bus, JobEvent(job_id=job_id, event="cancelled", status="cancelled",
                                           message=reason))

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import os
+import re
 import signal
 import socket
 import threading
@@ -54,19 +56,20 @@ from schemas import (
     JobEvent,
     JobRecord,
     JobSubmit,
+    decode,
     subjects,
     utcnow,
 )
-from schemas.events import JobStatus
 from services.common.bus import (
     DUPLICATE_WINDOW_S,
     Bus,
     JobNotFound,
-    JobStore,
     connect_bus,
     publish_json,
 )
 from services.common.jobs import (
+    CheckedJobStore,
+    JobRecordCorrupt,
     TaskError,
     cancel_job,
     check_task_source,
@@ -79,7 +82,14 @@ from services.common.jobs import (
 from services.common.queue_metrics import run_queue_metrics
 from services.common.settings import Settings
 from services.gateway import events as job_events
-from services.gateway.views import JOB_ID_RE, JobPage, WorkerList, list_jobs, list_workers
+from services.gateway.views import (
+    JOB_ID_RE,
+    JobPage,
+    ListStatus,
+    WorkerList,
+    list_jobs,
+    list_workers,
+)
 
 log = structlog.get_logger("aikg.gateway")
 
@@ -140,10 +150,40 @@ def _bus(state: State) -> Bus:
 # --- routes ------------------------------------------------------------------------
 
 
+# msgspec's error text ends with the field's path: "... - at `$.max_rounds`".
+_FIELD_PATH_RE = re.compile(r"^(?P<message>.*) - at `\$\.?(?P<key>[^`]*)`$", re.DOTALL)
+
+
+async def _strict_submit(request: Request) -> JobSubmit:
+    """The body decoded as :class:`JobSubmit` with msgspec's strict rules.
+
+    Litestar converts bodies in msgspec's lax mode (``strict=False``), which turns
+    ``"max_rounds": "3"`` into 3; a raw ``nats pub`` on ``jobs.submit`` is decoded
+    strictly by the generator (:func:`schemas.decode`), so the HTTP door applies the
+    same rule: a number in a string, a float for an integer field or a string for a
+    boolean is refused (an integer for a float field is accepted). See msgspec's
+    "Strict vs Lax Mode" (https://jcristharif.com/msgspec/usage.html#strict-vs-lax-mode).
+
+    Raises:
+        ValidationException: answered 400, the message naming the field
+            (``Expected `int`, got `str` - at `$.max_rounds```).
+    """
+    try:
+        return decode(await request.body(), JobSubmit)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        text = str(exc)
+        match = _FIELD_PATH_RE.match(text)
+        error = ({"message": match["message"], "key": match["key"] or "data", "source": "body"}
+                 if match else {"message": text, "key": "data", "source": "body"})
+        raise ValidationException(detail=text, extra=[error]) from exc
+
+
 @post(["/api/v1/jobs/submit", "/api/v1/jobs"], status_code=200, summary="Submit a job")
-async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
+async def submit_job(data: JSONBody[JobSubmit], request: Request, state: State) -> SubmitResponse:
     """Validate a job, record it as ``pending`` and publish it on ``jobs.submit``.
 
+    The body is decoded strictly (:func:`_strict_submit`): ``"max_rounds": "3"`` is a
+    400 naming ``$.max_rounds``, as it is for a raw ``nats pub`` on ``jobs.submit``.
     Answers 400 when the task is not a KernelBench-format task, 409 when no live
     worker offers ``backend``/``arch`` (the body lists the live pairs) or when the
     client-chosen ``job_id`` is already taken by a different job, 503 when the job
@@ -151,6 +191,9 @@ async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
     the same ``job_id`` is idempotent: the answer carries the existing job's status.
     """
     started = time.perf_counter()
+    # ``data`` (Litestar's lax conversion) documents the body in the OpenAPI schema and
+    # has already refused what even lax rules refuse; the strict decode decides.
+    data = await _strict_submit(request)
     bus = _bus(state)
     try:
         check_task_source(data.task_desc)
@@ -178,7 +221,7 @@ async def submit_job(data: JSONBody[JobSubmit], state: State) -> SubmitResponse:
     record = new_record(data, arch=arch)
     job_id = record.job_id
     with structlog.contextvars.bound_contextvars(job_id=job_id):
-        store = JobStore(bus.jobs)
+        store = CheckedJobStore(bus.jobs)
         if not await store.create(record):
             existing, _ = await store.get(job_id)
             if existing.request != record.request:
@@ -244,11 +287,16 @@ def _nats_unavailable(exc: Exception, what: str) -> HTTPException:
 
 
 async def _record(state: State, job_id: str) -> JobRecord:
-    """The job's record, or 404 (also for ids no job can have), or 503."""
+    """The job's record, or 404 (also for ids no job can have), or 503.
+
+    Raises:
+        JobRecordCorrupt: the record does not decode; answered 500 naming the job and
+            the fault (:func:`_corrupt_record_response`).
+    """
     if not JOB_ID_RE.match(job_id):
         raise _unknown_job(job_id)
     try:
-        record, _ = await JobStore(_bus(state).jobs).get(job_id)
+        record, _ = await CheckedJobStore(_bus(state).jobs).get(job_id)
     except JobNotFound as exc:
         raise _unknown_job(job_id) from exc
     except _NATS_TROUBLE as exc:
@@ -269,8 +317,9 @@ MAX_PAGE = 500
 @get("/api/v1/jobs", summary="List jobs")
 async def jobs_list(
     state: State,
-    status: Annotated[JobStatus | None, QueryParameter(
-        description="Only jobs with this status.")] = None,
+    status: Annotated[ListStatus | None, QueryParameter(
+        description="Only jobs with this status; `corrupt`: records that do not "
+        "decode.")] = None,
     op_name: Annotated[str | None, QueryParameter(
         max_length=128, description="Only jobs of this operator (exact).")] = None,
     limit: Annotated[int, QueryParameter(ge=1, le=MAX_PAGE, description="Page size.")] = 50,
@@ -403,13 +452,26 @@ async def metrics() -> Response[bytes]:
 # --- cross-cutting -----------------------------------------------------------------
 
 
+def _token_matches(header: str, expected: bytes) -> bool:
+    """Whether an ``Authorization`` header value equals ``expected``, in time that does
+    not depend on where they differ (:func:`hmac.compare_digest`, Python's documented
+    defence against timing attacks on secrets). Header values arrive latin-1 decoded
+    (ASGI), so any text encodes; a wrong length is refused like a wrong byte."""
+    return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
+
+
 def _auth_guard(token: str) -> Guard:
-    """A guard that wants ``Authorization: Bearer <token>`` outside :data:`PUBLIC_PATHS`."""
+    """A guard that wants ``Authorization: Bearer <token>`` outside :data:`PUBLIC_PATHS`.
+
+    The header is compared in constant time (:func:`_token_matches`): a wrong token of
+    the right length and one of another length both get 401 after the same work.
+    """
+    expected = f"Bearer {token}".encode("utf-8", "surrogateescape")
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if connection.scope["path"] in PUBLIC_PATHS:
             return
-        if connection.headers.get("authorization", "") != f"Bearer {token}":
+        if not _token_matches(connection.headers.get("authorization", ""), expected):
             raise NotAuthorizedException(
                 detail="missing or wrong API token: send `Authorization: Bearer <token>` "
                 "(the gateway's AIKG_API_TOKEN)"
@@ -430,8 +492,30 @@ def _validation_detail(exc: ValidationException) -> str:
     return "invalid request: " + ("; ".join(parts) if parts else exc.detail)
 
 
+def _corrupt_record_response(exc: JobRecordCorrupt) -> Response[dict[str, Any]]:
+    """500 for a job whose record in the ``jobs`` bucket does not decode.
+
+    The body names the job and the decoder's fault: ``{"status_code": 500, "detail":
+    "job record <id> is corrupt: <fault>; ...", "job_id": ..., "fault": ...}``.
+
+    Why 500: the fault is in the state the service keeps, not in the request. A 4xx
+    (409, 422) would tell the client that another request could succeed, and none can;
+    a 503 would invite retries that meet the same bytes. What helps is an operator
+    removing or restoring the record, which the detail says how to do; a generator
+    that picks the job up replaces the record with a ``failed`` one naming the fault.
+    """
+    log.warning("job_record_corrupt", job_id=exc.job_id, fault=exc.fault)
+    detail = (f"{exc}; the stored record cannot be read, so the job's state is unknown. "
+              f"An operator can remove it with `nats kv del {subjects.BUCKET_JOBS} "
+              f"{exc.job_id}`; a generator running the job fails it with this reason")
+    return Response({"status_code": 500, "detail": detail, "job_id": exc.job_id,
+                     "fault": exc.fault}, status_code=500)
+
+
 def _error_response(request: Request, exc: Exception) -> Response[dict[str, Any]]:
     """One JSON error shape for every handled error: status_code, detail, extra keys."""
+    if isinstance(exc, JobRecordCorrupt):
+        return _corrupt_record_response(exc)
     if isinstance(exc, ValidationException):
         body: dict[str, Any] = {"status_code": 400, "detail": _validation_detail(exc)}
         if exc.extra:

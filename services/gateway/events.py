@@ -12,6 +12,11 @@ Events are a view of the job record, published best-effort; when the record says
 job has ended but no terminal event arrives within :data:`TERMINAL_GRACE_S` (the event
 was lost, or aged out of the stream), the stream ends with a terminal event built from
 the record and without an ``id:``.
+
+A record that stops decoding while the stream is open (it did decode when the route
+answered) is told once as an ``error`` event without an ``id:``, naming the job and
+the fault; the stream stays open for the ``failed`` event a generator running the
+job publishes when it replaces the record.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from litestar.response import ServerSentEventMessage
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas import TERMINAL_STATUSES, JobEvent, decode, encode, subjects
-from services.common.bus import Bus, JobNotFound, JobStore
+from services.common.bus import Bus, JobNotFound
+from services.common.jobs import CheckedJobStore, JobRecordCorrupt
 
 log = structlog.get_logger("aikg.gateway.events")
 
@@ -70,7 +76,8 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
             is known without waiting for the grace period.
     """
     loop = asyncio.get_running_loop()
-    store = JobStore(bus.jobs)
+    store = CheckedJobStore(bus.jobs)
+    told_fault: str | None = None
     last_beat = last_check = loop.time()
     ended_at: float | None = None
     if ended:
@@ -92,6 +99,14 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
                     record, _ = await store.get(job_id)
                 except JobNotFound:
                     return
+                except JobRecordCorrupt as exc:
+                    if exc.fault != told_fault:
+                        told_fault = exc.fault
+                        log.warning("job_record_corrupt", job_id=job_id, fault=exc.fault)
+                        event = JobEvent(job_id=job_id, event="error", message=str(exc))
+                        yield ServerSentEventMessage(data=encode(event).decode(),
+                                                     event=event.event)
+                    continue
                 if record.status not in TERMINAL_STATUSES:
                     continue
                 ended_at = ended_at or now

@@ -10,26 +10,33 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.errors
 from nats.js.kv import KeyValue
 
 from schemas import JobRecord, WorkerInfo
+from schemas.events import JobStatus
 from services.common.bus import Bus
+from services.common.jobs import JobRecordCorrupt, decode_record
 
 # A job id is one NATS subject token (schemas.events.JobId); anything else names no job.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How long one bucket read may wait for the server's next message, seconds.
 _WATCH_STEP_S = 5.0
+# A list row's status: a job status, or ``corrupt`` for a record that does not decode.
+CORRUPT = "corrupt"
+ListStatus = Literal[JobStatus, "corrupt"]
 
 
 class JobSummary(msgspec.Struct, kw_only=True):
     """One row of ``GET /api/v1/jobs``: the record without request, result code or verdict.
 
     ``passed`` is None until the job has a result; ``speedup`` is None when timings were
-    not meaningful (cpu backend) or the job has no result.
+    not meaningful (cpu backend) or the job has no result. A record that does not decode
+    is a row with status ``corrupt``, ``error`` naming the fault, empty ``op_name`` /
+    ``job_type`` / ``backend`` and ``submit_time`` the time the bad value was written.
     """
 
     job_id: str
@@ -86,26 +93,36 @@ class WorkerList(msgspec.Struct, kw_only=True):
     workers: list[WorkerStatus]
 
 
-async def read_bucket(kv: KeyValue) -> dict[str, bytes]:
-    """The current value of every key of ``kv`` (deleted and expired keys left out).
+async def read_entries(kv: KeyValue) -> dict[str, KeyValue.Entry]:
+    """The current entry (value, revision, ``created`` time) of every key of ``kv``
+    (deleted and expired keys left out).
 
     Raises:
         nats.errors.TimeoutError: the server stopped sending before the last key.
     """
     watcher = await kv.watchall(ignore_deletes=True)
-    out: dict[str, bytes] = {}
+    out: dict[str, KeyValue.Entry] = {}
     try:
         while True:
             entry = await watcher.updates(timeout=_WATCH_STEP_S)
             if entry is None:  # the marker after the initial values
                 return out
             if entry.value:
-                out[entry.key] = entry.value
+                out[entry.key] = entry
             else:
                 out.pop(entry.key, None)
     finally:
         with contextlib.suppress(Exception):
             await watcher.stop()
+
+
+async def read_bucket(kv: KeyValue) -> dict[str, bytes]:
+    """The current value of every key of ``kv`` (deleted and expired keys left out).
+
+    Raises:
+        nats.errors.TimeoutError: the server stopped sending before the last key.
+    """
+    return {key: entry.value for key, entry in (await read_entries(kv)).items() if entry.value}
 
 
 def summarize(record: JobRecord) -> JobSummary:
@@ -130,17 +147,29 @@ def summarize(record: JobRecord) -> JobSummary:
     )
 
 
+def summarize_corrupt(exc: JobRecordCorrupt, written: dt.datetime | None) -> JobSummary:
+    """The list row of a record that does not decode: status ``corrupt``, the fault in
+    ``error``, ``submit_time`` when the bad value was written (now when unknown)."""
+    return JobSummary(job_id=exc.job_id, status=CORRUPT, job_type="", op_name="", backend="",
+                      arch=None, submit_time=written or dt.datetime.now(dt.UTC),
+                      updated_at=written, phase=CORRUPT, message=str(exc), error=str(exc))
+
+
 async def list_jobs(bus: Bus, *, status: str | None, op_name: str | None,
                     limit: int, offset: int) -> JobPage:
     """Jobs matching ``status`` and ``op_name`` (exact), newest submission first.
 
-    Records that do not decode (written by a newer or broken client) are skipped.
+    A record that does not decode (written by something other than AIKG, or cut short)
+    keeps its place as a ``corrupt`` row (:func:`summarize_corrupt`); ``status="corrupt"``
+    lists only those. Its operator is unknown, so an ``op_name`` filter leaves it out.
     """
     rows: list[JobSummary] = []
-    for value in (await read_bucket(bus.jobs)).values():
+    for key, entry in (await read_entries(bus.jobs)).items():
         try:
-            record = msgspec.json.decode(value, type=JobRecord)
-        except (msgspec.ValidationError, msgspec.DecodeError):
+            record = decode_record(key, entry.value or b"")
+        except JobRecordCorrupt as exc:
+            if status in (None, CORRUPT) and op_name is None:
+                rows.append(summarize_corrupt(exc, entry.created))
             continue
         if status is not None and record.status != status:
             continue

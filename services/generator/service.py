@@ -25,6 +25,13 @@ Cancel. While a job runs, its record is polled every :data:`CANCEL_POLL_S`; when
 turns ``cancelled`` (``POST /api/v1/jobs/{id}/cancel``), the job's task is cancelled:
 its LLM call is aborted and its pending verdicts are no longer awaited (workers skip
 requests of cancelled jobs).
+
+Corrupt records. A job whose record in the ``jobs`` bucket stops decoding (garbage
+put under its key) cannot be resumed: nothing says what it has done. When the
+generator meets that (picking the job up, or polling it while it runs), it replaces
+the bad value, by compare-and-swap on its revision, with a ``failed`` record that
+names the fault and keeps the job's submission, publishes one ``failed`` event and
+acks the job's message: no redelivery, no dead-letter "its generator died".
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ from schemas import (
     utcnow,
 )
 from schemas.events import CandidateRecord
-from services.common.bus import Bus, JobNotFound, JobStore, connect_bus
+from services.common.bus import Bus, JobNotFound, connect_bus
 from services.common.consumer import (
     dead_letter,
     deliveries,
@@ -65,6 +72,8 @@ from services.common.consumer import (
     run_with_progress,
 )
 from services.common.jobs import (
+    CheckedJobStore,
+    JobRecordCorrupt,
     TaskError,
     check_task_source,
     describe_pairs,
@@ -125,7 +134,7 @@ class Generator:
     def __init__(self, bus: Bus, settings: Settings) -> None:
         self.bus = bus
         self.settings = settings
-        self.jobs = JobStore(bus.jobs)
+        self.jobs = CheckedJobStore(bus.jobs)
         self.sandbox = lowering_sandbox(
             f"generator-{os.getpid()}", require=settings.sandbox_require_list,
             env_allow=settings.sandbox_env_allow_list)
@@ -223,20 +232,62 @@ class Generator:
         job_id = submit.job_id or (header_id if header_id and _is_token(header_id) else None)
         job_id = job_id or new_id("job-")
         with structlog.contextvars.bound_contextvars(job_id=job_id):
-            if deliveries(msg) > JOB_MAX_DELIVER:
-                reason = (f"job delivered {deliveries(msg)} times without finishing "
-                          "(its generator died each time)")
-                await dead_letter(self.bus.js, msg, reason)
-                await self._finish(job_id, "failed", error=reason)
-                return
-            record = await self._ensure_record(job_id, submit)
-            if record is None or record.status in TERMINAL_STATUSES:
-                await msg.ack()
-                return
-            started = time.monotonic()
-            outcome = await self._run_job(record)
-            JOBS_FINISHED.labels(outcome=outcome).inc()
-            JOB_SECONDS.labels(job_type=record.job_type).observe(time.monotonic() - started)
+            try:
+                await self._serve(msg, job_id, submit)
+            except JobRecordCorrupt as exc:
+                await self._fail_corrupt(msg, submit, exc)
+
+    async def _serve(self, msg: Msg, job_id: str, submit: JobSubmit) -> None:
+        """Run a decoded job message to its end, then ack it.
+
+        Raises:
+            JobRecordCorrupt: the job's record does not decode (met at any point).
+        """
+        if deliveries(msg) > JOB_MAX_DELIVER:
+            reason = (f"job delivered {deliveries(msg)} times without finishing "
+                      "(its generator died each time)")
+            await dead_letter(self.bus.js, msg, reason)
+            await self._finish(job_id, "failed", error=reason)
+            return
+        record = await self._ensure_record(job_id, submit)
+        if record is None or record.status in TERMINAL_STATUSES:
+            await msg.ack()
+            return
+        started = time.monotonic()
+        outcome = await self._run_job(record)
+        JOBS_FINISHED.labels(outcome=outcome).inc()
+        JOB_SECONDS.labels(job_type=record.job_type).observe(time.monotonic() - started)
+        await msg.ack()
+
+    async def _fail_corrupt(self, msg: Msg, submit: JobSubmit, corrupt: JobRecordCorrupt) -> None:
+        """End a job whose record does not decode: ``failed`` once, with the reason.
+
+        The bad value is replaced (compare-and-swap on its revision) by a ``failed``
+        record built from the job's submission, its error naming the fault; one
+        ``failed`` event is published and the message acked. When the key changed
+        since it was read, nothing is written and the message is handed back (nak) to
+        be looked at again: a good record then runs normally, a new bad one is
+        replaced on the next delivery.
+        """
+        reason = (f"{corrupt}; the generator replaced the unreadable record with this failed "
+                  "one (the job's submission is kept in `request`); resubmit the job to run it")
+        record = new_record(submit, job_id=corrupt.job_id, arch=submit.arch)
+        record.status = "failed"
+        record.error = reason
+        record.end_time = utcnow()
+        record.progress.phase = "failed"
+        record.progress.message = reason
+        if not await self.jobs.replace_corrupt(corrupt, record):
+            log.warning("job_record_changed_while_failing", fault=corrupt.fault)
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=1)
+            return
+        # One warning, no traceback: the fault is the data's, not the generator's.
+        log.warning("job_record_corrupt", fault=corrupt.fault, outcome="failed")
+        JOBS_FINISHED.labels(outcome="failed").inc()
+        await publish_event(self.bus, JobEvent(job_id=corrupt.job_id, event="failed",
+                                               status="failed", message=reason))
+        with contextlib.suppress(Exception):  # already acked when it was dead-lettered
             await msg.ack()
 
     async def _ensure_record(self, job_id: str, submit: JobSubmit) -> JobRecord | None:
@@ -360,6 +411,7 @@ class Generator:
 
         Raises:
             JobCancelled: the job ended under us; ``work`` was cancelled.
+            JobRecordCorrupt: the record stopped decoding; ``work`` was cancelled.
         """
         task = asyncio.ensure_future(work)
 
@@ -370,6 +422,8 @@ class Generator:
                     record, _ = await self.jobs.get(job_id)
                 except JobNotFound:
                     return
+                except JobRecordCorrupt:
+                    raise  # the stored bytes are bad: reading again will not help
                 except Exception as exc:  # noqa: BLE001 - a KV hiccup is not a cancel
                     log.warning("cancel_poll_failed", error=str(exc))
                     continue
@@ -384,6 +438,8 @@ class Generator:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+            if isinstance(watcher.exception(), JobRecordCorrupt):
+                raise watcher.exception()  # type: ignore[misc]
             raise JobCancelled(job_id)
         finally:
             for t in (task, watcher):

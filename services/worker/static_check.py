@@ -11,7 +11,15 @@ allocation and layout helpers (``torch.empty_like``, ``x.contiguous()``,
 start threads or processes, load native code, handle signals, open sockets or
 files, read the environment, run dynamic code (``eval``/``exec``/``__import__``/
 ``importlib``/``compile``) or patch library attributes (``time.perf_counter = ...``,
-``setattr(torch, ...)``).
+``setattr(torch, ...)``). Indirection is seen through: a computed attribute name
+(``getattr(torch, "r" + "elu")``), a torch function stored, passed or aliased
+(``ops = {"r": torch.relu}``, ``f = torch.relu``, ``self.act = F.relu``), an alias of
+``eval``/``exec``/``getattr``, importing the task's module (``aikg_task``) or the
+harness's, and walking frames or the garbage collector's object graph.
+
+Every rule has an id (``S001`` ...), listed with what it catches, the public report it
+comes from and the test that covers it in :data:`RULES`; a :class:`Finding` carries it
+as ``rule_id``.
 
 The checks are a first filter for LLM-written code, not a security boundary: the
 sandbox (:mod:`services.worker.sandbox`) is. They are written so that honest
@@ -25,6 +33,112 @@ from collections import deque
 from dataclasses import dataclass
 
 from schemas.events import normalize_dsl
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One static rule: ``id`` (``S001`` ...), the :attr:`Finding.rule` tag it reports
+    under, what it catches (one line), the public source it comes from, and the test
+    (``tests/test_static_check.py::<name>``) that covers it."""
+
+    id: str
+    tag: str
+    catches: str
+    source: str
+    test: str
+
+
+_KB = "KernelBench (github.com/ScalingIntelligence/KernelBench)"
+_KB_CHECKER = ("KernelBench PR #110, static kernel checker: PyTorch wrapping and fallback "
+               "bypasses (github.com/ScalingIntelligence/KernelBench/pull/110)")
+_KB_SCOPE = ("KernelBench issue #57, custom kernels vs forward() calling PyTorch "
+             "(github.com/ScalingIntelligence/KernelBench/issues/57)")
+_WAFER = ("Wafer, 'A Field Guide to Reward Hacking in AI Kernel Generation' "
+          "(wafer.ai/blog/reward-hacks-field-guide)")
+_KGUARD = ("KernelGuard: Defending GPU Competitions from Adversarial Agentic Systems "
+           "(openreview.net/forum?id=K0dAC7UaXL; github.com/SinatrasC/kernelguard)")
+_METR = ("METR, 'Recent Frontier Models Are Reward Hacking', 2025 "
+         "(metr.org/blog/2025-06-05-recent-reward-hacking)")
+_METR_O3 = ("METR, preliminary evaluation of o3 and o4-mini: o3 disabled CUDA "
+            "synchronization to fake speed (metr.github.io/autonomy-evals-guide/openai-o3-report)")
+_T = "tests/test_static_check.py::"
+
+# The single table of static rules; the README's rules table is rendered from it.
+RULES: tuple[Rule, ...] = (
+    Rule("S001", "syntax", "source that does not parse as Python (stage compile)",
+         "Python ast.parse (docs.python.org/3/library/ast.html)",
+         _T + "test_syntax_error_reports_line"),
+    Rule("S002", "dsl", "a request for a DSL other than Triton",
+         "Triton language (triton-lang.org)", _T + "test_unsupported_dsl"),
+    Rule("S003", "no-model", "no class ModelNew", f"{_KB}: solution format (ModelNew)",
+         _T + "test_missing_model_new"),
+    Rule("S004", "no-forward", "ModelNew without a forward method",
+         f"{_KB}: solution format (ModelNew.forward)", _T + "test_model_without_forward"),
+    Rule("S005", "no-kernel", "no @triton.jit kernel defined anywhere in the module",
+         f"{_KB_SCOPE}; {_KB_CHECKER}", _T + "test_no_kernel_defined_and_torch_op"),
+    Rule("S006", "no-launch",
+         "kernels defined but ModelNew.forward (or a helper it calls) never launches one",
+         _KB_CHECKER, _T + "test_kernel_defined_but_never_launched"),
+    Rule("S007", "torch-op",
+         "torch compute call, tensor compute method, @, or torch.nn submodule call in "
+         "forward or the helpers it calls", f"{_KB_SCOPE}; {_WAFER} (benign shortcuts)",
+         _T + "test_torch_compute_in_forward_is_rejected"),
+    Rule("S008", "stream", "creating or switching CUDA/NPU streams",
+         f"{_WAFER} (stream injection); {_KGUARD}", _T + "test_forbidden_constructs"),
+    Rule("S009", "forbidden-import",
+         "importing threading, multiprocessing, subprocess, ctypes, socket, importlib, "
+         "pickle ... (threads, processes, native code, network, dynamic import)",
+         f"{_WAFER} (background thread injection); {_KGUARD}",
+         _T + "test_forbidden_constructs"),
+    Rule("S010", "forbidden-call",
+         "os process control (fork, system, exec*, _exit, kill ...) and sys.exit, "
+         "sys.modules, sys.settrace, sys._getframe ...",
+         f"{_KGUARD} (harness manipulation); {_METR}", _T + "test_forbidden_constructs"),
+    Rule("S011", "environment", "reading or changing the environment (os.environ, os.getenv ...)",
+         "CWE-526, sensitive information in environment variables "
+         "(cwe.mitre.org/data/definitions/526.html)", _T + "test_forbidden_constructs"),
+    Rule("S012", "dynamic-code",
+         "calling eval, exec, compile, __import__, globals, vars, breakpoint or input",
+         f"{_KGUARD} (obfuscated exec)", _T + "test_forbidden_constructs"),
+    Rule("S013", "dynamic-code",
+         "__builtins__ or module/function internals (__globals__, __dict__, __code__, "
+         "__subclasses__ ...)", f"{_KGUARD} (obfuscated exec)", _T + "test_forbidden_constructs"),
+    Rule("S014", "file-io",
+         "open(), os file functions, io.open, torch.load/save, numpy.load/save",
+         f"{_KGUARD} (result replay)", _T + "test_forbidden_constructs"),
+    Rule("S015", "patch",
+         "assigning, deleting or setattr-ing attributes of torch, triton, time, os, sys, "
+         "gc ... (timers, synchronize, comparison functions)",
+         f"{_METR} (monkey-patched timers); {_METR_O3}", _T + "test_findings_say_what_and_where"),
+    Rule("S016", "indirection",
+         "a computed attribute name on torch, triton, time, os, sys or the harness's "
+         "modules: getattr/setattr/delattr with a non-literal name, X.__dict__[...], "
+         "vars(X)[...], operator.attrgetter/methodcaller with a non-literal name",
+         f"{_KGUARD} (obfuscation)", _T + "test_computed_attribute_names"),
+    Rule("S017", "indirection",
+         "a torch compute function, timer or harness function used as a value: stored in "
+         "a table ({'r': torch.relu}, [torch.relu][0]), aliased, passed or returned",
+         f"{_KGUARD} (obfuscation); {_KB_CHECKER}", _T + "test_function_tables_and_references"),
+    Rule("S018", "torch-op",
+         "a torch function called in forward through an alias (f = torch.relu; f(x)), an "
+         "attribute (self.act = F.relu), a table (OPS['r'](x)) or a literal getattr",
+         f"{_KB_SCOPE}; {_KGUARD} (obfuscation)", _T + "test_torch_calls_through_aliases"),
+    Rule("S019", "dynamic-code",
+         "eval, exec, compile, __import__, importlib.import_module, getattr, setattr, "
+         "delattr, globals or vars referenced as a value (an alias hides the call)",
+         f"{_KGUARD} (obfuscated exec)", _T + "test_aliases_of_dynamic_builtins"),
+    Rule("S020", "harness",
+         "importing or naming the task's module (aikg_task: the reference the candidate "
+         "is checked against) or the harness's own modules (__main__, services, schemas)",
+         f"{_METR} (reaching the grader's reference answer)", _T + "test_task_and_harness_imports"),
+    Rule("S021", "harness",
+         "walking frames or the object graph: gc.get_objects/get_referrers/get_referents, "
+         "inspect.currentframe/stack/getouterframes/getmembers, sys._current_frames, "
+         "f_back/f_globals/f_locals/tb_frame",
+         f"{_METR} (tracing call stacks to find the grader's answer)",
+         _T + "test_frame_and_object_graph_walks"),
+)
+RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
 # Modules whose import alone is rejected: concurrency, native code, signals,
 # networking, dynamic import, process/file-system control, serialisation that runs code.
@@ -69,6 +183,9 @@ ALLOWED_TORCH_CALLS = frozenset({
     "cuda.device_count", "cuda.get_device_properties", "cuda.get_device_capability",
     "cuda.is_available", "cuda.current_stream", "cuda.device", "npu.synchronize",
     "npu.current_device", "npu.current_stream",
+    # Timing and profiler markers: they measure, they do not compute.
+    "cuda.Event", "npu.Event", "cuda.nvtx.range_push", "cuda.nvtx.range_pop",
+    "cuda.nvtx.range",
 })
 # Tensor methods that compute (in-place variants with a trailing underscore too).
 COMPUTE_METHODS = frozenset({
@@ -100,6 +217,29 @@ _NN_CONTAINERS = frozenset({"Parameter", "ParameterList", "ParameterDict", "Modu
                             "ModuleDict", "Identity", "Buffer"})
 _JIT_DECORATORS = frozenset({"triton.jit"})
 _KERNEL_WRAPPERS = frozenset({"triton.autotune", "triton.heuristics"})
+# Roots on which a computed attribute name is a finding (S016): the libraries a verdict
+# depends on and the harness's own modules (the child loads the task as ``aikg_task``
+# and the candidate as ``aikg_candidate``; its ``__main__`` is the harness).
+_INDIRECTION_ROOTS = _PROTECTED_ROOTS | frozenset({
+    "services", "schemas", "aikg_task", "aikg_candidate", "__main__", "inspect", "importlib",
+    "operator", "functools",
+})
+_HARNESS_MODULES = frozenset({"aikg_task", "__main__", "services", "schemas"})
+TASK_MODULE = "aikg_task"
+# Names whose use as a value (not a direct call) hides a dynamic call (S019).
+_DYNAMIC_BUILTINS = frozenset({"eval", "exec", "compile", "__import__", "getattr", "setattr",
+                               "delattr", "globals", "vars", "importlib.import_module"})
+# Frame and object-graph walks (S021): the way to the harness's objects and the task.
+_INTROSPECTION_CALLS = frozenset({
+    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "inspect.currentframe",
+    "inspect.stack", "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
+    "inspect.getmembers", "sys._current_frames",
+})
+_FRAME_ATTRS = frozenset({"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame",
+                          "gi_frame", "cr_frame", "ag_frame"})
+# torch namespaces whose lower-case members are all functions (for S017/S018).
+_TORCH_FUNCTION_SPACES = ("torch.nn.functional.", "torch.ops.", "torch.special.",
+                          "torch.linalg.", "torch.fft.", "torch._C._nn.")
 
 
 @dataclass(frozen=True)
@@ -108,12 +248,15 @@ class Finding:
 
     ``rule`` is a stable tag (``syntax``, ``dsl``, ``no-model``, ``no-forward``,
     ``no-kernel``, ``no-launch``, ``torch-op``, ``stream``, ``forbidden-import``,
-    ``forbidden-call``, ``environment``, ``dynamic-code``, ``file-io``, ``patch``).
+    ``forbidden-call``, ``environment``, ``dynamic-code``, ``file-io``, ``patch``,
+    ``indirection``, ``harness``); ``rule_id`` the rule's id in :data:`RULES`
+    (``S001`` ...), empty only for findings made outside this module.
     """
 
     line: int
     message: str
     rule: str
+    rule_id: str = ""
 
     def __str__(self) -> str:
         return f"line {self.line}: {self.message}"
@@ -139,14 +282,57 @@ class _Aliases(ast.NodeVisitor):
                 self.names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
 
 
+def _literal_str(node: ast.AST | None) -> str | None:
+    """The value of a string literal, else None."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    return None
+
+
+def _literal_getattr(node: ast.AST) -> tuple[ast.AST, str] | None:
+    """``getattr(obj, "name")`` with a literal name: ``(obj, "name")``, else None."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "getattr" and len(node.args) >= 2):
+        name = _literal_str(node.args[1])
+        if name is not None:
+            return node.args[0], name
+    return None
+
+
 def _qualname(node: ast.AST, aliases: dict[str, str]) -> str | None:
-    """Dotted name of ``node`` with import aliases resolved (``F.relu`` -> ``torch.nn.functional.relu``)."""
+    """Dotted name of ``node`` with import aliases resolved (``F.relu`` -> ``torch.nn.functional.relu``);
+    ``getattr(torch, "relu")`` with a literal name is ``torch.relu``."""
     if isinstance(node, ast.Name):
         return aliases.get(node.id, node.id)
     if isinstance(node, ast.Attribute):
         base = _qualname(node.value, aliases)
         return f"{base}.{node.attr}" if base else None
+    literal = _literal_getattr(node)
+    if literal is not None:
+        base = _qualname(literal[0], aliases)
+        return f"{base}.{literal[1]}" if base else None
     return None
+
+
+def _torch_function(name: str) -> bool:
+    """Whether dotted ``name`` is a torch function that computes (``torch.relu``,
+    ``torch.nn.functional.gelu``, ``torch.ops.aten.mm.default``); dtypes, devices and
+    the allocation/layout calls of :data:`ALLOWED_TORCH_CALLS` are not."""
+    if not name.startswith("torch.") or name[len("torch."):] in ALLOWED_TORCH_CALLS:
+        return False
+    last = name.rsplit(".", 1)[-1]
+    if last.rstrip("_") in COMPUTE_METHODS or last in COMPUTE_METHODS:
+        return True
+    return name.startswith(_TORCH_FUNCTION_SPACES) and last[:1].islower()
+
+
+def _watched_function(name: str) -> bool:
+    """Functions a candidate must call by name if at all (S017): torch compute
+    functions, timers, and anything of the harness's modules."""
+    root = name.split(".")[0]
+    if root in ("time", "timeit") and "." in name:
+        return True
+    return _torch_function(name) or (root in _HARNESS_MODULES and "." in name)
 
 
 class _Checker:
@@ -155,23 +341,69 @@ class _Checker:
         collector = _Aliases()
         collector.visit(tree)
         self.aliases = collector.names
+        # Names bound by assignment to a torch function (``f = torch.relu``), attributes
+        # set to one (``self.act = F.relu``, or a class attribute), and tables holding
+        # them (``OPS = {"r": torch.relu}``): name -> the function(s).
+        self.value_aliases: dict[str, str] = {}
+        self.attr_aliases: dict[str, str] = {}
+        self.tables: dict[str, list[str]] = {}
         self._alias_assignments()
         self.findings: list[Finding] = []
         self._seen: set[tuple[int, str]] = set()
 
     def _alias_assignments(self) -> None:
-        """``cuda = torch.cuda`` or ``fast = time.perf_counter``: follow simple rebinding."""
+        """``cuda = torch.cuda`` or ``fast = time.perf_counter``: follow simple rebinding,
+        also by tuple unpacking (``f, g = torch.relu, torch.tanh``), into attributes
+        (``self.act = F.relu``) and into tables (``OPS = {"r": torch.relu}``)."""
         for node in ast.walk(self.tree):
-            if (isinstance(node, ast.Assign) and len(node.targets) == 1
-                    and isinstance(node.targets[0], ast.Name)):
-                name = _qualname(node.value, self.aliases)
-                if name and name.split(".")[0] in _PROTECTED_ROOTS:
-                    self.aliases.setdefault(node.targets[0].id, name)
+            if not isinstance(node, ast.Assign):
+                continue
+            pairs: list[tuple[ast.AST, ast.AST]] = []
+            for target in node.targets:
+                if (isinstance(target, ast.Tuple | ast.List) and isinstance(node.value, ast.Tuple | ast.List)
+                        and len(target.elts) == len(node.value.elts)):
+                    pairs.extend(zip(target.elts, node.value.elts, strict=True))
+                else:
+                    pairs.append((target, node.value))
+            for target, value in pairs:
+                name = self.qual(value)
+                if isinstance(target, ast.Name):
+                    if name and name.split(".")[0] in _PROTECTED_ROOTS:
+                        self.aliases.setdefault(target.id, name)
+                    if name and _watched_function(name):
+                        self.value_aliases.setdefault(target.id, name)
+                    held = self._table_functions(value)
+                    if held:
+                        self.tables.setdefault(target.id, held)
+                elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                      and target.value.id == "self" and name and _watched_function(name)):
+                    self.attr_aliases.setdefault(target.attr, name)
+        for cls in (n for n in ast.walk(self.tree) if isinstance(n, ast.ClassDef)):
+            for stmt in cls.body:
+                if isinstance(stmt, ast.Assign):
+                    name = self.qual(stmt.value)
+                    if name and _watched_function(name):
+                        for target in stmt.targets:
+                            if isinstance(target, ast.Name):
+                                self.attr_aliases.setdefault(target.id, name)
 
-    def add(self, line: int, message: str, rule: str) -> None:
+    def _table_functions(self, node: ast.AST) -> list[str]:
+        """Watched functions held by a dict/list/tuple/set literal (one level deep)."""
+        if isinstance(node, ast.Dict):
+            items = [*node.keys, *node.values]
+        elif isinstance(node, ast.List | ast.Tuple | ast.Set):
+            items = list(node.elts)
+        else:
+            return []
+        names = [self.qual(item) for item in items if item is not None]
+        return [n for n in names if n and _watched_function(n)]
+
+    def add(self, line: int, message: str, rule_id: str) -> None:
+        """Record a finding of rule ``rule_id`` (an id of :data:`RULES`), once per line
+        and message."""
         if (line, message) not in self._seen:
             self._seen.add((line, message))
-            self.findings.append(Finding(line, message, rule))
+            self.findings.append(Finding(line, message, RULES_BY_ID[rule_id].tag, rule_id))
 
     def qual(self, node: ast.AST) -> str | None:
         return _qualname(node, self.aliases)
@@ -179,19 +411,87 @@ class _Checker:
     # ------------------------------------------------------------ whole module
 
     def check_module(self) -> None:
+        # Nodes that are called, or are the base of a longer dotted name: the rest of
+        # the names that load a watched function use it as a value (S017, S019).
+        called = {id(n.func) for n in ast.walk(self.tree) if isinstance(n, ast.Call)}
+        called |= {id(n.value) for n in ast.walk(self.tree) if isinstance(n, ast.Attribute)}
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._check_import(node)
             elif isinstance(node, ast.Call):
                 self._check_call(node)
+                self._check_computed_name(node)
             elif isinstance(node, ast.Attribute):
                 self._check_attribute(node)
             elif isinstance(node, ast.Name):
                 if node.id == "__builtins__":
                     self.add(node.lineno, "__builtins__ used (access to builtins is not "
-                             "allowed)", "dynamic-code")
+                             "allowed)", "S013")
             elif isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
                 self._check_patch(node)
+            elif isinstance(node, ast.Subscript):
+                self._check_namespace_subscript(node)
+            elif isinstance(node, ast.Constant) and node.value == TASK_MODULE:
+                self.add(node.lineno, f"the task's module name {TASK_MODULE!r} used (a "
+                         "candidate must compute its output, not reach the reference it is "
+                         "checked against)", "S020")
+            if (isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load)
+                    and id(node) not in called):
+                self._check_value_use(node)
+
+    def _check_value_use(self, node: ast.Name | ast.Attribute) -> None:
+        """A watched function or dynamic builtin loaded as a value, not called."""
+        name = self.qual(node)
+        if not name:
+            return
+        if name in _DYNAMIC_BUILTINS and (isinstance(node, ast.Attribute)
+                                          or node.id not in self.aliases):
+            self.add(node.lineno, f"{name} used as a value (an alias of {name} hides a dynamic "
+                     "call or attribute lookup; call it by name with literal arguments, or "
+                     "not at all)", "S019")
+        elif _watched_function(name):
+            self.add(node.lineno, f"{name} used as a value (stored in a table, aliased, passed "
+                     "or returned); torch compute functions, timers and harness functions "
+                     "must not be reachable indirectly", "S017")
+
+    def _check_computed_name(self, node: ast.Call) -> None:
+        """getattr/setattr/delattr with a non-literal name on a watched root (S016);
+        operator.attrgetter/methodcaller with a non-literal name; literal
+        methodcaller of a compute method; frame and object-graph walks (S021)."""
+        name = self.qual(node.func)
+        if name in ("getattr", "setattr", "delattr") and len(node.args) >= 2:
+            if _literal_str(node.args[1]) is None:
+                target = self.qual(node.args[0])
+                if target and target.split(".")[0] in _INDIRECTION_ROOTS:
+                    self.add(node.lineno, f"{name}({target}, <computed name>) looks up an "
+                             f"attribute of {target} by a name built at run time (name "
+                             "torch/triton/time attributes literally)", "S016")
+        elif name in ("operator.attrgetter", "operator.methodcaller") and node.args:
+            literal = _literal_str(node.args[0])
+            if literal is None:
+                self.add(node.lineno, f"{name}(<computed name>) looks up an attribute by a "
+                         "name built at run time", "S016")
+            elif name == "operator.methodcaller" and literal.rstrip("_") in COMPUTE_METHODS:
+                self.add(node.lineno, f"operator.methodcaller({literal!r}) calls the tensor "
+                         "compute method ." + literal + "() indirectly (do the work in a "
+                         "Triton kernel)", "S018")
+        elif name in _INTROSPECTION_CALLS:
+            self.add(node.lineno, f"{name}() called (walking frames or the garbage "
+                     "collector's objects reaches the harness and the task)", "S021")
+
+    def _check_namespace_subscript(self, node: ast.Subscript) -> None:
+        """``torch.__dict__[name]`` / ``vars(torch)[name]`` with a computed name (S016),
+        and ``sys.modules["aikg_task"]`` (S020, through the literal)."""
+        base = node.value
+        target = None
+        if isinstance(base, ast.Attribute) and base.attr == "__dict__":
+            target = self.qual(base.value)
+        elif (isinstance(base, ast.Call) and self.qual(base.func) == "vars" and base.args):
+            target = self.qual(base.args[0])
+        if (target and target.split(".")[0] in _INDIRECTION_ROOTS
+                and _literal_str(node.slice) is None):
+            self.add(node.lineno, f"{target}'s namespace indexed by a computed name (looks up "
+                     f"an attribute of {target} by a name built at run time)", "S016")
 
     def _check_import(self, node: ast.Import | ast.ImportFrom) -> None:
         if isinstance(node, ast.Import):
@@ -207,33 +507,38 @@ class _Checker:
                     if alias.name in _SYS_FORBIDDEN:
                         self.add(node.lineno, f"sys.{alias.name} imported (candidates must "
                                  "not exit, trace, or reach into loaded modules)",
-                                 "forbidden-call")
+                                 "S010")
         for module in modules:
             root = module.split(".")[0]
+            if root in _HARNESS_MODULES:
+                what = ("the task's module (the reference the candidate is checked against)"
+                        if root == TASK_MODULE else "a module of the verification harness")
+                self.add(node.lineno, f"import of {module} is not allowed: it is {what}; a "
+                         "candidate must compute its output itself", "S020")
             if root in FORBIDDEN_MODULES:
                 self.add(node.lineno, f"import of {module} is not allowed (candidates must "
                          "not start threads or processes, load native code, handle signals, "
-                         "use the network or files, or import dynamically)", "forbidden-import")
+                         "use the network or files, or import dynamically)", "S009")
 
     def _os_finding(self, line: int, name: str) -> None:
         attr = name.split(".", 1)[1]
         if attr in ("environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"):
             self.add(line, f"{name} used (candidates must not read or change the "
-                     "environment)", "environment")
+                     "environment)", "S011")
         elif attr in ("open", "remove", "unlink", "rename", "renames", "replace", "mkdir",
                       "makedirs", "rmdir", "removedirs", "chmod", "chown", "symlink", "link",
                       "truncate", "write", "chdir", "fchdir", "chroot", "dup2"):
-            self.add(line, f"{name} used (candidates must not touch files)", "file-io")
+            self.add(line, f"{name} used (candidates must not touch files)", "S014")
         else:
             self.add(line, f"{name} used (candidates must not start, replace or end "
-                     "processes)", "forbidden-call")
+                     "processes)", "S010")
 
     def _check_call(self, node: ast.Call) -> None:
         name = self.qual(node.func)
         if name is None:
             return
         if name in _BUILTIN_FORBIDDEN and name not in self.aliases:
-            rule = "file-io" if name == "open" else "dynamic-code"
+            rule = "S014" if name == "open" else "S012"
             why = ("candidates must not open files" if name == "open"
                    else "candidates must not run dynamic code or reach into namespaces")
             self.add(node.lineno, f"{name}() called ({why})", rule)
@@ -241,13 +546,13 @@ class _Checker:
             target = self.qual(node.args[0])
             if target and target.split(".")[0] in _PROTECTED_ROOTS:
                 self.add(node.lineno, f"{name}({target}, ...) patches a library (timers and "
-                         "torch/triton functions must not be replaced)", "patch")
+                         "torch/triton functions must not be replaced)", "S015")
         elif name in _STREAM_CALLS:
             self.add(node.lineno, f"{name} called (candidates must not create or switch "
                      "streams; work runs on the current stream, which the profiler times)",
-                     "stream")
+                     "S008")
         elif name in ("torch.load", "torch.save", "io.open", "numpy.load", "numpy.save"):
-            self.add(node.lineno, f"{name} called (candidates must not touch files)", "file-io")
+            self.add(node.lineno, f"{name} called (candidates must not touch files)", "S014")
 
     def _check_attribute(self, node: ast.Attribute) -> None:
         name = self.qual(node)
@@ -255,10 +560,13 @@ class _Checker:
             self._os_finding(node.lineno, ".".join(name.split(".")[:2]))
         elif name and name.startswith("sys.") and name.split(".")[1] in _SYS_FORBIDDEN:
             self.add(node.lineno, f"{'.'.join(name.split('.')[:2])} used (candidates must not "
-                     "exit, trace, or reach into loaded modules)", "forbidden-call")
+                     "exit, trace, or reach into loaded modules)", "S010")
         elif node.attr in _DUNDER_FORBIDDEN:
             self.add(node.lineno, f"{node.attr} accessed (reaching into module or function "
-                     "internals is not allowed)", "dynamic-code")
+                     "internals is not allowed)", "S013")
+        elif node.attr in _FRAME_ATTRS:
+            self.add(node.lineno, f".{node.attr} accessed (walking frames reaches the "
+                     "harness and the task)", "S021")
 
     def _check_patch(self, node: ast.AST) -> None:
         if isinstance(node, ast.Assign):
@@ -276,15 +584,16 @@ class _Checker:
                         shown = self.qual(sub) if isinstance(sub, ast.Attribute) else name
                         self.add(node.lineno, f"assignment to {shown} patches a library "
                                  "(timers and torch/triton functions must not be replaced)",
-                                 "patch")
+                                 "S015")
                         break
 
     # ------------------------------------------------------------ kernels and forward
 
     def kernels(self) -> dict[str, int]:
-        """Module-level Triton kernels: name -> line."""
+        """Triton kernels, module-level or defined inside a function (a kernel factory,
+        or a kernel written inside ``forward``): name -> line."""
         found: dict[str, int] = {}
-        for node in self.tree.body:
+        for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for dec in node.decorator_list:
                     target = dec.func if isinstance(dec, ast.Call) else dec
@@ -306,25 +615,64 @@ class _Checker:
                     break
         return found
 
+    def kernel_holders(self, kernels: dict[str, int]) -> tuple[set[str], set[str]]:
+        """Names and ``self`` attributes that hold a kernel: bound to a kernel's name
+        (``k = relu_kernel``) or to what a kernel factory returns (``self.k =
+        make_kernel(...)``, where ``make_kernel`` defines a jit kernel and returns it)."""
+        factories = set()
+        for node in ast.walk(self.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for sub in _walk_body(node):
+                    if (isinstance(sub, ast.Return) and isinstance(sub.value, ast.Name)
+                            and sub.value.id in kernels):
+                        factories.add(node.name)
+        names: set[str] = set()
+        attrs: set[str] = set()
+        for node in ast.walk(self.tree):
+            if not isinstance(node, ast.Assign):
+                continue
+            value = node.value
+            holds = (isinstance(value, ast.Name) and value.id in kernels) or (
+                isinstance(value, ast.Call) and (
+                    (isinstance(value.func, ast.Name) and value.func.id in factories)
+                    or (isinstance(value.func, ast.Attribute) and value.func.attr in factories)))
+            if not holds:
+                continue
+            for target in node.targets:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+                elif (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                      and target.value.id == "self"):
+                    attrs.add(target.attr)
+        return names, attrs
+
     def check_model(self) -> None:
         classes = {n.name: n for n in self.tree.body if isinstance(n, ast.ClassDef)}
-        functions = {n.name: n for n in self.tree.body
-                     if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        functions: dict[str, ast.AST] = {
+            n.name: n for n in self.tree.body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        # ``act = lambda t: ...`` at module level is called like a function.
+        for n in self.tree.body:
+            if isinstance(n, ast.Assign) and isinstance(n.value, ast.Lambda):
+                for t in n.targets:
+                    if isinstance(t, ast.Name):
+                        functions.setdefault(t.id, n.value)
         kernels = self.kernels()
         model = classes.get("ModelNew")
         if model is None:
             self.add(1, "class ModelNew is not defined (define class ModelNew(nn.Module) with "
-                     "the task Model's constructor and forward signature)", "no-model")
+                     "the task Model's constructor and forward signature)", "S003")
             return
         methods = _methods(model)
         forward = methods.get("forward")
         if forward is None:
-            self.add(model.lineno, "ModelNew has no forward method", "no-forward")
+            self.add(model.lineno, "ModelNew has no forward method", "S004")
             return
         if not kernels:
             self.add(model.lineno, "no @triton.jit kernel is defined (write the computation as "
-                     "a Triton kernel and launch it from ModelNew.forward)", "no-kernel")
+                     "a Triton kernel and launch it from ModelNew.forward)", "S005")
         submodules = self._submodules(methods.get("__init__"))
+        holder_names, holder_attrs = self.kernel_holders(kernels)
         launched = False
         # Breadth-first over forward and the helpers it calls in this module.
         queue: deque[tuple[ast.AST, str, ast.ClassDef | None]] = deque(
@@ -336,24 +684,38 @@ class _Checker:
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                     self.add(node.lineno, f"matrix multiply operator @ used in {where} (torch "
                              "compute ops are not allowed; do the work in a Triton kernel)",
-                             "torch-op")
+                             "S007")
                 if not isinstance(node, ast.Call):
                     continue
                 func_node = node.func
                 if isinstance(func_node, ast.Subscript):
-                    if isinstance(func_node.value, ast.Name) and func_node.value.id in kernels:
+                    base = func_node.value
+                    if isinstance(base, ast.Name) and (base.id in kernels
+                                                       or base.id in holder_names):
                         launched = True
+                    elif (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name)
+                          and base.value.id == "self" and base.attr in holder_attrs):
+                        launched = True
+                    elif isinstance(base, ast.Name) and base.id in self.tables:
+                        held = ", ".join(self.tables[base.id])
+                        self.add(node.lineno, f"{base.id}[...] (a table of {held}) called in "
+                                 f"{where} (torch compute ops are not allowed; do the work "
+                                 "in a Triton kernel)", "S018")
                     continue
                 self._check_compute(node, where, submodules if owner is model else {})
+                # Functions defined inside this one (not kernels) are helpers too.
+                local = {n.name: n for n in _walk_body(func)
+                         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                         and n.name not in kernels}
                 for callee, callee_where, callee_owner in self._callees(
-                        node, owner, classes, functions, kernels, submodules):
+                        node, owner, classes, {**functions, **local}, kernels, submodules):
                     if id(callee) not in visited:
                         visited.add(id(callee))
                         queue.append((callee, f"{callee_where} (called from ModelNew.forward)",
                                       callee_owner))
         if kernels and not launched:
             self.add(forward.lineno, "ModelNew.forward never launches a Triton kernel (expected "
-                     "kernel[grid](...) in forward or in a helper it calls)", "no-launch")
+                     "kernel[grid](...) in forward or in a helper it calls)", "S006")
 
     def _submodules(self, init: ast.AST | None) -> dict[str, str]:
         """``self.x = nn.Linear(...)`` in __init__: attribute -> torch.nn class."""
@@ -375,10 +737,29 @@ class _Checker:
         func = node.func
         name = self.qual(func)
         why = "torch compute ops are not allowed; do the work in a Triton kernel"
+        if isinstance(func, ast.Name) and func.id in self.value_aliases:
+            self.add(node.lineno, f"{func.id} (an alias of {self.value_aliases[func.id]}) "
+                     f"called in {where} ({why})", "S018")
+            return
+        if (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                and func.value.id == "self" and func.attr in self.attr_aliases):
+            self.add(node.lineno, f"self.{func.attr} ({self.attr_aliases[func.attr]}) called "
+                     f"in {where} ({why})", "S018")
+            return
+        literal = _literal_getattr(func)
+        if literal is not None:
+            if name and name.startswith("torch."):
+                if name[len("torch."):] not in ALLOWED_TORCH_CALLS:
+                    self.add(node.lineno, f"getattr(..., {literal[1]!r}) reaches {name}, "
+                             f"called in {where} ({why})", "S018")
+            elif literal[1].rstrip("_") in COMPUTE_METHODS:
+                self.add(node.lineno, f"getattr(..., {literal[1]!r}) reaches the tensor "
+                         f"method .{literal[1]}(), called in {where} ({why})", "S018")
+            return
         if name and name.startswith("torch."):
             short = name[len("torch."):]
             if short not in ALLOWED_TORCH_CALLS and name not in _STREAM_CALLS:
-                self.add(node.lineno, f"{name} called in {where} ({why})", "torch-op")
+                self.add(node.lineno, f"{name} called in {where} ({why})", "S007")
             return
         if not isinstance(func, ast.Attribute):
             return
@@ -386,7 +767,7 @@ class _Checker:
         if (isinstance(base, ast.Name) and base.id == "self" and func.attr in submodules):
             self.add(node.lineno, f"self.{func.attr} ({submodules[func.attr]}) called in {where} "
                      "(torch modules compute in PyTorch; keep its parameters but do the work "
-                     "in a Triton kernel)", "torch-op")
+                     "in a Triton kernel)", "S007")
             return
         base_name = self.qual(base)
         if base_name and base_name.split(".")[0] in self.aliases:
@@ -395,7 +776,7 @@ class _Checker:
         if method.endswith("_") and not method.endswith("__"):
             method = method[:-1]
         if method in COMPUTE_METHODS:
-            self.add(node.lineno, f".{func.attr}() called in {where} ({why})", "torch-op")
+            self.add(node.lineno, f".{func.attr}() called in {where} ({why})", "S007")
 
     def _callees(self, node: ast.Call, owner: ast.ClassDef | None,
                  classes: dict[str, ast.ClassDef], functions: dict[str, ast.AST],
@@ -445,8 +826,10 @@ def _methods(cls: ast.ClassDef) -> dict[str, ast.AST]:
 
 
 def _walk_body(func: ast.AST):
-    """Nodes of a function body, not descending into nested functions or classes."""
-    stack = list(getattr(func, "body", []))
+    """Nodes of a function (or lambda) body, not descending into nested functions or
+    classes."""
+    body = getattr(func, "body", [])
+    stack = list(body) if isinstance(body, list) else [body]
     while stack:
         node = stack.pop()
         yield node
@@ -471,12 +854,12 @@ def check_candidate(code: str, dsl: str = "triton") -> list[Finding]:
     """
     if normalize_dsl(dsl) != "triton":
         return [Finding(1, f"dsl {dsl!r} is not supported (this worker verifies triton "
-                           "kernels)", "dsl")]
+                           "kernels)", "dsl", "S002")]
     try:
         tree = ast.parse(code)
     except SyntaxError as exc:
         text = f": {exc.text.strip()}" if exc.text and exc.text.strip() else ""
-        return [Finding(exc.lineno or 1, f"SyntaxError: {exc.msg}{text}", "syntax")]
+        return [Finding(exc.lineno or 1, f"SyntaxError: {exc.msg}{text}", "syntax", "S001")]
     checker = _Checker(tree)
     checker.check_module()
     checker.check_model()
