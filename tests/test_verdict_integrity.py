@@ -10,13 +10,16 @@ candidate it must still pass an honest one.
 from __future__ import annotations
 
 import textwrap
+import time
 import uuid
 
 import pytest
+import torch
 
 from schemas.events import VerifyRequest
+from services.worker import _child, correctness, rules
 from services.worker import verifier as verifier_module
-from services.worker.verifier import Verifier
+from services.worker.verifier import Verifier, _Verdict
 from tests.test_verifier import RELU_TASK
 
 SOFTMAX_TASK = """\
@@ -286,6 +289,7 @@ HARNESS_PATCH = """
 SNAPSHOTS = {}
 # Set at the end of forward: Triton's launcher must see the real storage.
 ARMED = [False]
+KEEP = []
 _real_contiguous = torch.Tensor.contiguous
 _real_storage = torch.Tensor.untyped_storage
 
@@ -296,7 +300,9 @@ def _fake_contiguous(self, *args, **kwargs):
 
 def _fake_storage(self):
     if ARMED[0] and self.data_ptr() in SNAPSHOTS:
-        return _real_storage(_real_contiguous(self).clone())
+        # Kept alive, so that two calls never get the same (reused) address.
+        KEEP.append(_real_contiguous(self).clone())
+        return _real_storage(KEEP[-1])
     return _real_storage(self)
 
 
@@ -471,3 +477,72 @@ class ModelNew(nn.Module):
     result = await verifier.verify(request(code), device="0")
     assert result.passed, result
     assert any("first config" in note for note in result.notes), result.notes
+
+
+# ------------------------------------------------------------------ pure rules
+
+
+def test_roofline_floor():
+    # 8 MB of inputs + outputs on an H200 (4.8 TB/s) take at least ~1.67 us.
+    assert rules.roofline_floor_us(8_000_000, "h200") == pytest.approx(8e6 / 4.8e12 * 1e6)
+    assert rules.roofline_floor_us(8_000_000, "H100") == pytest.approx(8e6 / 3.35e12 * 1e6)
+    assert rules.roofline_floor_us(8_000_000, "x86_64") is None
+    assert rules.impossible_timing(2.0, 8_000_000, "h200") is None
+    message = rules.impossible_timing(0.5, 8_000_000, "h200")
+    assert message.startswith("impossible timing: 0.5 us for 8.0 MB")
+    assert "16.0 TB/s, above the h200's peak memory bandwidth of 4.80 TB/s" in message
+    assert rules.impossible_timing(0.5, 8_000_000, "a100") is not None
+
+
+def test_audit_allowlist():
+    assert rules.audit_findings({"aten.empty_like.default": 3, "aten.view.default": 6,
+                                 "aten.clone.default": 1}, {"aten.set_.source_Storage": 4}) == []
+    assert rules.audit_findings({"aten.mul.Tensor": 3, "aten.gt.Scalar": 3,
+                                 "aten.empty.memory_format": 3}, {}) == [
+        "aten.gt.Scalar called 3 times in ModelNew.forward",
+        "aten.mul.Tensor called 3 times in ModelNew.forward"]
+    # Compute is compute even when Triton's frames issue it.
+    assert rules.audit_findings({}, {"aten.relu.default": 1}) == [
+        "aten.relu.default called 1 time in ModelNew.forward"]
+    # Candidate code may not call set_ (the launcher's storage swap) itself.
+    assert rules.audit_findings({"aten.set_.source_Storage": 1}, {})
+    assert len({r.id for r in rules.DYNAMIC_RULES}) == len(rules.DYNAMIC_RULES)
+
+
+def test_error_text_is_clipped_head_and_tail():
+    text = "ValueError: " + "x" * 100_000 + "TAIL"
+    clipped = _child.clip(text, 2000)
+    assert clipped.startswith("ValueError: xxx") and clipped.endswith("xTAIL")
+    assert "[98016 characters cut]" in clipped and len(clipped) < 2100
+    assert _child.clip("short", 2000) == "short"
+
+
+def test_timing_sample_count_and_wall_time(verifier):
+    timing = _child.Timing(median_us=0.5, samples_us=[0.5] * 19, wall_s=0.001)
+    with pytest.raises(_Verdict) as info:
+        verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate", repeats=20,
+                               stage="audit")
+    assert info.value.fields["stage"] == "audit"
+    assert "19 samples; 20 were asked for" in info.value.fields["error"]
+    # No profiling phase observed by the parent: no timing is consistent.
+    timing = _child.Timing(median_us=0.5, samples_us=[0.5] * 20, wall_s=0.001)
+    with pytest.raises(_Verdict):
+        verifier._check_timing(timing, None, "the candidate", repeats=20, stage="audit")
+    verifier._check_timing(timing, time.monotonic() - 0.01, "the candidate", repeats=20)
+
+
+def test_scale_aware_comparison_numbers():
+    expected = torch.softmax(0.1 * torch.randn(4, 16384, generator=torch.Generator()
+                                               .manual_seed(0)), dim=1)
+    assert float(expected.max()) < 1e-4  # every element within atol of zero
+    zeros = correctness.compare_output(0, expected, torch.zeros_like(expected))
+    assert not zeros.passed and "is constant" in zeros.message
+    half = correctness.compare_output(0, expected, expected * 0.5)
+    assert not half.passed and "relative L2 error 0.5 exceeds 0.0005" in half.message
+    honest = correctness.compare_output(0, expected, expected * (1 + 1e-6))
+    assert honest.passed and honest.rel_l2_error < 1e-5
+    # A reference that is constant up to rounding: an exact constant passes.
+    flat = torch.full((8,), 0.25) + torch.tensor([0, 1e-9, 0, 0, 0, 0, 0, 0])
+    assert correctness.compare_output(0, flat, torch.full((8,), 0.25)).passed
+    assert correctness.compared_elements([torch.zeros(0, 1024)]) == (0, "output 0 has shape "
+                                                                       "(0, 1024)")

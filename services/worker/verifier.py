@@ -524,8 +524,12 @@ class Verifier:
             raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
                            f"(no elements) at shape_overrides {overrides}; pass sizes above zero")
         sizes = [dict(self._size_names.get((task_sha, overrides), {}))]
-        fields = await self._run_candidate(request, device, seeds, references, task_sha,
-                                           overrides, profile)
+        try:
+            fields = await self._run_candidate(request, device, seeds, references, task_sha,
+                                               overrides, profile)
+        except _Verdict as verdict:
+            verdict.fields.setdefault("sizes_checked", sizes)
+            raise
         notes = fields["notes"]
         # Independent children: run side by side; a ghost-replay finding wins.
         ghost, sized = await asyncio.gather(
