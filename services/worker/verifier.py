@@ -24,6 +24,15 @@
    runs in its interpreter: the result says ``interpreted=True`` and carries no
    timings.
 
+5. Dynamic checks (ids and sources in :mod:`services.worker.rules`): the ATen ops
+   ``forward`` ran, outside the allocation/view/copy allowlist, fail at stage
+   ``audit``; so do events the child's audit hook refused and frames on the result
+   channel that fail the keyed tag chain. A ghost replay (a fresh child with every
+   Triton launch a no-op) whose outputs still match fails at ``audit``; a second input
+   size (the task's own when it fits, else reduced non-power-of-two extents, one seed)
+   runs beside it. A profiled time below the arch's roofline floor is ``audit``.
+   A run that compares no elements never passes.
+
 Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
 but ``error`` starts with ``flagged:`` so a human or the generator can review the
 candidate before trusting the speedup: a kernel that is 50x faster than eager
