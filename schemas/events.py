@@ -46,7 +46,8 @@ VerifyMode = Literal["verify", "profile"]
 # Where a candidate failed; None when it passed. Order follows the run: static checks,
 # kernel compile, first call, wall-clock limit, numerical comparison, process death,
 # and failures of the worker itself (not the candidate's fault).
-Stage = Literal["static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure"]
+Stage = Literal["static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
+                "audit"]
 
 
 def utcnow() -> dt.datetime:
@@ -197,6 +198,17 @@ class VerifyResult(Struct, kw_only=True):
     candidate); ``speedup`` is ``base_time_us / gen_time_us`` and is None when timings
     are not meaningful (``interpreted``: Triton ran in its CPU interpreter).
     ``duration_s`` is the worker's wall time for the whole verification, seconds.
+
+    Stage ``audit``: the outputs matched, but a dynamic check found that the kernels
+    did not compute them (PyTorch operators ran in ``forward``, the outputs do not
+    depend on the Triton kernels), that the candidate interfered with the harness, or
+    that a timing is impossible. ``rel_l2_error`` is the largest ``||got - expected|| /
+    ||expected||`` over the outputs compared. ``sizes_checked`` lists the module-level
+    sizes of each input size run (the requested shapes first); ``task_sizes_checked``
+    says whether the task's own sizes were among them (None: not reached).
+    ``ghost_replay`` says what the run with every Triton launch turned into a no-op
+    showed, or why it was skipped. ``notes`` are facts about how the candidate was run
+    (e.g. which autotune config the interpreter used).
     """
 
     request_id: str
@@ -220,6 +232,11 @@ class VerifyResult(Struct, kw_only=True):
     speedup: float | None = None
     interpreted: bool = False
     duration_s: float = 0.0
+    rel_l2_error: float | None = None
+    sizes_checked: list[dict[str, int]] = field(default_factory=list)
+    task_sizes_checked: bool | None = None
+    ghost_replay: str | None = None
+    notes: list[str] = field(default_factory=list)
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION

@@ -215,16 +215,18 @@ async def test_broken_reference_is_infrastructure(verifier):
 async def test_reference_outputs_are_cached(verifier):
     task = RELU_TASK.replace("dim = 1024", "dim = 512")
     runs = verifier.reference_runs
+    # Two references: the requested sizes and the reduced second size.
     first = await verifier.verify(request(task=task), device="0")
-    assert first.passed and verifier.reference_runs == runs + 1
+    assert first.passed and verifier.reference_runs == runs + 2
     second = await verifier.verify(request(task=task), device="1")
-    assert second.passed and verifier.reference_runs == runs + 1
+    assert second.passed and verifier.reference_runs == runs + 2
     # One more seed: one more reference child (for the missing seed only).
     more = await verifier.verify(request(task=task, trials=4), device="0")
-    assert more.passed and more.trials == 4 and verifier.reference_runs == runs + 2
-    # Other shapes: another reference.
+    assert more.passed and more.trials == 4 and verifier.reference_runs == runs + 3
+    # Other shapes: another reference; the second size (the task's own) is cached.
     other = await verifier.verify(request(task=task, shape_overrides={"dim": 256}), device="0")
-    assert other.passed and verifier.reference_runs == runs + 3
+    assert other.passed and verifier.reference_runs == runs + 4
+    assert other.sizes_checked == [{"batch_size": 16, "dim": 256}, {"batch_size": 16, "dim": 512}]
 
 
 async def test_concurrent_verifies_do_not_block_the_loop(verifier):
@@ -273,7 +275,11 @@ async def test_scratch_directories_are_removed(verifier):
 
 
 async def test_latency_of_a_warm_verify(verifier):
-    """DESIGN: ~0.3 s per forked child for a tiny interpreted relu vs ~2.9 s cold."""
+    """~0.3 s per forked child for a tiny interpreted relu vs ~2.9 s for a cold one.
+
+    A verify runs three candidate children (the trials, the ghost replay and the
+    second size; the last two side by side): cold children would take ~9 s.
+    """
     await verifier.verify(request(trials=1), device="0")  # reference cached
     timings = []
     for _ in range(3):
@@ -283,7 +289,7 @@ async def test_latency_of_a_warm_verify(verifier):
         assert result.passed
     print(f"warm verify latency (1 trial, cached reference): "
           f"{', '.join(f'{t:.3f}' for t in timings)} s")
-    assert min(timings) < 1.0
+    assert min(timings) < 2.5
 
 
 def test_sandbox_probe_results(verifier):

@@ -10,16 +10,27 @@ imported already), enters the sandbox (:func:`enter_sandbox`), then runs one job
   the output tensors and digests of the inputs before and after the call, and, when
   asked, the eager timing of ``Model``.
 * ``candidate``: the task's ``get_inputs``/``get_init_inputs`` and the candidate's
-  ``ModelNew``; it reports per seed the raw output tensors, digests of the inputs
-  after the call (the parent compares them with the reference's: in-place
-  modification), aliasing facts, and, when asked, the candidate's timing.
+  ``ModelNew``; it reports per seed the raw output tensors and the raw bytes of the
+  inputs after the call (the parent digests them and compares with the reference's
+  digests: in-place modification), aliasing facts (defence in depth only), the ATen
+  ops ``forward`` ran (:class:`Audit`), and, when asked, the candidate's timing. With
+  ``ghost`` set, every Triton launch is a no-op (the parent's ghost replay).
 
 The child never decides pass or fail: the parent compares the raw tensors itself.
+Whatever runs in the candidate's process can be rewritten by the candidate, so the
+candidate child protects what it can before importing the candidate (see
+:mod:`services.worker._guard`: an audit hook, the harness's modules hidden) and
+reads tensors with ``torch.Tensor`` methods captured at import, but the parent treats
+everything it reports as a claim to check.
 
 Wire format (child -> parent, over a private socket the fork server hands the child,
 never stdout): frames of an 8-byte big-endian length followed by the payload. A
 payload is a msgpack-encoded :data:`Frame`; a :class:`Trial` is followed by one raw
-frame per output tensor holding its bytes (row-major, native byte order).
+frame per output tensor holding its bytes (row-major, native byte order), then one
+per tensor input. With a ``frame_key`` in the spec every frame is followed by a
+32-byte keyed BLAKE2b tag over the previous tag, the header and the payload, so bytes
+the candidate writes on the socket's file descriptor (it can guess the number) break
+the chain and the parent sees them (:class:`services.worker.sandbox.ChildRun`).
 """
 
 from __future__ import annotations
@@ -46,11 +57,23 @@ import msgspec
 import torch
 
 HEADER = struct.Struct("!Q")
+TAG_BYTES = 32
+# Tensor methods captured before any candidate code runs: candidates can reassign
+# ``torch.Tensor.contiguous`` and friends, not these references.
+_detach = torch.Tensor.detach
+_to = torch.Tensor.to
+_contiguous = torch.Tensor.contiguous
+_reshape = torch.Tensor.reshape
+_view = torch.Tensor.view
+_numpy = torch.Tensor.numpy
+_numel = torch.Tensor.numel
 # A scratch allocation released when a MemoryError is handled, so that the error
 # report itself can still be built and sent.
 _EMERGENCY_BYTES = 4 << 20
-# Exception messages can be megabytes (tensor reprs); the coder needs the start.
+# Exception messages can be megabytes (tensor reprs); the coder needs the start and
+# the end (the last line often names the cause). Tracebacks are cut the same way.
 _MAX_MESSAGE_CHARS = 2000
+_MAX_TRACEBACK_CHARS = 32000
 STDOUT_FILE = "stdout.txt"
 STDERR_FILE = "stderr.txt"
 
@@ -96,6 +119,8 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     warmup: int = 3
     repeats: int = 20
     flush_bytes: int = 256 << 20
+    frame_key: bytes = b""
+    ghost: bool = False
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -147,7 +172,9 @@ class Trial(msgspec.Struct, tag="trial"):
 
     ``inputs_before`` / ``inputs_after``: sha256 digests of each ``get_inputs()``
     element before and after the forward call. ``aliasing``: human-readable facts
-    such as ``output 0 shares memory with input 0``.
+    such as ``output 0 shares memory with input 0``. ``inputs``: per ``get_inputs()``
+    element, the metadata of the tensor whose bytes follow the outputs' (None for a
+    non-tensor; empty from the reference child, which sends no input bytes).
     """
 
     index: int
@@ -156,6 +183,7 @@ class Trial(msgspec.Struct, tag="trial"):
     inputs_after: list[str]
     outputs: list[TensorMeta]
     aliasing: list[str]
+    inputs: list[TensorMeta | None] = []
 
 
 class Timing(msgspec.Struct, tag="timing"):
@@ -184,7 +212,21 @@ class Done(msgspec.Struct, tag="done"):
     """All frames were sent."""
 
 
-Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done
+class Audit(msgspec.Struct, tag="audit"):
+    """What the in-child instruments saw while ``ModelNew.forward`` ran (all calls).
+
+    ``ops`` / ``launcher_ops``: ATen overload name -> calls, issued by candidate code /
+    from Triton's frames. ``refused``: events the audit hook refused. ``notes``: how
+    the candidate was run (autotune choices).
+    """
+
+    ops: dict[str, int]
+    launcher_ops: dict[str, int]
+    refused: list[str]
+    notes: list[str]
+
+
+Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done | Audit
 
 _encoder = msgspec.msgpack.Encoder()
 FRAME_DECODER = msgspec.msgpack.Decoder(Frame)
@@ -213,21 +255,49 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-class Channel:
-    """The child's end of the result socket (blocking writes)."""
+def frame_tag(key: bytes, previous: bytes, header: bytes, payload: Any) -> bytes:
+    """Keyed BLAKE2b (RFC 7693) of ``previous`` tag + ``header`` + ``payload``, 32 bytes."""
+    h = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
+    h.update(previous)
+    h.update(header)
+    h.update(payload)
+    return h.digest()
 
-    def __init__(self, fd: int) -> None:
+
+def tensor_bytes(t: torch.Tensor) -> Any:
+    """A buffer over ``t``'s bytes (CPU, contiguous), via methods captured at import."""
+    if not _numel(t):
+        return b""
+    return _numpy(_view(_reshape(_contiguous(_to(_detach(t), "cpu")), -1), torch.uint8))
+
+
+class Channel:
+    """The child's end of the result socket (blocking writes), tagging frames with ``key``."""
+
+    def __init__(self, fd: int, key: bytes = b"") -> None:
         self.sock = socket.socket(fileno=fd)
         self.sock.setblocking(True)
+        self._key = key
+        self._tag = b""
+
+    def _write(self, payload: Any) -> None:
+        header = HEADER.pack(len(payload))
+        tag = b""
+        if self._key:
+            tag = self._tag = frame_tag(self._key, self._tag, header, payload)
+        if isinstance(payload, bytes) and len(payload) < (1 << 16):
+            self.sock.sendall(header + payload + tag)
+            return
+        self.sock.sendall(header)
+        if len(payload):
+            self.sock.sendall(memoryview(payload))
+        if tag:
+            self.sock.sendall(tag)
 
     def send(self, frame: Any, raws: list[torch.Tensor] = ()) -> None:
-        payload = _encoder.encode(frame)
-        self.sock.sendall(HEADER.pack(len(payload)) + payload)
+        self._write(_encoder.encode(frame))
         for t in raws:
-            data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            self.sock.sendall(HEADER.pack(len(data)))
-            if len(data):
-                self.sock.sendall(memoryview(data))
+            self._write(tensor_bytes(t))
 
 
 # ---------------------------------------------------------------- sandbox entry
@@ -398,14 +468,24 @@ def _failure(stage: str, what: str, exc: BaseException, path: str = "") -> Failu
         _reserve.clear()
         gc.collect()
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-    if len(text) > _MAX_MESSAGE_CHARS:
-        text = text[:_MAX_MESSAGE_CHARS] + " ..."
+    text = clip(text, _MAX_MESSAGE_CHARS)
     where = _location(exc, path) if path else ""
     message = f"{what} raised {text}" + (f" ({where})" if where else "")
     if isinstance(exc, MemoryError):
         message += " (the sandbox's address-space limit was reached; allocate less memory)"
-    tb = "".join(traceback.format_exception(exc))
+    tb = clip("".join(traceback.format_exception(exc)), _MAX_TRACEBACK_CHARS)
     return Failure(stage=stage, message=message, traceback=tb)
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, keeping its head and tail.
+
+    Example: ``ValueError: xxxx ... [10485000 characters cut] ... xxTAIL``.
+    """
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return f"{text[:half]} ... [{len(text) - 2 * half} characters cut] ... {text[-half:]}"
 
 
 def _seed(seed: int) -> None:
@@ -586,21 +666,36 @@ def _candidate_failure(what: str, exc: BaseException, kernels: set[str], path: s
     (unknown ``tl`` function, bad shapes). The interpreter runs the kernel body as
     Python, so the same mistakes surface as AttributeError, NameError, TypeError or
     ValueError raised inside a kernel's frame (wrapped in InterpreterError); those
-    count as compile errors too, reported at the kernel's line.
+    count as compile errors too, reported at the kernel's line. Errors the interpreter
+    raises while executing an operation on data (its innermost frame is in
+    triton/runtime/interpreter.py, e.g. ``mask has unsupported dtype`` from a masked
+    load) are runtime errors: the program got past the front end.
     """
     from triton.compiler.errors import CompilationError
 
     inner = _unwrap(exc)
     kernel = _kernel_frame(inner, kernels, path)
     if isinstance(inner, CompilationError) or (
-            kernel is not None and isinstance(
+            kernel is not None and not _raised_by_interpreter(inner) and isinstance(
                 inner, (AttributeError, NameError, TypeError, ValueError, AssertionError))):
         name = f" {kernel}" if kernel is not None else ""
         failure = _failure("compile", f"compiling the Triton kernel{name}", inner, path)
     else:
+        what = f"{what} (Triton kernel {kernel})" if kernel is not None else what
         failure = _failure("runtime", what, inner, path)
-    failure.traceback = "".join(traceback.format_exception(exc))
+    failure.traceback = clip("".join(traceback.format_exception(exc)), _MAX_TRACEBACK_CHARS)
     return failure
+
+
+def _raised_by_interpreter(exc: BaseException) -> bool:
+    """True when ``exc``'s innermost frame is the interpreter's op emulation."""
+    tb = exc.__traceback__
+    last = None
+    while tb is not None:
+        last = tb.tb_frame.f_code.co_filename
+        tb = tb.tb_next
+    return last is not None and last.replace(os.sep, "/").endswith(
+        "triton/runtime/interpreter.py")
 
 
 def _kernel_names(module: Any) -> set[str]:
@@ -671,10 +766,34 @@ def _run_reference(spec: ChildSpec, channel: Channel, task: Any) -> None:
 
 def _meta(t: torch.Tensor) -> TensorMeta:
     return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
-                      nbytes=t.numel() * t.element_size())
+                      nbytes=_numel(t) * t.element_size())
 
 
 def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
+    """Import and run the candidate; see the module doc for what is reported.
+
+    Before the import: the audit hook, the op recorder (active only around
+    ``forward`` calls, so dead code is never a finding), ghost launches when asked,
+    first-config autotune on the interpreter, and the harness's modules hidden.
+    """
+    from services.worker import _guard
+
+    refused = _guard.install_audit_hook(spec.candidate_path)
+    recorder = _guard.OpRecorder(ghost=spec.ghost)
+    notes: list[str] = []
+    if spec.ghost:
+        _guard.ghost_launches()
+    if spec.backend == "cpu":
+        _guard.first_autotune_config(notes)
+    _guard.hide_harness()
+    try:
+        _candidate_trials(spec, channel, task, recorder)
+    finally:
+        channel.send(Audit(ops=dict(recorder.ops), launcher_ops=dict(recorder.launcher_ops),
+                           refused=list(refused), notes=list(notes)))
+
+
+def _candidate_trials(spec: ChildSpec, channel: Channel, task: Any, recorder: Any) -> None:
     device = _device(spec.backend)
     path = spec.candidate_path
     channel.send(Progress(phase="importing the candidate"))
@@ -712,19 +831,23 @@ def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
                                       spec.task_path)) from None
         channel.send(Progress(phase=f"{phase}: ModelNew.forward"))
         try:
-            with torch.no_grad():
+            with torch.no_grad(), recorder:
                 result = model(*args)
             _synchronize(spec.backend)
         except Exception as exc:
             raise JobFailure(_candidate_failure("ModelNew.forward", exc, kernels, path)) from None
         outputs = _outputs(result, "ModelNew.forward")
         del result
+        # Defence in depth: the parent decides on the input bytes sent below.
         aliasing = _aliasing(outputs, args)
         after = [_digest(x) for x in args]
-        outputs = [o.detach().to("cpu").contiguous() for o in outputs]
+        outputs = [_contiguous(_to(_detach(o), "cpu")) for o in outputs]
+        held = [a for a in args if isinstance(a, torch.Tensor)]
         channel.send(Trial(index=index, seed=seed, inputs_before=before, inputs_after=after,
-                           outputs=[_meta(o) for o in outputs], aliasing=aliasing), outputs)
-        del outputs
+                           outputs=[_meta(o) for o in outputs], aliasing=aliasing,
+                           inputs=[_meta(a) if isinstance(a, torch.Tensor) else None
+                                   for a in args]), outputs + held)
+        del outputs, held
     if spec.profile:
         channel.send(Progress(phase="profiling"))
         try:
@@ -858,7 +981,7 @@ def main(spec: ChildSpec, result_fd: int) -> NoReturn:
     A process that dies without either (signal, ``os._exit``) is a crash; the
     parent learns how from the fork server's wait status.
     """
-    channel = Channel(result_fd)
+    channel = Channel(result_fd, spec.frame_key)
     try:
         hello = enter_sandbox(spec)
     except BaseException as exc:

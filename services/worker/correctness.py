@@ -34,6 +34,21 @@ integer, bool    0             0             exact.
 ===============  ============  ============  ============================================
 
 NaN must be NaN where the reference is NaN (and only there); +-Inf must match exactly.
+
+Element-wise tolerances alone can be met by a constant when every expected value is
+below ``atol`` (a wide softmax, a tiny-scale norm: KernelBench issue #165), so two
+scale-aware checks follow for floating-point outputs, over elements finite in both:
+
+* relative L2 error ``||got - expected||_2 / ||expected||_2`` at most ``5 * rtol``
+  (float32 5e-4 on cpu, 2.5e-2 on GPUs; float16 5e-2; bfloat16 1e-1; float64 5e-7).
+  Honest kernels that sum in another order stay orders of magnitude below (float32
+  ~1e-6); a zero output scores 1.0. Skipped where ``||expected||`` is 0.
+* a constant output (every element equal) fails when the expected output is not
+  constant: its spread ``max - min`` exceeds ``rtol * max|expected|``, so rounding
+  noise in a reference that should be constant does not count.
+
+An output with no elements compares nothing; the verifier refuses to pass a trial
+that compared no elements (:func:`compared_elements`).
 """
 
 from __future__ import annotations
@@ -50,6 +65,8 @@ _FLOAT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (2e-2, 2e-2),
 }
 _GPU_FLOAT32 = (5e-3, 5e-3)
+# Relative L2 error bound as a multiple of the dtype's rtol (see the module doc).
+REL_L2_FACTOR = 5.0
 _MAX_INDICES = 5
 # Elements scanned per step when looking for the first mismatching indices.
 _SCAN_CHUNK = 1 << 20
@@ -108,7 +125,8 @@ class OutputComparison:
     ``mismatch_indices`` are the first (row-major) mismatching indices, at most 5.
     ``max_abs_error`` / ``max_rel_error`` are over elements finite in both (None if
     there are none); the relative error is over elements whose expected value is
-    non-zero.
+    non-zero. ``rel_l2_error`` is ``||got - expected|| / ||expected||`` over elements
+    finite in both (None for integer outputs or a zero reference).
     """
 
     index: int
@@ -119,6 +137,7 @@ class OutputComparison:
     max_rel_error: float | None = None
     mismatch_count: int = 0
     mismatch_indices: list[list[int]] = field(default_factory=list)
+    rel_l2_error: float | None = None
 
 
 def check_meta(index: int, expected_shape: list[int] | tuple[int, ...],
@@ -217,7 +236,13 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
     result = OutputComparison(index=index, tolerance=tol, passed=count == 0,
                               max_abs_error=max_abs, max_rel_error=max_rel,
                               mismatch_count=count)
+    if not exact:
+        result.rel_l2_error = _rel_l2(e, g, finite if not expected.dtype.is_complex
+                                      else finite.unsqueeze(-1).expand_as(e))
     if count == 0:
+        if not exact:
+            result.message = _scale_problem(index, e, g, tol, result.rel_l2_error)
+            result.passed = not result.message
         return result
 
     result.mismatch_indices = _first_indices(bad, shape, _MAX_INDICES)
@@ -242,6 +267,44 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
     return result
 
 
+def _rel_l2(e: torch.Tensor, g: torch.Tensor, finite: torch.Tensor) -> float | None:
+    zero = torch.zeros((), dtype=e.dtype)
+    e = torch.where(finite, e, zero)
+    g = torch.where(finite, g, zero)
+    norm = float(torch.linalg.vector_norm(e))
+    if norm == 0 or not math.isfinite(norm):
+        return None
+    return float(torch.linalg.vector_norm(g - e)) / norm
+
+
+def _scale_problem(index: int, e: torch.Tensor, g: torch.Tensor, tol: Tolerance,
+                   rel_l2: float | None) -> str:
+    """Why outputs within the element-wise tolerance still fail (module doc), or ''."""
+    bound = REL_L2_FACTOR * tol.rtol
+    finite = torch.isfinite(e) & torch.isfinite(g)
+    if bool(finite.any()):
+        ef, gf = e[finite], g[finite]
+        spread = float(ef.max() - ef.min())
+        if float(gf.max()) == float(gf.min()) and spread > tol.rtol * float(ef.abs().max()):
+            return (f"output {index} is constant (every element {_format_value(float(gf[0]))}) "
+                    f"but the expected output is not (it spans {_format_value(spread)}); the "
+                    "values are within atol only because they are small")
+    if rel_l2 is not None and rel_l2 > bound:
+        return (f"output {index}: relative L2 error {rel_l2:.3g} exceeds {bound:.3g} "
+                f"(5 x rtol) although every element is within atol={format_tolerance(tol.atol)} "
+                f"rtol={format_tolerance(tol.rtol)}; the output does not follow the "
+                "expected values' scale")
+    return ""
+
+
+def compared_elements(expected: list[torch.Tensor]) -> tuple[int, str]:
+    """Elements a trial compares, and ``output 0 has shape (0, 1024)`` for the first empty one."""
+    total = sum(t.numel() for t in expected)
+    empty = next((f"output {i} has shape {_format_shape(tuple(t.shape))}"
+                  for i, t in enumerate(expected) if t.numel() == 0), "")
+    return total, empty
+
+
 @dataclass
 class Comparison:
     """All outputs of one trial compared; ``message`` is the first failing output's."""
@@ -261,6 +324,10 @@ class Comparison:
     @property
     def max_rel_error(self) -> float | None:
         return _max(o.max_rel_error for o in self.outputs)
+
+    @property
+    def rel_l2_error(self) -> float | None:
+        return _max(o.rel_l2_error for o in self.outputs)
 
 
 def _max(values) -> float | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import math
 import os
@@ -61,6 +62,10 @@ class PoolBroken(RuntimeError):
 
 class ProtocolError(RuntimeError):
     """A child sent something that is not a well-formed frame, or too much of it."""
+
+
+class ForgedFrame(ProtocolError):
+    """A frame's tag does not match: someone but the harness wrote on the result socket."""
 
 
 def describe_exit(status: int | None) -> str:
@@ -114,7 +119,9 @@ class ChildRun:
 
     Read its frames with :meth:`frame` / :meth:`raw` in order; :meth:`close` kills
     its process group (also any descendants still in it), waits for the exit status
-    and removes the scratch directory.
+    and removes the scratch directory. When ``spec.frame_key`` is set every frame's
+    tag is checked (see :func:`services.worker._child.frame_tag`): bytes the candidate
+    wrote on the socket's file descriptor raise :class:`ForgedFrame`.
     """
 
     def __init__(self, spec: ChildSpec, result: socket.socket, status: socket.socket,
@@ -128,6 +135,9 @@ class ChildRun:
         self._status = status
         self._exit_task: asyncio.Task[int | None] | None = None
         self._closed = False
+        self._key = spec.frame_key
+        self._tag = b""
+        self._header = b""
 
     async def _recv_exactly(self, sock: socket.socket, n: int) -> bytearray | None:
         loop = asyncio.get_running_loop()
@@ -170,7 +180,7 @@ class ChildRun:
         if size is None:
             return None
         payload = await self._recv_exactly(self._result, size)
-        if payload is None:
+        if payload is None or not await self._check_tag(payload):
             return None
         try:
             return _child.FRAME_DECODER.decode(payload)
@@ -188,14 +198,33 @@ class ChildRun:
             return None
         if size != expected:
             raise ProtocolError(f"the child sent {size} bytes for a tensor of {expected} bytes")
-        if size == 0:
-            return bytearray()
-        return await self._recv_exactly(self._result, size)
+        data = bytearray() if size == 0 else await self._recv_exactly(self._result, size)
+        if data is None or not await self._check_tag(data):
+            return None
+        return data
+
+    async def _check_tag(self, payload: bytearray) -> bool:
+        """Read and check the frame's tag (no-op without a key); False at end of stream.
+
+        Raises:
+            ForgedFrame: the tag does not match the harness's chain.
+        """
+        if not self._key:
+            return True
+        tag = await self._recv_exactly(self._result, _child.TAG_BYTES)
+        if tag is None:
+            return False
+        want = _child.frame_tag(self._key, self._tag, self._header, payload)
+        if not hmac.compare_digest(bytes(tag), want):
+            raise ForgedFrame("a frame on the result channel was not written by the harness")
+        self._tag = want
+        return True
 
     async def _length(self) -> int | None:
         header = await self._recv_exactly(self._result, _child.HEADER.size)
         if header is None:
             return None
+        self._header = bytes(header)
         (size,) = _child.HEADER.unpack(header)
         if size > self.max_frame_bytes:
             raise ProtocolError(f"the child sent a {size}-byte frame "

@@ -24,6 +24,15 @@
    runs in its interpreter: the result says ``interpreted=True`` and carries no
    timings.
 
+5. Dynamic checks (ids and sources in :mod:`services.worker.rules`): the ATen ops
+   ``forward`` ran, outside the allocation/view/copy allowlist, fail at stage
+   ``audit``; so do events the child's audit hook refused and frames on the result
+   channel that fail the keyed tag chain. A ghost replay (a fresh child with every
+   Triton launch a no-op) whose outputs still match fails at ``audit``; a second input
+   size (the task's own when it fits, else reduced non-power-of-two extents, one seed)
+   runs beside it. A profiled time below the arch's roofline floor is ``audit``.
+   A run that compares no elements never passes.
+
 Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
 but ``error`` starts with ``flagged:`` so a human or the generator can review the
 candidate before trusting the speedup: a kernel that is 50x faster than eager
@@ -52,15 +61,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 import torch
 
 from schemas.events import VerifyRequest, VerifyResult
 from services.worker import _child
 from services.worker._child import ChildSpec
-from services.worker.correctness import check_meta, compare_outputs, tolerance_for
+from services.worker.correctness import (
+    check_meta,
+    compare_outputs,
+    compared_elements,
+    tolerance_for,
+)
+from services.worker.rules import audit_findings, impossible_timing
 from services.worker.sandbox import (
     ChildRun,
+    ForgedFrame,
     PoolBroken,
     ProtocolError,
     Sandbox,
@@ -84,8 +101,16 @@ _EXIT_WAIT_S = 5.0
 # A child's reported timing total may exceed the wall time seen here by this much
 # (clock granularity, frame latency) before it counts as inconsistent.
 _TIMING_SLACK = 1.05
-_TIMING_SLACK_US = 2000.0
-_STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure"}
+_TIMING_SLACK_US = 500.0
+_STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
+           "audit"}
+# The second input size (see _second_size) on cpu: at most this many input bytes, so
+# the interpreter finishes in seconds.
+_CPU_SECOND_SIZE_BYTES = 1 << 20
+# Module-level ints with these substrings are parameters, not extents: a reduced
+# second size leaves them alone (kernels may specialise on them).
+_NOT_EXTENTS = ("kernel", "stride", "pad", "dilation", "group", "class", "head", "axis",
+                "seed", "eps")
 
 
 class _Verdict(Exception):
@@ -148,8 +173,10 @@ class _CandidateState:
     compared: int = 0
     max_abs_error: float | None = None
     max_rel_error: float | None = None
+    rel_l2_error: float | None = None
     tolerance: Any = None
     gen_time_us: float | None = None
+    audit: _child.Audit | None = None
 
 
 def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> dict[str, Any]:
@@ -257,6 +284,7 @@ class Verifier:
         self.scratch_root = self.sandbox.scratch_root
         self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
         self._input_bytes: dict[tuple[str, str], int] = {}
+        self._size_names: dict[tuple[str, str], dict[str, int]] = {}
         self._base_times: dict[tuple[str, str, str], float] = {}
         self._reference_locks: weakref.WeakValueDictionary[Any, asyncio.Lock] = (
             weakref.WeakValueDictionary())
@@ -325,12 +353,13 @@ class Verifier:
             (scratch / "candidate.py").write_text(request.code)
             candidate = str(scratch / "candidate.py")
         cpu_seconds = math.ceil(request.timeout_s) * max(1, os.cpu_count() or 1) + 10
+        # A fresh key per child: frames it did not write fail the tag check.
         return ChildSpec(
             role=role, scratch_dir=str(scratch), backend=self.backend,
             env=self._child_env(device, self.run_as), task_path=str(scratch / "task.py"),
             candidate_path=candidate, seeds=seeds,
             shape_overrides=dict(request.shape_overrides), cpu_seconds=cpu_seconds,
-            run_as=self.run_as, isolate_network=True,
+            run_as=self.run_as, isolate_network=True, frame_key=os.urandom(32),
             env_allow=list(self.sandbox.env_allow), **kwargs)
 
     # ------------------------------------------------------------ verify
@@ -391,14 +420,48 @@ class Verifier:
         profile = request.mode == "profile" and self.backend != "cpu"
         references = await self._references_for(request, device, seeds, task_sha, overrides,
                                                 profile)
-        fields = await self._run_candidate(request, device, seeds, references, task_sha,
-                                           overrides, profile)
+        total, empty = compared_elements(references[0].outputs)
+        if total == 0:
+            raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
+                           f"(no elements) at shape_overrides {overrides}; pass sizes above zero")
+        sizes = [dict(self._size_names.get((task_sha, overrides), {}))]
+        try:
+            fields = await self._run_candidate(request, device, seeds, references, task_sha,
+                                               overrides, profile)
+        except _Verdict as verdict:
+            verdict.fields.setdefault("sizes_checked", sizes)
+            raise
+        notes = fields["notes"]
+        # Independent children: run side by side; a ghost-replay finding wins.
+        ghost, sized = await asyncio.gather(
+            self._ghost_replay(request, device, seeds[0], references, task_sha, overrides),
+            self._second_size(request, device, task_sha, overrides, notes),
+            return_exceptions=True)
+        for outcome in (ghost, sized):
+            if isinstance(outcome, BaseException):
+                raise outcome
+        fields["ghost_replay"] = ghost
+        checked_own, second = sized
+        if second is not None:
+            sizes.append(second)
+        fields.update(sizes_checked=sizes, task_sizes_checked=(
+            not request.shape_overrides or checked_own))
+        if not fields["task_sizes_checked"]:
+            notes.append("the task's own sizes were not checked (they do not fit this "
+                         "worker); the result holds for the sizes listed in sizes_checked")
         if request.mode == "profile" and self.backend == "cpu":
             fields["log"] = _join_log(
                 fields.get("log", ""), "profile: no timings on the cpu backend (Triton runs "
                 "in its interpreter; times would not mean anything)",
                 limit=self.output_limit_bytes)
         if profile:
+            nbytes = self._input_bytes.get((task_sha, overrides), 0) + sum(
+                t.numel() * t.element_size() for t in references[0].outputs)
+            impossible = impossible_timing(fields["gen_time_us"], nbytes, request.arch)
+            if impossible is not None:
+                raise _Verdict("audit", f"{impossible}; the kernel skips work or games the "
+                               "timer", gen_time_us=fields["gen_time_us"],
+                               trials=fields["trials"], log=fields.get("log", ""))
             fields.update(speedup_fields(self._base_times[(task_sha, request.arch, overrides)],
                                          fields["gen_time_us"], self.speedup_flag_bound))
             if fields["error"]:
@@ -406,11 +469,112 @@ class Verifier:
                                           limit=self.output_limit_bytes)
         return fields
 
+    async def _ghost_replay(self, request: VerifyRequest, device: str, seed: int,
+                            references: list[_Reference], task_sha: str,
+                            overrides: str) -> str:
+        """Rule D003: run the candidate with every Triton launch a no-op; its outputs
+        must then differ from the reference's.
+
+        In that fresh child new allocations (``torch.empty`` and friends) are
+        NaN-filled, so an output the kernels should have written cannot equal the
+        reference by chance. One seed. Skipped where every reference output is
+        constant (a no-op candidate could match it honestly).
+
+        Returns:
+            What the replay showed, for ``VerifyResult.ghost_replay``.
+
+        Raises:
+            _Verdict: (audit) the outputs still matched; or the replay child's own
+                audit/infrastructure failure.
+        """
+        if all(_constant(t) for r in references for t in r.outputs) and all(
+                len({tuple(r.outputs[i].reshape(-1)[:1].tolist()) for r in references}) <= 1
+                for i in range(len(references[0].outputs))):
+            return "skipped: the reference output is constant"
+        try:
+            await self._run_candidate(request, device, [seed], references[:1], task_sha,
+                                      overrides, False, ghost=True, audit_ops=False)
+        except _Verdict as verdict:
+            if verdict.fields["stage"] in ("audit", "infrastructure"):
+                raise
+            return "outputs depend on the Triton kernels"
+        raise _Verdict("audit", "outputs do not depend on the Triton kernels: with every "
+                       "Triton launch a no-op (and new tensors NaN-filled) ModelNew.forward "
+                       f"still returned the expected outputs for seed {seed}; compute them "
+                       "in the kernels", ghost_replay="outputs matched without the kernels",
+                       trials=len(references))
+
+    async def _second_size(self, request: VerifyRequest, device: str, task_sha: str,
+                           overrides: str, notes: list[str]
+                           ) -> tuple[bool, dict[str, int] | None]:
+        """Rule D008: check one more input size, one seed.
+
+        The task's own sizes when shape_overrides were given and the task's inputs fit
+        (``memory_limit_bytes``; on cpu at most 1 MiB, so the interpreter finishes);
+        otherwise a reduced size: every extent of the requested sizes (module-level
+        ints of 8 or more whose names do not look like parameters, see _NOT_EXTENTS)
+        to about 3/4, never a power of two. A reference that cannot run at that size
+        skips the check, with a note.
+
+        Returns:
+            (whether the task's own sizes were checked, the sizes checked or None).
+
+        Raises:
+            _Verdict: the candidate failed at the second size (its message names it).
+        """
+        limit = self.memory_limit_bytes
+        if self.backend == "cpu":
+            limit = min(limit or _CPU_SECOND_SIZE_BYTES, _CPU_SECOND_SIZE_BYTES)
+        seeds = [SEED_BASE]
+        own = None
+        if request.shape_overrides:
+            try:
+                own = await self._references_for(
+                    msgspec.structs.replace(request, shape_overrides={}), device, seeds,
+                    task_sha, "{}", False, input_limit=limit)
+            except _Verdict as verdict:
+                notes.append(f"the task's own sizes were not run: {verdict.fields['error']}")
+        if own is not None:
+            target: dict[str, Any] = {}
+            references = own
+        else:
+            names = self._size_names.get((task_sha, overrides), {})
+            target = dict(request.shape_overrides)
+            target.update({n: _reduced(v) for n, v in names.items()
+                           if v >= 8 and not any(p in n.lower() for p in _NOT_EXTENTS)})
+            if not any(target.get(n) != v for n, v in names.items()):
+                notes.append("no second size: the task has no extents to vary")
+                return False, None
+            try:
+                references = await self._references_for(
+                    msgspec.structs.replace(request, shape_overrides=target), device, seeds,
+                    task_sha, json.dumps(target, sort_keys=True), False, input_limit=limit)
+            except _Verdict as verdict:
+                notes.append(f"no second size: the reference failed at {_sizes_text(target)}: "
+                             f"{verdict.fields['error']}")
+                return False, None
+        key = json.dumps(target, sort_keys=True)
+        checked = dict(self._size_names.get((task_sha, key), target))
+        label = _sizes_text(checked) + (" (the task's own sizes)" if own is not None else "")
+        if compared_elements(references[0].outputs)[0] == 0:
+            notes.append(f"no second size: nothing to compare at {label}")
+            return own is not None, None
+        try:
+            await self._run_candidate(msgspec.structs.replace(request, shape_overrides=target),
+                                      device, seeds, references, task_sha, key, False)
+        except _Verdict as verdict:
+            verdict.fields["error"] = f"at the second size {label}: {verdict.fields['error']}"
+            verdict.fields["sizes_checked"] = [
+                dict(self._size_names.get((task_sha, json.dumps(
+                    request.shape_overrides, sort_keys=True)), {})), checked]
+            raise
+        return own is not None, checked
+
     # ------------------------------------------------------------ reference
 
     async def _references_for(self, request: VerifyRequest, device: str, seeds: list[int],
-                              task_sha: str, overrides: str, profile: bool
-                              ) -> list[_Reference]:
+                              task_sha: str, overrides: str, profile: bool,
+                              input_limit: int | None = None) -> list[_Reference]:
         lock_key = (task_sha, overrides)
         lock = self._reference_locks.get(lock_key)
         if lock is None:
@@ -423,7 +587,8 @@ class Verifier:
             need_timing = profile and timing_key not in self._base_times
             if missing or need_timing:
                 fresh = await self._run_reference(request, device, missing or seeds[-1:],
-                                                  bool(missing), need_timing, timing_key)
+                                                  bool(missing), need_timing, timing_key,
+                                                  input_limit)
                 for ref in fresh:
                     found[ref.seed] = ref
                     self._references.put((task_sha, ref.seed, overrides), ref)
@@ -431,13 +596,15 @@ class Verifier:
 
     async def _run_reference(self, request: VerifyRequest, device: str, seeds: list[int],
                              want_outputs: bool, need_timing: bool,
-                             timing_key: tuple[str, str, str]) -> list[_Reference]:
+                             timing_key: tuple[str, str, str],
+                             input_limit: int | None = None) -> list[_Reference]:
         limit = self.memory_limit_bytes
         address_space = None
         if self.backend == "cpu" and limit is not None:
             address_space = 4 * limit + _ADDRESS_SPACE_SLACK
         spec = self._spec(request, "reference", device, seeds, want_outputs=want_outputs,
-                          profile=need_timing, input_limit_bytes=limit,
+                          profile=need_timing, input_limit_bytes=(
+                              limit if input_limit is None else input_limit),
                           address_space_bytes=address_space)
         self.reference_runs += 1
         run = await self._spawn(spec, max_frame_bytes=4 * limit if limit else 64 << 30)
@@ -454,7 +621,10 @@ class Verifier:
                             profiling_at = time.monotonic()
                     elif isinstance(frame, _child.Sizes):
                         self._input_bytes[timing_key[0], timing_key[2]] = frame.input_bytes
-                        if limit is not None and frame.input_bytes > limit:
+                        self._size_names[timing_key[0], timing_key[2]] = frame.size_names
+                        if spec.input_limit_bytes is not None and (
+                                frame.input_bytes > spec.input_limit_bytes):
+                            limit = spec.input_limit_bytes
                             raise _Verdict(
                                 "infrastructure",
                                 f"task inputs need {_format_bytes(frame.input_bytes)} (limit "
@@ -470,7 +640,8 @@ class Verifier:
                         fresh.append(_Reference(frame.seed, outputs, frame.inputs_before,
                                                 frame.inputs_after, frame.aliasing))
                     elif isinstance(frame, _child.Timing):
-                        self._check_timing(frame, profiling_at, "the reference Model")
+                        self._check_timing(frame, profiling_at, "the reference Model",
+                                           repeats=spec.repeats)
                         self._base_times[timing_key] = frame.median_us
                     elif isinstance(frame, _child.Failure):
                         raise _Verdict("infrastructure", f"reference run: {frame.message}",
@@ -497,18 +668,27 @@ class Verifier:
         finally:
             await run.close()
 
-    def _check_timing(self, timing: _child.Timing, since: float | None, who: str) -> None:
+    def _check_timing(self, timing: _child.Timing, since: float | None, who: str,
+                      repeats: int | None = None, stage: str = "infrastructure") -> None:
         """Reject timings whose total exceeds the wall time observed here.
 
+        ``since`` is when this process saw the child start the profiling phase; the
+        phase ends when the Timing frame arrives, so the samples (one per timed call)
+        cannot sum to more than the wall time in between. ``repeats``: the number of
+        samples asked for (None: any).
+
         Raises:
-            _Verdict: (infrastructure) ``timings inconsistent``.
+            _Verdict: (``stage``) ``timings inconsistent``.
         """
         observed_us = (time.monotonic() - since) * 1e6 if since is not None else 0.0
         total_us = sum(timing.samples_us)
-        if (not timing.samples_us or not all(math.isfinite(s) and s > 0
-                                             for s in timing.samples_us)
+        if repeats is not None and len(timing.samples_us) != repeats:
+            raise _Verdict(stage, f"timings inconsistent: {who} reported "
+                           f"{len(timing.samples_us)} samples; {repeats} were asked for")
+        if (since is None or not timing.samples_us
+                or not all(math.isfinite(s) and s > 0 for s in timing.samples_us)
                 or total_us > observed_us * _TIMING_SLACK + _TIMING_SLACK_US):
-            raise _Verdict("infrastructure",
+            raise _Verdict(stage,
                            f"timings inconsistent: {who} reported {total_us:.0f} us over "
                            f"{len(timing.samples_us)} runs but only {observed_us:.0f} us of "
                            "wall time passed")
@@ -517,27 +697,40 @@ class Verifier:
 
     async def _run_candidate(self, request: VerifyRequest, device: str, seeds: list[int],
                              references: list[_Reference], task_sha: str, overrides: str,
-                             profile: bool) -> dict[str, Any]:
+                             profile: bool, *, ghost: bool = False,
+                             audit_ops: bool = True) -> dict[str, Any]:
+        """Run the candidate in a sandboxed child for ``seeds`` and judge its frames.
+
+        ``ghost``: every Triton launch is a no-op in that child (the ghost replay).
+        ``audit_ops``: fail on compute ops recorded in ``forward`` (rule D002).
+
+        Raises:
+            _Verdict: the candidate failed; otherwise returns the passed result's fields.
+        """
         address_space = None
+        input_bytes = self._input_bytes.get((task_sha, overrides), 0)
         if self.backend == "cpu":
-            data = self._input_bytes.get((task_sha, overrides), 0) + max(
-                r.nbytes for r in references)
+            data = input_bytes + max(r.nbytes for r in references)
             address_space = _ADDRESS_SPACE_FACTOR * data + _ADDRESS_SPACE_SLACK
         spec = self._spec(request, "candidate", device, seeds, profile=profile,
-                          address_space_bytes=address_space)
+                          address_space_bytes=address_space, ghost=ghost)
         largest = max(max((t.numel() * t.element_size() for t in r.outputs), default=0)
                       for r in references)
         self.candidate_runs += 1
-        run = await self._spawn(spec, max_frame_bytes=max(largest, 1 << 20))
+        run = await self._spawn(spec, max_frame_bytes=max(largest, input_bytes, 1 << 20))
         state = _CandidateState()
         try:
             try:
                 async with asyncio.timeout(request.timeout_s):
-                    await self._candidate_frames(run, state, references)
+                    await self._candidate_frames(run, state, references, spec, audit_ops)
             except TimeoutError:
                 raise _Verdict("timeout", f"the candidate did not finish within "
                                f"{request.timeout_s:g} s (during {state.phase}); its process "
                                "group was killed") from None
+            except ForgedFrame as exc:
+                raise _Verdict("audit", "the candidate wrote on the result channel during "
+                               f"{state.phase}: {exc}; candidates must not touch the "
+                               "harness's file descriptors") from None
             except ProtocolError as exc:
                 raise _Verdict("crash", "the candidate's process sent malformed results: "
                                f"{exc}") from None
@@ -560,15 +753,23 @@ class Verifier:
             self.backend)
         return {"passed": True, "stage": None, "error": None, "log": output,
                 "max_abs_error": state.max_abs_error, "max_rel_error": state.max_rel_error,
+                "rel_l2_error": state.rel_l2_error,
                 "mismatch_count": 0, "atol": tol.atol, "rtol": tol.rtol,
-                "trials": state.compared, "gen_time_us": state.gen_time_us}
+                "trials": state.compared, "gen_time_us": state.gen_time_us,
+                "notes": list(state.audit.notes) if state.audit else []}
 
     async def _candidate_frames(self, run: ChildRun, state: _CandidateState,
-                                references: list[_Reference]) -> None:
+                                references: list[_Reference], spec: ChildSpec,
+                                audit_ops: bool = True) -> None:
         """Consume the candidate child's frames until Done.
 
+        The protocol is checked here, not trusted: trials in order, a Timing only when
+        profiling was asked for, after the child announced the phase, and once; an
+        Audit frame (the op record) before Done.
+
         Raises:
-            _Verdict: the candidate failed (its Failure frame, a mismatch, a crash).
+            _Verdict: the candidate failed (its Failure frame, a mismatch, an audit
+                finding, a crash).
             ProtocolError: malformed frames.
         """
         while True:
@@ -586,9 +787,30 @@ class Verifier:
                     state.tolerance = comparison.outputs[0].tolerance
                 state.max_abs_error = _max(state.max_abs_error, comparison.max_abs_error)
                 state.max_rel_error = _max(state.max_rel_error, comparison.max_rel_error)
+                state.rel_l2_error = _max(state.rel_l2_error, comparison.rel_l2_error)
             elif isinstance(frame, _child.Timing):
-                self._check_timing(frame, state.profiling_at, "the candidate")
+                if (not spec.profile or state.phase != "profiling"
+                        or state.gen_time_us is not None):
+                    raise _Verdict("audit", "the candidate wrote on the result channel: a "
+                                   f"timing frame arrived during {state.phase}, where the "
+                                   "harness sends none")
+                self._check_timing(frame, state.profiling_at, "the candidate",
+                                   repeats=spec.repeats, stage="audit")
                 state.gen_time_us = frame.median_us
+            elif isinstance(frame, _child.Audit):
+                state.audit = frame
+                if frame.refused:
+                    raise _Verdict("audit", f"the sandbox refused {frame.refused[0]} in "
+                                   "candidate code: candidates may not inspect the harness, "
+                                   "its frames or its file descriptors",
+                                   log="\n".join(frame.refused))
+                findings = audit_findings(frame.ops, frame.launcher_ops) if audit_ops else []
+                if findings:
+                    raise _Verdict("audit", "; ".join(findings[:3]) + (
+                        f" (+{len(findings) - 3} more)" if len(findings) > 3 else "") +
+                        ": PyTorch computed in forward; do the work in Triton kernels (only "
+                        "allocation, views and layout copies are allowed)",
+                        log="\n".join(findings))
             elif isinstance(frame, _child.Failure):
                 stage = frame.stage if frame.stage in _STAGES else "runtime"
                 raise _Verdict(stage, frame.message, log=frame.traceback)
@@ -597,6 +819,9 @@ class Verifier:
                 if state.compared != len(references):
                     raise _Verdict("crash", f"the candidate's process reported results for "
                                    f"{state.compared} of {len(references)} trials")
+                if state.audit is None:
+                    raise _Verdict("audit", "the candidate's process finished without the "
+                                   "harness's op record; something replaced the harness")
                 return
             elif frame is None:
                 status = await run.wait(_EXIT_WAIT_S)
@@ -653,6 +878,27 @@ class Verifier:
             if data is None:
                 raise ProtocolError("the output stream ended early")
             outputs.append(_decode_tensor(meta, data))
+        if len(frame.inputs) != len(ref.inputs_after):
+            raise ProtocolError(f"trial {frame.index} described {len(frame.inputs)} inputs; "
+                                f"the task has {len(ref.inputs_after)}")
+        for i, meta in enumerate(frame.inputs):
+            if meta is None:
+                continue
+            data = await run.raw(meta.nbytes)
+            if data is None:
+                raise ProtocolError("the input stream ended early")
+            # Digested here, from bytes received: the candidate's process cannot vouch
+            # for its own inputs (rule D001).
+            digest = await asyncio.to_thread(_child._digest, _decode_tensor(meta, data))
+            if digest != ref.inputs_after[i]:
+                raise _Verdict("mismatch", f"candidate modified input {i} in place during "
+                               f"{where}; kernels must leave their inputs unchanged and write "
+                               "only to tensors they allocate", trials=frame.index + 1)
+            empty = math.prod(meta.shape) == 0
+            if empty:
+                raise _Verdict("infrastructure", f"nothing to compare: input {i} has shape "
+                               f"{tuple(meta.shape)} (no elements) in {where}; pass "
+                               "shape_overrides with sizes above zero")
         comparison = await asyncio.to_thread(compare_outputs, ref.outputs, outputs,
                                              self.backend)
         if not comparison.passed:
@@ -667,6 +913,21 @@ class Verifier:
                               atol=failed.tolerance.atol, rtol=failed.tolerance.rtol)
             raise _Verdict("mismatch", f"{comparison.message} in {where}", **fields)
         return comparison
+
+
+def _constant(t: torch.Tensor) -> bool:
+    flat = t.reshape(-1)
+    return flat.numel() == 0 or bool((flat == flat[0]).all())
+
+
+def _reduced(value: int) -> int:
+    """About 3/4 of ``value``, never a power of two (64 -> 48, 1024 -> 768, 16 -> 12)."""
+    reduced = max(2, value * 3 // 4)
+    return reduced + 1 if reduced & (reduced - 1) == 0 else reduced
+
+
+def _sizes_text(sizes: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(sizes.items())) or "the task's own sizes"
 
 
 def _max(a: float | None, b: float | None) -> float | None:
