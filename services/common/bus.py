@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Callable
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
