@@ -152,8 +152,10 @@ PERMISSIONS: dict[str, Permissions] = {
 }
 
 
-def _list(items: Iterable[str]) -> str:
-    return "[" + ", ".join(f'"{s}"' for s in items) + "]"
+def _list(items: Iterable[str], indent: str) -> str:
+    """A configuration list, one quoted subject a line (quoted: ``$JS...`` unquoted would
+    be a variable reference)."""
+    return "[\n" + "".join(f'{indent}  "{s}"\n' for s in items) + f"{indent}]"
 
 
 def _secret(value: str) -> str:
@@ -185,8 +187,8 @@ def authorization_block(passwords: Mapping[str, str]) -> str:
     for role, perms in PERMISSIONS.items():
         lines.append(f"    # {role}: {perms.what}.")
         lines.append(f'    {{user: "{role}", password: {_secret(passwords[role])}, permissions: {{')
-        lines.append(f"      publish: {{allow: {_list(perms.publish)}}}")
-        lines.append(f"      subscribe: {{allow: {_list(perms.subscribe)}}}")
+        lines.append(f"      publish: {{allow: {_list(perms.publish, '      ')}}}")
+        lines.append(f"      subscribe: {{allow: {_list(perms.subscribe, '      ')}}}")
         if perms.allow_responses:
             lines.append("      allow_responses: true")
         lines.append("    }}")
