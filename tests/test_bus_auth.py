@@ -282,3 +282,18 @@ async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
             await connect_bus(bare, "tls-no-cert")
     finally:
         server.stop()
+
+
+
+async def test_a_service_starts_on_a_stream_it_may_not_update(settings: Settings,
+                                                             bus: Bus) -> None:
+    # The admin gave JOB_EVENTS another max age than the worker's settings ask for.
+    config = (await bus.js.stream_info(subjects.STREAM_JOB_EVENTS)).config
+    config.max_age = 3600.0
+    await bus.js.update_stream(config)
+    worker = await connect_bus(settings, "worker", role="worker")
+    try:
+        kept = await worker.js.stream_info(subjects.STREAM_JOB_EVENTS)
+        assert kept.config.max_age == 3600.0
+    finally:
+        await worker.close()

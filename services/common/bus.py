@@ -40,6 +40,8 @@ log = structlog.get_logger("aikg.bus")
 DUPLICATE_WINDOW_S = 120.0
 # How long connect_bus tries the first connection before giving up, seconds.
 FIRST_CONNECT_TIMEOUT_S = 10.0
+# How long ensure_streams waits for the answer to a stream update, seconds.
+STREAM_UPDATE_TIMEOUT_S = 3.0
 # nats-server's -ERR for a client whose credentials it does not accept (server/errors.go,
 # ErrAuthentication: "Authorization Violation"), lower case.
 _AUTH_REFUSED = "authorization violation"
@@ -133,7 +135,13 @@ def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
-    """Create each stream, or update it when it exists with another configuration."""
+    """Create each stream, or update it when it exists with another configuration.
+
+    A service user may create the AIKG streams but not change them
+    (services/common/nats_auth.py): the server drops a refused update without a reply,
+    so after ``STREAM_UPDATE_TIMEOUT_S`` the stream is used as it is, with a warning
+    naming it (an operator updates it as ``admin``).
+    """
     for cfg in stream_configs(settings):
         try:
             await js.add_stream(cfg)
@@ -141,7 +149,13 @@ async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
             # 10058: name in use with a different configuration.
             if exc.err_code != 10058:
                 raise
-            await js.update_stream(cfg)
+            try:
+                await asyncio.wait_for(js.update_stream(cfg), STREAM_UPDATE_TIMEOUT_S)
+            except (TimeoutError, nats.errors.TimeoutError):
+                log.warning("stream_config_differs", stream=cfg.name,
+                            hint="this NATS user may not update streams (a permissions "
+                                 "violation is logged above): update it as the admin user, "
+                                 "e.g. `nats stream edit`, or align the settings")
 
 
 async def ensure_buckets(js: JetStreamContext, settings: Settings) -> dict[str, KeyValue]:
