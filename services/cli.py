@@ -233,6 +233,8 @@ class LocalStack:
     workers: list[dict[str, Any]]
     children: dict[str, subprocess.Popen[bytes]]
     logs: dict[str, Path]
+    # The embedded server's admin credentials (NATS_URL/NATS_USER/NATS_PASSWORD, 0600).
+    admin_env: Path | None = None
 
     def dead_child(self) -> str | None:
         """``"<service> exited with code N; log: PATH"`` for the first dead child, else None."""
@@ -273,28 +275,47 @@ def free_port(host: str = "127.0.0.1") -> int:
 def local_stack(
     settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
     store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
-    stopping: threading.Event,
+    stopping: threading.Event, nats_auth: bool = True,
 ) -> Iterator[LocalStack]:
     """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
     as child processes, each in its own process group; wait until the gateway is ready
     and lists a worker of ``backend``; on exit stop them all (no stray processes).
 
+    With ``nats_auth`` the embedded server gets per-run random passwords for an admin
+    and each service, with each service's permissions (services/common/nats_auth.py),
+    in a configuration file in a private (0700) temporary directory removed at exit;
+    each service gets only its own user. An external server (``settings.nats_url``)
+    is left as configured: the services read their ``AIKG_NATS_*`` credentials.
+
     Raises:
         typer.Exit: code 1 when a service dies or is not up within ``ready_timeout`` s.
     """
     from services.common.embedded import EmbeddedNatsServer, die_with_parent
+    from services.common.nats_auth import BusCredentials
 
     nats: EmbeddedNatsServer | None = None
     children: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
+    credentials: BusCredentials | None = None
+    auth_dir: Path | None = None
+    admin_env: Path | None = None
     try:
         nats_url = settings.nats_url
         if not nats_url:
-            nats = EmbeddedNatsServer(store_dir, die_with_parent=True)
+            config = None
+            if nats_auth:
+                credentials = BusCredentials()
+                auth_dir = Path(tempfile.mkdtemp(prefix="aikg-nats-auth-"))
+                config = credentials.write_server_config(auth_dir / "nats-server.conf")
+            nats = EmbeddedNatsServer(store_dir, die_with_parent=True, config_file=config)
             try:
                 nats_url = nats.start()
             except (RuntimeError, FileNotFoundError) as exc:
                 _fail(ExitCode.FAILED, str(exc))
+            if credentials is not None and auth_dir is not None:
+                admin_env = credentials.write_admin_env(auth_dir / "nats-admin.env", nats_url)
+                err.print(f"NATS admin credentials (nats CLI): {admin_env} "
+                          f"(`set -a; . {admin_env}; set +a`)", markup=False, soft_wrap=True)
         if not verbose:
             log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -302,6 +323,12 @@ def local_stack(
         gateway_url = f"http://{host}:{port}"
         env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
                "PYTHONUNBUFFERED": "1"}
+        if nats is not None:
+            # The embedded server knows only its own users: credentials meant for
+            # another server would be refused (or contradict the per-run ones).
+            env = {k: v for k, v in env.items()
+                   if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
+                                                              "AIKG_NATS_STORE_DIR")}
         commands = {
             "gateway": ["gateway", "--host", host, "--port", str(port)],
             "generator": ["generator"],
@@ -314,16 +341,17 @@ def local_stack(
                 logs[name] = log_dir / f"{name}.log"
                 stream = logs[name].open("ab")
             try:
+                own = credentials.service_env(name) if credentials is not None else {}
                 children[name] = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", *args],
-                    env=env, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
+                    env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
                     start_new_session=True, preexec_fn=die_with_parent,
                 )
             finally:
                 if stream is not None:
                     stream.close()
         stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
-                           children=children, logs=logs)
+                           children=children, logs=logs, admin_env=admin_env)
         headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
         deadline = time.monotonic() + ready_timeout
         with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
@@ -348,6 +376,8 @@ def local_stack(
         _stop_children(children)
         if nats is not None:
             nats.stop()
+        if auth_dir is not None:
+            shutil.rmtree(auth_dir, ignore_errors=True)
 
 
 @app.command()
@@ -370,12 +400,17 @@ def up(
                                           help="Services log to this terminal instead.")] = False,
     ready_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for the gateway and a worker to come up.")] = 180.0,
+    nats_auth: Annotated[bool, typer.Option(
+        help="Embedded NATS: per-run credentials, one user per service with only its "
+        "subjects, no anonymous client. --no-nats-auth lets any local client in.")] = True,
 ) -> None:
     """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
 
-    NATS is an embedded nats-server unless AIKG_NATS_URL is set. Each service is a
-    child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits 1
-    when a service dies or does not come up in time (its log is named).
+    NATS is an embedded nats-server unless AIKG_NATS_URL is set. It refuses clients
+    without credentials: each service gets its own per-run user, and the admin's (for
+    the `nats` CLI) are written to a 0600 file whose path is printed. Each service is
+    a child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits
+    1 when a service dies or does not come up in time (its log is named).
     """
     settings = _settings()
     stopping = threading.Event()
@@ -390,7 +425,7 @@ def up(
         with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
                          devices=devices, store_dir=store_dir, log_dir=log_dir,
                          verbose=verbose, ready_timeout=ready_timeout,
-                         stopping=stopping) as stack:
+                         stopping=stopping, nats_auth=nats_auth) as stack:
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)

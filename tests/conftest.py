@@ -1,7 +1,13 @@
 """Shared fixtures: a real nats-server per test, settings, a bus, a served gateway.
 
 Each test gets its own JetStream server (and so its own streams and buckets), as in
-nats.py's own test suites: ``nats_server -> nats_url -> settings -> bus``.
+nats.py's own test suites: ``nats_server -> nats_url -> settings -> bus``. The server
+runs with the configuration ``aikg up`` uses (services/common/nats_auth.py): no
+anonymous client, one user per service with only its own subjects. ``settings``
+names each service's credentials (``nats_<role>_user`` / ``nats_<role>_password``), so
+the gateway, generator and worker a test starts each connect as themselves; the
+plain ``nats_user`` / ``nats_password`` are the admin's, used by the ``bus`` fixture
+(a test's hands on the bus: fake heartbeats, garbage records, stream reads).
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from schemas import WorkerInfo, encode
 from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
+from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
 
 RELU_TASK = """\
@@ -129,10 +137,33 @@ async def fake_worker_heartbeat_fixture() -> AsyncIterator[Callable[..., Awaitab
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def as_role(settings: Settings, role: str) -> Settings:
+    """``settings`` whose plain ``nats_user`` / ``nats_password`` are ``role``'s
+    (``gateway``, ``generator``, ``worker``): a client acting as that service."""
+    return msgspec.structs.replace(settings, nats_user=getattr(settings, f"nats_{role}_user"),
+                                   nats_password=getattr(settings, f"nats_{role}_password"))
+
+
+def role_env(settings: Settings, role: str) -> dict[str, str]:
+    """``AIKG_NATS_URL`` and ``role``'s ``AIKG_NATS_USER`` / ``AIKG_NATS_PASSWORD``, for a
+    service run as a child process."""
+    return {"AIKG_NATS_URL": settings.nats_url,
+            "AIKG_NATS_USER": getattr(settings, f"nats_{role}_user"),
+            "AIKG_NATS_PASSWORD": getattr(settings, f"nats_{role}_password")}
+
+
 @pytest.fixture
-def nats_server(tmp_path) -> Iterator[EmbeddedNatsServer]:
-    """A fresh nats-server with JetStream (store in the test's tmp dir), stopped after."""
-    server = EmbeddedNatsServer(tmp_path / "nats")
+def bus_credentials() -> BusCredentials:
+    """Random passwords of this test's NATS users (admin, gateway, generator, worker)."""
+    return BusCredentials()
+
+
+@pytest.fixture
+def nats_server(tmp_path, bus_credentials: BusCredentials) -> Iterator[EmbeddedNatsServer]:
+    """A fresh nats-server with JetStream (store in the test's tmp dir) and the
+    permissioned users of ``aikg up``, stopped after."""
+    conf = bus_credentials.write_server_config(tmp_path / "nats-auth.conf")
+    server = EmbeddedNatsServer(tmp_path / "nats", config_file=conf)
     server.start()
     try:
         yield server
@@ -146,15 +177,17 @@ def nats_url(nats_server: EmbeddedNatsServer) -> str:
 
 
 @pytest.fixture
-def settings(nats_url: str) -> Settings:
+def settings(nats_url: str, bus_credentials: BusCredentials) -> Settings:
     """Settings for this test's server, ignoring any ``AIKG_*`` of the environment.
 
-    Heartbeats every second (so the ``workers`` TTL is 3 s) and a free gateway port.
+    Heartbeats every second (so the ``workers`` TTL is 3 s) and a free gateway port;
+    each service's NATS credentials, and the admin's as the plain ones.
     """
     port = free_port()
     return load_settings(
         env={},
         nats_url=nats_url,
+        **bus_credentials.role_settings(),
         worker_heartbeat_s=1.0,
         gateway_port=port,
         gateway_url=f"http://127.0.0.1:{port}",

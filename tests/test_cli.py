@@ -14,8 +14,8 @@ import pytest
 
 from schemas import JobResult, VerifyResult
 from services.cli import parse_shape
-from services.common.bus import Bus, JobStore
-from services.common.settings import Settings
+from services.common.bus import Bus, JobStore, connect_bus
+from services.common.settings import Settings, load_settings
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
@@ -237,6 +237,21 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
         assert len(family) >= 4  # nats-server, gateway, generator, worker
         code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
         assert code == 2, err
+        # The embedded NATS takes per-run credentials only; the admin's are in a 0600 file.
+        while b"NATS admin credentials" not in (said := await proc.stderr.readline()):
+            assert said, "aikg up never said where the NATS admin credentials are"
+        admin_env = Path(said.decode().split("(nats CLI): ")[1].split()[0])
+        assert admin_env.stat().st_mode & 0o777 == 0o600
+        env = dict(ln.split("=", 1) for ln in admin_env.read_text().splitlines())
+        assert env["NATS_USER"] == "admin"
+        anonymous = load_settings(env={}, nats_url=env["NATS_URL"])
+        with pytest.raises(ConnectionError, match="refused this client's credentials"):
+            await connect_bus(anonymous, "anonymous")
+        admin = await connect_bus(load_settings(env={}, nats_url=env["NATS_URL"],
+                                                nats_user=env["NATS_USER"],
+                                                nats_password=env["NATS_PASSWORD"]), "admin")
+        assert await admin.workers.keys()  # the worker, connected as itself, beats
+        await admin.close()
     finally:
         if proc.returncode is None:
             proc.terminate()
@@ -247,6 +262,7 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
     assert not _alive(family)
     assert {"gateway.log", "generator.log", "worker.log"} <= {
         p.name for p in (tmp_path / "logs").iterdir()}
+    assert not admin_env.exists(), "the per-run credentials outlived aikg up"
 
 
 async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None:

@@ -26,6 +26,7 @@ import pytest
 from schemas import JobEvent, VerifyResult, decode, subjects
 from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
+from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
@@ -45,13 +46,15 @@ class Cluster:
     """Three clustered nats-servers on loopback with fixed ports, so a restarted node
     comes back where clients and routes expect it."""
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, credentials: BusCredentials, size: int = 3) -> None:
         self.names = [f"n{i + 1}" for i in range(size)]
+        # Every node takes the users and permissions `aikg up` uses.
+        conf = credentials.write_server_config(root / "auth.conf")
         route_ports = [free_port() for _ in self.names]
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
         self.nodes = {
             name: EmbeddedNatsServer(
-                root / name, port=free_port(),
+                root / name, port=free_port(), config_file=conf,
                 extra_args=["-n", name, "--cluster_name", "aikg",
                             "-cluster", f"nats://127.0.0.1:{route}", "-routes", routes])
             for name, route in zip(self.names, route_ports, strict=True)
@@ -88,8 +91,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    c = Cluster(tmp_path / "nats")
+def cluster(tmp_path: Path, bus_credentials: BusCredentials) -> Iterator[Cluster]:
+    c = Cluster(tmp_path / "nats", bus_credentials)
     c.start()
     try:
         yield c
@@ -201,14 +204,20 @@ async def wait_replicas_current(bus: Bus, timeout_s: float = 60.0) -> None:
 
 
 @pytest.mark.timeout(420)
-async def test_fifty_jobs_survive_a_node_kill_and_restart(cluster: Cluster) -> None:
+async def test_fifty_jobs_survive_a_node_kill_and_restart(
+        cluster: Cluster, bus_credentials: BusCredentials) -> None:
     started = time.monotonic()
     await cluster.meta_leader()
     port = free_port()
     settings = load_settings(
         env={}, nats_url=cluster.url, stream_replicas=3, worker_heartbeat_s=2.0,
         worker_devices="0,1", gateway_port=port, gateway_url=f"http://127.0.0.1:{port}",
-        metrics_port=-1, log_format="console", log_level="warning")
+        metrics_port=-1, log_format="console", log_level="warning",
+        **bus_credentials.role_settings())
+    # The cluster is credentialed: a client without credentials is refused by each node.
+    for node in cluster.nodes.values():
+        with pytest.raises(ConnectionError, match="refused this client's credentials"):
+            await connect_bus(load_settings(env={}, nats_url=node.url), "anonymous")
     bus = await connect_bus(settings, "test-cluster")
     retries: collections.Counter[str] = collections.Counter()
     job_ids = [f"cluster-{i:02d}" for i in range(JOBS)]

@@ -26,6 +26,7 @@ import yaml
 from services.cli import app
 from services.common.embedded import nats_server_binary
 from services.common.metrics import METRICS_HOST_ENV
+from services.common.nats_auth import ADMIN_USER, PERMISSIONS, deploy_auth_conf
 from services.common.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,6 +35,7 @@ COMPOSE = DEPLOY / "docker-compose.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "aikg.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 NATS_CONF = DEPLOY / "nats" / "nats.conf"
+AUTH_CONF = DEPLOY / "nats" / "auth.conf"
 
 # AIKG_* variables that are not Settings fields, read directly where documented.
 EXTRA_VARIABLES = {METRICS_HOST_ENV: "services/common/metrics.py"}
@@ -52,7 +54,7 @@ PENDING_METRICS = {
 
 _METRIC = re.compile(r"\baikg_[a-z0-9_]+\b")
 _HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
-_COMPOSE_VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?-([^}]*))?\}")
+_COMPOSE_VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?([-?])([^}]*))?\}")
 
 
 # --- helpers shared with tests/test_dashboard.py -------------------------------------
@@ -105,9 +107,27 @@ def compose() -> dict[str, Any]:
     return yaml.safe_load(COMPOSE.read_text())
 
 
-def interpolate(value: str) -> str:
-    """Compose's ``${VAR:-default}`` with the default (what an empty .env gives)."""
-    return _COMPOSE_VAR.sub(lambda m: m.group(2) or "", value)
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` with the default (what an empty .env gives), and
+    ``${VAR:?message}`` (required) with ``env[VAR]``, or empty."""
+    env = env or {}
+
+    def value_of(m: re.Match[str]) -> str:
+        if m.group(2) == "?":
+            return env.get(m.group(1), "")
+        return m.group(3) or ""
+
+    return _COMPOSE_VAR.sub(value_of, value)
+
+
+def required_variables(service: dict[str, Any]) -> dict[str, str]:
+    """Variables a service takes from deploy/.env with ``${VAR:?...}`` -> the key they set."""
+    out = {}
+    for key, value in (service.get("environment") or {}).items():
+        m = _COMPOSE_VAR.fullmatch(str(value))
+        if m and m.group(2) == "?":
+            out[m.group(1)] = key
+    return out
 
 
 def aikg_services() -> dict[str, dict[str, Any]]:
@@ -294,7 +314,9 @@ def test_images_match_the_code() -> None:
 
 def test_nats_configuration_is_valid_for_each_node() -> None:
     for node in ("nats-1", "nats-2", "nats-3"):
-        env = compose()["services"][node]["environment"]
+        service = compose()["services"][node]
+        dotenv = {var: f"pw-{var.lower()}" for var in required_variables(service)}
+        env = {k: interpolate(str(v), dotenv) for k, v in service["environment"].items()}
         done = subprocess.run([nats_server_binary(), "-c", str(NATS_CONF), "-t"],
                               env={**os.environ, **env}, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr + done.stdout
@@ -302,6 +324,31 @@ def test_nats_configuration_is_valid_for_each_node() -> None:
     routes = set(re.findall(r"nats-route://([\w-]+):(\d+)", conf))
     cluster_port = re.search(r"cluster\s*\{[^}]*?\bport:\s*(\d+)", conf, re.S).group(1)
     assert routes == {(n, cluster_port) for n in ("nats-1", "nats-2", "nats-3")}
+
+
+def test_nats_users_are_the_generated_ones_and_each_service_has_its_own() -> None:
+    """auth.conf is what services/common/nats_auth.py renders (the permissions the tests
+    run with); every node mounts it beside nats.conf and gets every password from
+    deploy/.env; every aikg service connects as the user of its role."""
+    assert AUTH_CONF.read_text() == deploy_auth_conf(), \
+        "deploy/nats/auth.conf is stale: python -m services.common.nats_auth > deploy/nats/auth.conf"
+    assert re.search(r"^include \./auth\.conf$", NATS_CONF.read_text(), re.M)
+    users = {ADMIN_USER, *PERMISSIONS}
+    referenced = set(re.findall(r"password: \$(AIKG_NATS_[A-Z]+_PASSWORD)", AUTH_CONF.read_text()))
+    assert referenced == {f"AIKG_NATS_{u.upper()}_PASSWORD" for u in users}
+    services = compose()["services"]
+    for node in ("nats-1", "nats-2", "nats-3"):
+        mounts = {src: dst for src, dst, *_ in (v.split(":") for v in services[node]["volumes"])}
+        assert mounts["./nats/auth.conf"] == str(Path(mounts["./nats/nats.conf"]).parent / "auth.conf")
+        # Passwords are required (compose stops with a message when one is unset).
+        assert set(required_variables(services[node])) >= referenced, node
+    role_of = {"gateway": "gateway", "generator": "generator", "worker": "worker"}
+    for name, service in aikg_services().items():
+        role = role_of[service["command"][0]]
+        env = service["environment"]
+        assert env["AIKG_NATS_USER"] == role, name
+        assert required_variables(service).get(f"AIKG_NATS_{role.upper()}_PASSWORD") == \
+            "AIKG_NATS_PASSWORD", name
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,

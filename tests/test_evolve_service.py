@@ -21,6 +21,7 @@ from schemas import JobRecord, JobSubmit, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
 from services.worker.service import run_worker
+from tests.conftest import role_env
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
 from tests.helpers import RELU_KERNEL, services_running, wait_terminal
 
@@ -99,7 +100,7 @@ async def test_evolve_job_with_a_scripted_llm(settings: Settings, bus: Bus, gate
 async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
         settings: Settings, bus: Bus, tmp_path: Path) -> None:
     job_id = "evolve-kill9"
-    env = {**os.environ, "AIKG_NATS_URL": settings.nats_url, "AIKG_METRICS_PORT": "-1",
+    env = {**os.environ, **role_env(settings, "generator"), "AIKG_METRICS_PORT": "-1",
            "AIKG_LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1"}
     env.pop("AIKG_LLM_BASE_URL", None)
     procs: list[subprocess.Popen[bytes]] = []

@@ -37,6 +37,7 @@ from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, encode
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
 from services.worker.service import run_worker
+from tests.conftest import role_env
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
 
 pytestmark = pytest.mark.slow
@@ -51,7 +52,7 @@ class Generators:
     """Starts generator processes against one NATS server and LLM endpoint."""
 
     def __init__(self, settings: Settings, fake: FakeLLM, log_dir: Path) -> None:
-        self.env = {**os.environ, "AIKG_NATS_URL": settings.nats_url,
+        self.env = {**os.environ, **role_env(settings, "generator"),
                     "AIKG_LLM_BASE_URL": fake.url, "AIKG_LLM_MODEL": "fake-coder",
                     "AIKG_LLM_API_KEY": "sk-recovery-test", "AIKG_METRICS_PORT": "-1",
                     "AIKG_LOG_FORMAT": "json", "AIKG_GENERATOR_CONCURRENCY": "1",

@@ -16,10 +16,12 @@ import re
 import shlex
 from pathlib import Path
 
+import nats
 import pytest
 
 from schemas import JobRecord, VerifyRequest, decode, subjects
 from services.common.bus import Bus
+from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
 
 pytestmark = pytest.mark.slow
@@ -57,17 +59,32 @@ async def gather_replies(nc, subject: str, payload: bytes = b"", wait_s: float =
     return replies
 
 
-async def test_every_cheat_sheet_line_works(settings: Settings, bus: Bus,
+async def admin_connection(argv: list[str], admin_env: Path):
+    """``nats context save ... --server "$NATS_URL" --user "$NATS_USER" --password
+    "$NATS_PASSWORD"`` after sourcing the admin file ``aikg up`` writes: a connection."""
+    env = dict(line.split("=", 1) for line in admin_env.read_text().splitlines() if line)
+    flags = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    values = {k: re.sub(r"\$(\w+)", lambda m: env[m.group(1)], v) for k, v in flags.items()}
+    return await nats.connect(values["--server"], user=values["--user"],
+                              password=values["--password"])
+
+
+async def test_every_cheat_sheet_line_works(settings: Settings, bus: Bus, tmp_path: Path,
+                                            bus_credentials: BusCredentials,
                                             fake_worker_heartbeat) -> None:
     from services.generator.service import run_generator
     from services.worker.service import run_worker
 
     sheet = cheat_sheet()
     cmds = {verb: lines[0] for verb, lines in sheet.items()}
-    assert {"pub", "sub", "kv get", "stream view", "kv ls", "micro ls", "micro info",
-            "req"} <= set(cmds), sorted(cmds)
+    assert {"context", "pub", "sub", "kv get", "stream view", "kv ls", "micro ls",
+            "micro info", "req"} <= set(cmds), sorted(cmds)
     assert len(sheet["kv get"]) == 2  # a job record, a worker's heartbeat
-    nc = bus.nc
+    # The server refuses anonymous clients: every line runs as the admin, connected the
+    # way the sheet's first line says, with the file `aikg up` writes.
+    admin_env = bus_credentials.write_admin_env(tmp_path / "nats-admin.env", settings.nats_url)
+    assert admin_env.stat().st_mode & 0o777 == 0o600
+    nc = await admin_connection(cmds["context"], admin_env)
 
     # `nats sub 'jobs.events.>'`, started before anything happens.
     sub_argv = cmds["sub"]
@@ -158,3 +175,4 @@ async def test_every_cheat_sheet_line_works(settings: Settings, bus: Bus,
         stop.set()
         await asyncio.wait_for(asyncio.gather(*services, return_exceptions=True), 60)
         await events.unsubscribe()
+        await nc.close()

@@ -22,6 +22,7 @@ from schemathesis import GenerationMode
 from schemas import JobEvent, JobSubmit, WorkerInfo, encode
 from services.common.bus import JobStore, connect_bus
 from services.common.jobs import cancel_job, new_record, publish_event
+from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
 from services.gateway.app import create_app
 
@@ -39,10 +40,11 @@ def _with_real_task(case):
 
 
 @pytest.fixture
-def fuzz_settings(nats_url: str) -> Settings:
+def fuzz_settings(nats_url: str, bus_credentials: BusCredentials) -> Settings:
     # A long heartbeat period: the fake worker's key must outlive the run (TTL 3 periods).
     return load_settings(env={}, nats_url=nats_url, worker_heartbeat_s=600.0, metrics_port=-1,
-                         log_format="console", log_level="error")
+                         log_format="console", log_level="error",
+                         **bus_credentials.role_settings())
 
 
 def _operations() -> list[tuple[str, str]]:

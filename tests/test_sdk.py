@@ -36,6 +36,7 @@ from services.sdk import (
     register_remote_worker,
 )
 from services.sdk import client as client_module
+from tests.conftest import as_role
 from tests.helpers import RELU_KERNEL, WRONG_RELU_KERNEL, services_running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -238,9 +239,13 @@ async def test_task_device_pool_is_deprecated_and_registers_one_local_worker(
 
 
 async def test_remote_registration_reads_capacity_from_live_workers(
-    nats_url: str, bus: Bus, fake_worker_heartbeat, fresh_manager: WorkerManager
+    nats_url: str, settings: Settings, bus: Bus, fake_worker_heartbeat,
+    fresh_manager: WorkerManager
 ) -> None:
-    none = await register_remote_worker(backend="cuda", arch="h200", nats_url=nats_url)
+    # The SDK connects with a generator's rights (verify.>, RESULTS, workers bucket).
+    client = as_role(settings, "generator")
+    none = await register_remote_worker(backend="cuda", arch="h200", nats_url=nats_url,
+                                        settings=client)
     assert fresh_manager.registrations[-1].capacity == 1
     with pytest.raises(NoWorkerError, match="no live AIKG worker for cuda/h200"):
         await none.verify(RELU, GOOD_KERNEL, "relu")
@@ -249,7 +254,8 @@ async def test_remote_registration_reads_capacity_from_live_workers(
     await fake_worker_heartbeat(bus, "cuda", "h200", worker_id="g2", devices=["0", "1", "2"],
                                 capacity=3)
     await fake_worker_heartbeat(bus, "cuda", "a100", worker_id="g3", capacity=8)
-    worker = await register_remote_worker(backend="cuda", arch="h200", worker_url=nats_url)
+    worker = await register_remote_worker(backend="cuda", arch="h200", worker_url=nats_url,
+                                          settings=client)
     assert fresh_manager.registrations[-1].capacity == 5
     status = await worker.status()
     assert (status["capacity"], status["devices"]) == (5, 5)
@@ -339,7 +345,8 @@ async def test_worker_only_mode_remote_worker_and_task(
     status with leases, capacity from the worker, and Task.run with local generation."""
     async with services_running(settings, bus, generator=False):
         worker = await register_remote_worker(backend="cpu", arch=settings.arch,
-                                              nats_url=nats_url)
+                                              nats_url=nats_url,
+                                              settings=as_role(settings, "generator"))
         assert fresh_manager.registrations[0].capacity == 1
 
         good, bad = await asyncio.gather(worker.verify(RELU, GOOD_KERNEL, "relu"),

@@ -37,6 +37,7 @@ from services.common.bus import Bus
 from services.common.consumer import durable_pull
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
+from tests.conftest import role_env
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +112,7 @@ class WorkerProcess:
         self.log_path = log_dir / f"{worker_id}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
         env.update({
-            "AIKG_NATS_URL": settings.nats_url,
+            **role_env(settings, "worker"),
             "AIKG_WORKER_ID": worker_id,
             "AIKG_WORKER_BACKEND": "cpu",
             "AIKG_WORKER_ARCH": settings.arch,

