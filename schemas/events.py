@@ -381,6 +381,9 @@ class WorkerInfo(Struct, kw_only=True):
 
     ``devices`` are device names (``"0"``, ``"1"`` … for GPUs, slots on ``cpu``);
     ``capacity`` is how many candidates it runs at once; ``in_flight`` how many it runs now.
+    ``sandbox``: each isolation mechanism of its sandbox in a phrase (``user 65534``,
+    ``no capabilities``, ``no network``, ``landlock v7``, ``seccomp``; ``no landlock``
+    when missing); ``sandbox_notes``: why a mechanism is missing on that machine.
     """
 
     worker_id: str
@@ -394,6 +397,8 @@ class WorkerInfo(Struct, kw_only=True):
     started_at: dt.datetime = field(default_factory=utcnow)
     updated_at: dt.datetime = field(default_factory=utcnow)
     status: Literal["running", "draining"] = "running"
+    sandbox: list[str] = field(default_factory=list)
+    sandbox_notes: list[str] = field(default_factory=list)
     type: Literal["worker.info"] = "worker.info"
     schema_version: int = SCHEMA_VERSION
 

@@ -236,17 +236,37 @@ def jobs_table(page: dict, width: int = 200) -> Table:
 
 
 def workers_table(listing: dict) -> Table:
-    """``aikg workers``: worker, backend/arch, devices, load (in-flight/capacity), leases."""
+    """``aikg workers``: worker, backend/arch, devices, load (in-flight/capacity), leases,
+    and its sandbox: ``full`` when every isolation mechanism is in force, else which are
+    missing (``aikg workers --json`` has the notes saying why)."""
     t = Table(box=None, header_style="bold", pad_edge=False)
-    for name in ("worker", "backend/arch", "devices", "load", "leases", "status", "host"):
+    for name in ("worker", "backend/arch", "devices", "load", "leases", "sandbox", "status",
+                 "host"):
         t.add_column(name, overflow="fold")
     for w in listing.get("workers", []):
         leases = ", ".join(f"{le.get('device')}:{le.get('job_id') or '-'}"
                            for le in w.get("leases") or []) or "-"
         t.add_row(w["worker_id"], f"{w['backend']}/{w['arch']}", ",".join(w.get("devices", [])),
                   f"{w.get('in_flight', 0)}/{w.get('capacity', 0)}", leases,
-                  w.get("status", ""), w.get("host", ""))
+                  sandbox_cell(w.get("sandbox") or []), w.get("status", ""), w.get("host", ""))
     return t
+
+
+_SANDBOX_GAPS = {"no user switch": "user switch", "network reachable": "network isolation",
+                 "no landlock": "landlock", "no seccomp": "seccomp"}
+
+
+def sandbox_cell(phrases: list[str]) -> Text:
+    """``full`` (green) when every isolation mechanism is in force, else ``missing: ...``
+    (yellow); ``?`` for a worker that did not say (an older version)."""
+    if not phrases:
+        return Text("?")
+    missing = [_SANDBOX_GAPS.get(p) or ("capabilities" if p.startswith("capabilities ") else "")
+               for p in phrases]
+    missing = [m for m in missing if m]
+    if not missing:
+        return Text("full", style="green")
+    return Text("missing: " + ", ".join(missing), style="yellow")
 
 
 def event_line(event: dict) -> Text:

@@ -314,3 +314,41 @@ async def test_local_worker_runs_task_code_in_the_sandbox(secret_env, nats_serve
         await worker.close()
     assert not passed
     assert_confined(facts_of(info["error"]))
+
+
+def test_required_mechanisms_and_how_workers_show_them() -> None:
+    from services.cli_render import sandbox_cell
+    from services.worker.sandbox import Isolation, Sandbox, SandboxRefused
+
+    full = Isolation(run_as=(65534, 65534), network_isolated=True, landlock_abi=7, seccomp=True)
+    full.check(("user", "capabilities", "network", "landlock", "seccomp"))
+    assert sandbox_cell(full.summary()).plain == "full"
+    bare = Isolation(run_as=None, network_isolated=True, capabilities=0x3, landlock_abi=0,
+                     notes=["files not confined (Landlock): Landlock is not available"])
+    bare.check(("network",))
+    with pytest.raises(SandboxRefused, match="lacks landlock, which the setting "
+                       "sandbox_require asks for: files not confined"):
+        bare.check(("network", "landlock"))
+    assert sandbox_cell(bare.summary()).plain == (
+        "missing: user switch, capabilities, landlock, seccomp")
+    assert sandbox_cell([]).plain == "?"
+    with pytest.raises(ValueError, match="unknown sandbox mechanism"):
+        Sandbox("cpu", name="x", require=("landlok",))
+
+
+async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None:
+    from schemas import WorkerInfo, decode
+
+    async with services_running(settings, bus, generator=False):
+        for _ in range(100):
+            infos = [decode((await bus.workers.get(k)).value, WorkerInfo)
+                     for k in await bus.workers.keys()]
+            if infos and infos[0].sandbox:
+                break
+            await asyncio.sleep(0.1)
+    assert len(infos[0].sandbox) == 5, infos
+    if os.geteuid() == 0 and not infos[0].sandbox_notes:
+        user, caps, network, landlock, seccomp = infos[0].sandbox
+        assert (user, caps, network, seccomp) == (
+            "user 65534", "no capabilities", "no network", "seccomp"), infos
+        assert landlock.startswith("landlock v"), infos

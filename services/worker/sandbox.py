@@ -447,6 +447,18 @@ class Isolation:
                 "landlock": self.landlock_abi > 0,
                 "seccomp": self.seccomp}
 
+    def check(self, require: tuple[str, ...] | list[str]) -> None:
+        """Raise when a mechanism in ``require`` is not in force.
+
+        Raises:
+            SandboxRefused: naming the missing mechanisms and the probe's notes.
+        """
+        missing = [m for m, on in self.in_force().items() if m in require and not on]
+        if missing:
+            raise SandboxRefused(
+                f"the sandbox lacks {', '.join(missing)}, which the setting sandbox_require "
+                f"asks for: {'; '.join(self.notes) or 'the probe gave no reason'}")
+
     def summary(self) -> list[str]:
         """One short phrase per mechanism, e.g. ``user 65534``, ``no landlock``."""
         on = self.in_force()
@@ -536,12 +548,7 @@ class Sandbox:
             self.pool.start()
             try:
                 self.isolation = self._probe()
-                missing = [m for m, on in self.isolation.in_force().items()
-                           if m in self.require and not on]
-                if missing:
-                    raise SandboxRefused(
-                        f"the sandbox lacks {', '.join(missing)}, which the setting "
-                        f"sandbox_require asks for: {'; '.join(self.isolation.notes) or 'see the notes'}")
+                self.isolation.check(self.require)
             except BaseException:
                 self.pool.close()
                 raise

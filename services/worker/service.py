@@ -248,7 +248,9 @@ class Worker:
         self.max_deliver = settings.verify_max_deliver
         memory = settings.memory_limit_bytes or (4 << 30 if self.backend == "cpu" else None)
         self.verifier = verifier or Verifier(
-            self.backend, worker_id=self.worker_id, memory_limit_bytes=memory
+            self.backend, worker_id=self.worker_id, memory_limit_bytes=memory,
+            sandbox_require=settings.sandbox_require_list,
+            sandbox_env_allow=settings.sandbox_env_allow_list,
         )
         self.jobs = JobStore(bus.jobs)
         self.labels = {"backend": self.backend, "arch": self.arch}
@@ -275,6 +277,8 @@ class Worker:
             version=services.__version__,
             started_at=self.started_at,
             status="draining" if self.draining else "running",
+            sandbox=self.verifier.sandbox.isolation.summary() if self.verifier.sandbox.started else [],
+            sandbox_notes=list(self.verifier.sandbox_notes),
         )
 
     async def heartbeat(self) -> None:
