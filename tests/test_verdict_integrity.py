@@ -12,6 +12,7 @@ from __future__ import annotations
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import torch
@@ -546,3 +547,12 @@ def test_scale_aware_comparison_numbers():
     assert correctness.compare_output(0, flat, torch.full((8,), 0.25)).passed
     assert correctness.compared_elements([torch.zeros(0, 1024)]) == (0, "output 0 has shape "
                                                                        "(0, 1024)")
+
+
+def test_readme_lists_every_rule() -> None:
+    """The README's rules table is exactly what the code's rule tables render."""
+    from services.worker.rules import rules_markdown
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- rules:start -->\n", 1)[1].split("<!-- rules:end -->", 1)[0]
+    assert table == rules_markdown(), "README's rules table is stale: paste rules_markdown()"

@@ -40,15 +40,15 @@ DYNAMIC_RULES: tuple[Rule, ...] = (
          _T + "test_numpy_doing_the_work_fails_the_ghost_replay"),
     Rule("D004", "candidate code reaching the harness (gc.get_objects/referrers, frames, ctypes, "
          "/proc, sockets, settrace, exec) is refused by an audit hook and fails the run",
-         "PEP 578 (runtime audit hooks); the forged-timing report in issue 12",
+         "PEP 578 (runtime audit hooks); this project's red-team: a timing frame forged via gc",
          _T + "test_finding_the_channel_through_gc_is_refused"),
     Rule("D005", "frames on the result channel that the harness did not write (keyed BLAKE2b "
          "chain over every frame) or that arrive outside the protocol (a Timing outside "
          "profiling, twice, or with the wrong sample count)",
-         "issue 12 (a Timing frame forged through gc was accepted)",
+         "this project's red-team: a timing frame sent by candidate code was accepted",
          _T + "test_forged_timing_frame_is_detected"),
     Rule("D006", "timings whose sum exceeds the wall time the parent observed for the phase",
-         "issue 12 acceptance", "tests/test_verifier.py::test_timings_larger_than_wall_time_are_"
+         "timings cross-checked against the parent's clock (red-team)", "tests/test_verifier.py::test_timings_larger_than_wall_time_are_"
          "inconsistent"),
     Rule("D007", "speedups implying more bytes/s than the arch's peak memory bandwidth "
          "(roofline floor over the task's input + output bytes)",
@@ -56,14 +56,14 @@ DYNAMIC_RULES: tuple[Rule, ...] = (
          _T + "test_roofline_floor"),
     Rule("D008", "a second input size: the task's own sizes when they fit, else a reduced size "
          "with non-power-of-two extents (kernels right only for the first tile)",
-         "KernelBench shape-generalisation reports; issue 12 (matmul/mean kernels)",
+         "KernelBench shape-generalisation reports (matmul/mean kernels right for one tile)",
          _T + "test_first_tile_matmul_fails_at_the_second_size"),
     Rule("D009", "scale-aware comparison: relative L2 error per dtype and constant outputs "
          "against a non-constant reference",
          "KernelBench issue #165 (outputs below atol pass with zeros)",
          _T + "test_constant_output_against_a_small_scale_reference_fails"),
     Rule("D010", "a verification that compared no elements never passes",
-         "issue 12 (--shape batch_size=0 passed)", _T + "test_zero_size_inputs_never_pass"),
+         "this project's red-team: --shape batch_size=0 passed with nothing compared", _T + "test_zero_size_inputs_never_pass"),
 )
 
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
@@ -156,3 +156,21 @@ def impossible_timing(gen_time_us: float, nbytes: int, arch: str) -> str | None:
     return (f"impossible timing: {gen_time_us:.3g} us for {nbytes / 1e6:.1f} MB of inputs and "
             f"outputs is {rate / 1e12:.1f} TB/s, above the {arch}'s peak memory bandwidth of "
             f"{PEAK_BANDWIDTH[arch.lower()] / 1e12:.2f} TB/s (at least {floor:.3g} us)")
+
+
+def rules_markdown() -> str:
+    """The README's table of every static (``S...``) and dynamic (``D...``) rule.
+
+    ``tests/test_verdict_integrity.py`` checks the README holds exactly this text
+    between its ``rules`` markers, so code and documentation cannot drift apart.
+    """
+    from services.worker.static_check import RULES
+
+    lines = ["| id | kind | what it catches | source | test |", "|---|---|---|---|---|"]
+    for rule in RULES:
+        lines.append(f"| {rule.id} | static (`{rule.tag}`) | {rule.catches} | {rule.source} "
+                     f"| `{rule.test.split('::')[-1]}` |")
+    for rule in DYNAMIC_RULES:
+        lines.append(f"| {rule.id} | dynamic | {rule.catches} | {rule.source} "
+                     f"| `{rule.test.split('::')[-1]}` |")
+    return "\n".join(line.replace("\n", " ") for line in lines) + "\n"
