@@ -1,5 +1,5 @@
 """The Python SDK: AIKGClient / AsyncAIKGClient over HTTP, RemoteWorker over NATS,
-LocalWorker in-process, WorkerManager and Task (reference/aikg-service-architecture.txt).
+LocalWorker in-process, WorkerManager and Task (docs/compatibility.md).
 
 Fast tests drive a served gateway with a fake worker heartbeat; the ``slow`` ones run
 a real worker (and generator) as asyncio tasks in the test's loop, as test_e2e does.
