@@ -22,8 +22,8 @@ import structlog
 from services.common.bus import Bus
 from services.common.logging import configure_logging
 from services.common.settings import Settings
-from tests.conftest import RELU_TASK, running_gateway
-from tests.helpers import RELU_KERNEL, services_running, wait_terminal
+from tests.conftest import running_gateway
+from tests.helpers import RELU_KERNEL, RELU_TASK, services_running, wait_terminal
 
 JOB_ID = "follow-me-relu"
 WORKER_IDS = ("worker_id", "request_id", "candidate_id")
