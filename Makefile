@@ -1,13 +1,14 @@
 # Two commands do all the set-up on a fresh machine (Python >= 3.11 and make):
 #   make run    create .venv if needed, start an embedded stack, submit a bundled task,
 #               print the verified kernel, stop the stack
-#   make test   create .venv if needed and run the whole test suite
+#   make test   create .venv if needed and run the whole test suite (what CI runs)
+#   make test-fast  the same without the `slow` end-to-end tests: the inner loop
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TASK ?= tasks/relu.py
 
-.PHONY: venv prometheus run test lint bench schema wheelhouse clean
+.PHONY: venv prometheus run test test-fast lint bench schema wheelhouse clean
 
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "AIKG needs Python >= 3.11; set PYTHON=python3.11")'
@@ -32,6 +33,10 @@ run: venv
 
 test: venv prometheus
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Tests marked `slow` (several services end to end, clusters, wheel builds) left out.
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,7 @@
 """msgspec records for every event and API body AIKG exchanges.
 
-Wire names follow DESIGN.md ("Wire names") and, for job submission and status, the
-HTTP AIKG server described in reference/aikg-service-architecture.txt. All payloads
+Wire names are public (HTTP bodies, events and ``nats`` CLI users rely on them); for
+job submission and status they are the HTTP AIKG server's (docs/compatibility.md). All payloads
 are JSON (see :func:`encode` / :func:`decode`), so ``nats pub`` / ``nats sub`` /
 ``nats kv get`` read and write them directly. Every record carries a ``type`` tag and
 a ``schema_version``; both have defaults, so a hand-written JSON body may omit them.

@@ -1,6 +1,6 @@
 """Every NATS subject, stream, consumer and bucket name AIKG uses, in one place.
 
-The table in DESIGN.md ("Subjects, streams, buckets") is the source of these names;
+docs/architecture.md ("Names on the bus") describes what each carries;
 `nats` CLI users and non-Python clients rely on them, so they are part of the public
 contract.
 """

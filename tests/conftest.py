@@ -27,28 +27,56 @@ from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
-
-RELU_TASK = """\
-import torch
-import torch.nn as nn
+from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
 
 
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
+@pytest.fixture(scope="session")
+def shared_verifier(tmp_path_factory):
+    """One started cpu :class:`~services.worker.verifier.Verifier` for the whole session.
+
+    Its fork server (torch and triton imported, the sandbox probed) takes seconds to
+    start; modules that only need a started cpu verifier share this one. Tests of
+    the sandbox's own start, or that need other settings (a secret in the environment
+    when the pool starts, another memory limit), build their own. Inputs above 64 MiB
+    fail as ``infrastructure``. Lend it to a worker with :func:`lend_verifier`.
+    """
+    from services.worker.verifier import Verifier
+
+    verifier = Verifier("cpu", worker_id="test-shared",
+                        scratch_root=tmp_path_factory.mktemp("shared-verifier"),
+                        memory_limit_bytes=64 << 20)
+    verifier.start()
+    yield verifier
+    verifier.close()
 
 
-batch_size = 16
-dim = 1024
+class LentVerifier:
+    """The session's verifier lent to one :class:`~services.worker.service.Worker`.
+
+    While lent, the verifier reports the borrower's ``worker_id`` in its results (as a
+    verifier of that worker would); :meth:`close` ends the loan instead of stopping the
+    fork server, which the next borrower reuses. One loan at a time.
+    """
+
+    def __init__(self, verifier: Any, worker_id: str) -> None:
+        self.verifier = verifier
+        self.worker_id = worker_id
+        self._owner = verifier.worker_id
+        verifier.worker_id = worker_id
+
+    def start(self) -> None:
+        self.verifier.start()
+
+    async def verify(self, request: Any, *, device: str) -> Any:
+        return await self.verifier.verify(request, device=device)
+
+    def close(self) -> None:
+        self.verifier.worker_id = self._owner
 
 
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
+def lend_verifier(verifier: Any, worker_id: str) -> LentVerifier:
+    """Lend the session's verifier to a worker with id ``worker_id`` (see :class:`LentVerifier`)."""
+    return LentVerifier(verifier, worker_id)
 
 
 @pytest.fixture(scope="session")
@@ -161,9 +189,14 @@ def bus_credentials() -> BusCredentials:
 @pytest.fixture
 def nats_server(tmp_path, bus_credentials: BusCredentials) -> Iterator[EmbeddedNatsServer]:
     """A fresh nats-server with JetStream (store in the test's tmp dir) and the
-    permissioned users of ``aikg up``, stopped after."""
+    permissioned users of ``aikg up``, stopped after.
+
+    Started with ``die_with_parent``: when the test process dies without running this
+    fixture's teardown (SIGKILL, a hard timeout), Linux sends the server SIGTERM, so an
+    interrupted run leaves no server behind. Start and restart it from the main thread
+    (the death signal follows the thread that started it)."""
     conf = bus_credentials.write_server_config(tmp_path / "nats-auth.conf")
-    server = EmbeddedNatsServer(tmp_path / "nats", config_file=conf)
+    server = EmbeddedNatsServer(tmp_path / "nats", config_file=conf, die_with_parent=True)
     server.start()
     try:
         yield server

@@ -1,5 +1,6 @@
-"""Helpers shared by the service-level tests: a hand-written candidate, running the
-worker and generator in the test's loop, and reading a stream's history."""
+"""Task constants and helpers shared by the tests: the relu task and hand-written
+candidates for it, running the worker and generator in the test's loop, and reading a
+stream's history. Define a task or a helper here once rather than in each test file."""
 
 from __future__ import annotations
 
@@ -17,6 +18,35 @@ from services.common.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
+DATA = Path(__file__).resolve().parent / "data"
+
+# A small KernelBench-format task: torch.relu on a 16 x 1024 float32 tensor.
+RELU_TASK = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return torch.relu(x)
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+"""
+# The bundled tasks/relu.py (16 x 4096), as `aikg run` and the README use it.
+BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 
 # A correct hand-written candidate for tasks/relu.py (any shape: it runs flattened).
 RELU_KERNEL = '''\

@@ -212,7 +212,7 @@ def test_server_configuration_is_private_and_valid(tmp_path: Path) -> None:
 async def _serve(tmp_path: Path, conf_text: str) -> EmbeddedNatsServer:
     conf = tmp_path / "server.conf"
     conf.write_text(conf_text)
-    server = EmbeddedNatsServer(tmp_path / "store", config_file=conf)
+    server = EmbeddedNatsServer(tmp_path / "store", config_file=conf, die_with_parent=True)
     server.start()
     return server
 

@@ -30,8 +30,8 @@ from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
-from tests.conftest import RELU_TASK, free_port, running_gateway
-from tests.helpers import RELU_KERNEL
+from tests.conftest import free_port, running_gateway
+from tests.helpers import RELU_KERNEL, RELU_TASK
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ class Cluster:
         routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
         self.nodes = {
             name: EmbeddedNatsServer(
-                root / name, port=free_port(), config_file=conf,
+                root / name, port=free_port(), config_file=conf, die_with_parent=True,
                 extra_args=["-n", name, "--cluster_name", "aikg",
                             "-cluster", f"nats://127.0.0.1:{route}", "-routes", routes])
             for name, route in zip(self.names, route_ports, strict=True)

@@ -41,8 +41,8 @@ from services.common.queue_metrics import Snapshot, poll, register, run_queue_me
 from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
-from tests.conftest import RELU_TASK, free_port, running_gateway
-from tests.helpers import RELU_KERNEL, wait_terminal
+from tests.conftest import free_port, running_gateway
+from tests.helpers import RELU_KERNEL, RELU_TASK, wait_terminal
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,

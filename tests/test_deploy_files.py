@@ -1,6 +1,6 @@
 """deploy/ matches the code: compose commands, variables, ports, images, configs, dashboard.
 
-No Docker engine here (DESIGN.md, "Facts"), so each file is checked against what
+No Docker engine on the test machines, so each file is checked against what
 reads it: ``aikg`` commands against the typer app's own parser, ``AIKG_*`` variables
 against :class:`Settings`, the NATS configuration by ``nats-server -t``, the
 Prometheus configuration by ``promtool`` (when installed), ports and host names across

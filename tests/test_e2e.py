@@ -90,8 +90,8 @@ async def test_raw_json_on_jobs_submit_runs_like_http(stack: str, bus: Bus) -> N
     msgspec.json.decode(entry.value, type=JobRecord)
 
 
-async def test_kernelbench_file_unchanged_with_shape_overrides(stack: str) -> None:
-    source = DATA / "kernelbench_19_ReLU.py"
+async def test_large_task_unchanged_with_shape_overrides(stack: str) -> None:
+    source = DATA / "relu_large.py"
     async with httpx.AsyncClient(base_url=stack, timeout=10) as client:
         resp = await client.post("/api/v1/jobs/submit", json=submit_body(
             source, shape_overrides={"batch_size": 16, "dim": 4096}))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -18,16 +17,15 @@ from services.generator.evolve import (
     retune,
 )
 from services.worker.verifier import Verifier
+from tests.helpers import BUNDLED_RELU_TASK
 
-TASK = (Path(__file__).resolve().parent.parent / "tasks" / "relu.py").read_text()
+TASK = BUNDLED_RELU_TASK
 
 
-@pytest.fixture(scope="module")
-def verifier():
-    v = Verifier("cpu", worker_id="evolve-test")
-    v.start()
-    yield v
-    v.close()
+@pytest.fixture
+def verifier(shared_verifier):
+    """The session's started cpu verifier (64 MiB input limit, tests/conftest.py)."""
+    return shared_verifier
 
 
 @pytest.fixture(scope="module")

@@ -23,12 +23,12 @@ from services.common.settings import Settings
 from services.worker.service import run_worker
 from tests.conftest import role_env
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
-from tests.helpers import RELU_KERNEL, services_running, wait_terminal
+from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, services_running, wait_terminal
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-RELU = (ROOT / "tasks" / "relu.py").read_text()
+RELU = BUNDLED_RELU_TASK
 EVOLVE = {"job_type": "evolve", "max_rounds": 3, "parallel_num": 4, "num_islands": 2,
           "migration_interval": 1, "elite_size": 4, "parent_selection_prob": 0.5,
           "shape_overrides": {"batch_size": 4, "dim": 512}, "trials": 1}

@@ -439,8 +439,14 @@ async def test_gateway_stops_promptly_with_an_event_stream_open(
 async def test_nats_gone_answers_503_with_retry_after(nats_server, gateway: str) -> None:
     """With the NATS server killed, routes that need it answer 503 (retry), never 500."""
     nats_server.kill()
-    await asyncio.sleep(0.5)  # the client notices the closed socket
     async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
+        # Wait until the gateway's NATS client has noticed the closed socket.
+        for _ in range(500):
+            if (await client.get("/readyz")).status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            pytest.fail("/readyz still answered 200 10 s after the NATS server was killed")
         for path in ("/api/v1/workers", "/api/v1/jobs/some-job/status", "/api/v1/jobs"):
             t0 = asyncio.get_running_loop().time()
             resp = await client.get(path)

@@ -39,6 +39,7 @@ from services.common.settings import Settings
 from services.worker.service import run_worker
 from tests.conftest import role_env
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests.helpers import BUNDLED_RELU_TASK
 
 pytestmark = pytest.mark.slow
 
@@ -222,7 +223,7 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
 
 # --- corrupt records, strict raw submissions (issue 11 item 5) ---------------------
 
-RELU = (ROOT / "tasks" / "relu.py").read_text()
+RELU = BUNDLED_RELU_TASK
 GARBAGE = b"\x00\xff this is not a job record {"
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
-from tests.test_verifier import RELU_TASK
+from tests.helpers import RELU_TASK
 
 SECRET = "sekrit"
 

@@ -3,7 +3,7 @@
 The three services run in this event loop with :func:`configure_logging` writing
 JSON to a file; every line that mentions the job must carry ``job_id``, and the
 worker's lines about it also ``worker_id``, ``request_id`` and ``candidate_id``
-(STYLE.md, "House rules"; issue 7, "Logs"). In one process ``service`` is the same
+(issue 7, "Logs"). In one process ``service`` is the same
 for all three, so the ``logger`` name (``aikg.gateway``, ``aikg.generator``,
 ``aikg.worker`` ...) tells them apart.
 """
@@ -22,8 +22,8 @@ import structlog
 from services.common.bus import Bus
 from services.common.logging import configure_logging
 from services.common.settings import Settings
-from tests.conftest import RELU_TASK, running_gateway
-from tests.helpers import RELU_KERNEL, services_running, wait_terminal
+from tests.conftest import running_gateway
+from tests.helpers import RELU_KERNEL, RELU_TASK, services_running, wait_terminal
 
 JOB_ID = "follow-me-relu"
 WORKER_IDS = ("worker_id", "request_id", "candidate_id")

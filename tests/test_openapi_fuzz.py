@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import schemathesis
@@ -25,12 +24,13 @@ from services.common.jobs import cancel_job, new_record, publish_event
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings, load_settings
 from services.gateway.app import create_app
+from tests.helpers import BUNDLED_RELU_TASK
 
 pytestmark = pytest.mark.slow
 
 EXAMPLES_PER_OPERATION = 100
 KNOWN_JOB = "fuzz-known-job"
-RELU_TASK = (Path(__file__).resolve().parent.parent / "tasks" / "relu.py").read_text()
+RELU_TASK = BUNDLED_RELU_TASK
 
 
 def _with_real_task(case):

@@ -1,5 +1,5 @@
 """The Python SDK: AIKGClient / AsyncAIKGClient over HTTP, RemoteWorker over NATS,
-LocalWorker in-process, WorkerManager and Task (reference/aikg-service-architecture.txt).
+LocalWorker in-process, WorkerManager and Task (docs/compatibility.md).
 
 Fast tests drive a served gateway with a fake worker heartbeat; the ``slow`` ones run
 a real worker (and generator) as asyncio tasks in the test's loop, as test_e2e does.
@@ -37,10 +37,10 @@ from services.sdk import (
 )
 from services.sdk import client as client_module
 from tests.conftest import as_role
-from tests.helpers import RELU_KERNEL, WRONG_RELU_KERNEL, services_running
+from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, WRONG_RELU_KERNEL, services_running
 
 ROOT = Path(__file__).resolve().parent.parent
-RELU = (ROOT / "tasks" / "relu.py").read_text()
+RELU = BUNDLED_RELU_TASK
 
 GOOD_KERNEL = RELU_KERNEL
 WRONG_KERNEL = WRONG_RELU_KERNEL

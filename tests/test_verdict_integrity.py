@@ -21,7 +21,7 @@ from schemas.events import VerifyRequest
 from services.worker import _child, correctness, rules
 from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
-from tests.test_verifier import RELU_TASK
+from tests.helpers import RELU_TASK
 
 SOFTMAX_TASK = """\
 import torch
@@ -196,13 +196,10 @@ def request(code: str, task: str = RELU_TASK, **kwargs) -> VerifyRequest:
     return VerifyRequest(**fields)
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    v = Verifier("cpu", worker_id="test-integrity",
-                 scratch_root=tmp_path_factory.mktemp("integrity"), memory_limit_bytes=64 << 20)
-    v.start()
-    yield v
-    v.close()
+@pytest.fixture
+def verifier(shared_verifier):
+    """The session's started cpu verifier (64 MiB input limit, tests/conftest.py)."""
+    return shared_verifier
 
 
 @pytest.fixture

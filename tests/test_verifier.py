@@ -17,32 +17,8 @@ import torch
 from schemas.events import VerifyRequest
 from services.worker import _child, correctness
 from services.worker.sandbox import captured_output, clean_environment, describe_exit
-from services.worker.verifier import Verifier, _Verdict, speedup_fields
-
-RELU_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        return torch.relu(x)
-
-
-batch_size = 16
-dim = 1024
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
+from services.worker.verifier import _Verdict, speedup_fields
+from tests.helpers import RELU_TASK
 
 KERNEL = """\
 import torch
@@ -111,14 +87,10 @@ def request(code: str | None = None, task: str = RELU_TASK, **kwargs) -> VerifyR
     return VerifyRequest(**fields)
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    v = Verifier("cpu", worker_id="test-verifier",
-                 scratch_root=tmp_path_factory.mktemp("verifier"),
-                 memory_limit_bytes=64 << 20)
-    v.start()
-    yield v
-    v.close()
+@pytest.fixture
+def verifier(shared_verifier):
+    """The session's started cpu verifier (64 MiB input limit, tests/conftest.py)."""
+    return shared_verifier
 
 
 # ------------------------------------------------------------------ end to end
@@ -133,7 +105,7 @@ async def test_correct_relu_passes(verifier):
     assert (result.atol, result.rtol) == (1e-4, 1e-4)
     assert result.trials == 3
     assert result.max_abs_error == 0.0
-    assert result.worker_id == "test-verifier" and result.device == "0"
+    assert result.worker_id == "test-shared" and result.device == "0"
 
 
 async def test_wrong_candidate_is_a_mismatch_with_details(verifier):
@@ -213,7 +185,8 @@ async def test_broken_reference_is_infrastructure(verifier):
 
 
 async def test_reference_outputs_are_cached(verifier):
-    task = RELU_TASK.replace("dim = 1024", "dim = 512")
+    # A task no other test sends: the session's verifier may have cached others.
+    task = RELU_TASK.replace("dim = 1024", "dim = 512") + "# reference cache test\n"
     runs = verifier.reference_runs
     # Two references: the requested sizes and the reduced second size.
     first = await verifier.verify(request(task=task), device="0")

@@ -38,11 +38,12 @@ from services.common.consumer import durable_pull
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
 from tests.conftest import role_env
+from tests.helpers import BUNDLED_RELU_TASK
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-RELU_TASK = (ROOT / "tasks" / "relu.py").read_text()
+RELU_TASK = BUNDLED_RELU_TASK
 SHAPES = {"batch_size": 16, "dim": 1024}
 # Kill/redeliver rounds (the issue asks for 20). About 7 s each on two shared cores:
 # ack_wait before the redelivery plus the survivor's run.

@@ -1,7 +1,9 @@
 """The worker service over a real nats-server: delivery, devices, leases, control.
 
-Each test runs the real :func:`run_worker` as an asyncio task in the test's loop (its
-fork server and sandboxed children are real processes) and talks to it the way other
+Each test runs a worker as an asyncio task in the test's loop: the first the real
+:func:`run_worker` with its own fork server, the others a :class:`Worker` with the
+session's started verifier lent to it (``shared_verifier``; its fork server and
+sandboxed children are real processes), and talks to it the way other
 services and ``nats`` CLI users do: raw JSON on ``verify.cpu.<arch>``, results on
 ``results.<job_id>``, the ``leases`` / ``workers`` / ``jobs`` buckets, the DLQ stream
 and the ``aikg.worker.<worker_id>.{status,drain}`` endpoints.
@@ -28,14 +30,17 @@ import nats.js.errors
 import pytest
 
 from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, subjects, utcnow
-from services.common.bus import Bus, JobStore
+from services.common.bus import Bus, JobStore, connect_bus
 from services.common.consumer import durable_pull
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
-from services.worker.service import run_worker
+from services.worker.service import Worker, run_worker
+from services.worker.verifier import Verifier
+from tests.conftest import lend_verifier
+from tests.helpers import BUNDLED_RELU_TASK
 
 ROOT = Path(__file__).resolve().parent.parent
-RELU_TASK = (ROOT / "tasks" / "relu.py").read_text()
+RELU_TASK = BUNDLED_RELU_TASK
 SHAPES = {"batch_size": 16, "dim": 1024}
 # Generous: two shared cores, and each worker imports torch + triton in its fork server.
 START_TIMEOUT_S = 120.0
@@ -134,19 +139,34 @@ async def results(bus: Bus) -> Results:
     return collector
 
 
-@contextlib.asynccontextmanager
-async def running_worker(settings: Settings, bus: Bus, **overrides: Any
-                         ) -> AsyncIterator[tuple[Settings, asyncio.Task]]:
-    """``run_worker`` as a task until the block ends; waits for its first heartbeat.
+async def serve_with(settings: Settings, stop: asyncio.Event, verifier: Verifier) -> None:
+    """What :func:`run_worker` does, with the session's started verifier lent to the
+    worker instead of a fork server of its own."""
+    worker_bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id}", role="worker")
+    try:
+        await Worker(worker_bus, settings,
+                     verifier=lend_verifier(verifier, settings.worker_id)).run(stop)
+    finally:
+        await worker_bus.close()
 
-    ``overrides`` replace settings fields (``worker_devices``, ``verify_ack_wait_s`` ...);
-    the worker id is fresh unless given.
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, bus: Bus, *, verifier: Verifier | None = None,
+                         **overrides: Any) -> AsyncIterator[tuple[Settings, asyncio.Task]]:
+    """A worker as a task until the block ends; waits for its first heartbeat.
+
+    Without ``verifier`` it is the real :func:`run_worker` (its own fork server, a few
+    seconds to start); with one (the session's ``shared_verifier``) it is
+    :func:`serve_with`. ``overrides`` replace settings fields (``worker_devices``,
+    ``verify_ack_wait_s`` ...); the worker id is fresh unless given.
     """
     overrides.setdefault("worker_id", f"w-{uuid.uuid4().hex[:8]}")
     overrides.setdefault("verify_ack_wait_s", 3.0)
     worker_settings = msgspec.structs.replace(settings, **overrides)
     stop = asyncio.Event()
-    task = asyncio.create_task(run_worker(worker_settings, stop), name="worker")
+    serving = (run_worker(worker_settings, stop) if verifier is None
+               else serve_with(worker_settings, stop, verifier))
+    task = asyncio.create_task(serving, name="worker")
 
     async def beating() -> bool:
         if task.done():
@@ -245,8 +265,10 @@ async def test_raw_request_gets_passed_result_and_status_answers(
 
 
 async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
-        settings: Settings, bus: Bus, results: Results) -> None:
-    async with running_worker(settings, bus, worker_devices="0,1") as (ws, _):
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
+    async with running_worker(settings, bus, verifier=shared_verifier,
+                              worker_devices="0,1") as (ws, _):
         bodies = [request_body(settings, f"job-cap-{i}", slow_candidate(4.0), trials=1)
                   for i in range(3)]
         for body in bodies:
@@ -283,8 +305,9 @@ async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
 
 
 async def test_drain_finishes_in_flight_work_then_leaves_workers_bucket(
-        settings: Settings, bus: Bus, results: Results) -> None:
-    async with running_worker(settings, bus) as (ws, task):
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
+    async with running_worker(settings, bus, verifier=shared_verifier) as (ws, task):
         busy = request_body(settings, "job-drain", slow_candidate(3.0), trials=1)
         await publish_request(bus, settings, busy)
         await poll(lambda: lease_keys(bus, ws.worker_id), 60, "lease while running")
@@ -311,8 +334,9 @@ async def test_drain_finishes_in_flight_work_then_leaves_workers_bucket(
 
 
 async def test_malformed_requests_are_dead_lettered_and_the_next_is_served(
-        settings: Settings, bus: Bus, results: Results) -> None:
-    async with running_worker(settings, bus):
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
+    async with running_worker(settings, bus, verifier=shared_verifier):
         await publish_request(bus, settings, b"this is {not json", msg_id="bad-1")
         wrong = {"job_id": "job-malformed", "request_id": 42, "code": "x"}
         await publish_request(bus, settings, json.dumps(wrong).encode(), msg_id="bad-2")
@@ -339,7 +363,8 @@ async def test_malformed_requests_are_dead_lettered_and_the_next_is_served(
 
 
 async def test_request_past_max_deliver_is_dead_lettered_with_failed_result(
-        settings: Settings, bus: Bus, results: Results) -> None:
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
     max_deliver = 2
     subject = subjects.verify("cpu", settings.arch)
     # The consumer as a worker creates it, then max_deliver deliveries that each end
@@ -355,7 +380,8 @@ async def test_request_past_max_deliver_is_dead_lettered_with_failed_result(
         await msg.nak()
     await psub.unsubscribe()
 
-    async with running_worker(settings, bus, verify_max_deliver=max_deliver):
+    async with running_worker(settings, bus, verifier=shared_verifier,
+                              verify_max_deliver=max_deliver):
         (result,) = await results.wait("job-poison")
         await poll(lambda: queue_drained(bus, settings), 10, "poison request acked")
 
@@ -372,13 +398,14 @@ async def test_request_past_max_deliver_is_dead_lettered_with_failed_result(
 
 
 async def test_request_of_cancelled_job_is_acked_without_running(
-        settings: Settings, bus: Bus, results: Results) -> None:
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
     submit = JobSubmit(op_name="relu", task_desc=RELU_TASK, job_id="job-cancelled")
     record = JobRecord(job_id="job-cancelled", status="cancelled", job_type="single",
                        op_name="relu", submit_time=utcnow(), backend="cpu",
                        arch=settings.arch, request=submit, error="cancelled by user")
     assert await JobStore(bus.jobs).create(record)
-    async with running_worker(settings, bus) as (ws, _):
+    async with running_worker(settings, bus, verifier=shared_verifier) as (ws, _):
         # If it ran, it would hold the only device (and a lease) for 30 s.
         await publish_request(bus, settings,
                               request_body(settings, "job-cancelled", slow_candidate(30.0)))
@@ -395,10 +422,11 @@ async def test_request_of_cancelled_job_is_acked_without_running(
 
 
 async def test_run_longer_than_ack_wait_is_kept_with_in_progress(
-        settings: Settings, bus: Bus, results: Results) -> None:
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
     ack_wait = 3.0
     # A second free device would take the request at once if it were redelivered.
-    async with running_worker(settings, bus, worker_devices="0,1",
+    async with running_worker(settings, bus, verifier=shared_verifier, worker_devices="0,1",
                               verify_ack_wait_s=ack_wait):
         body = request_body(settings, "job-long", slow_candidate(2 * ack_wait), trials=1)
         await publish_request(bus, settings, body)
@@ -415,8 +443,9 @@ async def test_run_longer_than_ack_wait_is_kept_with_in_progress(
 
 
 async def test_consumer_deleted_under_a_running_worker_is_recreated(
-        settings: Settings, bus: Bus, results: Results) -> None:
-    async with running_worker(settings, bus):
+        settings: Settings, bus: Bus, results: Results,
+        shared_verifier: Verifier) -> None:
+    async with running_worker(settings, bus, verifier=shared_verifier):
         await bus.js.delete_consumer(subjects.STREAM_VERIFY,
                                      subjects.verify_consumer("cpu", settings.arch))
         body = request_body(settings, "job-after-delete")
@@ -428,11 +457,12 @@ async def test_consumer_deleted_under_a_running_worker_is_recreated(
 
 
 async def test_heartbeat_is_back_promptly_after_nats_restarts(
-        nats_server, settings: Settings, bus: Bus) -> None:
+        shared_verifier: Verifier, nats_server, settings: Settings, bus: Bus) -> None:
     """A NATS outage longer than the heartbeat period: the worker keeps running and its
     heartbeat key is renewed soon after the server is back (failed puts are retried
     every HEARTBEAT_RETRY_S, not a period later)."""
-    async with running_worker(settings, bus, worker_heartbeat_s=2.0) as (worker, task):
+    async with running_worker(settings, bus, verifier=shared_verifier,
+                              worker_heartbeat_s=2.0) as (worker, task):
         before = (await bus.workers.get(worker.worker_id)).revision
         nats_server.kill()
         await asyncio.sleep(3.0)  # puts fail meanwhile

@@ -1,7 +1,7 @@
 """NATS connection, idempotent JetStream bootstrap, and the ``jobs`` bucket store.
 
 Every service calls :func:`connect_bus`; it connects with reconnect and creates any
-stream or bucket that is missing (DESIGN.md, "Subjects, streams, buckets"), so the
+stream or bucket that is missing (docs/architecture.md, "Names on the bus"), so the
 services can start in any order against an empty server.
 """
 
@@ -68,7 +68,8 @@ class Bus:
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:
-    """The five streams of DESIGN.md with their retention and limits."""
+    """The five streams (docs/architecture.md, "Subjects and streams") with their
+    retention and limits."""
     r = settings.stream_replicas
     return [
         StreamConfig(

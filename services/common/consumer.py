@@ -1,6 +1,7 @@
 """Pull-consumer helpers shared by the generator and the workers.
 
-Facts from DESIGN.md that shape this module: ``fetch()`` on an empty consumer may
+Facts that shape this module (docs/architecture.md, "NATS behaviour the code relies
+on"): ``fetch()`` on an empty consumer may
 raise ``nats.errors.TimeoutError``, a bare ``asyncio.TimeoutError``, or return ``[]``;
 messages that hit max_deliver stay in a work-queue stream, so dead-lettering is the
 consumer's job.

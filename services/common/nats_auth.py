@@ -11,8 +11,8 @@ syntax for ``aikg up``'s embedded server, the tests' servers and
 The rights are subjects a user may publish to and subscribe on, in nats-server's
 ``authorization { users = [ {user, password, permissions} ] }`` form
 (https://docs.nats.io/running-a-nats-service/configuration/securing_nats/authorization).
-Everything JetStream does is a publish on a subject (the JetStream API reference,
-https://docs.nats.io/reference/reference-protocols/nats_api_reference):
+Everything JetStream does is a publish on a subject (the ``JSApi*`` subject constants
+of nats-server's ``server/jetstream_api.go``, https://github.com/nats-io/nats-server):
 
 - ``$JS.API.STREAM.INFO.<stream>``, ``$JS.API.STREAM.CREATE.<stream>``: look up and
   create a stream (a key-value bucket ``b`` is the stream ``KV_b``, an object store

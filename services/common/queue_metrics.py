@@ -1,7 +1,8 @@
 """Queue depth and fleet size as Prometheus gauges, read from JetStream.
 
-nats-server has no ``/metrics`` (DESIGN.md, "Facts"): queue depth comes from consumer
-info. :func:`run_queue_metrics` polls, every ``interval_s`` seconds, the info of each
+nats-server has no Prometheus ``/metrics`` (its monitoring endpoints, ``/varz``, ``/jsz``
+..., answer JSON: https://docs.nats.io/running-a-nats-service/nats_admin/monitoring):
+queue depth comes from consumer info. :func:`run_queue_metrics` polls, every ``interval_s`` seconds, the info of each
 ``verify-<backend>-<arch>`` durable on VERIFY and of the ``generator`` durable on
 JOBS, and the ``workers`` bucket; a custom collector serves the latest snapshot:
 

@@ -1,6 +1,6 @@
 """The gateway: AIKG's HTTP API (Litestar), in front of NATS.
 
-Routes keep the reference server's names (reference/aikg-service-architecture.txt,
+Routes keep the names of the HTTP AIKG service it replaces (docs/compatibility.md,
 ``AIKGClient``): ``POST /api/v1/jobs/submit``, ``GET /api/v1/jobs/{job_id}/status``,
 ``GET /api/v1/workers/status``; and add what it lacked: ``GET /api/v1/jobs`` (list),
 ``POST /api/v1/jobs/{job_id}/cancel``, ``GET /api/v1/jobs/{job_id}/events`` (SSE),

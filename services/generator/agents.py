@@ -4,7 +4,7 @@ Each agent builds its prompt from the prompt files in ``prompts/`` (role, Triton
 guide, notes on the target backend and arch) plus the job at hand, and talks to its
 model through a ``chat(agent, messages)`` callable (the service binds
 :meth:`services.generator.llm.LLMClient.chat` to the job, so usage lands in the job
-record). Agents know nothing of NATS (STYLE.md).
+record). Agents know nothing of NATS (docs/architecture.md, "Where the code is").
 
 The coder's reply is only a candidate once :func:`extract_code` found one complete
 module in it that parses, defines ``class ModelNew`` with a ``forward`` and at least
@@ -168,7 +168,7 @@ def check_module(code: str) -> str | None:
     """Why ``code`` cannot be a candidate, or None when it can.
 
     A candidate parses, defines ``class ModelNew`` with a ``forward`` method and at
-    least one module-level function under ``@triton.jit`` (DESIGN.md, "Task format").
+    least one module-level function under ``@triton.jit`` (docs/verification.md, "Input").
     """
     try:
         tree = ast.parse(code)

@@ -1,6 +1,6 @@
 """Workflows: how a single job's candidates are produced, judged and repaired.
 
-Workflows know nothing of NATS (STYLE.md). They get a :class:`WorkflowContext`: the
+Workflows know nothing of NATS (the service hands them callables). They get a :class:`WorkflowContext`: the
 job, the coders and agents it may use, and two callables, ``verify`` (send one
 attempt's candidate to a worker and return its :class:`VerifyResult`) and ``report``
 (progress for the outside world), and return a :class:`JobResult`.

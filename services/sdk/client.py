@@ -1,6 +1,6 @@
 """HTTP clients of the gateway: :class:`AIKGClient` (blocking) and :class:`AsyncAIKGClient`.
 
-``AIKGClient`` keeps the reference client's calls (reference/aikg-service-architecture.txt):
+``AIKGClient`` keeps the HTTP AIKG client's calls (docs/compatibility.md):
 ``AIKGClient("http://localhost:8000").submit_job(op_name=..., task_desc=..., job_type=...,
 backend=..., arch=..., dsl=..., framework=..., workflow=...)`` returns a job id and
 ``wait_for_completion(job_id, timeout=1800)`` the final status dict (``status["status"]``,

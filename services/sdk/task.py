@@ -1,6 +1,6 @@
 """``Task``: generate a kernel for one operator here and verify it on a registered worker.
 
-The reference document's local and worker-only modes (reference/aikg-service-architecture.txt):
+The HTTP AIKG service's local and worker-only modes (docs/compatibility.md):
 register a worker once (``await register_local_worker([0], backend=..., arch=...)`` or
 ``await register_remote_worker(backend=..., arch=...)``), then
 ``await Task(op_name=..., task_desc=..., task_id=..., dsl=..., backend=..., arch=...).run()``

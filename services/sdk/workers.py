@@ -1,8 +1,7 @@
 """Workers for code you run yourself: :class:`RemoteWorker` (over NATS),
 :class:`LocalWorker` (in this process) and the :class:`WorkerManager` that picks one.
 
-These keep the reference document's worker API (reference/aikg-service-architecture.txt,
-"Worker Only" and "Local Mode"): ``register_local_worker([0], backend=..., arch=...)``,
+These keep the HTTP AIKG service's worker API (docs/compatibility.md, "Kept"): ``register_local_worker([0], backend=..., arch=...)``,
 ``register_remote_worker(backend=..., arch=...)`` (capacity read from the workers
 themselves), ``get_worker_manager().register(worker, backend=..., arch=..., capacity=...)``.
 What changed: a remote worker is reached through NATS (``AIKG_NATS_URL``, not
