@@ -1,12 +1,12 @@
 """The worker service: pulls verify requests for its backend/arch and runs them.
 
 One durable pull consumer per ``verify.<backend>.<arch>`` is shared by every worker
-of that pair (DESIGN.md, "Flow" step 3). A worker fetches only as many requests as it
+of that pair (docs/architecture.md, "The life of a verify request"). A worker fetches only as many requests as it
 has free devices, leases the device in the ``leases`` bucket, runs the candidate in
 the sandbox (:class:`services.worker.verifier.Verifier`), publishes the
 :class:`VerifyResult` on ``results.<job_id>``, acks, and releases the lease.
 
-Delivery rules (issue 3, "Delivery"): while a run lasts the worker sends
+Delivery rules: while a run lasts the worker sends
 ``in_progress()`` every third of ack_wait, so a long run is not handed to another
 worker; a worker that dies stops doing so, and JetStream redelivers its request
 after ack_wait. The consumer allows ``verify_max_deliver + 1`` deliveries: the last
