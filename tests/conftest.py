@@ -67,6 +67,14 @@ class LentVerifier:
     def start(self) -> None:
         self.verifier.start()
 
+    @property
+    def sandbox(self) -> Any:
+        return self.verifier.sandbox
+
+    @property
+    def sandbox_notes(self) -> list[str]:
+        return self.verifier.sandbox_notes
+
     async def verify(self, request: Any, *, device: str) -> Any:
         return await self.verifier.verify(request, device=device)
 

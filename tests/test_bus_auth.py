@@ -230,7 +230,7 @@ async def test_token_authentication(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nkeys") is None,
-                    reason="nkeys not installed (a dependency: pip install -e .)")
+                    reason="nkeys not installed (pip install -e .[dev] or aikg[nkeys])")
 async def test_nkey_seed_file_authentication(tmp_path: Path) -> None:
     import nkeys
 

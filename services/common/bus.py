@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,6 +171,17 @@ async def ensure_buckets(js: JetStreamContext, settings: Settings) -> dict[str, 
     return out
 
 
+def _need_nkeys(variable: str) -> None:
+    """Raise a clear error when nats-py's NKEY support (the ``nkeys`` package) is missing.
+
+    Raises:
+        ValueError: naming ``variable`` and the install command.
+    """
+    if importlib.util.find_spec("nkeys") is None:
+        raise ValueError(f"{variable} needs the nkeys package: pip install 'aikg[nkeys]' "
+                         "(or pip install nkeys)")
+
+
 def _existing_file(settings: Settings, field: str) -> str:
     path = getattr(settings, field)
     if path and not Path(path).is_file():
@@ -215,8 +227,10 @@ def nats_credentials(settings: Settings, role: str | None = None) -> dict[str, A
                              "server takes one or the other; leave one empty")
         out["token"] = settings.nats_token
     if seed := _existing_file(settings, "nats_nkey_seed_file"):
+        _need_nkeys("AIKG_NATS_NKEY_SEED_FILE")
         out["nkeys_seed"] = seed
     if creds := _existing_file(settings, "nats_creds_file"):
+        _need_nkeys("AIKG_NATS_CREDS_FILE")
         out["user_credentials"] = creds
     ca = _existing_file(settings, "nats_tls_ca_file")
     cert = _existing_file(settings, "nats_tls_cert_file")
