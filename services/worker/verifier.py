@@ -113,6 +113,29 @@ _NOT_EXTENTS = ("kernel", "stride", "pad", "dilation", "group", "class", "head",
                 "seed", "eps")
 
 
+class PhaseClock:
+    """Where one verification's time goes: consecutive spans plus children run beside them.
+
+    :meth:`lap` closes the span that started at the previous lap (or at creation) and
+    adds its length to ``name``; :meth:`add` records a child's own wall time without
+    moving the mark (phases in :data:`schemas.events.VERIFY_PHASES_BESIDE`). Times are
+    seconds on ``time.monotonic()``, taken in this process only: the children's own
+    clocks are never read, so a candidate cannot shift them.
+    """
+
+    def __init__(self) -> None:
+        self.spans: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.spans[name] = self.spans.get(name, 0.0) + (now - self._mark)
+        self._mark = now
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans[name] = self.spans.get(name, 0.0) + seconds
+
+
 class _Verdict(Exception):
     """Stop verifying; the keyword fields go into the VerifyResult."""
 
@@ -378,25 +401,28 @@ class Verifier:
             device: the leased device (``"0"``, ``"1"`` ... on GPUs, a slot on cpu).
         """
         started = time.monotonic()
+        clock = PhaseClock()
         try:
-            fields = await self._verify(request, device)
+            fields = await self._verify(request, device, clock)
         except _Verdict as verdict:
             fields = verdict.fields
         except Exception as exc:
             log.exception("verify.worker_error", request_id=request.request_id)
             fields = {"passed": False, "stage": "infrastructure",
                       "error": f"worker error: {type(exc).__name__}: {exc}"}
+        clock.lap("verdict")
         result = VerifyResult(
             request_id=request.request_id, job_id=request.job_id,
             candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
             interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
-            **fields)
+            phases={k: round(v, 6) for k, v in clock.spans.items()}, **fields)
         log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
                  candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
                  duration_s=round(result.duration_s, 3))
         return result
 
-    async def _verify(self, request: VerifyRequest, device: str) -> dict[str, Any]:
+    async def _verify(self, request: VerifyRequest, device: str,
+                      clock: PhaseClock) -> dict[str, Any]:
         if request.backend != self.backend:
             raise _Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
                            f"request is for {request.backend}")
@@ -408,18 +434,20 @@ class Verifier:
             shown = "; ".join(str(f) for f in findings[:3])
             more = f" (+{len(findings) - 3} more)" if len(findings) > 3 else ""
             raise _Verdict("static", f"static check failed: {shown}{more}", log=text)
+        clock.lap("static")
         if not self._started:
             try:
                 await asyncio.to_thread(self.start)
             except PoolBroken as exc:
                 raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
+            clock.lap("sandbox_start")
 
         seeds = [SEED_BASE + i for i in range(request.trials)]
         task_sha = hashlib.sha256(request.task_desc.encode()).hexdigest()
         overrides = json.dumps(request.shape_overrides, sort_keys=True)
         profile = request.mode == "profile" and self.backend != "cpu"
         references = await self._references_for(request, device, seeds, task_sha, overrides,
-                                                profile)
+                                                profile, clock=clock)
         total, empty = compared_elements(references[0].outputs)
         if total == 0:
             raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
@@ -427,16 +455,19 @@ class Verifier:
         sizes = [dict(self._size_names.get((task_sha, overrides), {}))]
         try:
             fields = await self._run_candidate(request, device, seeds, references, task_sha,
-                                               overrides, profile)
+                                               overrides, profile, clock=clock)
         except _Verdict as verdict:
             verdict.fields.setdefault("sizes_checked", sizes)
             raise
         notes = fields["notes"]
         # Independent children: run side by side; a ghost-replay finding wins.
         ghost, sized = await asyncio.gather(
-            self._ghost_replay(request, device, seeds[0], references, task_sha, overrides),
-            self._second_size(request, device, task_sha, overrides, notes),
+            _timed(clock, "ghost_replay", self._ghost_replay(
+                request, device, seeds[0], references, task_sha, overrides)),
+            _timed(clock, "second_size", self._second_size(
+                request, device, task_sha, overrides, notes)),
             return_exceptions=True)
+        clock.lap("checks")
         for outcome in (ghost, sized):
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -574,7 +605,8 @@ class Verifier:
 
     async def _references_for(self, request: VerifyRequest, device: str, seeds: list[int],
                               task_sha: str, overrides: str, profile: bool,
-                              input_limit: int | None = None) -> list[_Reference]:
+                              input_limit: int | None = None,
+                              clock: PhaseClock | None = None) -> list[_Reference]:
         lock_key = (task_sha, overrides)
         lock = self._reference_locks.get(lock_key)
         if lock is None:
@@ -592,6 +624,8 @@ class Verifier:
                 for ref in fresh:
                     found[ref.seed] = ref
                     self._references.put((task_sha, ref.seed, overrides), ref)
+            if clock is not None:
+                clock.lap("reference" if missing or need_timing else "reference_cache")
             return [found[s] for s in seeds]
 
     async def _run_reference(self, request: VerifyRequest, device: str, seeds: list[int],
@@ -698,11 +732,13 @@ class Verifier:
     async def _run_candidate(self, request: VerifyRequest, device: str, seeds: list[int],
                              references: list[_Reference], task_sha: str, overrides: str,
                              profile: bool, *, ghost: bool = False,
-                             audit_ops: bool = True) -> dict[str, Any]:
+                             audit_ops: bool = True,
+                             clock: PhaseClock | None = None) -> dict[str, Any]:
         """Run the candidate in a sandboxed child for ``seeds`` and judge its frames.
 
         ``ghost``: every Triton launch is a no-op in that child (the ghost replay).
         ``audit_ops``: fail on compute ops recorded in ``forward`` (rule D002).
+        ``clock``: laps the candidate's phases on it (the main run only).
 
         Raises:
             _Verdict: the candidate failed; otherwise returns the passed result's fields.
@@ -722,7 +758,8 @@ class Verifier:
         try:
             try:
                 async with asyncio.timeout(request.timeout_s):
-                    await self._candidate_frames(run, state, references, spec, audit_ops)
+                    await self._candidate_frames(run, state, references, spec, audit_ops,
+                                                 clock)
             except TimeoutError:
                 raise _Verdict("timeout", f"the candidate did not finish within "
                                f"{request.timeout_s:g} s (during {state.phase}); its process "
@@ -745,6 +782,8 @@ class Verifier:
         finally:
             output = run.output(self.output_limit_bytes)
             await run.close()
+            if clock is not None:
+                clock.lap("candidate_finish")
         if profile and state.gen_time_us is None:
             raise _Verdict("infrastructure", "the candidate's child sent no timing",
                            trials=state.compared, log=output)
@@ -760,7 +799,8 @@ class Verifier:
 
     async def _candidate_frames(self, run: ChildRun, state: _CandidateState,
                                 references: list[_Reference], spec: ChildSpec,
-                                audit_ops: bool = True) -> None:
+                                audit_ops: bool = True,
+                                clock: PhaseClock | None = None) -> None:
         """Consume the candidate child's frames until Done.
 
         The protocol is checked here, not trusted: trials in order, a Timing only when
@@ -776,12 +816,20 @@ class Verifier:
             frame = await run.frame()
             if isinstance(frame, _child.Progress):
                 state.phase = frame.phase
+                if clock is not None and frame.phase == _child.IMPORT_PHASE:
+                    clock.lap("candidate_start")
                 if state.phase == "profiling":
                     state.profiling_at = time.monotonic()
+                    if clock is not None:
+                        clock.lap("candidate_finish")
             elif isinstance(frame, _child.Trial):
                 if frame.index != state.compared or frame.index >= len(references):
                     raise ProtocolError(f"trial {frame.index} arrived out of order")
+                if clock is not None:
+                    clock.lap("compile" if frame.index == 0 else f"trial_{frame.index}")
                 comparison = await self._compare_trial(run, frame, references[frame.index])
+                if clock is not None:
+                    clock.lap("compare")
                 state.compared += 1
                 if comparison.outputs and state.tolerance is None:
                     state.tolerance = comparison.outputs[0].tolerance
@@ -797,6 +845,8 @@ class Verifier:
                 self._check_timing(frame, state.profiling_at, "the candidate",
                                    repeats=spec.repeats, stage="audit")
                 state.gen_time_us = frame.median_us
+                if clock is not None:
+                    clock.lap("profile")
             elif isinstance(frame, _child.Audit):
                 state.audit = frame
                 if frame.refused:
@@ -913,6 +963,15 @@ class Verifier:
                               atol=failed.tolerance.atol, rtol=failed.tolerance.rtol)
             raise _Verdict("mismatch", f"{comparison.message} in {where}", **fields)
         return comparison
+
+
+async def _timed(clock: PhaseClock, name: str, work: Any) -> Any:
+    """``await work``, adding its wall time to ``name`` on ``clock`` (a child run beside)."""
+    started = time.monotonic()
+    try:
+        return await work
+    finally:
+        clock.add(name, time.monotonic() - started)
 
 
 def _constant(t: torch.Tensor) -> bool:
