@@ -940,6 +940,10 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
         import triton
 
         triton.knobs.runtime.interpret = True
+        # A cpu "device" is a slot: one core's worth. Two OpenMP threads per child on
+        # a busy machine spin at barriers (measured: 5-10x slower elementwise ops at
+        # load 3 on 2 cores), and the interpreter's work is single-threaded numpy.
+        torch.set_num_threads(1)
     elif spec.backend == "ascend":
         # Registers torch.npu; imported here, after ASCEND_RT_VISIBLE_DEVICES is set,
         # never in the fork server (it would initialise the device runtime before fork).

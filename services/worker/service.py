@@ -247,6 +247,8 @@ class Worker:
         self.free: asyncio.Queue[str] = asyncio.Queue()
         for d in self.devices:
             self.free.put_nowait(d)
+        # Set when a device comes back: the fetch loop waits on it rather than polling.
+        self.freed = asyncio.Event()
         # Running handler tasks; each holds (or waits for) one device.
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
@@ -364,9 +366,12 @@ class Worker:
     async def _serve(self, pull: CapacityPull, stop: asyncio.Event) -> None:
         """Fetch as many requests as there are free devices, until stopped or drained."""
         while not stop.is_set() and not self.draining:
-            # Wait for at least one free device before asking for work.
+            # Wait for at least one free device before asking for work; woken by the
+            # release itself, so the next fetch follows a verdict at once.
             if self.free.empty():
-                await asyncio.sleep(0.05)
+                self.freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.freed.wait(), PULL_EXPIRES_S)
                 continue
             status = await pull.fetch(self.free.qsize(), self._take)
             if status not in (None, "404", "408"):
@@ -492,10 +497,19 @@ class Worker:
         delay so another worker takes it now.
         """
         received = time.monotonic() if received is None else received
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if device is not None and not released:
+                released = True
+                self.free.put_nowait(device)
+                self.freed.set()
+
         try:
             if device is None:
                 device = await self._device_for(msg)
-            await self._handle(msg, device, received)
+            await self._handle(msg, device, received, release)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await msg.nak()
@@ -505,8 +519,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1)
         finally:
-            if device is not None:
-                self.free.put_nowait(device)
+            release()
 
     async def _device_for(self, msg) -> str:
         """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
@@ -524,7 +537,8 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
 
-    async def _handle(self, msg, device: str, received: float) -> None:
+    async def _handle(self, msg, device: str, received: float,
+                      release: Callable[[], None] | None = None) -> None:
         try:
             request = decode(msg.data, VerifyRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -533,10 +547,14 @@ class Worker:
         with structlog.contextvars.bound_contextvars(
                 job_id=request.job_id, request_id=request.request_id,
                 candidate_id=request.candidate_id, worker_id=self.worker_id):
-            await self._handle_request(msg, request, device, received)
+            await self._handle_request(msg, request, device, received, release)
 
     async def _handle_request(self, msg, request: VerifyRequest, device: str,
-                              received: float | None = None) -> None:
+                              received: float | None = None,
+                              release: Callable[[], None] | None = None) -> None:
+        """Run one decoded request; ``release`` gives the device back as soon as the
+        verification (and its lease) ended, so the next fetch overlaps this one's
+        result publish and ack."""
         received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
@@ -563,6 +581,8 @@ class Worker:
             await run_with_progress(msg, self.progress_every_s, work)
         finally:
             IN_FLIGHT.labels(**self.labels).dec()
+        if release is not None:
+            release()
         result: VerifyResult = holder["result"]
         elapsed = time.monotonic() - started
         result.phases = {**_stored_wait(msg, request, received),

@@ -30,7 +30,10 @@
    channel that fail the keyed tag chain. A ghost replay (a fresh child with every
    Triton launch a no-op) whose outputs still match fails at ``audit``; a second input
    size (the task's own when it fits, else reduced non-power-of-two extents, one seed)
-   runs beside it. A profiled time below the arch's roofline floor is ``audit``.
+   runs beside it. On ``cpu`` (nothing is timed there) these two children start
+   together with the candidate's own run; their findings are judged only once that
+   run passed, so the verdict is the one a sequential run gives. A profiled time
+   below the arch's roofline floor is ``audit``.
    A run that compares no elements never passes.
 
 Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
@@ -277,6 +280,11 @@ class Verifier:
             ``VerifyResult.log``, bytes.
         speedup_flag_bound: speedups above this are flagged for review (``error``
             starts with ``flagged:``; ``passed`` stays True).
+        compare_threads: intra-op threads of this process's torch (the comparisons),
+            set by :meth:`start`; default 1 on cpu, where the children are busy on
+            the same cores: two OpenMP threads there spun at barriers and made one
+            comparison of a 1 MiB output 5-10x slower (measured at load 3 on 2
+            cores); None (GPU default) leaves torch's setting alone.
 
     Attributes:
         reference_runs: reference children spawned so far (cache misses).
@@ -290,7 +298,8 @@ class Verifier:
     def __init__(self, backend: str, *, worker_id: str, scratch_root: str | Path | None = None,
                  memory_limit_bytes: int | None = None, output_limit_bytes: int = 64 * 1024,
                  speedup_flag_bound: float = 50.0, sandbox_require: tuple[str, ...] = (),
-                 sandbox_env_allow: tuple[str, ...] = ()) -> None:
+                 sandbox_env_allow: tuple[str, ...] = (),
+                 compare_threads: int | None | str = "auto") -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
@@ -298,6 +307,11 @@ class Verifier:
         self.memory_limit_bytes = memory_limit_bytes
         self.output_limit_bytes = output_limit_bytes
         self.speedup_flag_bound = speedup_flag_bound
+        self.compare_threads = (1 if backend == "cpu" else None) if compare_threads == "auto" \
+            else compare_threads
+        # Ghost replay and second size start with the candidate's own run (cpu: nothing
+        # is timed there); False runs them after it.
+        self.side_by_side = backend == "cpu"
         self.reference_runs = 0
         self.candidate_runs = 0
         # A default scratch root is this worker's own and goes with it on close(); a
@@ -344,6 +358,8 @@ class Verifier:
         """
         if self.sandbox.started:
             return
+        if self.compare_threads is not None:
+            torch.set_num_threads(self.compare_threads)
         self.sandbox.start()
         log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
                  sandbox=self.sandbox.isolation.summary(), notes=self.sandbox_notes)
@@ -453,21 +469,37 @@ class Verifier:
             raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
                            f"(no elements) at shape_overrides {overrides}; pass sizes above zero")
         sizes = [dict(self._size_names.get((task_sha, overrides), {}))]
+        side_notes: list[str] = []
+
+        def side_checks() -> asyncio.Future:
+            # Independent children (each fresh, each with its own frame key); their
+            # outcomes are judged only after the candidate's own run passed, ghost
+            # replay first, exactly as if they had run after it.
+            return asyncio.gather(
+                _timed(clock, "ghost_replay", self._ghost_replay(
+                    request, device, seeds[0], references, task_sha, overrides)),
+                _timed(clock, "second_size", self._second_size(
+                    request, device, task_sha, overrides, side_notes)),
+                return_exceptions=True)
+
+        # On cpu nothing is timed, so the side children start with the candidate's
+        # own run instead of after it; on GPUs they would share the device with it.
+        side = side_checks() if self.side_by_side else None
         try:
             fields = await self._run_candidate(request, device, seeds, references, task_sha,
                                                overrides, profile, clock=clock)
-        except _Verdict as verdict:
-            verdict.fields.setdefault("sizes_checked", sizes)
+        except BaseException as exc:
+            if isinstance(exc, _Verdict):
+                exc.fields.setdefault("sizes_checked", sizes)
+            if side is not None:
+                # The candidate's verdict stands; the side children are killed.
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
             raise
         notes = fields["notes"]
-        # Independent children: run side by side; a ghost-replay finding wins.
-        ghost, sized = await asyncio.gather(
-            _timed(clock, "ghost_replay", self._ghost_replay(
-                request, device, seeds[0], references, task_sha, overrides)),
-            _timed(clock, "second_size", self._second_size(
-                request, device, task_sha, overrides, notes)),
-            return_exceptions=True)
+        ghost, sized = await (side if side is not None else side_checks())
         clock.lap("checks")
+        notes.extend(side_notes)
         for outcome in (ghost, sized):
             if isinstance(outcome, BaseException):
                 raise outcome
