@@ -128,3 +128,21 @@ async def test_job_and_its_verification_record_their_phases(
     assert histogram_count("aikg_verify_phase_seconds", phase="publish", **labels) > 0
     assert histogram_count("aikg_job_phase_seconds", job_type="single",
                            phase="verify_wait") > 0
+
+
+async def test_builtin_coder_reuses_a_lowering_of_the_same_task(lowering_sandbox) -> None:
+    from schemas import JobSubmit
+    from services.generator.coders.base import BuiltinCoder
+
+    coder = BuiltinCoder(lowering_sandbox)
+    submit = JobSubmit(op_name="relu", task_desc=RELU_TASK, shape_overrides=dict(SHAPES))
+    first = await coder.generate(submit)
+    again = await coder.generate(submit)
+    assert again.code == first.code and coder.lowerings == 1
+    # Other shapes, or another source, are another lowering.
+    other = await coder.generate(JobSubmit(op_name="relu", task_desc=RELU_TASK,
+                                           shape_overrides={"batch_size": 8, "dim": 512}))
+    assert "float32[8, 512]" in other.code and coder.lowerings == 2
+    await coder.generate(JobSubmit(op_name="relu", task_desc=RELU_TASK + "\n# changed\n",
+                                   shape_overrides=dict(SHAPES)))
+    assert coder.lowerings == 3
