@@ -78,7 +78,10 @@ def per_minute(count: int, seconds: float) -> float:
 class Cold:
     """One fresh ``python`` per candidate."""
 
-    def __init__(self, workdir: Path, task: str, candidate: str) -> None:
+    def __init__(self, workdir: Path, task: str, candidate: str,
+                 shapes: dict[str, int] | None = None, trials: int = TRIALS) -> None:
+        self.shapes = dict(SHAPES if shapes is None else shapes)
+        self.trials = trials
         self.script = workdir / "cold_verify.py"
         self.script.write_text(COLD_SCRIPT)
         self.task = workdir / "task.py"
@@ -95,7 +98,7 @@ class Cold:
         started = time.perf_counter()
         proc = subprocess.run(
             [sys.executable, str(self.script), str(self.task), str(self.candidate),
-             json.dumps(SHAPES), str(TRIALS)],
+             json.dumps(self.shapes), str(self.trials)],
             env=self.env, capture_output=True, text=True, timeout=300)
         self.seconds += time.perf_counter() - started
         self.count += 1

@@ -3,9 +3,12 @@
 from schemas import subjects
 from schemas.events import (
     ALL_RECORDS,
+    JOB_PHASES,
     MAX_SOURCE_BYTES,
     SCHEMA_VERSION,
     TERMINAL_STATUSES,
+    VERIFY_PHASES,
+    VERIFY_PHASES_BESIDE,
     EvolveCandidate,
     EvolveSummary,
     JobEvent,
@@ -27,9 +30,12 @@ from schemas.events import (
 
 __all__ = [
     "ALL_RECORDS",
+    "JOB_PHASES",
     "MAX_SOURCE_BYTES",
     "SCHEMA_VERSION",
     "TERMINAL_STATUSES",
+    "VERIFY_PHASES",
+    "VERIFY_PHASES_BESIDE",
     "EvolveCandidate",
     "EvolveSummary",
     "Migration",

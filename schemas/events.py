@@ -191,6 +191,48 @@ class VerifyRequest(Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+# Phase names of VerifyResult.phases (seconds each), in the order they happen.
+VERIFY_PHASES: dict[str, str] = {
+    "queue": "from the request's store in the VERIFY stream (its JetStream timestamp) "
+             "to its delivery to this worker",
+    "fetch_to_start": "from delivery to the lease: decoding, the delivery count, the "
+                      "job-cancelled check, waiting for a free device",
+    "lease": "putting the device lease in the leases bucket",
+    "static": "static checks of the candidate's source",
+    "sandbox_start": "starting the fork server and probing the sandbox (a worker's "
+                     "first request only, when it was not started before)",
+    "reference": "running the reference child (a cache miss)",
+    "reference_cache": "finding the reference outputs in this worker's cache (a hit)",
+    "candidate_start": "forking the candidate child, its sandbox entry and task load",
+    "compile": "importing the candidate and its first trial up to its results (the first "
+               "launch: Triton compiles the kernels there on GPUs)",
+    "trial": "each later trial of the candidate child, up to its results "
+             "(keys trial_1, trial_2 ...)",
+    "compare": "receiving the candidate's tensors and comparing them with the "
+               "reference, all trials together",
+    "profile": "the candidate child's timing run (mode profile on a GPU)",
+    "candidate_finish": "from the last result to the candidate child's op record, exit "
+                        "and clean-up",
+    "checks": "waiting for the ghost replay and second-size children once the candidate "
+              "child is done",
+    "ghost_replay": "the ghost-replay child (every Triton launch a no-op), start to end",
+    "second_size": "the second input size: its reference (when not cached) and its "
+                   "candidate child, start to end",
+    "verdict": "what is left: audits of the results, the timing floor, building the "
+               "verdict",
+    "publish": "publishing the result and acking the request (metrics only: the result "
+               "cannot carry the time of its own publish)",
+}
+# Phases of children run beside the consecutive spans (they overlap them).
+VERIFY_PHASES_BESIDE = ("ghost_replay", "second_size")
+
+
+def phase_label(name: str) -> str:
+    """The metric label of phase ``name``: ``trial_2`` -> ``trial`` (bounded label values)."""
+    base, _, index = name.rpartition("_")
+    return base if base and index.isdigit() else name
+
+
 class VerifyResult(Struct, kw_only=True):
     """A worker's verdict on one candidate, published on ``results.<job_id>``.
 
@@ -209,6 +251,13 @@ class VerifyResult(Struct, kw_only=True):
     ``ghost_replay`` says what the run with every Triton launch turned into a no-op
     showed, or why it was skipped. ``notes`` are facts about how the candidate was run
     (e.g. which autotune config the interpreter used).
+
+    ``phases``: where the time went, seconds per phase, measured by the worker on its
+    own monotonic clock (names and meanings: :data:`VERIFY_PHASES`). Phases outside
+    :data:`VERIFY_PHASES_BESIDE` are consecutive spans of the verification and add up
+    to ``duration_s`` (queue wait, fetch-to-start and lease precede it and are not
+    part of it); the ones in it are children that ran beside those spans. Empty from
+    a worker that does not measure them.
     """
 
     request_id: str
@@ -237,6 +286,7 @@ class VerifyResult(Struct, kw_only=True):
     task_sizes_checked: bool | None = None
     ghost_replay: str | None = None
     notes: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION
@@ -319,12 +369,27 @@ class JobResult(Struct, kw_only=True):
     best: list[EvolveCandidate] = field(default_factory=list)
 
 
+# Phase names of JobRecord.phases (seconds each).
+JOB_PHASES: dict[str, str] = {
+    "queue": "from submit_time to a generator starting the job",
+    "lowering": "the built-in coder writing candidates (its sandboxed lowering)",
+    "llm": "LLM calls (coder, designer, conductor)",
+    "verify_wait": "from publishing each verify request to its verdict, all attempts",
+    "other": "the rest until the job ended: job record and event updates",
+}
+
+
 class JobRecord(Struct, kw_only=True):
     """A job's state: the value of key ``<job_id>`` in bucket ``jobs``.
 
     Also the body of ``GET /api/v1/jobs/{job_id}/status``; ``status``, ``job_type``,
     ``op_name``, ``submit_time``, ``result`` and ``error`` are the reference server's
     fields. Updated by compare-and-swap on the key's revision.
+
+    ``phases``: where a finished job's time went, seconds per phase (names and
+    meanings: :data:`JOB_PHASES`), measured by the generator; they add up to
+    ``end_time - submit_time``. Empty until the job ends (and for evolve jobs, which
+    record only ``queue`` and ``verify_wait``).
     """
 
     job_id: str
@@ -342,6 +407,7 @@ class JobRecord(Struct, kw_only=True):
     end_time: dt.datetime | None = None
     updated_at: dt.datetime = field(default_factory=utcnow)
     evolve: EvolveSummary | None = None
+    phases: dict[str, float] = field(default_factory=dict)
     type: Literal["job.record"] = "job.record"
     schema_version: int = SCHEMA_VERSION
 

@@ -93,6 +93,7 @@ from services.generator.workflows import (
     WORKFLOWS,
     WorkflowContext,
     WorkflowError,
+    add_phase,
     describe_failure,
 )
 
@@ -103,6 +104,13 @@ CANDIDATES = Counter("aikg_generator_candidates_total", "Candidates generated, b
 JOB_SECONDS = Histogram(
     "aikg_generator_job_duration_seconds", "Wall time of a job in the generator, seconds.",
     ["job_type"], buckets=(1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600),
+)
+JOB_PHASE_SECONDS = Histogram(
+    "aikg_job_phase_seconds",
+    "Time finished jobs spent in each phase, seconds (phase names: "
+    "schemas.events.JOB_PHASES).",
+    ["job_type", "phase"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120, 600, 3600),
 )
 
 # JOBS consumer: a job is redelivered if its generator stops heartbeating for this
@@ -338,11 +346,12 @@ class Generator:
             message=f"resumed with {recorded} recorded candidate(s)" if recorded else ""))
         log.info("job_started", op_name=record.op_name, backend=record.backend, arch=record.arch,
                  resumed_candidates=recorded)
+        phases: dict[str, float] = {}
         try:
             waiter = ResultWaiter(self.bus, job_id)
             await waiter.start()
             try:
-                run = JobRun(self, record, waiter)
+                run = JobRun(self, record, waiter, phases)
                 if submit.job_type == "evolve":
                     work = self._evolve(run)
                 else:
@@ -355,13 +364,15 @@ class Generator:
             log.info("job_cancelled")
             return "cancelled"
         except WorkflowError as exc:
-            await self._finish(job_id, "failed", error=str(exc), result=exc.result)
+            await self._finish(job_id, "failed", error=str(exc), result=exc.result,
+                               phases=phases)
             return "failed"
         if result.passed:
-            await self._finish(job_id, "completed", result=result)
+            await self._finish(job_id, "completed", result=result, phases=phases)
             return "completed"
         assert result.verdict is not None
-        await self._finish(job_id, "failed", result=result, error=describe_failure(result.verdict))
+        await self._finish(job_id, "failed", result=result, error=describe_failure(result.verdict),
+                           phases=phases)
         return "failed"
 
     def _context(self, run: JobRun, history: list[Attempt]) -> WorkflowContext:
@@ -380,7 +391,7 @@ class Generator:
                                       or (self.llm is not None and self.llm.configured())))
         ctx = WorkflowContext(submit=submit, verify=run.verify, report=run.report,
                               builtin=self.builtin, history=history,
-                              plan=run.record.progress.plan)
+                              plan=run.record.progress.plan, phases=run.phases)
         if not wants_llm:
             return ctx
         if self.llm_error is not None:
@@ -448,7 +459,7 @@ class Generator:
             await asyncio.gather(task, watcher, return_exceptions=True)
 
     async def _finish(self, job_id: str, status: str, *, result: JobResult | None = None,
-                      error: str | None = None) -> None:
+                      error: str | None = None, phases: dict[str, float] | None = None) -> None:
         finished = False
 
         def change(r: JobRecord) -> JobRecord | None:
@@ -461,6 +472,8 @@ class Generator:
             r.result = result
             r.error = error
             r.end_time = utcnow()
+            if phases is not None:
+                r.phases = job_phases(r, phases)
             r.progress.phase = status
             if error:
                 r.progress.message = error
@@ -475,6 +488,12 @@ class Generator:
             # (JetStream redelivers after a consumer leader change).
             return
         log.info("job_finished", status=status, error=error)
+        if phases is not None:
+            with contextlib.suppress(JobNotFound, Exception):
+                record, _ = await self.jobs.get(job_id)
+                for name, seconds in record.phases.items():
+                    JOB_PHASE_SECONDS.labels(job_type=record.job_type,
+                                             phase=name).observe(seconds)
         await publish_event(self.bus, JobEvent(
             job_id=job_id, event=status, status=status, message=error or "",
             verdict=result.verdict if result else None))
@@ -483,6 +502,22 @@ class Generator:
         with contextlib.suppress(Exception):
             await publish_event(self.bus, JobEvent(job_id=job_id, event="failed",
                                                    status="failed", message=reason))
+
+
+def job_phases(record: JobRecord, measured: dict[str, float]) -> dict[str, float]:
+    """A finished job's phases (:data:`schemas.events.JOB_PHASES`), seconds: ``queue``
+    from ``submit_time`` to ``start_time``, the ``measured`` ones, and ``other``, the
+    rest of ``end_time - submit_time`` (never below 0)."""
+    out: dict[str, float] = {}
+    total = None
+    if record.end_time is not None:
+        total = (record.end_time - record.submit_time).total_seconds()
+    if record.start_time is not None:
+        out["queue"] = max(0.0, (record.start_time - record.submit_time).total_seconds())
+    out.update(measured)
+    if total is not None:
+        out["other"] = max(0.0, total - sum(out.values()))
+    return {k: round(v, 6) for k, v in out.items()}
 
 
 def attempt_ids(job_id: str, attempt: int) -> tuple[str, str]:
@@ -511,8 +546,11 @@ class JobRun:
         waiter: the job's verdict collector.
     """
 
-    def __init__(self, generator: Generator, record: JobRecord, waiter: ResultWaiter) -> None:
+    def __init__(self, generator: Generator, record: JobRecord, waiter: ResultWaiter,
+                 phases: dict[str, float] | None = None) -> None:
         self.gen = generator
+        # Seconds per job phase measured here (verify_wait) and by the workflow.
+        self.phases: dict[str, float] = {} if phases is None else phases
         self.bus = generator.bus
         self.jobs = generator.jobs
         self.record = record
@@ -618,6 +656,7 @@ class JobRun:
         submit = self.submit
         arch = self.record.arch or ""
         future = self.waiter.expect(entry.request_id)
+        waiting = time.monotonic()
         bound = log.bind(candidate_id=entry.candidate_id, request_id=entry.request_id,
                          attempt=entry.attempt)
         if entry.verify_seq is None:
@@ -647,6 +686,8 @@ class JobRun:
             raise WorkflowError(
                 f"no verdict for candidate {entry.candidate_id} within {timeout:.0f} s: is a "
                 f"worker for {submit.backend}/{arch} running?") from exc
+        finally:
+            add_phase(self.phases, "verify_wait", time.monotonic() - waiting)
         current = await self._update_entry(entry.attempt, verdict=result)
         await publish_event(self.bus, JobEvent(
             job_id=self.job_id, event="verify_result", status=current.status,

@@ -24,6 +24,7 @@ Candidates come, in order, from:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -39,6 +40,11 @@ log = structlog.get_logger("aikg.workflows")
 
 VerifyFn = Callable[[Attempt], Awaitable[VerifyResult]]
 ReportFn = Callable[..., Awaitable[None]]
+
+
+def add_phase(phases: dict[str, float], name: str, seconds: float) -> None:
+    """Add ``seconds`` to job phase ``name`` (:data:`schemas.events.JOB_PHASES`)."""
+    phases[name] = phases.get(name, 0.0) + seconds
 
 
 class Coder(Protocol):
@@ -73,6 +79,8 @@ class WorkflowContext:
         history: attempts recorded before a resume, oldest first (the last one may
             still lack its verdict).
         plan: the designer's plan recorded before a resume.
+        phases: seconds per job phase; the workflow adds ``lowering`` (built-in
+            coder) and ``llm`` (LLM coder and agents) to it.
     """
 
     submit: JobSubmit
@@ -84,6 +92,7 @@ class WorkflowContext:
     conductor: Conductor | None = None
     history: list[Attempt] = field(default_factory=list)
     plan: str | None = None
+    phases: dict[str, float] = field(default_factory=dict)
 
 
 def describe_failure(result: VerifyResult) -> str:
@@ -136,6 +145,7 @@ class _Run:
         assert self.ctx.builtin is not None
         await self.ctx.report("progress", phase="generating",
                               message="builtin coder is writing a kernel")
+        started = time.monotonic()
         try:
             return await self.ctx.builtin.generate(self.submit)
         except CoderError as exc:
@@ -147,8 +157,17 @@ class _Run:
                                       message=f"built-in coder: {exc}; the LLM coder writes "
                                       "the first candidate")
             return None
+        finally:
+            add_phase(self.ctx.phases, "lowering", time.monotonic() - started)
 
     async def from_llm(self) -> Candidate | None:
+        started = time.monotonic()
+        try:
+            return await self._from_llm()
+        finally:
+            add_phase(self.ctx.phases, "llm", time.monotonic() - started)
+
+    async def _from_llm(self) -> Candidate | None:
         coder = self.ctx.coder
         assert coder is not None
         last = self.history[-1] if self.history else None

@@ -75,6 +75,9 @@ _EMERGENCY_BYTES = 4 << 20
 _MAX_MESSAGE_CHARS = 2000
 _MAX_TRACEBACK_CHARS = 32000
 STDOUT_FILE = "stdout.txt"
+# The candidate child's first Progress after loading the task (the parent laps
+# ``candidate_start`` on it).
+IMPORT_PHASE = "importing the candidate"
 STDERR_FILE = "stderr.txt"
 
 # Linux constants (include/uapi/linux/prctl.h, sched.h).
@@ -796,7 +799,7 @@ def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
 def _candidate_trials(spec: ChildSpec, channel: Channel, task: Any, recorder: Any) -> None:
     device = _device(spec.backend)
     path = spec.candidate_path
-    channel.send(Progress(phase="importing the candidate"))
+    channel.send(Progress(phase=IMPORT_PHASE))
     try:
         candidate = _load_module("aikg_candidate", path)
     except Exception as exc:
@@ -937,6 +940,10 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
         import triton
 
         triton.knobs.runtime.interpret = True
+        # A cpu "device" is a slot: one core's worth. Two OpenMP threads per child on
+        # a busy machine spin at barriers (measured: 5-10x slower elementwise ops at
+        # load 3 on 2 cores), and the interpreter's work is single-threaded numpy.
+        torch.set_num_threads(1)
     elif spec.backend == "ascend":
         # Registers torch.npu; imported here, after ASCEND_RT_VISIBLE_DEVICES is set,
         # never in the fork server (it would initialise the device runtime before fork).

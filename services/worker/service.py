@@ -47,6 +47,7 @@ from schemas import (
     subjects,
     utcnow,
 )
+from schemas.events import phase_label
 from services.common.bus import Bus, JobNotFound, JobStore, connect_bus
 from services.common.consumer import (
     dead_letter,
@@ -87,6 +88,13 @@ SANDBOX_KILLS = Counter(
     "Candidate runs the sandbox ended, by reason: timeout (ran past timeout_s and was "
     "killed) or crash (died by a signal or exited without a result).",
     ["backend", "arch", "reason"],
+)
+VERIFY_PHASE_SECONDS = Histogram(
+    "aikg_verify_phase_seconds",
+    "Time one verification spent in each phase, seconds (phase names: "
+    "schemas.events.VERIFY_PHASES; trial_1, trial_2 ... are all 'trial').",
+    ["backend", "arch", "phase"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120),
 )
 DEAD_LETTERED = Counter("aikg_worker_dead_lettered_total",
                         "Verify requests moved to the DLQ, by reason.", ["backend", "arch", "reason"])
@@ -239,6 +247,8 @@ class Worker:
         self.free: asyncio.Queue[str] = asyncio.Queue()
         for d in self.devices:
             self.free.put_nowait(d)
+        # Set when a device comes back: the fetch loop waits on it rather than polling.
+        self.freed = asyncio.Event()
         # Running handler tasks; each holds (or waits for) one device.
         self.tasks: set[asyncio.Task] = set()
         self.draining = False
@@ -356,9 +366,12 @@ class Worker:
     async def _serve(self, pull: CapacityPull, stop: asyncio.Event) -> None:
         """Fetch as many requests as there are free devices, until stopped or drained."""
         while not stop.is_set() and not self.draining:
-            # Wait for at least one free device before asking for work.
+            # Wait for at least one free device before asking for work; woken by the
+            # release itself, so the next fetch follows a verdict at once.
             if self.free.empty():
-                await asyncio.sleep(0.05)
+                self.freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.freed.wait(), PULL_EXPIRES_S)
                 continue
             status = await pull.fetch(self.free.qsize(), self._take)
             if status not in (None, "404", "408"):
@@ -373,7 +386,7 @@ class Worker:
         """Start handling a fetched message now, on a free device taken here (before the
         next fetch counts them), or waiting for one if none is free."""
         device = None if self.free.empty() else self.free.get_nowait()
-        task = asyncio.create_task(self.handle(msg, device))
+        task = asyncio.create_task(self.handle(msg, device, received=time.monotonic()))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -474,16 +487,29 @@ class Worker:
         await service.add_endpoint(name="drain", subject=f"{prefix}.drain", handler=drain)
         return service
 
-    async def handle(self, msg, device: str | None = None) -> None:
+    async def handle(self, msg, device: str | None = None,
+                     received: float | None = None) -> None:
         """Verify one request on ``device`` (None: the next free one); always frees it.
 
-        A failure of the worker itself naks the message for redelivery; cancellation
-        (an abandoned shutdown) naks it without delay so another worker takes it now.
+        ``received``: ``time.monotonic()`` when the message arrived (default: now), the
+        start of its ``fetch_to_start`` phase. A failure of the worker itself naks the
+        message for redelivery; cancellation (an abandoned shutdown) naks it without
+        delay so another worker takes it now.
         """
+        received = time.monotonic() if received is None else received
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if device is not None and not released:
+                released = True
+                self.free.put_nowait(device)
+                self.freed.set()
+
         try:
             if device is None:
                 device = await self._device_for(msg)
-            await self._handle(msg, device)
+            await self._handle(msg, device, received, release)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await msg.nak()
@@ -493,8 +519,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await msg.nak(delay=1)
         finally:
-            if device is not None:
-                self.free.put_nowait(device)
+            release()
 
     async def _device_for(self, msg) -> str:
         """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
@@ -512,7 +537,8 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await beat
 
-    async def _handle(self, msg, device: str) -> None:
+    async def _handle(self, msg, device: str, received: float,
+                      release: Callable[[], None] | None = None) -> None:
         try:
             request = decode(msg.data, VerifyRequest)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -521,9 +547,15 @@ class Worker:
         with structlog.contextvars.bound_contextvars(
                 job_id=request.job_id, request_id=request.request_id,
                 candidate_id=request.candidate_id, worker_id=self.worker_id):
-            await self._handle_request(msg, request, device)
+            await self._handle_request(msg, request, device, received, release)
 
-    async def _handle_request(self, msg, request: VerifyRequest, device: str) -> None:
+    async def _handle_request(self, msg, request: VerifyRequest, device: str,
+                              received: float | None = None,
+                              release: Callable[[], None] | None = None) -> None:
+        """Run one decoded request; ``release`` gives the device back as soon as the
+        verification (and its lease) ended, so the next fetch overlaps this one's
+        result publish and ack."""
+        received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
         if delivered > self.max_deliver:
@@ -537,25 +569,36 @@ class Worker:
         bound.info("verify_started", deliveries=delivered)
         IN_FLIGHT.labels(**self.labels).inc()
         started = time.monotonic()
-        holder: dict[str, VerifyResult] = {}
+        holder: dict[str, Any] = {}
 
         async def work() -> None:
+            leasing = time.monotonic()
             async with self.lease(device, request):
+                holder["lease"] = time.monotonic() - leasing
                 holder["result"] = await self.verifier.verify(request, device=device)
 
         try:
             await run_with_progress(msg, self.progress_every_s, work)
         finally:
             IN_FLIGHT.labels(**self.labels).dec()
-        result = holder["result"]
+        if release is not None:
+            release()
+        result: VerifyResult = holder["result"]
         elapsed = time.monotonic() - started
+        result.phases = {**_stored_wait(msg, request, received),
+                         "fetch_to_start": round(max(0.0, started - received), 6),
+                         "lease": round(holder["lease"], 6), **result.phases}
         VERIFY_SECONDS.labels(**self.labels).observe(elapsed)
         VERIFICATIONS.labels(**self.labels, outcome="passed" if result.passed else "failed",
                              stage=result.stage or "none").inc()
         if result.stage in ("timeout", "crash"):
             SANDBOX_KILLS.labels(**self.labels, reason=result.stage).inc()
+        publishing = time.monotonic()
         await self._publish_result(result)
         await msg.ack()
+        phases = {**result.phases, "publish": time.monotonic() - publishing}
+        for name, seconds in phases.items():
+            VERIFY_PHASE_SECONDS.labels(**self.labels, phase=phase_label(name)).observe(seconds)
         bound.info("verify_finished", passed=result.passed, stage=result.stage,
                    duration_s=round(elapsed, 3))
 
@@ -666,6 +709,22 @@ async def _retry(call: Callable[[], Awaitable[object]], logger, event: str) -> N
                 raise
             logger.warning(event, attempt=attempt + 1, error=str(exc))
             await asyncio.sleep(0.5 * 2 ** attempt)
+
+
+def _stored_wait(msg, request: VerifyRequest, received: float) -> dict[str, float]:
+    """``{"queue": seconds}`` from the request's store in the stream (its JetStream
+    timestamp; else its ``created_at``) to ``received`` (monotonic), or ``{}``."""
+    stored = None
+    with contextlib.suppress(Exception):
+        stored = msg.metadata.timestamp
+    if not isinstance(stored, dt.datetime):
+        stored = request.created_at
+    if stored is None:
+        return {}
+    if stored.tzinfo is None:
+        stored = stored.replace(tzinfo=dt.UTC)
+    since_received = time.monotonic() - received
+    return {"queue": round(max(0.0, (utcnow() - stored).total_seconds() - since_received), 6)}
 
 
 def _age_s(created_at: dt.datetime) -> float:

@@ -30,7 +30,10 @@
    channel that fail the keyed tag chain. A ghost replay (a fresh child with every
    Triton launch a no-op) whose outputs still match fails at ``audit``; a second input
    size (the task's own when it fits, else reduced non-power-of-two extents, one seed)
-   runs beside it. A profiled time below the arch's roofline floor is ``audit``.
+   runs beside it. On ``cpu`` (nothing is timed there) these two children start
+   together with the candidate's own run; their findings are judged only once that
+   run passed, so the verdict is the one a sequential run gives. A profiled time
+   below the arch's roofline floor is ``audit``.
    A run that compares no elements never passes.
 
 Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
@@ -111,6 +114,29 @@ _CPU_SECOND_SIZE_BYTES = 1 << 20
 # second size leaves them alone (kernels may specialise on them).
 _NOT_EXTENTS = ("kernel", "stride", "pad", "dilation", "group", "class", "head", "axis",
                 "seed", "eps")
+
+
+class PhaseClock:
+    """Where one verification's time goes: consecutive spans plus children run beside them.
+
+    :meth:`lap` closes the span that started at the previous lap (or at creation) and
+    adds its length to ``name``; :meth:`add` records a child's own wall time without
+    moving the mark (phases in :data:`schemas.events.VERIFY_PHASES_BESIDE`). Times are
+    seconds on ``time.monotonic()``, taken in this process only: the children's own
+    clocks are never read, so a candidate cannot shift them.
+    """
+
+    def __init__(self) -> None:
+        self.spans: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def lap(self, name: str) -> None:
+        now = time.monotonic()
+        self.spans[name] = self.spans.get(name, 0.0) + (now - self._mark)
+        self._mark = now
+
+    def add(self, name: str, seconds: float) -> None:
+        self.spans[name] = self.spans.get(name, 0.0) + seconds
 
 
 class _Verdict(Exception):
@@ -254,6 +280,11 @@ class Verifier:
             ``VerifyResult.log``, bytes.
         speedup_flag_bound: speedups above this are flagged for review (``error``
             starts with ``flagged:``; ``passed`` stays True).
+        compare_threads: intra-op threads of this process's torch (the comparisons),
+            set by :meth:`start`; default 1 on cpu, where the children are busy on
+            the same cores: two OpenMP threads there spun at barriers and made one
+            comparison of a 1 MiB output 5-10x slower (measured at load 3 on 2
+            cores); None (GPU default) leaves torch's setting alone.
 
     Attributes:
         reference_runs: reference children spawned so far (cache misses).
@@ -267,7 +298,8 @@ class Verifier:
     def __init__(self, backend: str, *, worker_id: str, scratch_root: str | Path | None = None,
                  memory_limit_bytes: int | None = None, output_limit_bytes: int = 64 * 1024,
                  speedup_flag_bound: float = 50.0, sandbox_require: tuple[str, ...] = (),
-                 sandbox_env_allow: tuple[str, ...] = ()) -> None:
+                 sandbox_env_allow: tuple[str, ...] = (),
+                 compare_threads: int | None | str = "auto") -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
@@ -275,6 +307,11 @@ class Verifier:
         self.memory_limit_bytes = memory_limit_bytes
         self.output_limit_bytes = output_limit_bytes
         self.speedup_flag_bound = speedup_flag_bound
+        self.compare_threads = (1 if backend == "cpu" else None) if compare_threads == "auto" \
+            else compare_threads
+        # Ghost replay and second size start with the candidate's own run (cpu: nothing
+        # is timed there); False runs them after it.
+        self.side_by_side = backend == "cpu"
         self.reference_runs = 0
         self.candidate_runs = 0
         # A default scratch root is this worker's own and goes with it on close(); a
@@ -321,6 +358,8 @@ class Verifier:
         """
         if self.sandbox.started:
             return
+        if self.compare_threads is not None:
+            torch.set_num_threads(self.compare_threads)
         self.sandbox.start()
         log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
                  sandbox=self.sandbox.isolation.summary(), notes=self.sandbox_notes)
@@ -378,25 +417,28 @@ class Verifier:
             device: the leased device (``"0"``, ``"1"`` ... on GPUs, a slot on cpu).
         """
         started = time.monotonic()
+        clock = PhaseClock()
         try:
-            fields = await self._verify(request, device)
+            fields = await self._verify(request, device, clock)
         except _Verdict as verdict:
             fields = verdict.fields
         except Exception as exc:
             log.exception("verify.worker_error", request_id=request.request_id)
             fields = {"passed": False, "stage": "infrastructure",
                       "error": f"worker error: {type(exc).__name__}: {exc}"}
+        clock.lap("verdict")
         result = VerifyResult(
             request_id=request.request_id, job_id=request.job_id,
             candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
             interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
-            **fields)
+            phases={k: round(v, 6) for k, v in clock.spans.items()}, **fields)
         log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
                  candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
                  duration_s=round(result.duration_s, 3))
         return result
 
-    async def _verify(self, request: VerifyRequest, device: str) -> dict[str, Any]:
+    async def _verify(self, request: VerifyRequest, device: str,
+                      clock: PhaseClock) -> dict[str, Any]:
         if request.backend != self.backend:
             raise _Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
                            f"request is for {request.backend}")
@@ -408,35 +450,56 @@ class Verifier:
             shown = "; ".join(str(f) for f in findings[:3])
             more = f" (+{len(findings) - 3} more)" if len(findings) > 3 else ""
             raise _Verdict("static", f"static check failed: {shown}{more}", log=text)
+        clock.lap("static")
         if not self._started:
             try:
                 await asyncio.to_thread(self.start)
             except PoolBroken as exc:
                 raise _Verdict("infrastructure", f"sandbox pool broken: {exc}") from None
+            clock.lap("sandbox_start")
 
         seeds = [SEED_BASE + i for i in range(request.trials)]
         task_sha = hashlib.sha256(request.task_desc.encode()).hexdigest()
         overrides = json.dumps(request.shape_overrides, sort_keys=True)
         profile = request.mode == "profile" and self.backend != "cpu"
         references = await self._references_for(request, device, seeds, task_sha, overrides,
-                                                profile)
+                                                profile, clock=clock)
         total, empty = compared_elements(references[0].outputs)
         if total == 0:
             raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
                            f"(no elements) at shape_overrides {overrides}; pass sizes above zero")
         sizes = [dict(self._size_names.get((task_sha, overrides), {}))]
+        side_notes: list[str] = []
+
+        def side_checks() -> asyncio.Future:
+            # Independent children (each fresh, each with its own frame key); their
+            # outcomes are judged only after the candidate's own run passed, ghost
+            # replay first, exactly as if they had run after it.
+            return asyncio.gather(
+                _timed(clock, "ghost_replay", self._ghost_replay(
+                    request, device, seeds[0], references, task_sha, overrides)),
+                _timed(clock, "second_size", self._second_size(
+                    request, device, task_sha, overrides, side_notes)),
+                return_exceptions=True)
+
+        # On cpu nothing is timed, so the side children start with the candidate's
+        # own run instead of after it; on GPUs they would share the device with it.
+        side = side_checks() if self.side_by_side else None
         try:
             fields = await self._run_candidate(request, device, seeds, references, task_sha,
-                                               overrides, profile)
-        except _Verdict as verdict:
-            verdict.fields.setdefault("sizes_checked", sizes)
+                                               overrides, profile, clock=clock)
+        except BaseException as exc:
+            if isinstance(exc, _Verdict):
+                exc.fields.setdefault("sizes_checked", sizes)
+            if side is not None:
+                # The candidate's verdict stands; the side children are killed.
+                side.cancel()
+                await asyncio.gather(side, return_exceptions=True)
             raise
         notes = fields["notes"]
-        # Independent children: run side by side; a ghost-replay finding wins.
-        ghost, sized = await asyncio.gather(
-            self._ghost_replay(request, device, seeds[0], references, task_sha, overrides),
-            self._second_size(request, device, task_sha, overrides, notes),
-            return_exceptions=True)
+        ghost, sized = await (side if side is not None else side_checks())
+        clock.lap("checks")
+        notes.extend(side_notes)
         for outcome in (ghost, sized):
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -574,7 +637,8 @@ class Verifier:
 
     async def _references_for(self, request: VerifyRequest, device: str, seeds: list[int],
                               task_sha: str, overrides: str, profile: bool,
-                              input_limit: int | None = None) -> list[_Reference]:
+                              input_limit: int | None = None,
+                              clock: PhaseClock | None = None) -> list[_Reference]:
         lock_key = (task_sha, overrides)
         lock = self._reference_locks.get(lock_key)
         if lock is None:
@@ -592,6 +656,8 @@ class Verifier:
                 for ref in fresh:
                     found[ref.seed] = ref
                     self._references.put((task_sha, ref.seed, overrides), ref)
+            if clock is not None:
+                clock.lap("reference" if missing or need_timing else "reference_cache")
             return [found[s] for s in seeds]
 
     async def _run_reference(self, request: VerifyRequest, device: str, seeds: list[int],
@@ -698,11 +764,13 @@ class Verifier:
     async def _run_candidate(self, request: VerifyRequest, device: str, seeds: list[int],
                              references: list[_Reference], task_sha: str, overrides: str,
                              profile: bool, *, ghost: bool = False,
-                             audit_ops: bool = True) -> dict[str, Any]:
+                             audit_ops: bool = True,
+                             clock: PhaseClock | None = None) -> dict[str, Any]:
         """Run the candidate in a sandboxed child for ``seeds`` and judge its frames.
 
         ``ghost``: every Triton launch is a no-op in that child (the ghost replay).
         ``audit_ops``: fail on compute ops recorded in ``forward`` (rule D002).
+        ``clock``: laps the candidate's phases on it (the main run only).
 
         Raises:
             _Verdict: the candidate failed; otherwise returns the passed result's fields.
@@ -722,7 +790,8 @@ class Verifier:
         try:
             try:
                 async with asyncio.timeout(request.timeout_s):
-                    await self._candidate_frames(run, state, references, spec, audit_ops)
+                    await self._candidate_frames(run, state, references, spec, audit_ops,
+                                                 clock)
             except TimeoutError:
                 raise _Verdict("timeout", f"the candidate did not finish within "
                                f"{request.timeout_s:g} s (during {state.phase}); its process "
@@ -745,6 +814,8 @@ class Verifier:
         finally:
             output = run.output(self.output_limit_bytes)
             await run.close()
+            if clock is not None:
+                clock.lap("candidate_finish")
         if profile and state.gen_time_us is None:
             raise _Verdict("infrastructure", "the candidate's child sent no timing",
                            trials=state.compared, log=output)
@@ -760,7 +831,8 @@ class Verifier:
 
     async def _candidate_frames(self, run: ChildRun, state: _CandidateState,
                                 references: list[_Reference], spec: ChildSpec,
-                                audit_ops: bool = True) -> None:
+                                audit_ops: bool = True,
+                                clock: PhaseClock | None = None) -> None:
         """Consume the candidate child's frames until Done.
 
         The protocol is checked here, not trusted: trials in order, a Timing only when
@@ -776,12 +848,20 @@ class Verifier:
             frame = await run.frame()
             if isinstance(frame, _child.Progress):
                 state.phase = frame.phase
+                if clock is not None and frame.phase == _child.IMPORT_PHASE:
+                    clock.lap("candidate_start")
                 if state.phase == "profiling":
                     state.profiling_at = time.monotonic()
+                    if clock is not None:
+                        clock.lap("candidate_finish")
             elif isinstance(frame, _child.Trial):
                 if frame.index != state.compared or frame.index >= len(references):
                     raise ProtocolError(f"trial {frame.index} arrived out of order")
+                if clock is not None:
+                    clock.lap("compile" if frame.index == 0 else f"trial_{frame.index}")
                 comparison = await self._compare_trial(run, frame, references[frame.index])
+                if clock is not None:
+                    clock.lap("compare")
                 state.compared += 1
                 if comparison.outputs and state.tolerance is None:
                     state.tolerance = comparison.outputs[0].tolerance
@@ -797,6 +877,8 @@ class Verifier:
                 self._check_timing(frame, state.profiling_at, "the candidate",
                                    repeats=spec.repeats, stage="audit")
                 state.gen_time_us = frame.median_us
+                if clock is not None:
+                    clock.lap("profile")
             elif isinstance(frame, _child.Audit):
                 state.audit = frame
                 if frame.refused:
@@ -913,6 +995,15 @@ class Verifier:
                               atol=failed.tolerance.atol, rtol=failed.tolerance.rtol)
             raise _Verdict("mismatch", f"{comparison.message} in {where}", **fields)
         return comparison
+
+
+async def _timed(clock: PhaseClock, name: str, work: Any) -> Any:
+    """``await work``, adding its wall time to ``name`` on ``clock`` (a child run beside)."""
+    started = time.monotonic()
+    try:
+        return await work
+    finally:
+        clock.add(name, time.monotonic() - started)
 
 
 def _constant(t: torch.Tensor) -> bool:

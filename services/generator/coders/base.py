@@ -9,6 +9,9 @@ generator itself.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from schemas import JobSubmit, VerifyResult
@@ -17,6 +20,8 @@ from services.worker.sandbox import LoweringFailed, PoolBroken, Sandbox
 # torch.export of a KernelBench element-wise task takes ~1-2 s on a laptop CPU; a task
 # whose module-level code or forward hangs is cut off after this many seconds.
 LOWERING_TIMEOUT_S = 120.0
+# Successful lowerings a BuiltinCoder keeps (each a few KiB of source).
+LOWERED_CACHE_ENTRIES = 256
 
 
 class CoderError(Exception):
@@ -53,10 +58,19 @@ class Attempt:
 class BuiltinCoder:
     """Built-in coder (no LLM): one fused Triton kernel for element-wise operators.
 
+    The lowering is a function of the task's source, its shape overrides and the
+    launch parameters, so a successful one is kept (the last :data:`LOWERED_CACHE_ENTRIES`
+    of them, keyed by the source's sha256 and the rest): a job on a task lowered before
+    gets its candidate without another sandboxed child (~0.8 s here). Failures are not
+    kept (a timeout may not recur).
+
     Args:
         sandbox: a started :class:`~services.worker.sandbox.Sandbox` the lowering runs
             in (the task's code runs there, never here).
         timeout_s: limit on one lowering, seconds (setting ``lowering_timeout_s``).
+
+    Attributes:
+        lowerings: sandboxed lowerings run so far (cache misses).
     """
 
     name = "builtin"
@@ -64,6 +78,8 @@ class BuiltinCoder:
     def __init__(self, sandbox: Sandbox, timeout_s: float = LOWERING_TIMEOUT_S) -> None:
         self.sandbox = sandbox
         self.timeout_s = timeout_s
+        self.lowerings = 0
+        self._lowered: OrderedDict[tuple[str, str, str], str] = OrderedDict()
 
     async def generate(self, submit: JobSubmit, **params) -> Candidate:
         """Lower ``submit.task_desc`` (with its shape overrides) to a candidate.
@@ -76,6 +92,14 @@ class BuiltinCoder:
             CoderError: the task cannot be lowered (the message names the op), its code
                 failed, or lowering took longer than ``timeout_s``.
         """
+        key = (hashlib.sha256(submit.task_desc.encode()).hexdigest(),
+               json.dumps(submit.shape_overrides, sort_keys=True),
+               json.dumps(params, sort_keys=True))
+        code = self._lowered.get(key)
+        if code is not None:
+            self._lowered.move_to_end(key)
+            return Candidate(code=code, coder=self.name, meta=params)
+        self.lowerings += 1
         try:
             code = await self.sandbox.lower(
                 submit.task_desc, dict(submit.shape_overrides), params,
@@ -88,11 +112,28 @@ class BuiltinCoder:
             raise CoderError(error) from None
         except PoolBroken as exc:
             raise CoderError(f"built-in coder's sandbox is broken: {exc}") from None
+        self._lowered[key] = code
+        while len(self._lowered) > LOWERED_CACHE_ENTRIES:
+            self._lowered.popitem(last=False)
         return Candidate(code=code, coder=self.name, meta=params)
 
 
 def lowering_sandbox(name: str, *, require: tuple[str, ...] = (),
                      env_allow: tuple[str, ...] = ()) -> Sandbox:
-    """A (not yet started) cpu :class:`Sandbox` with the built-in coder preloaded."""
+    """A (not yet started) cpu :class:`Sandbox` with the built-in coder preloaded, and
+    what its first ``torch.export`` imports (:data:`LOWERING_PRELOAD`)."""
     return Sandbox("cpu", name=name, require=require, env_allow=env_allow,
-                   preload=("services.generator.coders.builtin",))
+                   preload=("services.generator.coders.builtin", *LOWERING_PRELOAD))
+
+
+# Modules torch.export imports on its first use (found by diffing sys.modules around a
+# first lower_task in a preloaded process, torch 2.13): ~400 modules, ~1 s per
+# lowering child when each child imports them itself. Only imports, no tensors, so
+# nothing that breaks across fork.
+LOWERING_PRELOAD = (
+    "torch.export._trace", "torch.export._unlift", "torch._export.non_strict_utils",
+    "torch._export.passes", "torch._export.serde", "torch._export.db",
+    "torch._functorch.aot_autograd", "torch._functorch.partitioners",
+    "torch._inductor.codecache", "torch._inductor.fx_passes", "torch._inductor.sizevars",
+    "torch.fx.experimental.validator", "torch.utils.flop_counter", "networkx", "filelock",
+)

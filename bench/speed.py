@@ -1,0 +1,221 @@
+"""Issue 16's three figures, side by side in one run, on the ``cpu`` backend.
+
+``python -m bench.speed`` prints:
+
+* **(a) burst throughput through the bus**: ``--burst`` one-trial verify requests of
+  ``tasks/relu.py`` at 64 x 4096 published at once on ``verify.cpu.<arch>`` to one
+  ``aikg worker`` process with one device (an embedded nats-server), first publish
+  to last verdict; beside it one cold ``python`` per candidate doing the same check
+  (:class:`bench.verify_throughput.Cold`, one trial), and the ratio.
+* **(b) one three-trial verification, sequential**: ``--seq`` calls each through
+  :class:`~services.sdk.workers.RemoteWorker` (to that worker) and
+  :class:`~services.sdk.workers.LocalWorker` (in this process), interleaved; p50 and
+  p95 of each and the difference of the p50s (what the bus costs).
+* **(c) small-job latency**: submit to verdict of ``tasks/relu.py`` as single jobs on
+  an idle ``aikg up`` (:func:`bench.job_latency.measure`), p50 of ``--jobs``.
+
+Each part also prints the median of every verification phase the worker reported
+(``VerifyResult.phases``) when it reports them. The load average is printed at the
+start and the end: the figures mean little on a machine that is busy elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.job_latency import measure as job_latencies
+from bench.job_latency import p95
+from bench.verify_throughput import Cold
+
+ROOT = Path(__file__).resolve().parent.parent
+TASK_PATH = ROOT / "tasks" / "relu.py"
+SHAPES = {"batch_size": 64, "dim": 4096}
+ARCH = "bench"
+
+
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def phase_medians(results: list[Any]) -> str:
+    """``name median_s`` of each phase the results carry, in first-seen order."""
+    spans: dict[str, list[float]] = {}
+    for r in results:
+        for name, seconds in (getattr(r, "phases", None) or {}).items():
+            spans.setdefault(name, []).append(seconds)
+    if not spans:
+        return "(no phases reported)"
+    return ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in spans.items())
+
+
+@contextlib.contextmanager
+def nats_and_worker(workdir: Path):
+    """An embedded nats-server and one ``aikg worker`` process (cpu, device 0); yields
+    the NATS URL once the worker's heartbeat is in the ``workers`` bucket."""
+    from services.common.embedded import EmbeddedNatsServer
+
+    server = EmbeddedNatsServer(workdir / "nats")
+    server.start()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    env.update(PYTHONPATH=str(ROOT), AIKG_NATS_URL=server.url, AIKG_WORKER_ARCH=ARCH,
+               AIKG_WORKER_ID="bench-worker", AIKG_METRICS_PORT="-1", AIKG_LOG_LEVEL="warning")
+    log = (workdir / "worker.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--backend", "cpu",
+                             "--devices", "0"], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        asyncio.run(_wait_worker(server.url, proc, workdir / "worker.log"))
+        yield server.url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        server.stop()
+
+
+async def _wait_worker(url: str, proc: subprocess.Popen, log: Path) -> None:
+    import nats
+
+    nc = await nats.connect(url)
+    try:
+        kv = None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the worker exited; see {log}")
+            with contextlib.suppress(Exception):
+                kv = kv or await nc.jetstream().key_value("workers")
+                if await kv.keys():
+                    return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"no worker heartbeat in 300 s; see {log}")
+    finally:
+        await nc.close()
+
+
+async def burst(url: str, task: str, code: str, n: int) -> tuple[float, list[Any]]:
+    """Seconds from the first publish of ``n`` one-trial requests to the last verdict."""
+    from services.sdk.workers import RemoteWorker
+
+    remote = RemoteWorker(url, backend="cpu", arch=ARCH)
+    try:
+        await remote.verify(task, code, "relu", shape_overrides=SHAPES, trials=1)  # warm-up
+        started = time.perf_counter()
+        results = await asyncio.gather(*(
+            remote.verify(task, code, "relu", shape_overrides=SHAPES, trials=1)
+            for _ in range(n)))
+        elapsed = time.perf_counter() - started
+    finally:
+        await remote.close()
+    failed = [r for r in results if not r.passed]
+    if failed:
+        raise RuntimeError(f"burst verification failed: {failed[0].stage}: {failed[0].error}")
+    return elapsed, results
+
+
+async def sequential(url: str, task: str, code: str, n: int
+                     ) -> dict[str, tuple[list[float], list[Any]]]:
+    """``n`` three-trial verifications one at a time through each worker, interleaved."""
+    from services.sdk.workers import LocalWorker, RemoteWorker
+
+    remote = RemoteWorker(url, backend="cpu", arch=ARCH)
+    local = LocalWorker([0], backend="cpu", arch=ARCH)
+    await local.start()
+    out: dict[str, tuple[list[float], list[Any]]] = {"RemoteWorker": ([], []),
+                                                     "LocalWorker": ([], [])}
+    try:
+        for worker in (remote, local):  # warm-up: each worker's reference cache
+            await worker.verify(task, code, "relu", shape_overrides=SHAPES, trials=3)
+        for _ in range(n):
+            for name, worker in (("RemoteWorker", remote), ("LocalWorker", local)):
+                started = time.perf_counter()
+                result = await worker.verify(task, code, "relu", shape_overrides=SHAPES,
+                                             trials=3)
+                out[name][0].append(time.perf_counter() - started)
+                out[name][1].append(result)
+                if not result.passed:
+                    raise RuntimeError(f"{name} verification failed: {result.stage}: "
+                                       f"{result.error}")
+    finally:
+        await remote.close()
+        await local.close()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.speed",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--burst", type=int, default=20,
+                        help="one-trial requests in the burst (default 20)")
+    parser.add_argument("--cold", type=int, default=3,
+                        help="cold-process verifications (default 3)")
+    parser.add_argument("--seq", type=int, default=10,
+                        help="sequential three-trial verifications per worker (default 10)")
+    parser.add_argument("--jobs", type=int, default=10, help="small jobs (default 10)")
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    args = parser.parse_args(argv)
+    from services.common.logging import configure_logging
+    from services.generator.coders.builtin import lower_task
+
+    configure_logging("bench", "warning", "console")
+    task = TASK_PATH.read_text()
+    code = lower_task(task, SHAPES)
+    print(f"{os.cpu_count()} CPUs; load average at start {load()}")
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="aikg-speed-") as tmp:
+        workdir = Path(tmp)
+        if {"a", "b"} & set(args.parts):
+            with nats_and_worker(workdir) as url:
+                if "a" in args.parts:
+                    elapsed, results = asyncio.run(burst(url, task, code, args.burst))
+                    per = elapsed / args.burst
+                    cold = Cold(workdir, task, code, shapes=SHAPES, trials=1)
+                    for _ in range(args.cold):
+                        cold.run_one()
+                    cold_per = cold.seconds / cold.count
+                    lines += [
+                        f"(a) burst of {args.burst} one-trial verifications through the bus: "
+                        f"{per:.3f} s each ({60 / per:.0f}/min); cold python per candidate: "
+                        f"{cold_per:.3f} s each; ratio {cold_per / per:.1f}x",
+                        f"    worker phases (median s): {phase_medians(results)}"]
+                    print(lines[-2], flush=True)
+                if "b" in args.parts:
+                    seq = asyncio.run(sequential(url, task, code, args.seq))
+                    p50 = {}
+                    for name, (times, results) in seq.items():
+                        p50[name] = statistics.median(times)
+                        lines += [f"(b) {name:<12} three trials, sequential: p50 "
+                                  f"{p50[name]:.3f} s, p95 {p95(times):.3f} s",
+                                  f"    phases (median s): {phase_medians(results)}"]
+                    lines.append("(b) bus overhead (RemoteWorker p50 - LocalWorker p50): "
+                                 f"{(p50['RemoteWorker'] - p50['LocalWorker']) * 1000:+.0f} ms")
+                    print("\n".join(lines[-5:]), flush=True)
+        if "c" in args.parts:
+            times = job_latencies(ROOT, workdir, task, args.jobs)
+            lines.append(f"(c) small job (tasks/relu.py, builtin coder, idle aikg up), submit "
+                         f"to verdict: p50 {statistics.median(times):.3f} s, p95 "
+                         f"{p95(times):.3f} s over {len(times)}")
+            print(lines[-1], flush=True)
+    print(f"\nload average at end {load()}")
+    print("\n".join(lines))
+    print(json.dumps({"load_end": load()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
