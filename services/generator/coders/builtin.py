@@ -642,6 +642,7 @@ class _Lowerer:
         self.shape_vars: dict[torch.fx.Node, str] = {}
         self.device = ""
         self.symbols: dict[str, str] = {}
+        self.scalars: list[tuple[str, str]] = []  # (kernel parameter, forward expression)
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -740,6 +741,12 @@ class _Lowerer:
             return memo[node]
         if node in load:
             return load[node]
+        if self.values[node].kind in ("sym", "const"):
+            # a size or number known only at run time: a scalar kernel argument
+            name = f"c{len(self.scalars)}"
+            self.scalars.append((name, self.values[node].expr))
+            memo[node] = name
+            return memo[node]
         op = str(node.target)
         val = _val(node)
         raw = _bind(node)
@@ -764,16 +771,23 @@ class _Lowerer:
 
     def run(self) -> str:
         sig = self.ep.graph_signature
-        if sig.user_inputs_to_mutate or sig.buffers_to_mutate:
-            raise LoweringError("inputs", "the task's Model mutates its input or a buffer in "
-                                "place; the built-in coder cannot lower that; use the LLM coder")
+        if sig.user_inputs_to_mutate:
+            raise LoweringError("inputs", "the task's Model mutates its input in place; the "
+                                "built-in coder cannot lower that; use the LLM coder")
         kinds = {spec.arg.name: spec for spec in sig.input_specs}
         user_specs = [spec for spec in sig.input_specs
                       if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
         user_pos = {spec.arg.name: i for i, spec in enumerate(user_specs)}
         graph = self.ep.graph
         output = next(n for n in graph.nodes if n.op == "output")
-        needed = _reachable(output)
+        # Buffer updates (batch norm's running statistics) are not outputs of forward;
+        # ModelNew computes the user outputs only.
+        user_outputs = [n for n, spec in zip(output.args[0], sig.output_specs, strict=True)
+                        if spec.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT]
+        needed = set()
+        for out in user_outputs:
+            if isinstance(out, torch.fx.Node):
+                needed |= _reachable(out) | {out}
         # symbols of input extents
         for node in graph.nodes:
             if node.op == "placeholder" and node.name in user_pos:
@@ -800,7 +814,7 @@ class _Lowerer:
             raise LoweringError("inputs", "the task has no tensor input; the built-in coder "
                                 "needs one to place its outputs")
         results = []
-        for out in output.args[0]:
+        for out in user_outputs:
             if not isinstance(out, torch.fx.Node):
                 raise LoweringError("outputs", "the task's Model returns a constant")
             results.append(self.materialize(out))
@@ -834,7 +848,6 @@ class _Lowerer:
             if kind == InputKind.CONSTANT_TENSOR:
                 raise LoweringError("inputs", f"the task's Model holds a constant tensor "
                                     f"({spec.target}); use the LLM coder")
-            _check_dtype(val.dtype, f"{kind.name.lower()} `{spec.target}`")
             self.values[node] = _Value("tensor", "self." + spec.target)
         else:
             raise LoweringError("inputs", f"the task's Model takes a {kind.name.lower()} "
@@ -868,7 +881,8 @@ class _Lowerer:
                 _check_dtype(v.dtype, f"{op}'s result")
         if op in _RULES and op not in _RESHAPES or op in _CONSTANTS:
             for arg in node.all_input_nodes:
-                if self.values[arg].kind == "tensor" and _val(arg).dtype not in _TL_DTYPES:
+                if (self.values[arg].kind == "tensor"
+                        and _val(arg).dtype not in (*_TL_DTYPES, torch.int64)):
                     _check_dtype(_val(arg).dtype, f"{op}'s operand")
             self.values[node] = _Value("pointwise")
         elif op in _VIEW_OPS or op in _RESHAPES:
@@ -983,8 +997,11 @@ class _Lowerer:
                 ld += ".to(tl.float32)"
             body.append(f"v_in{k} = {ld}")
             load[leaf] = f"v_in{k}"
+        self.scalars = []
         result = self.chain(node, load, "[BLOCK_SIZE]", body, ops, {})
         store = self._cast_out(result, val.dtype, "[BLOCK_SIZE]")
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
         kernel_params = [*params, "out_ptr", "n_elements", *dims, "BLOCK_SIZE: tl.constexpr"]
         lines = [*index_lines, *body,
                  f"tl.store(out_ptr + offsets, ({store}).to(out_ptr.dtype.element_ty), mask=mask)"]
@@ -1112,7 +1129,10 @@ class _Lowerer:
             load[leaf] = f"v_in{k}"
         body: list[str] = []
         ops: list[str] = []
+        self.scalars = []
         x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
         if sval.dtype == torch.bool:
             x = f"({x}).to(tl.float32)"
         loop_head = ["for r0 in range(0, R, BLOCK_R):",
@@ -1309,7 +1329,10 @@ class _Lowerer:
             load[leaf] = f"v_in{k}"
         body: list[str] = []
         ops: list[str] = []
+        self.scalars = []
         x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
         is_sum = op == "aten.cumsum.default"
         ident = "0.0" if is_sum else "1.0"
         lines = ["o = tl.program_id(0).to(tl.int64)",
@@ -1531,7 +1554,8 @@ def _operand_exprs(raw: dict[str, Any], exprs: dict[torch.fx.Node, str],
     for name, value in raw.items():
         if isinstance(value, torch.fx.Node):
             expr = exprs[value]
-            if _val(value).dtype == torch.bool and not rule.keep_bool:
+            tensor = _val(value)
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and not rule.keep_bool:
                 expr = f"({expr}).to(tl.float32)"
             out[name] = expr
         elif isinstance(value, bool | int | float):
