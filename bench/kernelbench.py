@@ -156,20 +156,28 @@ def reduce_sizes(source: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple
     """
     tree = ast.parse(source)
     literals = _size_literals(tree)
-    for _ in range(200):
+    frozen: set[int] = set()
+    last: tuple[ast.Constant, int] | None = None
+    for _ in range(400):
         text = ast.unparse(tree)
         try:
             count = _elements(text)
-        except Exception as exc:  # noqa: BLE001 - a task the halving broke
-            raise ValueError(f"the task does not run at reduced sizes: "
-                             f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a task the last halving broke
+            if last is None:
+                raise ValueError(f"the task does not run: {type(exc).__name__}: {exc}") from exc
+            # e.g. channels no longer divisible by groups: keep that size, halve others
+            last[0].value = last[1]
+            frozen.add(id(last[0]))
+            last = None
+            continue
         if count <= max_elements:
             sizes = ", ".join(f"{n}={c.value}" for n, c in literals.items())
             return text, sizes
-        shrinkable = [c for c in literals.values() if c.value > 2]
+        shrinkable = [c for c in literals.values() if c.value > 2 and id(c) not in frozen]
         if not shrinkable:
             break
         biggest = max(shrinkable, key=lambda c: c.value)
+        last = (biggest, biggest.value)
         biggest.value = max(2, biggest.value // 2)
     raise ValueError(f"cannot reduce the task under {max_elements} elements by halving "
                      "its module-level sizes")

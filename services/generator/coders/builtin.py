@@ -643,6 +643,8 @@ class _Lowerer:
         self.device = ""
         self.symbols: dict[str, str] = {}
         self.scalars: list[tuple[str, str]] = []  # (kernel parameter, forward expression)
+        self.specialized: dict[int, str] = {}
+        self.sizes = False  # while rendering a size list: ints may be specialized extents
 
     # ---- helpers -------------------------------------------------------------------
 
@@ -659,15 +661,27 @@ class _Lowerer:
         if isinstance(value, torch.SymInt):
             return self.sympy(value.node.expr)
         if isinstance(value, bool | int):
+            if self.sizes and not isinstance(value, bool) and value in self.specialized:
+                return self.specialized[value]
             return str(int(value))
         if isinstance(value, list | tuple):
             return "(" + ", ".join(self.sym(v) for v in value) + ("," if len(value) == 1 else "") + ")"
         raise LoweringError("shape", f"unsupported size argument {value!r}")
 
+    def size_list(self, sizes: Any) -> str:
+        """A tuple expression for a view/expand size list, extents read at run time."""
+        self.sizes = True
+        try:
+            return self.sym(list(sizes))
+        finally:
+            self.sizes = False
+
     def sympy(self, expr: Any) -> str:
         import sympy
 
         if isinstance(expr, sympy.Integer):
+            if self.sizes and int(expr) in self.specialized:
+                return self.specialized[int(expr)]
             return str(int(expr))
         if isinstance(expr, sympy.Symbol):
             if expr.name not in self.symbols:
@@ -695,7 +709,7 @@ class _Lowerer:
             return self.shape_vars[node]
         leaves, shape_only = self.leaves(node)
         shapes = [f"{self.values[leaf].expr}.shape" for leaf in leaves]
-        shapes += [self.sym(list(s)) for s in shape_only]
+        shapes += [self.size_list(s) for s in shape_only]
         var = self.fresh("shape")
         rank = len(_val(node).shape)
         self.forward.append(f"{var} = _broadcast_shape({rank}, {', '.join(shapes)})")
@@ -797,9 +811,14 @@ class _Lowerer:
                     if not self.device:
                         self.device = f"{name}.device"
                     for d, size in enumerate(val.shape):
-                        if isinstance(size, torch.SymInt):
+                        if isinstance(size, torch.SymInt) and not size.node.expr.is_number:
                             key = str(size.node.expr)
                             self.symbols.setdefault(key, f"{name}.shape[{d}]")
+                        elif int(size) > 1:
+                            # An extent torch.export fixed because a parameter has it
+                            # (LayerNorm's normalized_shape): read it at run time too, so
+                            # the model built at another size still fits.
+                            self.specialized.setdefault(int(size), f"{name}.shape[{d}]")
         for node in graph.nodes:
             if node.op == "placeholder":
                 self.placeholder(node, kinds[node.name], user_pos)
@@ -860,8 +879,12 @@ class _Lowerer:
             self.values[node] = self.values[src].items[index]
             return
         if target in _SYM_OPS:
-            a, b = (self.sym(x) if not isinstance(x, torch.fx.Node) else self.values[x].expr
-                    for x in node.args)
+            self.sizes = True  # size arithmetic: fixed extents are read at run time too
+            try:
+                a, b = (self.sym(x) if not isinstance(x, torch.fx.Node) else self.values[x].expr
+                        for x in node.args)
+            finally:
+                self.sizes = False
             self.values[node] = _Value("sym", f"({a} {_SYM_OPS[target]} {b})")
             return
         if not isinstance(target, torch._ops.OpOverload):
@@ -918,7 +941,7 @@ class _Lowerer:
         src = self.materialize(raw["self"])
         name = op.split(".")[1]
         if name in ("view", "_unsafe_view", "reshape"):
-            expr = f"{src}.reshape({self.sym(list(raw.get('size', raw.get('shape'))))})"
+            expr = f"{src}.reshape({self.size_list(raw.get('size', raw.get('shape')))})"
         elif name == "alias":
             expr = src
         elif name == "squeeze":
@@ -930,7 +953,7 @@ class _Lowerer:
         elif name == "permute":
             expr = f"{src}.permute({self.sym(list(raw['dims']))})"
         elif name == "expand":
-            expr = f"{src}.expand({self.sym(list(raw['size']))})"
+            expr = f"{src}.expand({self.size_list(raw['size'])})"
         elif name == "t":
             expr = f"{src}.t()"
         elif name == "transpose":
@@ -991,7 +1014,7 @@ class _Lowerer:
             params += [f"in{k}_ptr", *strides]
             expr = self.values[leaf].expr
             launch += [expr, f"*_strides({expr}, {shape})"] if rank else [expr]
-            offset = " + ".join(f"i{d} * s{k}_{d}" for d in range(rank)) or "0"
+            offset = " + ".join(f"i{d} * s{k}_{d}" for d in range(rank)) or "offsets * 0"
             ld = f"tl.load(in{k}_ptr + {offset}, mask=mask)"
             if _val(leaf).dtype != torch.bool:
                 ld += ".to(tl.float32)"
@@ -1440,23 +1463,44 @@ def _TORCH_DTYPE_NAME(dtype: torch.dtype) -> str:
     return str(dtype)
 
 
+class _Args:
+    """Renders a constructor argument as ``args[i]`` when it is ModelNew's i-th init
+    argument, so ModelNew built with other init arguments (another size) follows them."""
+
+    def __init__(self, init_inputs: list[Any]) -> None:
+        self.init_inputs = init_inputs
+
+    def __call__(self, value: Any) -> str:
+        for i, arg in enumerate(self.init_inputs):
+            if type(arg) is bool or type(value) is bool:
+                continue
+            if isinstance(value, int) and type(arg) is int and arg == value:
+                return f"args[{i}]"
+            if (isinstance(value, tuple | list) and isinstance(arg, tuple | list)
+                    and tuple(arg) == tuple(value)):
+                return f"tuple(args[{i}])"
+        if isinstance(value, tuple | list):
+            return "(" + "".join(f"{self(v)}, " for v in value) + ")"
+        return repr(value)
+
+
 # Known parameterised modules and how to construct them again from their attributes.
-def _module_ctor(module: torch.nn.Module) -> str | None:
+def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
     nn = torch.nn
     if type(module) is nn.Linear:
-        return (f"nn.Linear({module.in_features}, {module.out_features}, "
+        return (f"nn.Linear({a(module.in_features)}, {a(module.out_features)}, "
                 f"bias={module.bias is not None})")
     if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
                         nn.InstanceNorm2d, nn.InstanceNorm3d):
-        return (f"nn.{type(module).__name__}({module.num_features}, eps={module.eps}, "
+        return (f"nn.{type(module).__name__}({a(module.num_features)}, eps={module.eps}, "
                 f"momentum={module.momentum}, affine={module.affine}, "
                 f"track_running_stats={module.track_running_stats})")
     if type(module) is nn.LayerNorm:
-        return (f"nn.LayerNorm({tuple(module.normalized_shape)}, eps={module.eps}, "
+        return (f"nn.LayerNorm({a(tuple(module.normalized_shape))}, eps={module.eps}, "
                 f"elementwise_affine={module.elementwise_affine}, bias={module.bias is not None})")
     if type(module) is nn.GroupNorm:
-        return (f"nn.GroupNorm({module.num_groups}, {module.num_channels}, eps={module.eps}, "
-                f"affine={module.affine})")
+        return (f"nn.GroupNorm({a(module.num_groups)}, {a(module.num_channels)}, "
+                f"eps={module.eps}, affine={module.affine})")
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
         return None  # nothing to declare (activations, dropout, pooling)
     raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
@@ -1468,17 +1512,19 @@ def _init_lines(task: _Task) -> list[str]:
     """ModelNew.__init__ lines declaring the Model's parameters in the same order.
 
     Each direct parameter is created as the task does, with ``torch.randn`` (the usual
-    KernelBench spelling), ``torch.rand``, ``torch.zeros`` or ``torch.ones`` of its shape;
-    which one is checked by building both models from the same seed.
+    KernelBench spelling), ``torch.rand``, ``torch.zeros``, ``torch.ones`` of its shape or
+    its fixed values; which one is checked by building both models from the same seed.
+    Sizes equal to an init argument are read from ``args``.
     """
+    a = _Args(task.init_inputs)
     lines: list[str] = []
     for kind, name, value in task.registered:
         if kind == "module":
-            ctor = _module_ctor(value)
+            ctor = _module_ctor(value, a)
             if ctor is not None:
                 lines.append(f"self.{name} = {ctor}")
         else:
-            lines.append(f"self.{name} = nn.Parameter(torch.randn({tuple(value.shape)}))")
+            lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
     if not lines:
         return lines
     return _match_parameters(task, lines)
@@ -1493,15 +1539,25 @@ def _match_parameters(task: _Task, lines: list[str]) -> list[str]:
     except Exception as exc:  # noqa: BLE001 - the task does not build on CPU
         raise LoweringError("parameters", f"building the task's Model on CPU raised "
                             f"{type(exc).__name__}: {exc}") from exc
-    expected = [t.detach() for t in reference.state_dict().values()]
-    choices = ("randn", "rand", "zeros", "ones")
+    state = reference.state_dict()
+    expected = [t.detach() for t in state.values()]
+    choices = ["randn", "rand", "zeros", "ones", "literal"]
     param_lines = [k for k, line in enumerate(lines) if "nn.Parameter(torch.randn" in line]
-    for combo in itertools.islice(itertools.product(choices, repeat=len(param_lines)), 64):
+    for combo in itertools.islice(itertools.product(choices, repeat=len(param_lines)), 256):
         trial = list(lines)
         for k, fn in zip(param_lines, combo, strict=True):
-            trial[k] = trial[k].replace("torch.randn(", f"torch.{fn}(")
+            if fn == "literal":
+                # a parameter the task fills with fixed values, e.g. torch.tensor(constant)
+                name = trial[k].split("=")[0].strip().removeprefix("self.")
+                value = state.get(name)
+                if value is None or value.numel() > 64:
+                    break
+                trial[k] = (f"self.{name} = nn.Parameter(torch.tensor({value.tolist()!r}, "
+                            f"dtype={value.dtype}))")
+            else:
+                trial[k] = trial[k].replace("torch.randn(", f"torch.{fn}(")
         holder = torch.nn.Module()
-        scope = {"torch": torch, "nn": torch.nn, "self": holder}
+        scope = {"torch": torch, "nn": torch.nn, "self": holder, "args": task.init_inputs}
         torch.manual_seed(0)
         exec("\n".join(trial), scope)
         got = [t.detach() for t in holder.state_dict().values()]
