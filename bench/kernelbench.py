@@ -152,7 +152,7 @@ def reduce_sizes(source: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple
         (the rewritten source, a ``name=value, ...`` summary of the sizes used).
 
     Raises:
-        ValueError: the task does not run, or cannot be brought under the budget.
+        ValueError: the task does not run.
     """
     tree = ast.parse(source)
     literals = _size_literals(tree)
@@ -179,8 +179,11 @@ def reduce_sizes(source: str, max_elements: int = DEFAULT_MAX_ELEMENTS) -> tuple
         biggest = max(shrinkable, key=lambda c: c.value)
         last = (biggest, biggest.value)
         biggest.value = max(2, biggest.value // 2)
-    raise ValueError(f"cannot reduce the task under {max_elements} elements by halving "
-                     "its module-level sizes")
+    # Over budget even at its smallest (e.g. a convolution's weights): lower it anyway;
+    # a refusal costs nothing and a kernel is verified at these sizes.
+    text = ast.unparse(tree)
+    sizes = ", ".join(f"{n}={c.value}" for n, c in literals.items())
+    return text, sizes + f" (over {max_elements} elements)"
 
 
 _OP = re.compile(r"cannot lower (?:graph node )?(aten\.[\w.]+|\S+)")
