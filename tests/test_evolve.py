@@ -160,3 +160,20 @@ async def test_duplicate_code_reuses_the_verdict(verifier, lowering_sandbox) -> 
     dups = [c for c in search.summary.candidates if c.duplicate_of]
     assert dups, "identical code must reuse the earlier verdict"
     assert len(rec.verified) == len(search.summary.candidates) - len(dups)
+
+
+def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:
+    """Seeds of a matmul task carry different matmul tiles and warps into the code."""
+    import random
+
+    task = (Path(__file__).resolve().parent.parent / "tasks" / "matmul.py").read_text()
+    submit = make_submit(task_desc=task, op_name="matmul", shape_overrides={})
+    mutator = BuiltinMutator(coder)
+    rng = random.Random(7)
+    seeds = [asyncio.run(mutator.seed(submit, index, rng)) for index in range(3)]
+    tiles = set()
+    for candidate in seeds:
+        p = candidate.meta
+        assert f"BLOCK_M={p['block_m']}, BLOCK_N={p['block_n']}, BLOCK_K={p['block_k']}" in candidate.code
+        tiles.add((p["block_m"], p["block_n"], p["block_k"], p["num_warps"]))
+    assert len(tiles) == 3

@@ -30,11 +30,15 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
 
 from services.generator.coders.builtin import LoweringError, lower_task
 
+CONSTEXPRS = {"BLOCK_SIZE": 1024, "BLOCK_R": 64, "BLOCK_I": 16, "BLOCK_M": 32, "BLOCK_N": 32,
+              "BLOCK_K": 32}
 out, scratch = {}, Path(sys.argv[1])
-for path in sorted(Path("tasks").glob("*.py")):
+paths = sorted(Path("tasks").glob("*.py")) + sorted(Path(sys.argv[3]).glob("*.py"))
+for path in paths:
     try:
         source = lower_task(path.read_text())
     except LoweringError as exc:
@@ -45,40 +49,52 @@ for path in sorted(Path("tasks").glob("*.py")):
     spec = importlib.util.spec_from_file_location(f"candidate_{path.stem}", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    kernel = module.fused_elementwise_kernel
+    kernels = {name: fn for name, fn in vars(module).items()
+               if isinstance(fn, JITFunction) and "_kernel_" in name}
     results = {}
-    for dtype in sys.argv[2].split(","):
-        signature = {name: "*" + dtype if name.endswith("_ptr")
-                     else "constexpr" if name == "BLOCK_SIZE" else "i64"
-                     for name in kernel.arg_names}
-        try:
-            compiled = triton.compile(
-                ASTSource(kernel, signature, constexprs={"BLOCK_SIZE": 1024}),
-                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-            results[dtype] = {"cubin_bytes": len(compiled.asm["cubin"])}
-        except Exception as exc:
-            results[dtype] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    dtypes = sys.argv[2].split(",") if path.parent.name == "tasks" else ["fp32"]
+    for kname, kernel in kernels.items():
+        for dtype in dtypes:
+            signature = {name: "*" + dtype if name.endswith("_ptr")
+                         else "constexpr" if name in CONSTEXPRS else "i64"
+                         for name in kernel.arg_names}
+            constexprs = {n: v for n, v in CONSTEXPRS.items() if n in kernel.arg_names}
+            try:
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constexprs=constexprs),
+                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
+                results[f"{kname} {dtype}"] = {"cubin_bytes": len(compiled.asm["cubin"])}
+            except Exception as exc:
+                results[f"{kname} {dtype}"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
     out[path.stem] = {"lowered": True, "dtypes": results}
 print(json.dumps(out))
 '''
 
 
 def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the test module below sets it anyway
+    from tests.test_builtin_coder import SCHEDULES, schedule_task
+
+    schedules = tmp_path / "schedules"
+    schedules.mkdir()
+    for name in SCHEDULES:
+        (schedules / f"schedule_{name}.py").write_text(schedule_task(name))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, str(tmp_path), ",".join(DTYPES)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, str(tmp_path), ",".join(DTYPES),
+                          str(schedules)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads(run.stdout.strip().splitlines()[-1])
 
-    assert set(results) == {p.stem for p in TASKS.glob("*.py")}
+    expected = {p.stem for p in TASKS.glob("*.py")} | {f"schedule_{n}" for n in SCHEDULES}
+    assert set(results) == expected
     not_lowered = sorted(name for name, r in results.items() if not r["lowered"])
-    # The built-in coder handles element-wise chains only (README, "The built-in coder").
-    assert not_lowered == ["matmul", "softmax"], not_lowered
-    failures = {f"{name} {dtype}": r["error"]
+    assert not_lowered == [], not_lowered
+    failures = {f"{name} {kernel}": r["error"]
                 for name, task in results.items() if task["lowered"]
-                for dtype, r in task["dtypes"].items() if "error" in r}
+                for kernel, r in task["dtypes"].items() if "error" in r}
     assert not failures, json.dumps(failures, indent=1)
-    cubins = [r["cubin_bytes"] for task in results.values() if task["lowered"]
-              for r in task["dtypes"].values()]
-    assert len(cubins) == 3 * (len(results) - 2) and min(cubins) > 1000
+    cubins = [r["cubin_bytes"] for task in results.values() for r in task["dtypes"].values()]
+    assert len(cubins) >= 3 * len(list(TASKS.glob("*.py"))) + len(SCHEDULES)
+    assert min(cubins) > 1000

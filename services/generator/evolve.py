@@ -95,17 +95,30 @@ def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
 
 # --- the built-in coder's search space ------------------------------------------------
 
-# Launch parameters of the fused element-wise kernel. Powers of two as Triton requires
-# for BLOCK_SIZE; num_warps 1..16 and num_stages 1..4 cover what Triton's own
-# autotuning configs for element-wise kernels use.
+# Launch parameters of the built-in coder's schedules. Powers of two as Triton requires:
+# block_size is a pointwise kernel's BLOCK_SIZE and a reduction/scan tile's
+# BLOCK_R * BLOCK_I; block_m/n/k are the matmul tiles (16 is tl.dot's smallest on
+# NVIDIA GPUs; 128 the largest of Triton's matmul tutorial configs). num_warps 1..16 and
+# num_stages 1..4 cover what Triton's own autotuning configs use.
 SEARCH_SPACE: dict[str, list[int]] = {
     "block_size": [128, 256, 512, 1024, 2048, 4096],
     "num_warps": [1, 2, 4, 8, 16],
     "num_stages": [1, 2, 3, 4],
+    "block_m": [16, 32, 64, 128],
+    "block_n": [16, 32, 64, 128],
+    "block_k": [16, 32, 64],
 }
+DEFAULT_PARAMS: dict[str, int] = {"block_size": 1024, "num_warps": 4, "num_stages": 1,
+                                  "block_m": 32, "block_n": 32, "block_k": 32}
+
+
+def _key(params: dict[str, int]) -> tuple[int | None, ...]:
+    """The point of SEARCH_SPACE ``params`` stands for (older checkpoints lack tiles)."""
+    full = {**DEFAULT_PARAMS, **params}
+    return tuple(full[name] for name in sorted(SEARCH_SPACE))
 
 _LAUNCH = re.compile(r"BLOCK_SIZE=(\d+), num_warps=(\d+), num_stages=(\d+)")
-_GRID = re.compile(r"triton\.cdiv\(n_elements, (\d+)\)")
+_GRID = re.compile(r"triton\.cdiv\((n_elements|n), (\d+)\)")
 
 
 def retune(code: str, params: dict[str, int]) -> str | None:
@@ -115,7 +128,7 @@ def retune(code: str, params: dict[str, int]) -> str | None:
         return None
     b, w, s = params["block_size"], params["num_warps"], params["num_stages"]
     code = _LAUNCH.sub(f"BLOCK_SIZE={b}, num_warps={w}, num_stages={s}", code)
-    return _GRID.sub(f"triton.cdiv(n_elements, {b})", code)
+    return _GRID.sub(lambda m: f"triton.cdiv({m.group(1)}, {b})", code)
 
 
 class BuiltinMutator:
@@ -130,11 +143,11 @@ class BuiltinMutator:
     def __init__(self, coder) -> None:
         self.coder = coder
         self.base_code: str | None = None
-        self.tried: set[tuple[int, int, int]] = set()
+        self.tried: set[tuple[int | None, ...]] = set()
 
     def remember(self, params: dict[str, int]) -> None:
         if params:
-            self.tried.add((params["block_size"], params["num_warps"], params["num_stages"]))
+            self.tried.add(_key(params))
 
     async def _render(self, submit: JobSubmit, params: dict[str, int]) -> Candidate:
         self.remember(params)
@@ -149,8 +162,7 @@ class BuiltinMutator:
 
     def _fresh(self, params: dict[str, int], rng: random.Random) -> dict[str, int]:
         for _ in range(50):
-            key = (params["block_size"], params["num_warps"], params["num_stages"])
-            if key not in self.tried:
+            if _key(params) not in self.tried:
                 return params
             params = self._step(params, rng)
         return params
@@ -167,7 +179,7 @@ class BuiltinMutator:
 
     async def seed(self, submit: JobSubmit, index: int, rng: random.Random) -> Candidate:
         if index == 0:
-            params = {"block_size": 1024, "num_warps": 4, "num_stages": 1}
+            params = dict(DEFAULT_PARAMS)
         else:
             params = {k: rng.choice(v) for k, v in SEARCH_SPACE.items()}
         return await self._render(submit, self._fresh(params, rng))
@@ -175,7 +187,7 @@ class BuiltinMutator:
     async def mutate(self, submit: JobSubmit, parent: EvolveCandidate, parent_code: str,
                      inspirations: list[tuple[EvolveCandidate, str]],
                      rng: random.Random) -> Candidate:
-        base = parent.params or {"block_size": 1024, "num_warps": 4, "num_stages": 1}
+        base = {**DEFAULT_PARAMS, **(parent.params or {})}
         return await self._render(submit, self._fresh(self._step(base, rng), rng))
 
 

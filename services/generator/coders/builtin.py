@@ -16,8 +16,11 @@ from a subprocess.
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
+import operator
 import re
+import sys
 import textwrap
 import types
 import warnings
@@ -152,7 +155,7 @@ def _pow_tensor_scalar(c: _Call) -> str:
     """``self ** exponent`` for a number exponent, exact for small integer powers."""
     x, e = c.expr["self"], float(c.raw["exponent"])
     if e == 0.0:
-        return "tl.full([BLOCK_SIZE], 1.0, tl.float32)"
+        return "tl.full(__TILE__, 1.0, tl.float32)"
     if e.is_integer() and abs(e) <= 4:
         product = " * ".join([x] * int(abs(e)))
         return product if e > 0 else f"1.0 / ({product})"
@@ -243,8 +246,8 @@ def _constant(c: _Call, dtype: torch.dtype) -> str:
     """full/full_like/scalar_tensor: a block of the fill value, rounded to its dtype."""
     value = c.raw["fill_value"] if "fill_value" in c.raw else c.raw["s"]
     if dtype == torch.bool:
-        return f"tl.full([BLOCK_SIZE], {int(bool(value))}, tl.int1)"
-    block = f"tl.full([BLOCK_SIZE], {_literal(value)}, {_TL_DTYPES[dtype]})"
+        return f"tl.full(__TILE__, {int(bool(value))}, tl.int1)"
+    block = f"tl.full(__TILE__, {_literal(value)}, {_TL_DTYPES[dtype]})"
     return block if dtype == torch.float32 else f"{block}.to(tl.float32)"
 
 
@@ -411,11 +414,18 @@ _HELPER_CALL = re.compile(r"\b(" + "|".join(_HELPERS) + r")\(")
 
 @dataclass
 class _Task:
-    """A task run far enough to export: its model, example inputs and forward names."""
+    """A task run far enough to export: its model, example inputs and forward names.
+
+    ``registered`` lists the Model's direct attributes in the order ``__init__``
+    registered them: ``("module", name, module)`` or ``("parameter", name, tensor)``.
+    """
 
     model: torch.nn.Module
     inputs: tuple[Any, ...]
     arg_names: list[str]
+    init_inputs: list[Any]
+    registered: list[tuple[str, str, Any]]
+    module: types.ModuleType
 
 
 def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None) -> _Task:
@@ -442,27 +452,61 @@ def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None) -> _Task:
     for name, value in (shape_overrides or {}).items():
         setattr(module, name, value)
 
-    def build() -> tuple[torch.nn.Module, list[Any]]:
-        init_inputs = module.get_init_inputs()
-        return module.Model(*init_inputs), list(module.get_inputs())
+    registered: list[tuple[str, str, Any]] = []
+    top: list[torch.nn.Module] = []
+
+    def on_module(owner, name, value):
+        if owner is (top[0] if top else None):
+            registered.append(("module", name, value))
+
+    def on_parameter(owner, name, value):
+        if owner is (top[0] if top else None) and value is not None:
+            registered.append(("parameter", name, value))
+
+    class _Recorder:
+        """Finds the top-level Model instance as soon as Module.__init__ runs on it."""
+
+    def build() -> tuple[torch.nn.Module, list[Any], list[Any]]:
+        registered.clear()
+        top.clear()
+        init_inputs = list(module.get_init_inputs())
+        original = torch.nn.Module.__init__
+
+        def init(self, *args, **kwargs):
+            if not top and isinstance(self, module.Model):
+                top.append(self)
+            original(self, *args, **kwargs)
+
+        torch.nn.Module.__init__ = init
+        hooks = [torch.nn.modules.module.register_module_module_registration_hook(on_module),
+                 torch.nn.modules.module.register_module_parameter_registration_hook(
+                     on_parameter)]
+        try:
+            model = module.Model(*init_inputs)
+        finally:
+            torch.nn.Module.__init__ = original
+            for hook in hooks:
+                hook.remove()
+        return model, list(module.get_inputs()), init_inputs
 
     try:
         with torch.device("meta"):
-            model, inputs = build()
+            model, inputs, init_inputs = build()
     except Exception:
         try:
-            model, inputs = build()
+            model, inputs, init_inputs = build()
         except Exception as exc:
             raise LoweringError("task", f"building the task's Model or inputs raised "
                                 f"{type(exc).__name__}: {exc}; fix the task") from exc
     if not isinstance(model, torch.nn.Module):
         raise LoweringError("task", "task's Model is not a torch.nn.Module")
     for position, value in enumerate(inputs):
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor | bool | int | float):
             raise LoweringError("inputs", f"get_inputs() item {position} is a "
-                                f"{type(value).__name__}; the built-in coder takes tensor "
-                                "inputs only; use the LLM coder")
-    return _Task(model, tuple(inputs), _forward_arg_names(type(model), len(inputs)))
+                                f"{type(value).__name__}; the built-in coder takes tensors "
+                                "and numbers only; use the LLM coder")
+    return _Task(model, tuple(inputs), _forward_arg_names(type(model), len(inputs)),
+                 init_inputs, list(registered), module)
 
 
 def _forward_arg_names(model_cls: type, count: int) -> list[str]:
@@ -474,49 +518,1055 @@ def _forward_arg_names(model_cls: type, count: int) -> list[str]:
         return fallback
     plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     names = [p.name for p in params[:count] if p.kind in plain]
-    if len(names) != count or _RESERVED.intersection(names):
+    if (len(names) != count or _RESERVED.intersection(names)
+            or any(n.startswith(("buf", "shape", "v_", "_")) for n in names)):
         return fallback
     return names
 
 
+# Composite operators decomposed further than core ATen, into reductions and
+# element-wise operators the schedules below lower (torch._decomp's own decompositions).
+_EXTRA_DECOMPOSITIONS = (
+    "_softmax", "_log_softmax", "native_layer_norm", "native_group_norm",
+    "_native_batch_norm_legit_functional", "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training", "linalg_vector_norm", "logsumexp",
+    "std", "mv", "native_dropout",
+)
+
+
 def _export(task: _Task) -> torch.export.ExportedProgram:
+    """Export with every input extent dynamic (``Dim.AUTO``), else with static shapes.
+
+    Dynamic extents make the graph's view sizes expressions over the inputs' shapes, so
+    the generated forward works at other sizes (the worker checks a second one).
+    """
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = core_aten_decompositions()
+    aten = torch.ops.aten
+    table.update(get_decompositions([getattr(aten, name) for name in _EXTRA_DECOMPOSITIONS
+                                     if hasattr(aten, name)]))
+    dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
+                    if isinstance(x, torch.Tensor) else None for x in task.inputs)
+    errors = []
+    for shapes in (dynamic, None):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
+                ep = torch.export.export(task.model, task.inputs, dynamic_shapes=shapes)
+                return ep.run_decompositions(table)
+        except Exception as exc:  # noqa: BLE001 - retried with static shapes
+            errors.append(exc)
+    exc = errors[-1]
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    raise LoweringError("export", f"torch.export could not trace the task's Model "
+                        f"({type(exc).__name__}: {first_line}); use the LLM coder") from exc
+
+
+# --------------------------------------------------------------------------------------
+# Graph -> kernels
+# --------------------------------------------------------------------------------------
+
+# Ops that are views (or layout copies) in the generated forward: torch allows them
+# there (the worker's op audit lists them as view/copy operators).
+_VIEW_OPS = frozenset({
+    "aten.view.default", "aten._unsafe_view.default", "aten.reshape.default",
+    "aten.alias.default", "aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims",
+    "aten.unsqueeze.default", "aten.permute.default", "aten.expand.default",
+    "aten.slice.Tensor", "aten.select.int", "aten.t.default", "aten.transpose.int",
+})
+_REDUCTIONS = frozenset({
+    "aten.sum.dim_IntList", "aten.sum.default", "aten.mean.dim", "aten.mean.default",
+    "aten.amax.default", "aten.amin.default", "aten.max.dim", "aten.min.dim",
+    "aten.max.default", "aten.min.default", "aten.argmax.default", "aten.argmin.default",
+    "aten.prod.dim_int", "aten.prod.default", "aten.var.correction", "aten.var.dim",
+    "aten.var_mean.correction", "aten.any.dim", "aten.any.dims", "aten.any.default",
+    "aten.all.dim", "aten.all.default",
+})
+_MATMULS = frozenset({"aten.mm.default", "aten.bmm.default", "aten.addmm.default",
+                      "aten.baddbmm.default"})
+_SCANS = frozenset({"aten.cumsum.default", "aten.cumprod.default"})
+_SYM_OPS = {operator.mul: "*", operator.add: "+", operator.sub: "-",
+            operator.floordiv: "//", operator.mod: "%"}
+_FAMILY = {
+    "conv": "convolution", "pool": "pooling", "gather": "indexing", "scatter": "indexing",
+    "index": "indexing", "cat": "concatenation", "flip": "layout", "sort": "sorting",
+    "topk": "sorting",
+}
+
+
+def _family(op: str) -> str:
+    name = op.split(".")[1] if op.count(".") >= 1 else op
+    return next((fam for key, fam in _FAMILY.items() if key in name), "other")
+
+
+def _refuse(op: str, why: str = "") -> LoweringError:
+    return LoweringError(op, f"built-in coder cannot lower {op} ({why or _family(op) + ' operators have no schedule here'}); "
+                         "use the LLM coder")
+
+
+@dataclass
+class _Value:
+    """What one graph node is in the generated code.
+
+    kind: ``tensor`` (a forward expression: input, parameter, view or kernel output),
+    ``pointwise`` (an element-wise node, computed inside the kernels that consume it),
+    ``sym`` (a Python int expression), ``const`` (a number), ``tuple`` (``items``).
+    """
+
+    kind: str
+    expr: str = ""
+    items: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _Kernel:
+    """One emitted ``@triton.jit`` function, its ATen ops and its launch line."""
+
+    name: str
+    source: str
+    ops: list[str]
+
+
+class _Lowerer:
+    """Walks the core-ATen graph and writes kernels and the forward that launches them."""
+
+    def __init__(self, ep: torch.export.ExportedProgram, task: _Task, params: dict[str, int]):
+        self.ep = ep
+        self.task = task
+        self.p = params
+        self.values: dict[torch.fx.Node, _Value] = {}
+        self.forward: list[str] = []
+        self.kernels: list[_Kernel] = []
+        self.counter = itertools.count()
+        self.shape_vars: dict[torch.fx.Node, str] = {}
+        self.device = ""
+        self.symbols: dict[str, str] = {}
+        self.scalars: list[tuple[str, str]] = []  # (kernel parameter, forward expression)
+        self.specialized: dict[int, str] = {}
+        self.sizes = False  # while rendering a size list: ints may be specialized extents
+
+    # ---- helpers -------------------------------------------------------------------
+
+    def fresh(self, prefix: str) -> str:
+        return f"{prefix}{next(self.counter)}"
+
+    def sym(self, value: Any) -> str:
+        """A Python expression for an int, SymInt or sym node argument."""
+        if isinstance(value, torch.fx.Node):
+            v = self.values[value]
+            if v.kind not in ("sym", "const"):
+                raise LoweringError("shape", f"a size argument {value.name} is a tensor")
+            return v.expr
+        if isinstance(value, torch.SymInt):
+            return self.sympy(value.node.expr)
+        if isinstance(value, bool | int):
+            if self.sizes and not isinstance(value, bool) and value in self.specialized:
+                return self.specialized[value]
+            return str(int(value))
+        if isinstance(value, list | tuple):
+            return "(" + ", ".join(self.sym(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+        raise LoweringError("shape", f"unsupported size argument {value!r}")
+
+    def size_list(self, sizes: Any) -> str:
+        """A tuple expression for a view/expand size list, extents read at run time."""
+        self.sizes = True
+        try:
+            return self.sym(list(sizes))
+        finally:
+            self.sizes = False
+
+    def sympy(self, expr: Any) -> str:
+        import sympy
+
+        if isinstance(expr, sympy.Integer):
+            if self.sizes and int(expr) in self.specialized:
+                return self.specialized[int(expr)]
+            return str(int(expr))
+        if isinstance(expr, sympy.Symbol):
+            if expr.name not in self.symbols:
+                raise LoweringError("shape", f"size symbol {expr.name} is not an input extent")
+            return self.symbols[expr.name]
+        if isinstance(expr, sympy.Add):
+            return "(" + " + ".join(self.sympy(a) for a in expr.args) + ")"
+        if isinstance(expr, sympy.Mul):
+            return "(" + " * ".join(self.sympy(a) for a in expr.args) + ")"
+        name = type(expr).__name__
+        if name == "FloorDiv":
+            return f"({self.sympy(expr.args[0])} // {self.sympy(expr.args[1])})"
+        if name in ("Mod", "PythonMod"):
+            return f"({self.sympy(expr.args[0])} % {self.sympy(expr.args[1])})"
+        if name in ("Max", "Min"):
+            return f"{name.lower()}({', '.join(self.sympy(a) for a in expr.args)})"
+        raise LoweringError("shape", f"cannot express the size {expr} in Python")
+
+    def shape_of(self, node: torch.fx.Node) -> str:
+        """A forward expression for ``node``'s runtime shape (a tuple of ints)."""
+        v = self.values[node]
+        if v.kind == "tensor":
+            return f"{v.expr}.shape"
+        if node in self.shape_vars:
+            return self.shape_vars[node]
+        leaves, shape_only = self.leaves(node)
+        shapes = [f"{self.values[leaf].expr}.shape" for leaf in leaves]
+        shapes += [self.size_list(s) for s in shape_only]
+        var = self.fresh("shape")
+        rank = len(_val(node).shape)
+        self.forward.append(f"{var} = _broadcast_shape({rank}, {', '.join(shapes)})")
+        self.shape_vars[node] = var
+        return var
+
+    def leaves(self, node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[Any]]:
+        """Tensor values a pointwise chain loads, and constant-node shapes it spans."""
+        order: list[torch.fx.Node] = []
+        shape_only: list[Any] = []
+        seen: set[torch.fx.Node] = set()
+
+        def visit(n: torch.fx.Node) -> None:
+            if n in seen:
+                return
+            seen.add(n)
+            v = self.values[n]
+            if v.kind == "tensor":
+                order.append(n)
+                return
+            if v.kind != "pointwise":
+                return
+            op = str(n.target)
+            if op in _CONSTANTS:
+                raw = _bind(n)
+                if "size" in raw:
+                    shape_only.append(raw["size"])
+                elif isinstance(raw.get("self"), torch.fx.Node):
+                    order_len = len(order)
+                    visit(raw["self"])  # full_like: only its shape matters
+                    del order_len
+                return
+            for arg in n.all_input_nodes:
+                visit(arg)
+
+        visit(node)
+        return order, shape_only
+
+    def chain(self, node: torch.fx.Node, load: dict[torch.fx.Node, str], tile: str,
+              body: list[str], ops: list[str], memo: dict[torch.fx.Node, str]) -> str:
+        """Kernel lines computing ``node`` from loaded leaves; returns its variable."""
+        if node in memo:
+            return memo[node]
+        if node in load:
+            return load[node]
+        if self.values[node].kind in ("sym", "const"):
+            # a size or number known only at run time: a scalar kernel argument
+            name = f"c{len(self.scalars)}"
+            self.scalars.append((name, self.values[node].expr))
+            memo[node] = name
+            return memo[node]
+        op = str(node.target)
+        val = _val(node)
+        raw = _bind(node)
+        exprs: dict[torch.fx.Node, str] = {}
+        for arg in node.all_input_nodes:
+            if op in _CONSTANTS:
+                continue
+            exprs[arg] = self.chain(arg, load, tile, body, ops, memo)
+        if op in _CONSTANTS:
+            expr = _constant(_Call(op, {}, raw), val.dtype)
+        else:
+            rule = _RULES[op]
+            expr = rule.emit(_Call(op, _operand_exprs(raw, exprs, rule), raw))
+        expr = expr.replace("__TILE__", tile)
+        var = f"v_{node.name}"
+        body.append(f"{var} = {expr}  # {op}")
+        ops.append(op)
+        memo[node] = var
+        return var
+
+    # ---- node handlers -------------------------------------------------------------
+
+    def run(self) -> str:
+        sig = self.ep.graph_signature
+        if sig.user_inputs_to_mutate:
+            raise LoweringError("inputs", "the task's Model mutates its input in place; the "
+                                "built-in coder cannot lower that; use the LLM coder")
+        kinds = {spec.arg.name: spec for spec in sig.input_specs}
+        user_specs = [spec for spec in sig.input_specs
+                      if spec.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+        user_pos = {spec.arg.name: i for i, spec in enumerate(user_specs)}
+        graph = self.ep.graph
+        output = next(n for n in graph.nodes if n.op == "output")
+        # Buffer updates (batch norm's running statistics) are not outputs of forward;
+        # ModelNew computes the user outputs only.
+        user_outputs = [n for n, spec in zip(output.args[0], sig.output_specs, strict=True)
+                        if spec.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT]
+        needed = set()
+        for out in user_outputs:
+            if isinstance(out, torch.fx.Node):
+                needed |= _reachable(out) | {out}
+        # symbols of input extents
+        for node in graph.nodes:
+            if node.op == "placeholder" and node.name in user_pos:
+                val = _val(node)
+                if isinstance(val, torch.Tensor):
+                    name = self.task.arg_names[user_pos[node.name]]
+                    if not self.device:
+                        self.device = f"{name}.device"
+                    for d, size in enumerate(val.shape):
+                        if isinstance(size, torch.SymInt) and not size.node.expr.is_number:
+                            key = str(size.node.expr)
+                            self.symbols.setdefault(key, f"{name}.shape[{d}]")
+                        elif int(size) > 1:
+                            # An extent torch.export fixed because a parameter has it
+                            # (LayerNorm's normalized_shape): read it at run time too, so
+                            # the model built at another size still fits.
+                            self.specialized.setdefault(int(size), f"{name}.shape[{d}]")
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                self.placeholder(node, kinds[node.name], user_pos)
+            elif node.op == "output" or node not in needed:
+                continue
+            elif node.op == "call_function":
+                self.call(node)
+            else:
+                raise _refuse(str(node.target), "graph node " + node.op)
+        if not self.device:
+            self.device = "self._device_hint"
+            raise LoweringError("inputs", "the task has no tensor input; the built-in coder "
+                                "needs one to place its outputs")
+        results = []
+        for out in user_outputs:
+            if not isinstance(out, torch.fx.Node):
+                raise LoweringError("outputs", "the task's Model returns a constant")
+            results.append(self.materialize(out))
+        spec = self.ep.call_spec.out_spec
+        single = spec is None or spec.is_leaf() or (len(results) == 1 and spec.num_leaves == 1
+                                                    and spec.type is None)
+        if single and len(results) == 1:
+            self.forward.append(f"return {results[0]}")
+        else:
+            if spec.type not in (tuple, list):
+                raise LoweringError("outputs", "the task's Model returns a "
+                                    f"{spec.type}; the built-in coder returns tensors or "
+                                    "tuples of tensors; use the LLM coder")
+            self.forward.append(f"return {', '.join(results)}" + ("," if len(results) == 1 else ""))
+        return self.render()
+
+    def placeholder(self, node: torch.fx.Node, spec: Any, user_pos: dict[str, int]) -> None:
+        kind = spec.kind
+        InputKind = torch.export.graph_signature.InputKind
+        val = _val(node)
+        if kind == InputKind.USER_INPUT:
+            name = self.task.arg_names[user_pos[node.name]]
+            if isinstance(val, torch.Tensor):
+                _check_dtype(val.dtype, f"input `{name}`")
+                self.values[node] = _Value("tensor", name)
+            elif isinstance(val, torch.SymInt | torch.SymFloat):
+                self.values[node] = _Value("sym", name)
+            else:
+                self.values[node] = _Value("const", name)
+        elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            if kind == InputKind.CONSTANT_TENSOR:
+                raise LoweringError("inputs", f"the task's Model holds a constant tensor "
+                                    f"({spec.target}); use the LLM coder")
+            self.values[node] = _Value("tensor", "self." + spec.target)
+        else:
+            raise LoweringError("inputs", f"the task's Model takes a {kind.name.lower()} "
+                                "input; use the LLM coder")
+
+    def call(self, node: torch.fx.Node) -> None:
+        target = node.target
+        if target is operator.getitem:
+            src, index = node.args
+            self.values[node] = self.values[src].items[index]
+            return
+        if target in _SYM_OPS:
+            self.sizes = True  # size arithmetic: fixed extents are read at run time too
+            try:
+                a, b = (self.sym(x) if not isinstance(x, torch.fx.Node) else self.values[x].expr
+                        for x in node.args)
+            finally:
+                self.sizes = False
+            self.values[node] = _Value("sym", f"({a} {_SYM_OPS[target]} {b})")
+            return
+        if not isinstance(target, torch._ops.OpOverload):
+            raise _refuse(str(target), "not an ATen operator")
+        op = str(target)
+        if op == "aten.sym_size.int":
+            src, dim = node.args
+            self.values[node] = _Value("sym", f"{self.shape_of(src)}[{dim}]")
+            return
+        if op in ("aten._assert_tensor_metadata.default", "aten._assert_scalar.default",
+                  "aten.sym_constrain_range_for_size.default"):
+            return
+        val = _val(node)
+        vals = val if isinstance(val, tuple | list) else [val]
+        for v in vals:
+            if isinstance(v, torch.Tensor) and v.dtype not in _TL_DTYPES and v.dtype != torch.int64:
+                _check_dtype(v.dtype, f"{op}'s result")
+        if op in _RULES and op not in _RESHAPES or op in _CONSTANTS:
+            for arg in node.all_input_nodes:
+                if (self.values[arg].kind == "tensor"
+                        and _val(arg).dtype not in (*_TL_DTYPES, torch.int64)):
+                    _check_dtype(_val(arg).dtype, f"{op}'s operand")
+            self.values[node] = _Value("pointwise")
+        elif op in _VIEW_OPS or op in _RESHAPES:
+            self.view(node, op)
+        elif op == "aten.arange.start_step" or op == "aten.arange.default" or op == "aten.arange.start":
+            raw = _bind(node)
+            args = [self.sym(raw.get(k)) if isinstance(raw.get(k), torch.fx.Node) else repr(raw.get(k))
+                    for k in ("start", "end", "step") if k in raw]
+            var = self.fresh("buf")
+            self.forward.append(f"{var} = torch.arange({', '.join(args)}, device={self.device})")
+            self.values[node] = _Value("tensor", var)
+        elif op in _REDUCTIONS:
+            self.reduction(node, op)
+        elif op in _MATMULS:
+            self.matmul(node, op)
+        elif op in _SCANS:
+            self.scan(node, op)
+        else:
+            raise _refuse(op)
+
+    def materialize(self, node: torch.fx.Node) -> str:
+        """A forward tensor holding ``node``'s value (a pointwise kernel if needed)."""
+        v = self.values[node]
+        if v.kind == "tensor":
+            return v.expr
+        if v.kind != "pointwise":
+            raise LoweringError("outputs", f"{node.name} is not a tensor")
+        self.pointwise(node)
+        return self.values[node].expr
+
+    def view(self, node: torch.fx.Node, op: str) -> None:
+        raw = _bind(node)
+        src = self.materialize(raw["self"])
+        name = op.split(".")[1]
+        if name in ("view", "_unsafe_view", "reshape"):
+            expr = f"{src}.reshape({self.size_list(raw.get('size', raw.get('shape')))})"
+        elif name == "alias":
+            expr = src
+        elif name == "squeeze":
+            dims = raw.get("dim", raw.get("dims"))
+            expr = f"{src}.squeeze()" if dims is None else (
+                f"{src}.squeeze({self.sym(dims)})")
+        elif name == "unsqueeze":
+            expr = f"{src}.unsqueeze({raw['dim']})"
+        elif name == "permute":
+            expr = f"{src}.permute({self.sym(list(raw['dims']))})"
+        elif name == "expand":
+            expr = f"{src}.expand({self.size_list(raw['size'])})"
+        elif name == "t":
+            expr = f"{src}.t()"
+        elif name == "transpose":
+            expr = f"{src}.transpose({raw['dim0']}, {raw['dim1']})"
+        elif name == "select":
+            expr = f"{src}.select({raw['dim']}, {self.sym(raw['index'])})"
+        elif name == "slice":
+            dim = raw.get("dim", 0)
+            start = raw.get("start")
+            end = raw.get("end")
+            step = raw.get("step", 1)
+            part = (f"{'' if start is None else self.sym(start)}:"
+                    f"{'' if end is None or end == sys.maxsize else self.sym(end)}:{self.sym(step)}")
+            expr = f"{src}[{':, ' * dim}{part}]"
+        else:
+            raise _refuse(op)
+        var = self.fresh("view")
+        self.forward.append(f"{var} = {expr}  # {op}")
+        self.values[node] = _Value("tensor", var)
+
+    def alloc(self, shape: str, dtype: torch.dtype) -> str:
+        var = self.fresh("buf")
+        self.forward.append(f"{var} = torch.empty({shape}, dtype={_TORCH_DTYPE_NAME(dtype)}, "
+                            f"device={self.device})")
+        return var
+
+    # ---- pointwise -----------------------------------------------------------------
+
+    def pointwise(self, node: torch.fx.Node) -> None:
+        """Schedule ``pointwise``: one program per BLOCK_SIZE output elements; each
+        operand is loaded through its strides broadcast to the output's shape."""
+        val = _val(node)
+        rank = len(val.shape)
+        leaves, _ = self.leaves(node)
+        loaded = [leaf for leaf in leaves if self._used_by_value(node, leaf)]
+        shape = self.shape_of(node)
+        out = self.alloc(shape, val.dtype)
+        name = self.fresh("pointwise_kernel_")
+        dims = [f"size{d}" for d in range(rank)]
+        body: list[str] = []
+        ops: list[str] = []
+        load: dict[torch.fx.Node, str] = {}
+        index_lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
+                       "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                       "mask = offsets < n_elements"]
+        if rank:
+            index_lines.append("rest = offsets")
+            for d in reversed(range(rank)):
+                if d:
+                    index_lines.append(f"i{d} = rest % size{d}")
+                    index_lines.append(f"rest = rest // size{d}")
+                else:
+                    index_lines.append("i0 = rest")
+        params = []
+        launch = []
+        for k, leaf in enumerate(loaded):
+            strides = [f"s{k}_{d}" for d in range(rank)]
+            params += [f"in{k}_ptr", *strides]
+            expr = self.values[leaf].expr
+            launch += [expr, f"*_strides({expr}, {shape})"] if rank else [expr]
+            offset = " + ".join(f"i{d} * s{k}_{d}" for d in range(rank)) or "offsets * 0"
+            ld = f"tl.load(in{k}_ptr + {offset}, mask=mask)"
+            if _val(leaf).dtype != torch.bool:
+                ld += ".to(tl.float32)"
+            body.append(f"v_in{k} = {ld}")
+            load[leaf] = f"v_in{k}"
+        self.scalars = []
+        result = self.chain(node, load, "[BLOCK_SIZE]", body, ops, {})
+        store = self._cast_out(result, val.dtype, "[BLOCK_SIZE]")
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
+        kernel_params = [*params, "out_ptr", "n_elements", *dims, "BLOCK_SIZE: tl.constexpr"]
+        lines = [*index_lines, *body,
+                 f"tl.store(out_ptr + offsets, ({store}).to(out_ptr.dtype.element_ty), mask=mask)"]
+        doc = (f"Element-wise: {' -> '.join(dict.fromkeys(ops)) or 'copy'}.\n\n"
+               "out is contiguous; input k is read through strides s{k}_* (0 along broadcast dims).")
+        self.add_kernel(name, kernel_params, doc, lines, ops)
+        block = self.p["block_size"]
+        dims_launch = [f"{shape}[{d}]" for d in range(rank)]
+        self.forward += [
+            f"n = {out}.numel()",
+            "if n > 0:",
+            f"    {name}[(triton.cdiv(n, {block}),)](",
+            f"        {', '.join([*launch, out, 'n', *dims_launch])},",
+            f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        self.values[node] = _Value("tensor", out)
+
+    def _used_by_value(self, node: torch.fx.Node, leaf: torch.fx.Node) -> bool:
+        """Whether the chain reads ``leaf``'s values (full_like reads only its shape)."""
+        stack, seen = [node], set()
+        while stack:
+            n = stack.pop()
+            if n in seen or self.values[n].kind == "tensor":
+                continue
+            seen.add(n)
+            if str(n.target) in _CONSTANTS:
+                continue
+            for arg in n.all_input_nodes:
+                if arg is leaf:
+                    return True
+                stack.append(arg)
+        return False
+
+    @staticmethod
+    def _cast_out(result: str, dtype: torch.dtype, tile: str) -> str:
+        if dtype == torch.bool:
+            return f"({result}) != 0"
+        if dtype == torch.bfloat16:
+            return f"_round_to_bf16({result})"
+        return result
+
+    def add_kernel(self, name: str, params: list[str], doc: str, lines: list[str],
+                   ops: list[str]) -> None:
+        docstring = '"""' + doc.replace("\n", "\n    ") + '\n    """' if "\n" in doc else f'"""{doc}"""'
+        source = (f"@triton.jit\ndef {name}({', '.join(params)}):\n    {docstring}\n"
+                  + textwrap.indent("\n".join(lines), "    "))
+        self.kernels.append(_Kernel(name, source, ops))
+
+    # ---- row reductions ------------------------------------------------------------
+
+    def _rows(self, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[str], list[tuple[torch.fx.Node, str]]]:
+        """Forward lines viewing each leaf of ``node`` as (outer, R, inner) with the reduced
+        ``dims`` in the middle; returns the (outer, R, inner) sizes variable and views."""
+        val = _val(node)
+        rank = len(val.shape)
+        dims = sorted({d % rank for d in dims}) if rank else []
+        shape = self.shape_of(node)
+        contiguous = dims == list(range(dims[0], dims[-1] + 1)) if dims else True
+        if contiguous:
+            perm = None
+            a, b = (dims[0], dims[-1] + 1) if dims else (0, 0)
+            outer = _prod([f"{shape}[{d}]" for d in range(a)])
+            red = _prod([f"{shape}[{d}]" for d in range(a, b)])
+            inner = _prod([f"{shape}[{d}]" for d in range(b, rank)])
+        else:
+            keep = [d for d in range(rank) if d not in dims]
+            perm = keep + dims
+            outer = _prod([f"{shape}[{d}]" for d in keep])
+            red = _prod([f"{shape}[{d}]" for d in dims])
+            inner = "1"
+        sizes = self.fresh("rows")
+        self.forward.append(f"{sizes} = ({outer}, {red}, {inner})")
+        leaves, _ = self.leaves(node)
+        views = []
+        for leaf in leaves:
+            if not self._used_by_value(node, leaf) and self.values[node].kind != "tensor":
+                continue
+            expr = f"{self.values[leaf].expr}.expand({shape})"
+            if perm:
+                expr += f".permute({perm})"
+            var = self.fresh("rows_view")
+            self.forward.append(f"{var} = {expr}.reshape({sizes})")
+            views.append((leaf, var))
+        return sizes, dims, views
+
+    def reduction(self, node: torch.fx.Node, op: str) -> None:
+        """Schedule ``row reduction``: the input seen as (outer, R, inner); one program
+        per outer row and BLOCK_I inner columns loops over R in BLOCK_R chunks."""
+        raw = _bind(node)
+        src = raw["self"]
+        sval = _val(src)
+        rank = len(sval.shape)
+        name = op.split(".")[1]
+        dims = raw.get("dim", None)
+        if dims is None or dims == []:
+            dims = list(range(rank))
+        elif isinstance(dims, int):
+            dims = [dims]
+        dims = list(dims)
+        keepdim = bool(raw.get("keepdim", False))
+        if rank == 0:
+            dims = []
+        sizes, dims, views = self._rows(src, dims)
+        if self.values[src].kind == "tensor" and not views:
+            views = []
+        out_vals = _val(node)
+        out_vals = list(out_vals) if isinstance(out_vals, tuple | list) else [out_vals]
+        src_shape = self.shape_of(src)
+        kept = [(f"{src_shape}[{d}]" if d not in dims else "1") for d in range(rank)
+                if keepdim or d not in dims]
+        out_shape = "(" + "".join(f"{k}, " for k in kept) + ")"
+        outs = [self.alloc(out_shape, v.dtype) for v in out_vals]
+        # leaves loaded as tiles [BLOCK_R, BLOCK_I]
+        load: dict[torch.fx.Node, str] = {}
+        params, launch, loads = [], [], []
+        for k, (leaf, var) in enumerate(views):
+            params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
+            launch += [var, f"*{var}.stride()"]
+            ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
+                  f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
+            if _val(leaf).dtype != torch.bool:
+                ld += ".to(tl.float32)"
+            loads.append(f"v_in{k} = {ld}")
+            load[leaf] = f"v_in{k}"
+        body: list[str] = []
+        ops: list[str] = []
+        self.scalars = []
+        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
+        if sval.dtype == torch.bool:
+            x = f"({x}).to(tl.float32)"
+        loop_head = ["for r0 in range(0, R, BLOCK_R):",
+                     "    r = r0 + tl.arange(0, BLOCK_R)",
+                     "    mask = (r[:, None] < R) & i_mask[None, :]"]
+        loop_body = [*loads, *body]
+        kind = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "max": "max",
+                "min": "min", "argmax": "argmax", "argmin": "argmin", "prod": "prod",
+                "var": "var", "var_mean": "var", "any": "max", "all": "min"}[name]
+        lines = ["o = tl.program_id(0).to(tl.int64)",
+                 "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
+                 "i_mask = i < INNER"]
+        ident = {"sum": "0.0", "prod": "1.0", "max": '-float("inf")', "min": 'float("inf")',
+                 "argmax": '-float("inf")', "argmin": 'float("inf")', "var": "0.0"}[kind]
+        results: list[str] = []
+        if kind in ("sum", "prod", "max", "min"):
+            lines.append(f"acc = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)")
+            combine = {"sum": "acc + x", "prod": "acc * x",
+                       "max": "tl.where((x > acc) | (x != x), x, acc)",
+                       "min": "tl.where((x < acc) | (x != x), x, acc)"}[kind]
+            lines += loop_head + textwrap.indent("\n".join(
+                [*loop_body, f"x = tl.where(mask, {x}, {ident})", f"acc = {combine}"]),
+                "    ").split("\n")
+            reducer = {"sum": "tl.sum(acc, axis=0)", "prod": "tl.reduce(acc, 0, _mul_combine)",
+                       "max": "tl.max(acc, axis=0)", "min": "tl.min(acc, axis=0)"}[kind]
+            if kind in ("max", "min"):  # NaN anywhere in a column gives NaN, as torch
+                lines.append("has_nan = tl.max((acc != acc).to(tl.int32), axis=0)")
+                lines.append(f"res = tl.where(has_nan > 0, float('nan'), {reducer})")
+            else:
+                lines.append(f"res = {reducer}")
+            if name == "mean":
+                lines.append("res = res / R")
+            results.append("res")
+            if name in ("max", "min") and len(outs) == 2:
+                kind = "arg" + name  # values and indices: add the index pass below
+        if kind in ("argmax", "argmin"):
+            better = ">" if kind == "argmax" else "<"
+            lines += [f"best = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)",
+                      "best_r = tl.zeros([BLOCK_R, BLOCK_I], tl.int64)"]
+            lines += loop_head + textwrap.indent("\n".join(
+                [*loop_body, f"x = tl.where(mask, {x}, {ident})",
+                 f"take = ((x {better} best) | ((x != x) & (best == best))) & mask",
+                 "best = tl.where(take, x, best)",
+                 "best_r = tl.where(take, r[:, None].to(tl.int64) + tl.zeros_like(best_r), best_r)"]),
+                "    ").split("\n")
+            pick = "tl.max" if kind == "argmax" else "tl.min"
+            lines += [f"top = {pick}(tl.where(best != best, {ident}, best), axis=0)",
+                      "col_nan = tl.max((best != best).to(tl.int32), axis=0) > 0",
+                      "is_top = tl.where(col_nan[None, :], best != best, best == top[None, :])",
+                      "idx = tl.min(tl.where(is_top, best_r, 2**62), axis=0)"]
+            if name in ("max", "min"):
+                results = ["res", "idx"]
+            else:
+                results = ["idx"]
+        if kind == "var":
+            correction = raw.get("correction")
+            if correction is None:
+                correction = 0 if raw.get("unbiased") is False else 1
+            lines.append("acc = tl.zeros([BLOCK_R, BLOCK_I], tl.float32)")
+            lines += loop_head + textwrap.indent("\n".join(
+                [*loop_body, f"acc = acc + tl.where(mask, {x}, 0.0)"]), "    ").split("\n")
+            lines.append("mean = tl.sum(acc, axis=0) / R")
+            lines.append("acc = tl.zeros([BLOCK_R, BLOCK_I], tl.float32)")
+            lines += loop_head + textwrap.indent("\n".join(
+                [*loop_body, f"d = tl.where(mask, {x} - mean[None, :], 0.0)",
+                 "acc = acc + d * d"]), "    ").split("\n")
+            lines.append(f"var = tl.sum(acc, axis=0) / tl.maximum(R - {float(correction)}, 0.0)")
+            results = ["var", "mean"] if name == "var_mean" else ["var"]
+        stores = []
+        for k, (res, v) in enumerate(zip(results, out_vals, strict=True)):
+            stores.append(f"tl.store(out{k}_ptr + o * INNER + i, "
+                          f"({self._cast_out(res, v.dtype, '')}).to(out{k}_ptr.dtype.element_ty), mask=i_mask)")
+        lines += stores
+        kname = self.fresh("reduce_kernel_")
+        kparams = [*params, *(f"out{k}_ptr" for k in range(len(outs))), "R", "INNER",
+                   "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr"]
+        doc = (f"Row reduction: {' -> '.join(dict.fromkeys([*ops, op]))}.\n\n"
+               "Input k is read as [outer, R, inner] through strides in{k}_so/sr/si; "
+               "out[o, i] reduces over r.")
+        self.add_kernel(kname, kparams, doc, lines, [*ops, op])
+        block_r, block_i = self._row_tiles(src, dims)
+        self.forward += [
+            f"if {sizes}[0] * {sizes}[2] > 0:",
+            f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
+            f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
+            f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        if len(outs) == 1 and not isinstance(_val(node), tuple | list):
+            self.values[node] = _Value("tensor", outs[0])
+        else:
+            self.values[node] = _Value("tuple", items=[_Value("tensor", o) for o in outs])
+
+    def _row_tiles(self, src: torch.fx.Node, dims: list[int]) -> tuple[int, int]:
+        """(BLOCK_R, BLOCK_I) from block_size: all of it along R for last-dim rows."""
+        shape = [int(s) if not isinstance(s, torch.SymInt) else int(s.node.hint or 64)
+                 for s in _val(src).shape]
+        inner = math.prod(shape[dims[-1] + 1:]) if dims and dims == list(
+            range(dims[0], dims[-1] + 1)) else 1
+        block = self.p["block_size"]
+        block_i = 1 if inner == 1 else min(32, triton_next_pow2(inner), block)
+        return max(1, block // block_i), block_i
+
+    # ---- matmul --------------------------------------------------------------------
+
+    def matmul(self, node: torch.fx.Node, op: str) -> None:
+        """Schedule ``matmul``: BLOCK_M x BLOCK_N output tiles, tl.dot over BLOCK_K
+        slices of K, float32 accumulation; bias (addmm/baddbmm) in the epilogue."""
+        raw = _bind(node)
+        name = op.split(".")[1]
+        a = self.materialize(raw["mat1" if name == "addmm" else ("self" if name in ("mm", "bmm") else "batch1")])
+        b = self.materialize(raw["mat2" if name in ("addmm", "mm", "bmm") else "batch2"])
+        batched = name in ("bmm", "baddbmm")
+        val = _val(node)
+        if batched:
+            out_shape = f"({a}.shape[0], {a}.shape[1], {b}.shape[2])"
+        else:
+            out_shape = f"({a}.shape[0], {b}.shape[1])"
+        out = self.alloc(out_shape, val.dtype)
+        bias = None
+        if name in ("addmm", "baddbmm"):
+            bias = self.materialize(raw["self"])
+        av, bv, cv = (f"{t}.unsqueeze(0)" if not batched else t for t in (a, b, out))
+        lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
+                 "batch = tl.program_id(2).to(tl.int64)",
+                 "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+                 "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+                 "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+                 "for k0 in range(0, K, BLOCK_K):",
+                 "    rk = k0 + tl.arange(0, BLOCK_K)",
+                 "    a = tl.load(a_ptr + batch * sab + rm[:, None] * sam + rk[None, :] * sak,",
+                 "                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)",
+                 "    b = tl.load(b_ptr + batch * sbb + rk[:, None] * sbk + rn[None, :] * sbn,",
+                 "                mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)",
+                 f"    acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=\"{self.p['precision']}\")",
+                 "mask = (rm[:, None] < M) & (rn[None, :] < N)"]
+        params = ["a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "sab", "sam", "sak", "sbb", "sbk",
+                  "sbn", "scb", "scm", "scn"]
+        launch = [a, b, out, f"{out}.shape[-2]", f"{out}.shape[-1]", f"{a}.shape[-1]",
+                  f"*{av}.stride()", f"*{bv}.stride()", f"*{cv}.stride()"]
+        ops = [op]
+        alpha, beta = float(raw.get("alpha", 1)), float(raw.get("beta", 1))
+        if alpha != 1.0:
+            lines.append(f"acc = acc * {_literal(alpha)}")
+        if bias is not None:
+            bias_view = f"{bias}.expand({out_shape})" + ("" if batched else ".unsqueeze(0)")
+            params += ["bias_ptr", "sxb", "sxm", "sxn"]
+            launch += [bias, f"*{bias_view}.stride()"]
+            lines += ["bias = tl.load(bias_ptr + batch * sxb + rm[:, None] * sxm + rn[None, :] * sxn,",
+                      "               mask=mask, other=0.0).to(tl.float32)",
+                      f"acc = acc + bias * {_literal(beta)}" if beta != 1.0 else "acc = acc + bias"]
+        lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
+                     "acc.to(c_ptr.dtype.element_ty), mask=mask)")
+        kname = self.fresh("matmul_kernel_")
+        self.add_kernel(kname, [*params, "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
+                                "BLOCK_K: tl.constexpr"],
+                        f"Matmul: {op}: c[b, m, n] = sum_k a[b, m, k] * b[b, k, n]"
+                        + (" + bias" if bias else "") + ".\n\nOperands are read through "
+                        "their strides, so transposed views cost nothing.", lines, ops)
+        bm, bn, bk = self.p["block_m"], self.p["block_n"], self.p["block_k"]
+        batch = f"{out}.shape[0]" if batched else "1"
+        self.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[(triton.cdiv({out}.shape[-2], {bm}), triton.cdiv({out}.shape[-1], {bn}), {batch})](",
+            f"        {', '.join(launch)},",
+            f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        self.values[node] = _Value("tensor", out)
+
+    # ---- scan ----------------------------------------------------------------------
+
+    def scan(self, node: torch.fx.Node, op: str) -> None:
+        """Schedule ``scan``: (outer, R, inner) rows; one program per row and BLOCK_I
+        columns walks R in BLOCK_R chunks, carrying the running total."""
+        raw = _bind(node)
+        src = raw["self"]
+        rank = len(_val(src).shape)
+        dim = raw["dim"] % rank if rank else 0
+        if raw.get("dtype") not in (None, _val(node).dtype):
+            raise _refuse(op, "dtype argument")
+        sizes, _, views = self._rows(src, [dim] if rank else [])
+        out = self.alloc(self.shape_of(src), _val(node).dtype)
+        load: dict[torch.fx.Node, str] = {}
+        params, launch, loads = [], [], []
+        for k, (leaf, var) in enumerate(views):
+            params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
+            launch += [var, f"*{var}.stride()"]
+            ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
+                  f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
+            if _val(leaf).dtype != torch.bool:
+                ld += ".to(tl.float32)"
+            loads.append(f"v_in{k} = {ld}")
+            load[leaf] = f"v_in{k}"
+        body: list[str] = []
+        ops: list[str] = []
+        self.scalars = []
+        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
+        is_sum = op == "aten.cumsum.default"
+        ident = "0.0" if is_sum else "1.0"
+        lines = ["o = tl.program_id(0).to(tl.int64)",
+                 "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
+                 "i_mask = i < INNER",
+                 f"carry = tl.full([BLOCK_I], {ident}, tl.float32)",
+                 "for r0 in range(0, R, BLOCK_R):",
+                 "    r = r0 + tl.arange(0, BLOCK_R)",
+                 "    mask = (r[:, None] < R) & i_mask[None, :]"]
+        step = [*loads, *body, f"x = tl.where(mask, ({x}).to(tl.float32), {ident})"]
+        if is_sum:
+            step += ["y = tl.cumsum(x, axis=0) + carry[None, :]",
+                     "carry = carry + tl.sum(x, axis=0)"]
+        else:
+            step += ["y = tl.associative_scan(x, 0, _mul_combine) * carry[None, :]",
+                     "carry = carry * tl.reduce(x, 0, _mul_combine)"]
+        step.append("tl.store(out_ptr + o * R * INNER + r[:, None] * INNER + i[None, :], "
+                    "y.to(out_ptr.dtype.element_ty), mask=mask)")
+        lines += textwrap.indent("\n".join(step), "    ").split("\n")
+        kname = self.fresh("scan_kernel_")
+        self.add_kernel(kname, [*params, "out_ptr", "R", "INNER", "BLOCK_R: tl.constexpr",
+                                "BLOCK_I: tl.constexpr"],
+                        f"Scan: {' -> '.join(dict.fromkeys([*ops, op]))} along R of "
+                        "[outer, R, inner] rows; out is contiguous.", lines, [*ops, op])
+        block_r, block_i = self._row_tiles(src, [dim] if rank else [])
+        self.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
+            f"        {', '.join([*launch, out, f'{sizes}[1]', f'{sizes}[2]'])},",
+            f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        self.values[node] = _Value("tensor", out)
+
+    # ---- rendering -----------------------------------------------------------------
+
+    def render(self) -> str:
+        code = "\n".join(k.source for k in self.kernels)
+        helpers = _needed_helpers(code)
+        all_ops = [op for k in self.kernels for op in k.ops]
+        names = self.task.arg_names
+        arg_count = len(self.task.inputs)
+        shapes = ", ".join(
+            f"{n}: {_dtype_name(x.dtype)}{list(x.shape)}" if isinstance(x, torch.Tensor)
+            else f"{n}: {type(x).__name__}" for n, x in zip(names, self.task.inputs, strict=False))
+        header = [
+            "# Generated by the AIKG built-in coder (no LLM) from the task's core-ATen graph.",
+            f"# Fused op chain: {' -> '.join(dict.fromkeys(all_ops)) or '(copy)'}",
+            f"# Lowered at {shapes}; sizes are read from the inputs at run time.",
+            f"# Kernels: {', '.join(k.name for k in self.kernels)}.",
+        ]
+        init = _init_lines(self.task)
+        forward = (f"def forward(self, {', '.join(names[:arg_count])}):\n"
+                   + textwrap.indent("\n".join(self.forward), "    "))
+        model_new = (
+            "class ModelNew(nn.Module):\n"
+            '    """Runs the task\'s core-ATen graph as Triton kernels; forward only '
+            'allocates, views and launches."""\n\n'
+            "    def __init__(self, *args, **kwargs):\n"
+            "        super().__init__()\n"
+            + "".join(f"        {line}\n" for line in init) + "\n"
+            + textwrap.indent(forward, "    ")
+        )
+        parts = ["\n".join(header)
+                 + "\nimport torch\nimport torch.nn as nn\nimport triton\nimport triton.language as tl",
+                 _SUPPORT.strip(),
+                 *(_HELPERS[h].strip() for h in helpers),
+                 *(k.source for k in self.kernels),
+                 model_new]
+        return "\n\n\n".join(parts) + "\n"
+
+
+_SUPPORT = '''
+def _broadcast_shape(rank, *shapes):
+    """The shape torch broadcasting gives ``shapes`` (right-aligned; 1 stretches)."""
+    out = [1] * rank
+    for shape in shapes:
+        for k, size in enumerate(shape):
+            d = rank - len(shape) + k
+            if size != 1:
+                out[d] = size
+    return tuple(out)
+
+
+def _strides(t, shape):
+    """Strides of ``t`` broadcast to ``shape``: 0 along the dims it is expanded over."""
+    return t.expand(shape).stride()
+
+
+@triton.jit
+def _mul_combine(a, b):
+    return a * b
+'''
+
+
+def _prod(items: list[str]) -> str:
+    return " * ".join(items) if items else "1"
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _TORCH_DTYPE_NAME(dtype: torch.dtype) -> str:
+    return str(dtype)
+
+
+class _Args:
+    """Renders a constructor argument as ``args[i]`` when it is ModelNew's i-th init
+    argument, so ModelNew built with other init arguments (another size) follows them."""
+
+    def __init__(self, init_inputs: list[Any]) -> None:
+        self.init_inputs = init_inputs
+
+    def __call__(self, value: Any) -> str:
+        for i, arg in enumerate(self.init_inputs):
+            if type(arg) is bool or type(value) is bool:
+                continue
+            if isinstance(value, int) and type(arg) is int and arg == value:
+                return f"args[{i}]"
+            if (isinstance(value, tuple | list) and isinstance(arg, tuple | list)
+                    and tuple(arg) == tuple(value)):
+                return f"tuple(args[{i}])"
+        if isinstance(value, tuple | list):
+            return "(" + "".join(f"{self(v)}, " for v in value) + ")"
+        return repr(value)
+
+
+# Known parameterised modules and how to construct them again from their attributes.
+def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
+    nn = torch.nn
+    if type(module) is nn.Linear:
+        return (f"nn.Linear({a(module.in_features)}, {a(module.out_features)}, "
+                f"bias={module.bias is not None})")
+    if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
+                        nn.InstanceNorm2d, nn.InstanceNorm3d):
+        return (f"nn.{type(module).__name__}({a(module.num_features)}, eps={module.eps}, "
+                f"momentum={module.momentum}, affine={module.affine}, "
+                f"track_running_stats={module.track_running_stats})")
+    if type(module) is nn.LayerNorm:
+        return (f"nn.LayerNorm({a(tuple(module.normalized_shape))}, eps={module.eps}, "
+                f"elementwise_affine={module.elementwise_affine}, bias={module.bias is not None})")
+    if type(module) is nn.GroupNorm:
+        return (f"nn.GroupNorm({a(module.num_groups)}, {a(module.num_channels)}, "
+                f"eps={module.eps}, affine={module.affine})")
+    if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
+        return None  # nothing to declare (activations, dropout, pooling)
+    raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
+                        "with parameters the built-in coder cannot declare again; use the "
+                        "LLM coder")
+
+
+def _init_lines(task: _Task) -> list[str]:
+    """ModelNew.__init__ lines declaring the Model's parameters in the same order.
+
+    Each direct parameter is created as the task does, with ``torch.randn`` (the usual
+    KernelBench spelling), ``torch.rand``, ``torch.zeros``, ``torch.ones`` of its shape or
+    its fixed values; which one is checked by building both models from the same seed.
+    Sizes equal to an init argument are read from ``args``.
+    """
+    a = _Args(task.init_inputs)
+    lines: list[str] = []
+    for kind, name, value in task.registered:
+        if kind == "module":
+            ctor = _module_ctor(value, a)
+            if ctor is not None:
+                lines.append(f"self.{name} = {ctor}")
+        else:
+            lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
+    if not lines:
+        return lines
+    return _match_parameters(task, lines)
+
+
+def _match_parameters(task: _Task, lines: list[str]) -> list[str]:
+    """Pick the creating function of each direct parameter so that seeded construction
+    gives the Model's values; refuse when none does."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
-            return torch.export.export(task.model, task.inputs).run_decompositions()
-    except Exception as exc:
-        first_line = (str(exc).strip().splitlines() or [""])[0]
-        raise LoweringError("export", f"torch.export could not trace the task's Model "
-                            f"({type(exc).__name__}: {first_line}); use the LLM coder") from exc
-
-
-# --------------------------------------------------------------------------------------
-# Graph -> kernel plan
-# --------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Input:
-    """A forward argument the kernel reads (or allocates the output like)."""
-
-    position: int
-    name: str  # the forward argument's name
-    var: str  # the kernel variable holding its value
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    loaded: bool = False
-
-
-@dataclass
-class _Plan:
-    """Everything the candidate source is rendered from."""
-
-    inputs: dict[int, _Input] = field(default_factory=dict)
-    body: list[str] = field(default_factory=list)
-    chain: list[str] = field(default_factory=list)
-    result: str = ""
-    out_shape: tuple[int, ...] = ()
-    out_dtype: torch.dtype = torch.float32
+        torch.manual_seed(0)
+        reference = task.module.Model(*task.module.get_init_inputs())
+    except Exception as exc:  # noqa: BLE001 - the task does not build on CPU
+        raise LoweringError("parameters", f"building the task's Model on CPU raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+    state = reference.state_dict()
+    expected = [t.detach() for t in state.values()]
+    choices = ["randn", "rand", "zeros", "ones", "literal"]
+    param_lines = [k for k, line in enumerate(lines) if "nn.Parameter(torch.randn" in line]
+    for combo in itertools.islice(itertools.product(choices, repeat=len(param_lines)), 256):
+        trial = list(lines)
+        for k, fn in zip(param_lines, combo, strict=True):
+            if fn == "literal":
+                # a parameter the task fills with fixed values, e.g. torch.tensor(constant)
+                name = trial[k].split("=")[0].strip().removeprefix("self.")
+                value = state.get(name)
+                if value is None or value.numel() > 64:
+                    break
+                trial[k] = (f"self.{name} = nn.Parameter(torch.tensor({value.tolist()!r}, "
+                            f"dtype={value.dtype}))")
+            else:
+                trial[k] = trial[k].replace("torch.randn(", f"torch.{fn}(")
+        holder = torch.nn.Module()
+        scope = {"torch": torch, "nn": torch.nn, "self": holder, "args": task.init_inputs}
+        torch.manual_seed(0)
+        exec("\n".join(trial), scope)
+        got = [t.detach() for t in holder.state_dict().values()]
+        if len(got) == len(expected) and all(
+                g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected, strict=True)):
+            return trial
+    raise LoweringError("parameters", "the task's Model initialises its parameters in a way "
+                        "the built-in coder cannot reproduce from the same seed; use the LLM "
+                        "coder")
 
 
 def _val(node: torch.fx.Node) -> Any:
@@ -554,124 +1604,14 @@ def _reachable(output: torch.fx.Node) -> set[torch.fx.Node]:
     return seen
 
 
-def _plan(ep: torch.export.ExportedProgram, arg_names: list[str]) -> _Plan:
-    """Walk the core-ATen graph and turn each node into one kernel line.
-
-    Raises:
-        LoweringError: for any node without a lowering, broadcasting between varying
-            values, unsupported dtypes, parameters/buffers/constants, input mutation, or
-            an output that is not one tensor shaped like an input.
-    """
-    signature = ep.graph_signature
-    for spec in signature.input_specs:
-        if spec.kind != torch.export.graph_signature.InputKind.USER_INPUT:
-            raise LoweringError("inputs", f"the task's Model uses a {spec.kind.name.lower()} "
-                                f"({spec.arg.name}); the built-in coder lowers stateless "
-                                "element-wise models only; use the LLM coder")
-    if signature.user_inputs_to_mutate or signature.buffers_to_mutate:
-        raise LoweringError("inputs", "the task's Model mutates its input in place; the "
-                            "built-in coder cannot lower that; use the LLM coder")
-    out_spec = ep.call_spec.out_spec
-    if len(signature.user_outputs) != 1 or out_spec is None or not out_spec.is_leaf():
-        raise LoweringError("outputs", "the task's Model must return exactly one tensor "
-                            "for the built-in coder; use the LLM coder")
-
-    positions = {name: i for i, name in enumerate(signature.user_inputs)}
-    graph = ep.graph
-    output = next(n for n in graph.nodes if n.op == "output")
-    result_node = output.args[0][0]
-    if not isinstance(result_node, torch.fx.Node):
-        raise LoweringError("outputs", "the task's Model returns a constant, not a tensor")
-    needed = _reachable(output)
-
-    plan = _Plan()
-    exprs: dict[torch.fx.Node, str] = {}
-    varying: set[torch.fx.Node] = set()  # nodes whose value depends on an input's values
-    for node in graph.nodes:
-        if node not in needed:
-            continue  # e.g. aten._assert_tensor_metadata, which has no users
-        if node.op == "placeholder":
-            val = _val(node)
-            _check_dtype(val.dtype, f"input `{node.name}`")
-            position = positions[node.name]
-            exprs[node] = f"v_{node.name}"
-            plan.inputs[position] = _Input(position, arg_names[position], exprs[node],
-                                           val.dtype, tuple(val.shape))
-            varying.add(node)
-            continue
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-            raise LoweringError(str(node.target), f"built-in coder cannot lower graph node "
-                                f"{node.format_node()}; use the LLM coder")
-        op = str(node.target)
-        val = _val(node)
-        if not isinstance(val, torch.Tensor):
-            raise LoweringError(op, f"built-in coder cannot lower {op} (it does not return "
-                                "one tensor); use the LLM coder")
-        _check_dtype(val.dtype, f"{op}'s result")
-        raw = _bind(node)
-        tensor_args = [a for a in raw.values() if isinstance(a, torch.fx.Node)]
-        for arg in tensor_args:
-            _check_dtype(_val(arg).dtype, f"{op}'s operand")
-        if op not in _CONSTANTS and any(a in varying for a in tensor_args):
-            varying.add(node)
-        if op in _CONSTANTS:
-            expr = _constant(_Call(op, {}, raw), val.dtype)
-        else:
-            rule = _RULES.get(op)
-            if rule is None:
-                raise LoweringError(op, f"built-in coder cannot lower {op} (only element-wise "
-                                    "operators are supported); use the LLM coder")
-            _check_shapes(op, node, tensor_args, varying)
-            expr = rule.emit(_Call(op, _operand_exprs(raw, exprs, rule), raw))
-        if op in _RESHAPES or expr in exprs.values():
-            exprs[node] = expr  # pass-through: no new kernel variable
-        else:
-            exprs[node] = f"v_{node.name}"
-            plan.body.append(f"v_{node.name} = {expr}  # {op}")
-        plan.chain.append(op)
-
-    if not plan.inputs:
-        raise LoweringError("inputs", "the task's output depends on no tensor input; "
-                            "the built-in coder needs one to size the output")
-    for node in needed:
-        if node.op == "placeholder" and any(
-            (u in needed or u is output) and str(u.target) not in _CONSTANTS
-            for u in node.users
-        ):
-            plan.inputs[positions[node.name]].loaded = True
-    result = _val(result_node)
-    plan.out_shape, plan.out_dtype = tuple(result.shape), result.dtype
-    plan.result = exprs[result_node]
-    if not any(i.shape == plan.out_shape for i in plan.inputs.values()):
-        raise LoweringError("shape", f"the output shape {list(plan.out_shape)} differs from "
-                            "every input's shape; the built-in coder allocates the output "
-                            "like an input; use the LLM coder")
-    return plan
-
-
-def _check_shapes(op: str, node: torch.fx.Node, tensor_args: list[torch.fx.Node],
-                  varying: set[torch.fx.Node]) -> None:
-    """Refuse broadcasting between varying values; constants broadcast freely."""
-    shape = tuple(_val(node).shape)
-    for arg in tensor_args:
-        arg_shape = tuple(_val(arg).shape)
-        if op in _RESHAPES:
-            if _val(arg).numel() != _val(node).numel():
-                raise LoweringError(op, f"built-in coder cannot lower {op} from "
-                                    f"{list(arg_shape)} to {list(shape)}; use the LLM coder")
-        elif arg in varying and arg_shape != shape:
-            raise LoweringError(op, f"built-in coder cannot lower {op} with an operand of "
-                                f"shape {list(arg_shape)} and result of shape {list(shape)} "
-                                "(broadcasting is not supported); use the LLM coder")
-
-
 def _operand_exprs(raw: dict[str, Any], exprs: dict[torch.fx.Node, str],
                    rule: _Rule) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, value in raw.items():
         if isinstance(value, torch.fx.Node):
             expr = exprs[value]
-            if _val(value).dtype == torch.bool and not rule.keep_bool:
+            tensor = _val(value)
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.bool and not rule.keep_bool:
                 expr = f"({expr}).to(tl.float32)"
             out[name] = expr
         elif isinstance(value, bool | int | float):
@@ -679,95 +1619,6 @@ def _operand_exprs(raw: dict[str, Any], exprs: dict[torch.fx.Node, str],
         else:
             out[name] = repr(value)
     return out
-
-
-# --------------------------------------------------------------------------------------
-# Rendering
-# --------------------------------------------------------------------------------------
-
-
-def _render(plan: _Plan, arg_count: int, arg_names: list[str], block_size: int,
-            num_warps: int, num_stages: int) -> str:
-    loaded = [plan.inputs[p] for p in sorted(plan.inputs) if plan.inputs[p].loaded]
-    like = next(plan.inputs[p] for p in sorted(plan.inputs)
-                if plan.inputs[p].shape == plan.out_shape)
-
-    kernel_params = [f"{i.name}_ptr" for i in loaded] + ["out_ptr", "n_elements",
-                                                         "BLOCK_SIZE: tl.constexpr"]
-    loads = [
-        f"{i.var} = tl.load({i.name}_ptr + offsets, mask=mask)"
-        + ("" if i.dtype == torch.bool else ".to(tl.float32)")
-        for i in loaded
-    ]
-    store_value = plan.result
-    if plan.out_dtype == torch.bool:
-        store_value = f"({store_value}) != 0"
-    elif plan.out_dtype == torch.bfloat16:
-        store_value = f"_round_to_bf16({store_value})"
-    kernel_lines = [
-        "pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
-        "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
-        "mask = offsets < n_elements",
-        *loads,
-        *plan.body,
-        f"tl.store(out_ptr + offsets, ({store_value}).to(out_ptr.dtype.element_ty), mask=mask)",
-    ]
-    kernel = (
-        "@triton.jit\n"
-        f"def {_KERNEL_NAME}({', '.join(kernel_params)}):\n"
-        + textwrap.indent("\n".join(kernel_lines), "    ")
-    )
-
-    helpers = _needed_helpers("\n".join(kernel_lines))
-    contiguous = loaded if like in loaded else [*loaded, like]
-    if like.dtype == plan.out_dtype:
-        alloc = f"out = torch.empty_like({like.name})"
-    else:
-        alloc = (f"out = torch.empty({like.name}.shape, "
-                 f"dtype={_TORCH_DTYPE_NAMES[plan.out_dtype]}, device={like.name}.device)")
-    launch_args = [i.name for i in loaded] + ["out", "n_elements"]
-    forward_lines = [
-        *(f"{i.name} = {i.name}.contiguous()" for i in contiguous),
-        alloc,
-        "n_elements = out.numel()",
-        "if n_elements > 0:",
-        f"    grid = (triton.cdiv(n_elements, {block_size}),)",
-        f"    {_KERNEL_NAME}[grid](",
-        f"        {', '.join(launch_args)},",
-        f"        BLOCK_SIZE={block_size}, num_warps={num_warps}, num_stages={num_stages},",
-        "    )",
-        "return out",
-    ]
-    forward = (
-        f"def forward(self, {', '.join(arg_names[:arg_count])}):\n"
-        + textwrap.indent("\n".join(forward_lines), "    ")
-    )
-
-    shapes = ", ".join(f"{i.name}: {_dtype_name(i.dtype)}{list(i.shape)}"
-                       for i in plan.inputs.values())
-    chain = " -> ".join(dict.fromkeys(plan.chain)) or "(copy)"
-    header = [
-        "# Generated by the AIKG built-in coder (no LLM) from the task's core-ATen graph.",
-        f"# Fused op chain: {chain}",
-        f"# Lowered at {shapes} -> {_dtype_name(plan.out_dtype)}{list(plan.out_shape)};",
-        "# the kernel runs over flattened contiguous tensors, so other shapes work too.",
-        "# Scalars and init arguments of the task are baked into the kernel as constants.",
-    ]
-    model_new = (
-        "class ModelNew(nn.Module):\n"
-        '    """Runs the task\'s element-wise chain as one fused Triton kernel."""\n\n'
-        "    def __init__(self, *args, **kwargs):\n"
-        "        super().__init__()\n\n"
-        + textwrap.indent(forward, "    ")
-    )
-    parts = [
-        "\n".join(header)
-        + "\nimport torch\nimport torch.nn as nn\nimport triton\nimport triton.language as tl",
-        *(_HELPERS[h].strip() for h in helpers),
-        kernel,
-        model_new,
-    ]
-    return "\n\n\n".join(parts) + "\n"
 
 
 def _needed_helpers(code: str) -> list[str]:
@@ -803,25 +1654,36 @@ def lower_task(
     block_size: int = 1024,
     num_warps: int = 4,
     num_stages: int = 1,
+    block_m: int = 32,
+    block_n: int = 32,
+    block_k: int = 32,
 ) -> str:
     """Return candidate source (a Python module defining ``class ModelNew``) for a task.
 
     The task is run (with ``shape_overrides`` rebound as module-level names before
-    ``get_init_inputs()`` / ``get_inputs()`` are called), exported to core ATen, and its
-    whole element-wise chain fused into one ``@triton.jit`` kernel. Tensor inputs and the
-    output may be float32, float16, bfloat16 or bool, of any shape (all of one shape);
-    the kernel loads each input once, computes in float32 and stores in the output
-    dtype. ``ModelNew(*init_inputs)`` accepts the task's init arguments (their values are
-    baked in as constants) and its ``forward`` takes the task's positional inputs and
-    only allocates, launches and returns. It runs under ``TRITON_INTERPRET=1`` on CPU and
-    on CUDA.
+    ``get_init_inputs()`` / ``get_inputs()`` are called), exported to core ATen with
+    dynamic input extents, and every node lowered by one of the schedules:
+    ``pointwise`` (element-wise chains with broadcasting, one kernel per tensor that
+    must exist in memory), ``row reduction`` (sum, mean, amax/amin, max/min, argmax/
+    argmin, prod, var, any/all over any dims, with the element-wise chain producing its
+    input fused in; softmax, log_softmax, layer/group/batch/instance and RMS norms and
+    losses decompose into these), ``matmul`` (mm, bmm, addmm, baddbmm; ``tl.dot`` tiles,
+    bias epilogue) and ``scan`` (cumsum, cumprod). Views (permute, expand, slice, ...)
+    stay views in forward, and kernels read every operand through its strides.
+    Tensors may be float32, float16, bfloat16 or bool; kernels compute in float32.
+    ``ModelNew(*init_inputs)`` declares the Model's parameters in the same order (the
+    same seed gives the same values) and its ``forward`` only allocates, views and
+    launches. It runs under ``TRITON_INTERPRET=1`` on CPU and on CUDA.
 
     Args:
         task_desc: Task source in KernelBench format.
         shape_overrides: Module-level names to rebind, e.g. ``{"batch_size": 16}``.
-        block_size: Elements per program; a power of two.
-        num_warps: ``num_warps`` of the launch; a power of two from 1 to 32.
-        num_stages: ``num_stages`` of the launch; at least 1.
+        block_size: Elements per program of pointwise kernels, and BLOCK_R * BLOCK_I of
+            reduction and scan tiles; a power of two.
+        num_warps: ``num_warps`` of every launch; a power of two from 1 to 32.
+        num_stages: ``num_stages`` of every launch; at least 1.
+        block_m, block_n, block_k: matmul tile sizes; powers of two, at least 16
+            (``tl.dot``'s smallest tile on NVIDIA GPUs).
 
     Returns:
         The candidate module's source.
@@ -829,7 +1691,7 @@ def lower_task(
     Raises:
         LoweringError: The task does not run or export, or its graph holds an operator
             or shape the coder cannot lower (``.op`` names it).
-        ValueError: ``block_size``, ``num_warps`` or ``num_stages`` is out of range.
+        ValueError: a launch parameter is out of range.
     """
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two, not {block_size}")
@@ -837,7 +1699,12 @@ def lower_task(
         raise ValueError(f"num_warps must be a power of two from 1 to 32, not {num_warps}")
     if num_stages < 1:
         raise ValueError(f"num_stages must be at least 1, not {num_stages}")
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if value < 16 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
     task = _load_task(task_desc, shape_overrides)
     ep = _export(task)
-    plan = _plan(ep, task.arg_names)
-    return _render(plan, len(task.inputs), task.arg_names, block_size, num_warps, num_stages)
+    params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
+              "block_m": block_m, "block_n": block_n, "block_k": block_k,
+              "precision": "ieee"}
+    return _Lowerer(ep, task, params).run()
