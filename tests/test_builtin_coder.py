@@ -147,8 +147,8 @@ def test_half_precision_task(dtype):
 
 def test_pooling_is_refused_with_op_name_and_family():
     with pytest.raises(LoweringError) as info:
-        lower_task(_zoo_task("F.avg_pool1d(x.unsqueeze(0), 2)"))
-    assert info.value.op == "aten.avg_pool2d.default"
+        lower_task(_zoo_task("F.adaptive_avg_pool2d(x.unsqueeze(0), (3, 5))"))
+    assert info.value.op == "aten._adaptive_avg_pool2d.default"
     assert "pooling" in str(info.value) and "LLM coder" in str(info.value)
 
 
@@ -278,7 +278,8 @@ REFUSED = [
     ("x.relu_()", "", "inputs", "mutates"),
     ("x.double() * 2", "", "dtype", "float64"),
     ("torch.pow(-2.0, x)", "", "aten.pow.Scalar", "positive bases"),
-    ("F.max_pool1d(x.unsqueeze(0), 3)", "", "aten.max_pool2d_with_indices.default", "pooling"),
+    ("F.adaptive_max_pool1d(x.unsqueeze(0), 7)", "", "aten.adaptive_max_pool2d.default",
+     "pooling"),
     ("torch.cat([x, y])", "", "aten.cat.default", "concatenation"),
     ("self.conv(x.unsqueeze(0))", "        self.conv = nn.Conv1d(4, 4, 3)\n",
      "aten.convolution.default", "convolution"),
@@ -359,6 +360,17 @@ SCHEDULES = {
                         "        self.bias = nn.Parameter(torch.randn(24))\n", SIGNED),
     "bmm_transposed": ("a, b", "torch.tanh(torch.bmm(a, b.transpose(1, 2)))", "",
                        "torch.randn(3, rows, features), torch.randn(3, 20, features)"),
+    # pooling: windows over the padded border, dilation, ceil_mode, 1-D/2-D/3-D
+    "max_pool2d": ("x", "F.max_pool2d(x, 3, stride=2, padding=1, dilation=2)", "",
+                   "torch.randn(2, 3, rows, features)"),
+    "max_pool2d_indices": ("x", "F.max_pool2d(x, 3, stride=2, padding=1, return_indices=True)",
+                           "", "torch.randn(2, rows, features)"),
+    "avg_pool1d": ("x", "F.avg_pool1d(x, 4, stride=3, padding=2, ceil_mode=True, "
+                   "count_include_pad=False) + F.avg_pool1d(x, 4, stride=3, padding=2, "
+                   "ceil_mode=True)", "", "torch.randn(2, rows, features)"),
+    "pool3d": ("x", "self.pool(x) + F.avg_pool3d(x, 3, stride=2, padding=1)",
+               "        self.pool = nn.MaxPool3d(3, stride=2, padding=1)\n",
+               "torch.randn(2, 3, rows, 6, features // 4)"),
 }
 
 
