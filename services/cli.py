@@ -29,6 +29,7 @@ code  meaning
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import dataclasses
@@ -553,26 +554,100 @@ def _show(record: JobRecord, raw: bytes, as_json: bool) -> None:
         print_record(out, record)
 
 
-def parse_shape(item: str) -> tuple[str, int | float | bool | str]:
-    """``NAME=VALUE`` -> ``(NAME, VALUE)``; VALUE is an int, else a float, else true/false,
-    else the string itself.
+ShapeOverride = int | float | bool | str | tuple[int, ...]
+
+
+def parse_shape(item: str) -> tuple[str, ShapeOverride]:
+    """``NAME=VALUE`` -> ``(NAME, VALUE)``.
+
+    VALUE is read as a Python literal (:func:`ast.literal_eval`): an int (``16``), a
+    float (``1e-5``), a bool (``True``; ``true``/``false`` also accepted), a quoted
+    string, or a tuple or list of ints (``(64,)``, ``[8, 8]``), returned as a tuple;
+    text that is not a literal is kept as a string (``mode=fast``). These are the
+    values a job's ``shape_overrides`` carries (``schemas.events.ShapeValue``).
 
     Raises:
-        typer.BadParameter: no ``=`` or an empty name.
+        typer.BadParameter: no ``=``, an empty name, or a literal of another kind
+            (a tuple of floats, a dict, None, ...).
     """
     name, sep, text = item.partition("=")
     name = name.strip()
     if not sep or not name:
         raise typer.BadParameter(f"{item!r}: expected NAME=VALUE, e.g. batch_size=16")
     text = text.strip()
-    for convert in (int, float):
-        try:
-            return name, convert(text)
-        except ValueError:
-            pass
     if text.lower() in ("true", "false"):
         return name, text.lower() == "true"
-    return name, text
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return name, text  # not a Python literal: a bare word such as mode=fast
+    if isinstance(value, int | float | bool | str):
+        return name, value
+    if isinstance(value, tuple | list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return name, tuple(value)
+    raise typer.BadParameter(
+        f"{item!r}: VALUE must be an int, a float, true/false, a string or a tuple of "
+        f"ints such as (64,), not {type(value).__name__} {text}")
+
+
+def task_module_names(task_desc: str) -> list[str]:
+    """Names a task's module binds by assignment at top level, in source order.
+
+    Found with :mod:`ast`, without running the task (whose code is not trusted here):
+    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
+    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
+
+    Raises:
+        SyntaxError: the task is not valid Python.
+    """
+    names: dict[str, None] = {}
+
+    def targets(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            names[node.id] = None
+        elif isinstance(node, ast.Tuple | ast.List):
+            for element in node.elts:
+                targets(element)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    targets(target)
+            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.For | ast.AsyncFor):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.With | ast.AsyncWith):
+                for withitem in stmt.items:
+                    if withitem.optional_vars is not None:
+                        targets(withitem.optional_vars)
+            for field_name in ("body", "orelse", "finalbody"):
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    visit(getattr(stmt, field_name, []) or [])
+            for handler in getattr(stmt, "handlers", []):
+                visit(handler.body)
+
+    visit(ast.parse(task_desc).body)
+    return list(names)
+
+
+def _check_shape_names(file: Path, task_desc: str, overrides: dict[str, Any]) -> None:
+    """Exit 2 when an override names something the task does not define at top level."""
+    if not overrides:
+        return
+    try:
+        defined = task_module_names(task_desc)
+    except SyntaxError as exc:
+        _fail(ExitCode.USAGE, f"{file}: not valid Python (line {exc.lineno}: {exc.msg})")
+    unknown = [name for name in overrides if name not in defined]
+    if unknown:
+        _fail(ExitCode.USAGE,
+              f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "
+              f"it defines: {', '.join(defined) or '(none)'}")
 
 
 def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> httpx.Response:
@@ -627,7 +702,8 @@ def submit(
     shape: Annotated[list[str] | None, typer.Option(
         "--shape", metavar="NAME=VALUE",
         help="Rebind a module-level name of the task before get_inputs() (repeatable), "
-        "e.g. --shape batch_size=16. VALUE: int, float, true/false, else string.")] = None,
+        "e.g. --shape batch_size=16 or --shape 'input_shape=(64,)'. VALUE: a Python "
+        "literal (int, float, True/False, tuple of ints, quoted string), else a string.")] = None,
     max_rounds: Annotated[int | None, typer.Option(
         help="Evolve rounds; default 1.", show_default=False)] = None,
     parallel_num: Annotated[int | None, typer.Option(
@@ -665,6 +741,8 @@ def submit(
         task_desc = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
+    overrides = dict(parse_shape(s) for s in shape or [])
+    _check_shape_names(file, task_desc, overrides)
     body: dict[str, Any] = {
         "op_name": op_name or file.stem,
         "task_desc": task_desc,
@@ -672,7 +750,7 @@ def submit(
         "backend": backend,
         "dsl": dsl,
         "workflow": workflow,
-        "shape_overrides": dict(parse_shape(s) for s in shape or []),
+        "shape_overrides": overrides,
     }
     optional = {"arch": arch, "coder": coder, "job_id": job_id, "max_rounds": max_rounds,
                 "parallel_num": parallel_num, "num_islands": num_islands,
@@ -892,7 +970,8 @@ def run(
     shape: Annotated[list[str] | None, typer.Option(
         "--shape", metavar="NAME=VALUE",
         help="Rebind a module-level name of the task before get_inputs() (repeatable), "
-        "e.g. --shape batch_size=16.")] = None,
+        "e.g. --shape batch_size=16 or --shape 'input_shape=(64,)'. VALUE: a Python "
+        "literal (int, float, True/False, tuple of ints, quoted string), else a string.")] = None,
     trials: Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")] = 3,
     timeout: Annotated[float, typer.Option(
         help="Seconds the candidate's verification may take.")] = 300.0,
@@ -921,6 +1000,7 @@ def run(
     if backend not in ("cpu", "cuda", "ascend"):
         _fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
     overrides = dict(parse_shape(s) for s in shape or [])
+    _check_shape_names(file, task_desc, overrides)
     configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
     from services.worker.sandbox import PoolBroken  # imports torch: after the checks
 

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 
 from schemas import JobResult, VerifyResult
-from services.cli import parse_shape
+from services.cli import parse_shape, task_module_names
 from services.common.bus import Bus, JobStore, connect_bus
 from services.common.settings import Settings, load_settings
 
@@ -63,6 +64,66 @@ def test_parse_shape() -> None:
     assert parse_shape("eps=1e-5") == ("eps", 1e-5)
     assert parse_shape("causal=true") == ("causal", True)
     assert parse_shape("mode=fast") == ("mode", "fast")
+
+
+def test_parse_shape_reads_python_literals() -> None:
+    assert parse_shape("input_shape=(64,)") == ("input_shape", (64,))
+    assert parse_shape("kernel = [3, 5]") == ("kernel", (3, 5))
+    assert parse_shape("offset=-3") == ("offset", -3)
+    assert parse_shape("margin=0.5") == ("margin", 0.5)
+    assert parse_shape("affine=True") == ("affine", True)
+    assert parse_shape("mode='mean'") == ("mode", "mean")
+    assert type(parse_shape("batch_size=16")[1]) is int
+    for bad in ("scale=(0.5, 2.0)", "sizes={'a': 1}", "dim=None", "nested=((1, 2),)"):
+        with pytest.raises(typer.BadParameter, match="tuple of ints"):
+            parse_shape(bad)
+
+
+def test_task_module_names_are_found_without_running_the_task() -> None:
+    source = (
+        "import torch\n"
+        "batch_size = 16\n"
+        "input_shape: tuple = (4096,)\n"
+        "a, (b, *c) = 1, (2, 3)\n"
+        "if batch_size > 1:\n"
+        "    dim = 8\n"
+        "def get_inputs():\n"
+        "    hidden = 3\n"
+        "    return []\n"
+        "raise SystemExit('a task must not run in the CLI')\n"
+    )
+    assert task_module_names(source) == ["batch_size", "input_shape", "a", "b", "c", "dim"]
+
+
+async def test_unknown_shape_name_is_exit_2_before_any_work(
+    task_file: Path, free_port
+) -> None:
+    # An unreachable gateway: exit 2, not 3, shows the check ran before any request.
+    url = f"http://127.0.0.1:{free_port()}"
+    code, _, err = await aikg("submit", str(task_file), "--gateway", url,
+                              "--shape", "batch=16")
+    assert code == 2
+    assert "batch" in err and "batch_size, dim" in err
+    code, _, err = await aikg("run", str(task_file), "--shape", "dim=64",
+                              "--shape", "input_shape=(64,)")
+    assert code == 2
+    assert "input_shape" in err and "batch_size, dim" in err
+    code, _, err = await aikg("run", str(task_file), "--shape", "dim=(0.5, 1.5)")
+    assert code == 2
+    assert "tuple of ints" in err
+
+
+async def test_submit_sends_tuple_shape_overrides(
+    gateway: str, bus: Bus, cpu_worker: None, tmp_path: Path, relu_task: str
+) -> None:
+    path = tmp_path / "relu_shape.py"
+    path.write_text(relu_task.replace("dim = 1024", "dim = 1024\ninput_shape = (1024,)")
+                    .replace("torch.randn(batch_size, dim)", "torch.randn(batch_size, *input_shape)"))
+    code, out, err = await aikg("submit", str(path), "--gateway", gateway,
+                                "--shape", "input_shape=(64,)", "--shape", "batch_size=2")
+    assert code == 0, err
+    record = json.loads((await bus.jobs.get(out.strip())).value)
+    assert record["request"]["shape_overrides"] == {"input_shape": [64], "batch_size": 2}
 
 
 async def test_submit_prints_job_id_with_shape_overrides(
