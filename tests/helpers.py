@@ -139,3 +139,60 @@ async def stream_messages(bus: Bus, subject: str) -> list[bytes]:
 async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
     """Every event of the job so far, from the JOB_EVENTS stream."""
     return [decode(m, JobEvent) for m in await stream_messages(bus, subjects.job_events(job_id))]
+
+# Tasks the built-in coder declines, so a job of them needs the LLM coder (or fails).
+# A 2-D convolution: the built-in coder has no convolution schedule (aten.convolution).
+CONV_TASK = '''\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+
+    def forward(self, x):
+        return self.conv(x)
+
+
+batch_size = 2
+in_channels = 3
+out_channels = 4
+kernel_size = 3
+height = width = 8
+
+
+def get_inputs():
+    return [torch.randn(batch_size, in_channels, height, width)]
+
+
+def get_init_inputs():
+    return [in_channels, out_channels, kernel_size]
+'''
+# A softmax over rows whose forward branches on a tensor's value: torch.export cannot
+# trace it, so the built-in coder declines it, while an LLM-written row softmax
+# (tests/fake_llm.py) passes.
+LLM_ONLY_SOFTMAX_TASK = '''\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        if x.abs().max() >= 0:  # always true; data-dependent, so not exportable
+            return torch.softmax(x, dim=1)
+        return x
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim)]
+
+
+def get_init_inputs():
+    return []
+'''

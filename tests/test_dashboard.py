@@ -42,7 +42,7 @@ from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import free_port, running_gateway
-from tests.helpers import RELU_KERNEL, RELU_TASK, wait_terminal
+from tests.helpers import CONV_TASK, LLM_ONLY_SOFTMAX_TASK, RELU_KERNEL, RELU_TASK, wait_terminal
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
@@ -67,27 +67,6 @@ SPINNING_RELU = RELU_KERNEL.replace("        x = x.contiguous()\n",
 assert SPINNING_RELU != RELU_KERNEL
 
 
-SOFTMAX_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x, dim=1)
-
-
-batch_size = 4
-dim = 64
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
 
 
 def promql(expr: str) -> str:
@@ -244,11 +223,10 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                 "dash-timeout-then-builtin": {
                     "op_name": "relu", "task_desc": RELU_TASK, "init_code": SPINNING_RELU,
                     "timeout_s": 3.0, "trials": 1, "coder": "builtin"},
-                "dash-matmul": {"op_name": "matmul", "coder": "builtin",
-                                "task_desc": (ROOT / "tasks" / "matmul.py").read_text()},
+                "dash-conv": {"op_name": "conv", "coder": "builtin", "task_desc": CONV_TASK},
             }
             if fake_llm is not None:
-                jobs["dash-llm-softmax"] = {"op_name": "softmax", "task_desc": SOFTMAX_TASK,
+                jobs["dash-llm-softmax"] = {"op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK,
                                             "coder": "llm", "trials": 1}
             async with httpx.AsyncClient(base_url=url, timeout=15) as client:
                 for job_id, body in jobs.items():
@@ -260,7 +238,7 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                                      headers={"Nats-Msg-Id": "dash-malformed"})
                 finals = {job_id: await wait_terminal(client, job_id) for job_id in jobs}
             assert finals["dash-timeout-then-builtin"]["status"] == "completed", finals
-            assert finals["dash-matmul"]["status"] == "failed", finals
+            assert finals["dash-conv"]["status"] == "failed", finals
             if fake_llm is not None:
                 assert fake_llm.chat_requests(), "the LLM job never called the LLM"
 

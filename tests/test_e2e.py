@@ -20,7 +20,13 @@ import pytest
 from schemas import JobRecord, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
-from tests.helpers import WRONG_RELU_KERNEL, job_events, services_running, wait_terminal
+from tests.helpers import (
+    CONV_TASK,
+    WRONG_RELU_KERNEL,
+    job_events,
+    services_running,
+    wait_terminal,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -103,12 +109,13 @@ async def test_large_task_unchanged_with_shape_overrides(stack: str) -> None:
 
 async def test_task_the_builtin_coder_cannot_lower_fails_naming_the_op(stack: str) -> None:
     async with httpx.AsyncClient(base_url=stack, timeout=10) as client:
-        resp = await client.post("/api/v1/jobs/submit", json=submit_body(TASKS / "matmul.py"))
+        body = {**submit_body(TASKS / "relu.py"), "op_name": "conv", "task_desc": CONV_TASK}
+        resp = await client.post("/api/v1/jobs/submit", json=body)
         assert resp.status_code in (200, 201), resp.text
         status = await wait_terminal(client, resp.json()["job_id"])
     assert status["status"] == "failed"
-    assert "aten.mm" in status["error"] or "aten.matmul" in status["error"], status["error"]
-    assert "cannot lower" in status["error"]
+    assert "aten.convolution" in status["error"], status["error"]
+    assert "cannot lower" in status["error"] and "LLM coder" in status["error"]
 
 
 async def test_wrong_init_code_fails_then_builtin_candidate_passes(stack: str) -> None:

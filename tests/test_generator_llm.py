@@ -25,12 +25,11 @@ from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
-from tests.helpers import job_events, services_running, stream_messages
+from tests.helpers import LLM_ONLY_SOFTMAX_TASK, job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-SOFTMAX = ROOT / "tasks" / "softmax.py"
 KEY = "sk-test-generator-SECRET-42"
 # What the worker's mismatch verdicts say; the scripted model only fixes its kernel
 # once it has been shown this.
@@ -57,11 +56,14 @@ async def verdicts(bus: Bus, job_id: str) -> list[VerifyResult]:
 
 
 async def test_softmax_job_completes_after_one_repair_round(
-        settings: Settings, bus: Bus, gateway: str, capfd: pytest.CaptureFixture[str]) -> None:
+        settings: Settings, bus: Bus, gateway: str, capfd: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    softmax = tmp_path / "softmax.py"
+    softmax.write_text(LLM_ONLY_SOFTMAX_TASK)
     with FakeLLM(repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "services.cli", "submit", str(SOFTMAX), "--coder", "llm",
+                sys.executable, "-m", "services.cli", "submit", str(softmax), "--coder", "llm",
                 "--wait", "--json", "--timeout", "240",
                 env={**os.environ, "AIKG_GATEWAY_URL": gateway},
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=ROOT)
@@ -117,7 +119,7 @@ async def test_default_workflow_uses_designer_and_conductor(
         async with services_running(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
-                    "op_name": "softmax", "task_desc": SOFTMAX.read_text(), "backend": "cpu",
+                    "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "workflow": "default_workflow", "init_code": SOFTMAX_BROKEN})
                 assert resp.status_code in (200, 201), resp.text
                 job_id = resp.json()["job_id"]
@@ -151,7 +153,7 @@ async def test_cancel_during_generation_stops_the_llm_call_and_verification(
         async with services_running(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
-                    "op_name": "softmax", "task_desc": SOFTMAX.read_text(), "backend": "cpu",
+                    "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "coder": "llm", "init_code": SOFTMAX_BROKEN, "max_attempts": 5})
                 assert resp.status_code in (200, 201), resp.text
                 job_id = resp.json()["job_id"]
@@ -194,7 +196,7 @@ async def test_llm_job_without_an_llm_fails_saying_what_to_set(
     async with services_running(settings, bus):
         async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
-                "op_name": "softmax", "task_desc": SOFTMAX.read_text(), "backend": "cpu",
+                "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                 "coder": "llm"})
             assert resp.status_code in (200, 201), resp.text
             record = await wait_status(client, resp.json()["job_id"], ("completed", "failed"))
@@ -212,7 +214,7 @@ async def test_an_llm_that_never_answers_fails_the_job_clearly(
         async with services_running(slow, bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
-                    "op_name": "softmax", "task_desc": SOFTMAX.read_text(), "backend": "cpu",
+                    "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "coder": "llm", "init_code": SOFTMAX_BROKEN})
                 assert resp.status_code in (200, 201), resp.text
                 record = await wait_status(client, resp.json()["job_id"], ("completed", "failed"))

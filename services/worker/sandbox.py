@@ -648,19 +648,30 @@ class Sandbox:
     async def spawn(self, spec: ChildSpec, max_frame_bytes: int) -> ChildRun:
         """Fork a child for ``spec`` and wait for its pid.
 
+        A caller cancelled meanwhile (a job cancelled, a worker stopping) leaves nothing
+        behind: the child forked for it is killed and its scratch directory removed.
+
         Raises:
             PoolBroken: the fork server is gone and could not be restarted (the
                 scratch directory is removed).
         """
+        forking = asyncio.ensure_future(asyncio.to_thread(self.pool.spawn, spec, max_frame_bytes))
         try:
-            run = await asyncio.to_thread(self.pool.spawn, spec, max_frame_bytes)
+            run = await asyncio.shield(forking)
         except PoolBroken:
             shutil.rmtree(spec.scratch_dir, ignore_errors=True)
             raise
+        except asyncio.CancelledError:
+            # The fork goes on in its thread: reap what it starts.
+            forking.add_done_callback(_abandon_when_forked)
+            raise
         try:
-            await run.start()
+            await asyncio.shield(run.start())
         except PoolBroken:
             await run.close()
+            raise
+        except asyncio.CancelledError:
+            _background(_abandon(run))
             raise
         return run
 
@@ -717,6 +728,30 @@ class Sandbox:
             raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
         finally:
             await run.close()
+
+
+_abandoned: set[asyncio.Task] = set()
+
+
+def _background(coro: Any) -> None:
+    """Run ``coro`` to its end even though its caller is gone (a reference is kept)."""
+    task = asyncio.ensure_future(coro)
+    _abandoned.add(task)
+    task.add_done_callback(_abandoned.discard)
+
+
+async def _abandon(run: ChildRun) -> None:
+    """Kill and clean up a child nobody waits for any more."""
+    with contextlib.suppress(Exception):
+        if run.pid is None:
+            await run.start()
+    await run.close()
+
+
+def _abandon_when_forked(forking: asyncio.Future) -> None:
+    if forking.cancelled() or forking.exception() is not None:
+        return
+    _background(_abandon(forking.result()))
 
 
 def _in_thread(coro: Any) -> Any:
