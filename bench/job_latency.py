@@ -6,7 +6,9 @@ small task to each as single jobs (built-in coder, one at a time, after one warm
 job), and prints the p50 and p95 of submit-to-terminal time side by side with their
 ratio. The default baseline is the last revision whose generator ran the built-in
 coder's lowering unsandboxed, in a persistent process pool: the ratio is what the
-sandboxed lowering (a fresh confined child per task) costs a user.
+sandboxed lowering (a fresh confined child per task) costs a user. Each job's task
+source carries its own trailing comment, so neither stack reuses an earlier job's
+lowering or reference outputs: every job pays the whole path.
 
     python -m bench.job_latency                       # 10 jobs of tasks/relu.py each
     python -m bench.job_latency --baseline HEAD~5 --jobs 20 --task tasks/gelu.py
@@ -129,8 +131,9 @@ def job_seconds(client: httpx.Client, task: str, arch: str) -> float:
 def measure(checkout: Path, workdir: Path, task: str, jobs: int) -> list[float]:
     with stack(checkout, workdir) as url, httpx.Client(base_url=url, timeout=30) as client:
         arch = client.get("/api/v1/workers").json()["workers"][0]["arch"]
-        job_seconds(client, task, arch)  # warm-up: the worker's first reference run
-        return [job_seconds(client, task, arch) for _ in range(jobs)]
+        job_seconds(client, task + "\n# warm-up\n", arch)
+        return [job_seconds(client, f"{task}\n# job {i} of {time.time_ns()}\n", arch)
+                for i in range(jobs)]
 
 
 def p95(values: list[float]) -> float:

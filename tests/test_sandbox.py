@@ -94,6 +94,9 @@ class ModelNew(nn.Module):''').replace("        return out\n", '''\
         return out
 ''')
 
+# The same 4 x 8 relu task without the fact recording (imports only, then the model).
+PLAIN_TASK = FACTS_TASK.split("FACTS =")[0] + FACTS_TASK.split("END\")\n", 1)[1]
+
 HANGING_TASK = '''\
 import time
 import torch
@@ -196,19 +199,7 @@ async def test_candidate_cannot_read_past_its_scratch_directory(verifier, nats_s
     try:
         code = READS_CANDIDATE.format(secret_file=secret_file, worker_file=ROOT / "pyproject.toml",
                                       store=nats_server.store_dir, runs=other_run)
-        result = await verifier.verify(request(FACTS_TASK.split("FACTS =")[0] + '''
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
-
-
-def get_inputs():
-    return [torch.randn(4, 8)]
-
-
-def get_init_inputs():
-    return []
-''', code), device="0")
+        result = await verifier.verify(request(PLAIN_TASK, code), device="0")
     finally:
         secret_file.unlink()
         secret_dir.rmdir()
@@ -221,19 +212,7 @@ def get_init_inputs():
     assert set(reads.values()) <= {"PermissionError", "FileNotFoundError"}, facts
     assert facts["env"] == [] and facts["uid"] != 0, facts
     # ... and the verifier serves the next candidate normally.
-    ok = await verifier.verify(request(FACTS_TASK.split("FACTS =")[0] + '''
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.relu(x)
-
-
-def get_inputs():
-    return [torch.randn(4, 8)]
-
-
-def get_init_inputs():
-    return []
-''', RELU_KERNEL), device="0")
+    ok = await verifier.verify(request(PLAIN_TASK, RELU_KERNEL), device="0")
     assert ok.passed, ok
 
 

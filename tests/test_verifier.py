@@ -247,6 +247,16 @@ async def test_scratch_directories_are_removed(verifier):
     assert (verifier.scratch_root / "triton-cache" / "0").is_dir()
 
 
+async def test_a_candidate_failing_beside_its_side_children_leaves_no_scratch(verifier):
+    """A failed candidate cancels the ghost replay and second size running beside it
+    (cpu): their children are killed and their scratch directories removed too."""
+    for _ in range(4):
+        result = await verifier.verify(request(relu_candidate(floor=0.5), trials=1),
+                                       device="0")
+        assert result.stage == "mismatch", result
+    assert list((verifier.scratch_root / "runs").iterdir()) == []
+
+
 async def test_latency_of_a_warm_verify(verifier):
     """~0.3 s per forked child for a tiny interpreted relu vs ~2.9 s for a cold one.
 

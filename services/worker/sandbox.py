@@ -134,6 +134,7 @@ class ChildRun:
         self._result = result
         self._status = status
         self._exit_task: asyncio.Task[int | None] | None = None
+        self._cleanup: asyncio.Future[None] | None = None
         self._closed = False
         self._key = spec.frame_key
         self._tag = b""
@@ -255,10 +256,19 @@ class ChildRun:
         return captured_output(self.scratch, limit)
 
     async def close(self) -> None:
-        """Kill the group, wait (briefly) for the exit status, remove the scratch directory."""
+        """Kill the group, wait (briefly) for the exit status, remove the scratch directory.
+
+        Runs to its end even when the caller is cancelled meanwhile (a failed candidate
+        cancels the ghost replay running beside it): the caller sees the cancellation,
+        the cleanup still happens.
+        """
         if self._closed:
             return
         self._closed = True
+        self._cleanup = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._cleanup)
+
+    async def _close(self) -> None:
         self.kill()
         await self.wait(5.0)
         if self._exit_task is not None and not self._exit_task.done():
