@@ -106,8 +106,10 @@ def stack(checkout: Path, workdir: Path, ready_timeout_s: float = 180.0) -> Iter
         log.close()
 
 
-def job_seconds(client: httpx.Client, task: str, arch: str) -> float:
-    """Seconds from submit to a terminal status for one single job.
+def job_seconds(client: httpx.Client, task: str, arch: str,
+                phases: dict[str, list[float]] | None = None) -> float:
+    """Seconds from submit to a terminal status for one single job; the job record's
+    ``phases`` (where the stack reports them) are appended to ``phases``.
 
     Raises:
         RuntimeError: the job did not complete.
@@ -125,14 +127,18 @@ def job_seconds(client: httpx.Client, task: str, arch: str) -> float:
     elapsed = time.perf_counter() - started
     if record["status"] != "completed":
         raise RuntimeError(f"job {job_id} ended {record['status']}: {record.get('error')}")
+    for name, seconds in (record.get("phases") or {}).items():
+        if phases is not None:
+            phases.setdefault(name, []).append(seconds)
     return elapsed
 
 
-def measure(checkout: Path, workdir: Path, task: str, jobs: int) -> list[float]:
+def measure(checkout: Path, workdir: Path, task: str, jobs: int,
+            phases: dict[str, list[float]]) -> list[float]:
     with stack(checkout, workdir) as url, httpx.Client(base_url=url, timeout=30) as client:
         arch = client.get("/api/v1/workers").json()["workers"][0]["arch"]
         job_seconds(client, task + "\n# warm-up\n", arch)
-        return [job_seconds(client, f"{task}\n# job {i} of {time.time_ns()}\n", arch)
+        return [job_seconds(client, f"{task}\n# job {i} of {time.time_ns()}\n", arch, phases)
                 for i in range(jobs)]
 
 
@@ -159,10 +165,12 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         results = {}
+        phases: dict[str, dict[str, list[float]]] = {}
         for name, checkout in ((f"baseline {args.baseline}", baseline), ("this checkout", ROOT)):
             print(f"measuring {name}: {args.jobs} jobs of {args.task.name} ...", flush=True)
             try:
-                results[name] = measure(checkout, workdir, task, args.jobs)
+                results[name] = measure(checkout, workdir, task, args.jobs,
+                                        phases.setdefault(name, {}))
             except RuntimeError as exc:
                 print(f"{name}: {exc}", file=sys.stderr)
                 return 2
@@ -171,6 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<22} {statistics.median(values):>8.3f} {p95(values):>8.3f}")
     (base, now) = (statistics.median(v) for v in results.values())
     print(f"\nthis checkout / baseline (p50): {now / base:.2f}x")
+    for name, by_phase in phases.items():
+        if by_phase:
+            print(f"\n{name}, median seconds per job phase (the job record's phases):")
+            for phase, values in by_phase.items():
+                print(f"  {phase:<14} {statistics.median(values):.3f}")
     return 0
 
 

@@ -22,7 +22,8 @@ in its optional second argument, a JSON object (the dead worker's scratch root: 
 directories, Triton caches). The same object may ask for ``private_mounts`` (run as
 root: a private mount namespace in which the sandbox user can reach the interpreter and
 the ``visible`` paths, see :func:`services.worker.isolation.private_mounts`) and
-``preload``, more modules to import before the first fork.
+``preload``, more modules to import before the first fork (and ``module:function``
+warm-ups to call once).
 """
 
 from __future__ import annotations
@@ -83,10 +84,23 @@ def _preload(extra: list[str]) -> None:
     # A preload only saves the children time (they import what they need anyway), so a
     # module this installation lacks (another torch version) is skipped, not fatal.
     for name in extra:
+        if ":" in name:
+            continue
         try:
             importlib.import_module(name)
         except ImportError as exc:
             print(f"preload: skipped {name}: {exc}", file=sys.stderr, flush=True)
+    # ``module:function`` entries are warm-ups: trusted code of ours (never a task's)
+    # run once so that every child starts with their lazy state built (torch.export's
+    # first call costs ~0.5 s). They must leave no thread behind (fork keeps one).
+    for name in extra:
+        if ":" not in name:
+            continue
+        module, _, function = name.partition(":")
+        try:
+            getattr(importlib.import_module(module), function)()
+        except Exception as exc:  # noqa: BLE001 - a warm-up only saves time
+            print(f"preload: warm-up {name} failed: {exc}", file=sys.stderr, flush=True)
 
 
 def _kill_group(pid: int) -> None:

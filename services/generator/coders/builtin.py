@@ -1881,3 +1881,34 @@ def lower_task(
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
               "precision": "ieee"}
     return _Lowerer(ep, task, params).run()
+
+
+# A task of ours (trusted): lowered once by :func:`warm_up`.
+_WARM_UP_TASK = """\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x, y):
+        return torch.sigmoid(x) * y + torch.sum(x, dim=1, keepdim=True)
+
+
+def get_inputs():
+    return [torch.randn(4, 8), torch.randn(4, 8)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def warm_up() -> None:
+    """Lower a small task of ours once, so torch.export's lazy state (imports, caches)
+    exists before the lowering sandbox's fork server forks its children.
+
+    Trusted code only (never a user's task). Creates no thread: tensors of 32 elements
+    stay below every intra-op parallel threshold, so the single-threaded fork server
+    forks cleanly.
+    """
+    lower_task(_WARM_UP_TASK)
