@@ -45,6 +45,16 @@ except OSError as exc:
     FACTS["nats"] = type(exc).__name__
 with open("/proc/self/status") as f:
     FACTS["caps"] = {{l.split(":")[0]: l.split()[1] for l in f if l.startswith("Cap")}}
+# Ways back to privilege: a user namespace (capabilities inside it), ptrace, setuid.
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+FACTS["unshare_user"] = ctypes.get_errno() if libc.unshare(0x10000000) else "allowed"
+FACTS["ptrace"] = ctypes.get_errno() if libc.ptrace(0, 0, 0, 0) else "allowed"
+try:
+    os.setuid(0)
+    FACTS["setuid"] = "allowed"
+except OSError as exc:
+    FACTS["setuid"] = exc.errno
 raise RuntimeError("SANDBOX-FACTS " + json.dumps(FACTS) + " END")
 
 
@@ -138,6 +148,8 @@ def assert_confined(facts: dict) -> None:
     if os.geteuid() == 0:
         assert facts["uid"] != 0 and facts["euid"] != 0, facts
         assert set(facts["caps"].values()) == {"0000000000000000"}, facts
+        # EPERM from the seccomp filter (unshare, ptrace) and from the kernel (setuid).
+        assert (facts["unshare_user"], facts["ptrace"], facts["setuid"]) == (1, 1, 1), facts
 
 
 @pytest.fixture
