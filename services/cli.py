@@ -430,6 +430,9 @@ def up(
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)
+                if stack.gateway_url != DEFAULT_GATEWAY_URL:
+                    out.print(f"point client commands at it: export AIKG_GATEWAY_URL="
+                              f"{stack.gateway_url}", markup=False, soft_wrap=True)
             while not stopping.wait(0.5):
                 if (dead := stack.dead_child()) is not None:
                     _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
@@ -977,10 +980,10 @@ def run(
         help="Seconds the candidate's verification may take.")] = 300.0,
     as_json: JsonOption = False,
 ) -> None:
-    """Write a kernel for FILE with the built-in coder and verify it, all in this process.
+    """Write a kernel for FILE with the built-in coder and verify it on this machine.
 
-    Local mode: no NATS, no gateway, no network. The task's code runs in a child
-    process; the candidate in the worker's sandbox. Prints the verdict and the kernel.
+    Local mode: no NATS, no gateway, no network. The task's code and the candidate run
+    only in sandboxed child processes (README, "Security model"). Prints the verdict and the kernel.
     Exit codes: 0 passed, 1 not passed or no kernel for this task, 2 bad input, 6 the
     sandbox cannot start here, 130 Ctrl-C.
     """
