@@ -1084,6 +1084,31 @@ class _Lowerer:
 
     # ---- row reductions ------------------------------------------------------------
 
+    def _row_loads(self, src: torch.fx.Node, views: list[tuple[torch.fx.Node, str]]
+                   ) -> tuple[list[str], list[str], list[str], str, list[str], list[str]]:
+        """Loads of the leaves ``views`` as ``[BLOCK_R, BLOCK_I]`` tiles of the
+        ``(outer, R, inner)`` layout, and the element-wise chain computing ``src`` from
+        them: kernel params, launch args, load lines, the chain's expression, its body
+        lines and the ATen ops it covers."""
+        load: dict[torch.fx.Node, str] = {}
+        params, launch, loads = [], [], []
+        for k, (leaf, var) in enumerate(views):
+            params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
+            launch += [var, f"*{var}.stride()"]
+            ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
+                  f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
+            if _val(leaf).dtype != torch.bool:
+                ld += ".to(tl.float32)"
+            loads.append(f"v_in{k} = {ld}")
+            load[leaf] = f"v_in{k}"
+        body: list[str] = []
+        ops: list[str] = []
+        self.scalars = []
+        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
+        return params, launch, loads, x, body, ops
+
     def _rows(self, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[str], list[tuple[torch.fx.Node, str]]]:
         """Forward lines viewing each leaf of ``node`` as (outer, R, inner) with the reduced
         ``dims`` in the middle; returns the (outer, R, inner) sizes variable and views."""
@@ -1147,23 +1172,7 @@ class _Lowerer:
         out_shape = "(" + "".join(f"{k}, " for k in kept) + ")"
         outs = [self.alloc(out_shape, v.dtype) for v in out_vals]
         # leaves loaded as tiles [BLOCK_R, BLOCK_I]
-        load: dict[torch.fx.Node, str] = {}
-        params, launch, loads = [], [], []
-        for k, (leaf, var) in enumerate(views):
-            params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
-            launch += [var, f"*{var}.stride()"]
-            ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
-                  f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
-            if _val(leaf).dtype != torch.bool:
-                ld += ".to(tl.float32)"
-            loads.append(f"v_in{k} = {ld}")
-            load[leaf] = f"v_in{k}"
-        body: list[str] = []
-        ops: list[str] = []
-        self.scalars = []
-        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
-        params += [name for name, _ in self.scalars]
-        launch += [expr for _, expr in self.scalars]
+        params, launch, loads, x, body, ops = self._row_loads(src, views)
         if sval.dtype == torch.bool:
             x = f"({x}).to(tl.float32)"
         loop_head = ["for r0 in range(0, R, BLOCK_R):",
@@ -1347,23 +1356,7 @@ class _Lowerer:
             raise _refuse(op, "dtype argument")
         sizes, _, views = self._rows(src, [dim] if rank else [])
         out = self.alloc(self.shape_of(src), _val(node).dtype)
-        load: dict[torch.fx.Node, str] = {}
-        params, launch, loads = [], [], []
-        for k, (leaf, var) in enumerate(views):
-            params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
-            launch += [var, f"*{var}.stride()"]
-            ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
-                  f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
-            if _val(leaf).dtype != torch.bool:
-                ld += ".to(tl.float32)"
-            loads.append(f"v_in{k} = {ld}")
-            load[leaf] = f"v_in{k}"
-        body: list[str] = []
-        ops: list[str] = []
-        self.scalars = []
-        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
-        params += [name for name, _ in self.scalars]
-        launch += [expr for _, expr in self.scalars]
+        params, launch, loads, x, body, ops = self._row_loads(src, views)
         is_sum = op == "aten.cumsum.default"
         ident = "0.0" if is_sum else "1.0"
         lines = ["o = tl.program_id(0).to(tl.int64)",
