@@ -656,14 +656,22 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
-        await serving
+        # uvicorn bounds open connections by its grace, not the app's own shutdown.
+        await asyncio.wait({serving}, timeout=SHUTDOWN_GRACE_S + 1)
+        if serving.done():
+            await serving
     finally:
         stopping.cancel()
         queue_metrics.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await queue_metrics
         if not serving.done():
+            # Cancelled while uvicorn was still shutting down: give it its grace once
+            # more, bounded, then cancel it, so a stuck request cannot keep the gateway
+            # (and whoever awaits it) from stopping.
             server.should_exit = True
+            await asyncio.wait({serving}, timeout=SHUTDOWN_GRACE_S + 1)
+            serving.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await serving
         for sig, previous in installed:
