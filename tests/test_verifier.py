@@ -17,7 +17,7 @@ import torch
 from schemas.events import VerifyRequest
 from services.worker import _child, correctness
 from services.worker.sandbox import captured_output, clean_environment, describe_exit
-from services.worker.verifier import _Verdict, speedup_fields
+from services.worker.verifier import Verifier, _Verdict, speedup_fields
 from tests.helpers import RELU_TASK
 
 KERNEL = """\
@@ -241,15 +241,27 @@ async def test_wrong_backend_is_infrastructure(verifier):
     assert "verifies on cpu" in result.error
 
 
-async def test_scratch_directories_are_removed(verifier):
+@pytest.fixture(scope="module")
+def own_verifier(tmp_path_factory):
+    """A verifier of this module's own: its scratch root sees no other module's runs."""
+    v = Verifier("cpu", worker_id="test-scratch",
+                 scratch_root=tmp_path_factory.mktemp("own") / "verifier")
+    v.start()
+    yield v
+    v.close()
+
+
+async def test_scratch_directories_are_removed(own_verifier):
+    verifier = own_verifier
     await verifier.verify(request(), device="0")
     assert list((verifier.scratch_root / "runs").iterdir()) == []
     assert (verifier.scratch_root / "triton-cache" / "0").is_dir()
 
 
-async def test_a_candidate_failing_beside_its_side_children_leaves_no_scratch(verifier):
+async def test_a_candidate_failing_beside_its_side_children_leaves_no_scratch(own_verifier):
     """A failed candidate cancels the ghost replay and second size running beside it
     (cpu): their children are killed and their scratch directories removed too."""
+    verifier = own_verifier
     for _ in range(4):
         result = await verifier.verify(request(relu_candidate(floor=0.5), trials=1),
                                        device="0")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import math
@@ -668,12 +669,12 @@ class Sandbox:
         forking = asyncio.ensure_future(asyncio.to_thread(self.pool.spawn, spec, max_frame_bytes))
         try:
             run = await asyncio.shield(forking)
-        except PoolBroken:
-            shutil.rmtree(spec.scratch_dir, ignore_errors=True)
-            raise
         except asyncio.CancelledError:
             # The fork goes on in its thread: reap what it starts.
-            forking.add_done_callback(_abandon_when_forked)
+            forking.add_done_callback(functools.partial(_abandon_when_forked, spec.scratch_dir))
+            raise
+        except BaseException:
+            shutil.rmtree(spec.scratch_dir, ignore_errors=True)
             raise
         try:
             await asyncio.shield(run.start())
@@ -758,8 +759,9 @@ async def _abandon(run: ChildRun) -> None:
     await run.close()
 
 
-def _abandon_when_forked(forking: asyncio.Future) -> None:
+def _abandon_when_forked(scratch_dir: str, forking: asyncio.Future) -> None:
     if forking.cancelled() or forking.exception() is not None:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
         return
     _background(_abandon(forking.result()))
 
