@@ -182,6 +182,30 @@ async def read_all(bus: Bus, subject: str) -> list[bytes]:
     return out
 
 
+async def explain(bus: Bus, job_ids: list[str]) -> str:
+    """What the bus holds about ``job_ids``: record, events, verify requests, verdicts
+    and the consumers' state, so that a lost job's failure says where it stopped."""
+    lines = []
+    for job_id in job_ids:
+        with contextlib.suppress(Exception):
+            lines.append(f"record {job_id}: {(await bus.jobs.get(job_id)).value.decode()[:3000]}")
+        for subject in (f"{subjects.JOB_EVENTS_PREFIX}.{job_id}", f"{subjects.RESULTS_PREFIX}.{job_id}"):
+            for data in await read_all(bus, subject):
+                lines.append(f"{subject}: {data[:400]!r}")
+    for stream in (subjects.STREAM_JOBS, subjects.STREAM_VERIFY):
+        with contextlib.suppress(Exception):
+            for info in await bus.js.consumers_info(stream):
+                lines.append(f"consumer {stream}/{info.name}: delivered={info.delivered} "
+                             f"ack_floor={info.ack_floor} pending={info.num_pending} "
+                             f"ack_pending={info.num_ack_pending} "
+                             f"redelivered={info.num_redelivered}")
+    for name in (subjects.STREAM_JOBS, subjects.STREAM_VERIFY, subjects.STREAM_RESULTS):
+        with contextlib.suppress(Exception):
+            info = await bus.js.stream_info(name)
+            lines.append(f"stream {name}: {info.state} leader={info.cluster and info.cluster.leader}")
+    return "\n".join(lines)
+
+
 async def wait_replicas_current(bus: Bus, timeout_s: float = 60.0) -> None:
     """Wait until every R3 stream has a leader and two current, online followers."""
     deadline = time.monotonic() + timeout_s
@@ -262,7 +286,7 @@ async def test_fifty_jobs_survive_a_node_kill_and_restart(
             done = time.monotonic()
 
         missing = sorted(set(job_ids) - set(statuses))
-        assert not missing, f"jobs never finished (lost): {missing}"
+        assert not missing, f"jobs never finished (lost): {missing}\n{await explain(bus, missing)}"
         failed = {j: s for j, s in statuses.items() if not s.startswith("completed")}
         assert not failed, f"jobs that did not complete: {failed}"
 

@@ -85,6 +85,7 @@ from services.common.jobs import (
 from services.common.metrics import start_metrics_server
 from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
+from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, lowering_sandbox
 from services.generator.evolve_run import EvolveJob
@@ -348,7 +349,7 @@ class Generator:
                  resumed_candidates=recorded)
         phases: dict[str, float] = {}
         try:
-            waiter = ResultWaiter(self.bus, job_id)
+            waiter = VerdictWaiter(self.bus.js, job_id)
             await waiter.start()
             try:
                 run = JobRun(self, record, waiter, phases)
@@ -546,7 +547,7 @@ class JobRun:
         waiter: the job's verdict collector.
     """
 
-    def __init__(self, generator: Generator, record: JobRecord, waiter: ResultWaiter,
+    def __init__(self, generator: Generator, record: JobRecord, waiter: VerdictWaiter,
                  phases: dict[str, float] | None = None) -> None:
         self.gen = generator
         # Seconds per job phase measured here (verify_wait) and by the workflow.
@@ -782,55 +783,6 @@ def _count(r: JobRecord) -> None:
     r.progress.candidates_generated = len(entries)
     r.progress.candidates_verified = sum(e.passed is not None for e in entries)
     r.progress.candidates_passed = sum(bool(e.passed) for e in entries)
-
-
-class ResultWaiter:
-    """Collects a job's verdicts from ``results.<job_id>`` and hands each to the
-    coroutine waiting for its ``request_id``.
-
-    Reads the RESULTS stream from its start for this subject (an ordered consumer),
-    so a verdict published before we subscribed (while a crashed generator was down)
-    is not missed. The first verdict per request id counts.
-    """
-
-    def __init__(self, bus: Bus, job_id: str) -> None:
-        self.bus = bus
-        self.job_id = job_id
-        self.futures: dict[str, asyncio.Future[VerifyResult]] = {}
-        self.results: dict[str, VerifyResult] = {}
-        self.sub = None
-
-    async def start(self) -> None:
-        async def on_msg(msg: Msg) -> None:
-            try:
-                result = decode(msg.data, VerifyResult)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.warning("malformed_result", error=str(exc))
-                return
-            if result.request_id in self.results:
-                return
-            self.results[result.request_id] = result
-            future = self.futures.get(result.request_id)
-            if future is not None and not future.done():
-                future.set_result(result)
-
-        self.sub = await self.bus.js.subscribe(
-            subjects.results(self.job_id), cb=on_msg, ordered_consumer=True)
-
-    def expect(self, request_id: str) -> asyncio.Future[VerifyResult]:
-        """A future resolved with the verdict of ``request_id`` (at once if it came)."""
-        future = self.futures.get(request_id)
-        if future is None or future.cancelled():
-            future = asyncio.get_running_loop().create_future()
-            self.futures[request_id] = future
-        if not future.done() and request_id in self.results:
-            future.set_result(self.results[request_id])
-        return future
-
-    async def stop(self) -> None:
-        if self.sub is not None:
-            with contextlib.suppress(Exception):
-                await self.sub.unsubscribe()
 
 
 def _is_token(value: str) -> bool:

@@ -30,6 +30,7 @@ import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
 from services.common.settings import Settings, load_settings, machine_arch
+from services.common.verdicts import VerdictWaiter
 
 # How long a verify call waits for its verdict, queueing included, seconds (as the
 # generator's verify_result_timeout_s).
@@ -267,43 +268,29 @@ class RemoteWorker:
         js = nc.jetstream(timeout=10)
         self._in_flight += 1
         try:
+            waiter = VerdictWaiter(js, request.job_id)
             try:
-                sub = await js.subscribe(subjects.results(request.job_id),
-                                         stream=subjects.STREAM_RESULTS, ordered_consumer=True)
+                await waiter.start()
                 await js.publish(subjects.verify(request.backend, request.arch), encode(request),
                                  headers={"Nats-Msg-Id": request.request_id})
             except (nats.js.errors.NotFoundError, nats.js.errors.NoStreamResponseError,
                     nats.errors.NoRespondersError) as exc:
+                await waiter.stop()
                 raise ConnectionError(
                     f"NATS at {self.nats_url} has no AIKG streams ({exc.__class__.__name__}): "
                     "is it the server the AIKG workers use? (`aikg worker` creates them)"
                 ) from exc
             try:
-                return await self._await_result(sub, request)
-            finally:
-                with contextlib.suppress(Exception):
-                    await sub.unsubscribe()
-        finally:
-            self._in_flight -= 1
-
-    async def _await_result(self, sub, request: VerifyRequest) -> VerifyResult:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.result_timeout_s
-        while True:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
+                return await waiter.wait(request.request_id, self.result_timeout_s)
+            except TimeoutError:
                 raise TimeoutError(
                     f"no verdict for request {request.request_id} within "
                     f"{self.result_timeout_s:g} s: is a worker for {request.backend}/"
-                    f"{request.arch} running and free? (`aikg workers`)")
-            try:
-                msg = await sub.next_msg(timeout=min(remaining, 5.0))
-            except (nats.errors.TimeoutError, TimeoutError):
-                continue
-            with contextlib.suppress(msgspec.ValidationError, msgspec.DecodeError):
-                result = decode(msg.data, VerifyResult)
-                if result.request_id == request.request_id:
-                    return result
+                    f"{request.arch} running and free? (`aikg workers`)") from None
+            finally:
+                await waiter.stop()
+        finally:
+            self._in_flight -= 1
 
     async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
                       ) -> VerifyResult:
