@@ -203,6 +203,12 @@ async def explain(bus: Bus, job_ids: list[str]) -> str:
         with contextlib.suppress(Exception):
             info = await bus.js.stream_info(name)
             lines.append(f"stream {name}: {info.state} leader={info.cluster and info.cluster.leader}")
+    # Where each of this loop's tasks waits (a stuck job's coroutine shows its await).
+    for task in asyncio.all_tasks():
+        frames = task.get_stack(limit=12)
+        if frames:
+            where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
+            lines.append(f"task {task.get_name()}: {where}")
     return "\n".join(lines)
 
 
@@ -283,10 +289,12 @@ async def test_fifty_jobs_survive_a_node_kill_and_restart(
                             if record["status"] in ("completed", "failed", "cancelled"):
                                 statuses[job_id] = f"{record['status']} {record.get('error') or ''}"
                     await asyncio.sleep(0.5)
+                missing = sorted(set(job_ids) - set(statuses))
+                # Explained while the services still run, so that their tasks' stacks show.
+                explained = await explain(bus, missing) if missing else ""
             done = time.monotonic()
 
-        missing = sorted(set(job_ids) - set(statuses))
-        assert not missing, f"jobs never finished (lost): {missing}\n{await explain(bus, missing)}"
+        assert not missing, f"jobs never finished (lost): {missing}\n{explained}"
         failed = {j: s for j, s in statuses.items() if not s.startswith("completed")}
         assert not failed, f"jobs that did not complete: {failed}"
 

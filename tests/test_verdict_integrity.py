@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker import _child, correctness, rules
+from services.worker import _child, correctness, rules, wire
 from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
 from tests.helpers import RELU_TASK
@@ -516,14 +516,14 @@ def test_error_text_is_clipped_head_and_tail():
 
 
 def test_timing_sample_count_and_wall_time(verifier):
-    timing = _child.Timing(median_us=0.5, samples_us=[0.5] * 19, wall_s=0.001)
+    timing = wire.Timing(median_us=0.5, samples_us=[0.5] * 19, wall_s=0.001)
     with pytest.raises(_Verdict) as info:
         verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate", repeats=20,
                                stage="audit")
     assert info.value.fields["stage"] == "audit"
     assert "19 samples; 20 were asked for" in info.value.fields["error"]
     # No profiling phase observed by the parent: no timing is consistent.
-    timing = _child.Timing(median_us=0.5, samples_us=[0.5] * 20, wall_s=0.001)
+    timing = wire.Timing(median_us=0.5, samples_us=[0.5] * 20, wall_s=0.001)
     with pytest.raises(_Verdict):
         verifier._check_timing(timing, None, "the candidate", repeats=20, stage="audit")
     verifier._check_timing(timing, time.monotonic() - 0.01, "the candidate", repeats=20)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker import _child, correctness
+from services.worker import _child, correctness, wire
 from services.worker.sandbox import captured_output, clean_environment, describe_exit
 from services.worker.verifier import Verifier, _Verdict, speedup_fields
 from tests.helpers import RELU_TASK
@@ -295,7 +295,7 @@ def test_sandbox_probe_results(verifier):
 
 
 def test_timings_larger_than_wall_time_are_inconsistent(verifier):
-    timing = _child.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
+    timing = wire.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
     with pytest.raises(_Verdict) as info:
         verifier._check_timing(timing, time.monotonic(), "the candidate")
     assert info.value.fields["stage"] == "infrastructure"
@@ -441,7 +441,7 @@ def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):
         return x
 
     monkeypatch.setattr(_child, "_accelerator", lambda backend: FakeAccelerator)
-    spec = _child.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=2, repeats=5,
+    spec = wire.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=2, repeats=5,
                             flush_bytes=1024)
     timing = _child._time_forward(model, [torch.zeros(4)], spec)
     assert calls[:3] == ["forward", "forward", "synchronize"]

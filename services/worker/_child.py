@@ -1,4 +1,4 @@
-"""Code that runs inside a sandboxed child, and the wire format it answers in.
+"""Code that runs inside a sandboxed child: the probe, reference, candidate and lowering runs.
 
 A child is forked by :mod:`services.worker._forkserver` (which has torch and triton
 imported already), enters the sandbox (:func:`enter_sandbox`), then runs one job:
@@ -23,50 +23,46 @@ candidate child protects what it can before importing the candidate (see
 reads tensors with ``torch.Tensor`` methods captured at import, but the parent treats
 everything it reports as a claim to check.
 
-Wire format (child -> parent, over a private socket the fork server hands the child,
-never stdout): frames of an 8-byte big-endian length followed by the payload. A
-payload is a msgpack-encoded :data:`Frame`; a :class:`Trial` is followed by one raw
-frame per output tensor holding its bytes (row-major, native byte order), then one
-per tensor input. With a ``frame_key`` in the spec every frame is followed by a
-32-byte keyed BLAKE2b tag over the previous tag, the header and the payload, so bytes
-the candidate writes on the socket's file descriptor (it can guess the number) break
-the chain and the parent sees them (:class:`services.worker.sandbox.ChildRun`).
+The wire format is :mod:`services.worker.wire`; the sandbox entry every child runs
+first is :mod:`services.worker.hardening`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import faulthandler
 import gc
 import hashlib
 import os
 import random
-import resource
-import signal
-import socket
 import statistics
-import struct
 import sys
 import time
 import traceback
-from pathlib import Path
-from typing import Any, Literal, NoReturn
+from typing import Any, NoReturn
 
-import msgspec
 import torch
 
-HEADER = struct.Struct("!Q")
-TAG_BYTES = 32
-# Tensor methods captured before any candidate code runs: candidates can reassign
-# ``torch.Tensor.contiguous`` and friends, not these references.
-_detach = torch.Tensor.detach
-_to = torch.Tensor.to
-_contiguous = torch.Tensor.contiguous
-_reshape = torch.Tensor.reshape
-_view = torch.Tensor.view
-_numpy = torch.Tensor.numpy
-_numel = torch.Tensor.numel
+from services.worker.hardening import enter_sandbox
+from services.worker.wire import (
+    IMPORT_PHASE,
+    Audit,
+    Channel,
+    ChildSpec,
+    Done,
+    Failure,
+    Lowered,
+    Progress,
+    Sizes,
+    TensorMeta,
+    Timing,
+    Trial,
+    _contiguous,
+    _detach,
+    _numel,
+    _to,
+    dtype_name,
+)
+
 # A scratch allocation released when a MemoryError is handled, so that the error
 # report itself can still be built and sent.
 _EMERGENCY_BYTES = 4 << 20
@@ -74,360 +70,6 @@ _EMERGENCY_BYTES = 4 << 20
 # the end (the last line often names the cause). Tracebacks are cut the same way.
 _MAX_MESSAGE_CHARS = 2000
 _MAX_TRACEBACK_CHARS = 32000
-STDOUT_FILE = "stdout.txt"
-# The candidate child's first Progress after loading the task (the parent laps
-# ``candidate_start`` on it).
-IMPORT_PHASE = "importing the candidate"
-STDERR_FILE = "stderr.txt"
-
-# Linux constants (include/uapi/linux/prctl.h, sched.h).
-_PR_SET_PDEATHSIG = 1
-_CLONE_NEWNET = 0x40000000
-
-
-# ---------------------------------------------------------------- wire records
-
-
-class ChildSpec(msgspec.Struct, kw_only=True):
-    """One job for a sandboxed child (parent -> fork server -> child).
-
-    Sizes are bytes, times seconds. ``env`` is set after the secret scrub;
-    ``address_space_bytes`` is added to the child's address-space size at entry
-    (None: no RLIMIT_AS). ``run_as`` is ``(uid, gid)`` to switch to when the fork
-    server runs as root (None: keep the current user).
-    """
-
-    role: Literal["probe", "reference", "candidate", "lower"]
-    scratch_dir: str
-    backend: str = "cpu"
-    env: dict[str, str] = {}
-    task_path: str = ""
-    candidate_path: str = ""
-    seeds: list[int] = []
-    shape_overrides: dict[str, Any] = {}
-    want_outputs: bool = True
-    profile: bool = False
-    input_limit_bytes: int | None = None
-    address_space_bytes: int | None = None
-    cpu_seconds: int = 600
-    file_size_bytes: int = 512 << 20
-    open_files: int = 1024
-    processes: int = 4096
-    run_as: tuple[int, int] | None = None
-    isolate_network: bool = True
-    env_allow: list[str] = []
-    landlock: bool = True
-    seccomp: bool = True
-    lower_params: dict[str, int] = {}
-    warmup: int = 3
-    repeats: int = 20
-    flush_bytes: int = 256 << 20
-    frame_key: bytes = b""
-    ghost: bool = False
-
-
-class Hello(msgspec.Struct, tag="hello"):
-    """The child entered its sandbox; ``notes`` lists isolation steps that failed.
-
-    ``capabilities``: the bitwise OR of every capability set left (0: none);
-    ``landlock_abi``: the Landlock ABI confining its files (0: none); ``seccomp``:
-    whether the syscall filter is loaded.
-    """
-
-    pid: int
-    uid: int
-    network_isolated: bool
-    address_space_bytes: int | None
-    notes: list[str]
-    capabilities: int = 0
-    landlock_abi: int = 0
-    seccomp: bool = False
-
-
-class Progress(msgspec.Struct, tag="progress"):
-    """The child started a phase (named in timeout messages)."""
-
-    phase: str
-
-
-class Sizes(msgspec.Struct, tag="sizes"):
-    """Total bytes of the task's ``get_inputs()`` tensors for the first seed.
-
-    ``estimated``: measured on fake tensors (nothing allocated). ``size_names``:
-    the task's module-level ints, for a shape_overrides suggestion.
-    """
-
-    input_bytes: int
-    estimated: bool
-    size_names: dict[str, int]
-
-
-class TensorMeta(msgspec.Struct):
-    """dtype (``torch.float32`` spelled ``float32``), shape, and byte count of one output."""
-
-    dtype: str
-    shape: list[int]
-    nbytes: int
-
-
-class Trial(msgspec.Struct, tag="trial"):
-    """One seed's run; the raw bytes of each output follow as separate frames.
-
-    ``inputs_before`` / ``inputs_after``: sha256 digests of each ``get_inputs()``
-    element before and after the forward call. ``aliasing``: human-readable facts
-    such as ``output 0 shares memory with input 0``. ``inputs``: per ``get_inputs()``
-    element, the metadata of the tensor whose bytes follow the outputs' (None for a
-    non-tensor; empty from the reference child, which sends no input bytes).
-    """
-
-    index: int
-    seed: int
-    inputs_before: list[str]
-    inputs_after: list[str]
-    outputs: list[TensorMeta]
-    aliasing: list[str]
-    inputs: list[TensorMeta | None] = []
-
-
-class Timing(msgspec.Struct, tag="timing"):
-    """Device-event timings of the forward call, microseconds; ``wall_s`` the child's wall time."""
-
-    median_us: float
-    samples_us: list[float]
-    wall_s: float
-
-
-class Failure(msgspec.Struct, tag="failure"):
-    """The job failed at ``stage`` (a VerifyResult stage name)."""
-
-    stage: str
-    message: str
-    traceback: str = ""
-
-
-class Lowered(msgspec.Struct, tag="lowered"):
-    """The built-in coder's candidate source for the task (role ``lower``)."""
-
-    code: str
-
-
-class Done(msgspec.Struct, tag="done"):
-    """All frames were sent."""
-
-
-class Audit(msgspec.Struct, tag="audit"):
-    """What the in-child instruments saw while ``ModelNew.forward`` ran (all calls).
-
-    ``ops`` / ``launcher_ops``: ATen overload name -> calls, issued by candidate code /
-    from Triton's frames. ``refused``: events the audit hook refused. ``notes``: how
-    the candidate was run (autotune choices).
-    """
-
-    ops: dict[str, int]
-    launcher_ops: dict[str, int]
-    refused: list[str]
-    notes: list[str]
-
-
-Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done | Audit
-
-_encoder = msgspec.msgpack.Encoder()
-FRAME_DECODER = msgspec.msgpack.Decoder(Frame)
-SPEC_DECODER = msgspec.msgpack.Decoder(ChildSpec)
-
-
-def encode_spec(spec: ChildSpec) -> bytes:
-    """msgpack bytes of ``spec`` (sent to the fork server)."""
-    return _encoder.encode(spec)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`.
-
-    Raises:
-        ValueError: ``name`` is not a torch dtype (the name comes from an untrusted child).
-    """
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
-
-
-def frame_tag(key: bytes, previous: bytes, header: bytes, payload: Any) -> bytes:
-    """Keyed BLAKE2b (RFC 7693) of ``previous`` tag + ``header`` + ``payload``, 32 bytes."""
-    h = hashlib.blake2b(key=key, digest_size=TAG_BYTES)
-    h.update(previous)
-    h.update(header)
-    h.update(payload)
-    return h.digest()
-
-
-def tensor_bytes(t: torch.Tensor) -> Any:
-    """A buffer over ``t``'s bytes (CPU, contiguous), via methods captured at import."""
-    if not _numel(t):
-        return b""
-    return _numpy(_view(_reshape(_contiguous(_to(_detach(t), "cpu")), -1), torch.uint8))
-
-
-class Channel:
-    """The child's end of the result socket (blocking writes), tagging frames with ``key``."""
-
-    def __init__(self, fd: int, key: bytes = b"") -> None:
-        self.sock = socket.socket(fileno=fd)
-        self.sock.setblocking(True)
-        self._key = key
-        self._tag = b""
-
-    def _write(self, payload: Any) -> None:
-        header = HEADER.pack(len(payload))
-        tag = b""
-        if self._key:
-            tag = self._tag = frame_tag(self._key, self._tag, header, payload)
-        if isinstance(payload, bytes) and len(payload) < (1 << 16):
-            self.sock.sendall(header + payload + tag)
-            return
-        self.sock.sendall(header)
-        if len(payload):
-            self.sock.sendall(memoryview(payload))
-        if tag:
-            self.sock.sendall(tag)
-
-    def send(self, frame: Any, raws: list[torch.Tensor] = ()) -> None:
-        self._write(_encoder.encode(frame))
-        for t in raws:
-            self._write(tensor_bytes(t))
-
-
-# ---------------------------------------------------------------- sandbox entry
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _prctl(option: int, arg: int) -> None:
-    if _libc().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def _address_space() -> int:
-    """This process's virtual memory size, bytes (VmSize in /proc/self/status)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
-    _, hard = resource.getrlimit(which)
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard - hard_extra)
-    resource.setrlimit(which, (value, value + hard_extra))
-
-
-def enter_sandbox(spec: ChildSpec) -> Hello:
-    """Isolate this (freshly forked) process before any task or candidate code runs.
-
-    Steps, in order: own session and process group (the parent kills the group); die
-    with the fork server; a private network namespace (loopback only, down); the
-    environment reduced to an allowlist (:func:`services.worker.isolation.allowed_environment`)
-    plus ``spec.env``; chdir into the scratch directory; stdout/stderr to files there,
-    stdin from /dev/null; resource limits; the switch to an unprivileged user with
-    every capability dropped (:func:`services.worker.isolation.drop_privileges`);
-    Landlock confining reads to the Python installation and system directories and
-    writes to the scratch directory and Triton cache; a seccomp filter. Steps the
-    machine does not permit are recorded in the returned :class:`Hello`'s ``notes``
-    and skipped; a failed user switch is an error (the child then runs nothing).
-
-    Returns:
-        The Hello frame to send.
-
-    Raises:
-        OSError: the switch to ``spec.run_as`` failed part-way.
-    """
-    from services.worker import isolation
-
-    notes: list[str] = []
-    os.setsid()
-    server = os.getppid()
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != server:
-        os._exit(1)
-
-    network_isolated = False
-    if spec.isolate_network:
-        if _libc().unshare(_CLONE_NEWNET) == 0:
-            network_isolated = True
-        else:
-            notes.append(f"network not isolated: unshare(CLONE_NEWNET) failed: "
-                         f"{os.strerror(ctypes.get_errno())}")
-
-    kept = isolation.allowed_environment(os.environ, spec.env_allow)
-    os.environ.clear()
-    os.environ.update(kept)
-    os.environ.update(spec.env)
-    os.environ["HOME"] = spec.scratch_dir
-    os.environ["TMPDIR"] = spec.scratch_dir
-    os.chdir(spec.scratch_dir)
-
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    for fd, name in ((1, STDOUT_FILE), (2, STDERR_FILE)):
-        target = os.open(name, flags, 0o644)
-        os.dup2(target, fd)
-        os.close(target)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-
-    address_space = None
-    _set_limit(resource.RLIMIT_CORE, 0)
-    # Soft below hard: SIGXCPU (named in the crash message) before SIGKILL.
-    _set_limit(resource.RLIMIT_CPU, spec.cpu_seconds, hard_extra=1)
-    _set_limit(resource.RLIMIT_FSIZE, spec.file_size_bytes)
-    _set_limit(resource.RLIMIT_NOFILE, spec.open_files)
-    if spec.address_space_bytes is not None:
-        address_space = _address_space() + spec.address_space_bytes
-        _set_limit(resource.RLIMIT_AS, address_space)
-
-    if spec.run_as is not None and os.geteuid() == 0:
-        _set_limit(resource.RLIMIT_NPROC, spec.processes)
-        isolation.drop_privileges(*spec.run_as)
-    else:
-        isolation.harden_process()
-
-    landlock_abi = 0
-    if spec.landlock:
-        repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        write = [spec.scratch_dir]
-        if os.environ.get("TRITON_CACHE_DIR"):
-            write.append(os.environ["TRITON_CACHE_DIR"])
-        try:
-            landlock_abi = isolation.restrict_filesystem(
-                isolation.python_paths(Path(repo_root)), write)
-        except OSError as exc:
-            notes.append(f"files not confined (Landlock): {exc.strerror or exc}")
-    seccomp = False
-    if spec.seccomp:
-        try:
-            isolation.restrict_syscalls()
-            seccomp = True
-        except OSError as exc:
-            notes.append(f"syscalls not filtered (seccomp): {exc.strerror or exc}")
-    os.umask(0o077)
-    capabilities = 0
-    for value in isolation.capability_sets().values():
-        capabilities |= value
-    return Hello(pid=os.getpid(), uid=os.getuid(), network_isolated=network_isolated,
-                 address_space_bytes=address_space, notes=notes, capabilities=capabilities,
-                 landlock_abi=landlock_abi, seccomp=seccomp)
 
 
 # ---------------------------------------------------------------- job helpers

@@ -6,7 +6,7 @@ torch and triton once, then forks one child per job; a forked child starts in
 milliseconds with everything imported.
 
 Protocol on the control socket (AF_UNIX, SOCK_SEQPACKET, one message per job): the
-payload is a msgpack :class:`~services.worker._child.ChildSpec` and the message
+payload is a msgpack :class:`~services.worker.wire.ChildSpec` and the message
 carries two file descriptors (SCM_RIGHTS): the child's result socket and a status
 socket. On the status socket the server writes the child's pid (8 bytes, signed,
 big-endian) right after the fork, then its raw wait status (same encoding) once it
@@ -131,7 +131,7 @@ def serve(control: socket.socket) -> bool:
     Returns:
         True when the worker said ``BYE`` before closing it.
     """
-    from services.worker import _child
+    from services.worker import _child, wire
 
     me = os.getpid()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -193,7 +193,7 @@ def serve(control: socket.socket) -> bool:
                     os.close(fd)
                 continue
             result_fd, status_fd = fds
-            spec = _child.SPEC_DECODER.decode(message)
+            spec = wire.SPEC_DECODER.decode(message)
             pid = os.fork()
             if pid == 0:
                 # The child keeps only its result socket (and stdio).

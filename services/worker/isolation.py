@@ -4,7 +4,7 @@ Everything this service runs on behalf of a user is untrusted: the task's own mo
 code (``Model``, ``get_inputs``), the built-in coder's ``torch.export`` of it, and every
 candidate. Each runs in a child forked from a warm fork server
 (:mod:`services.worker._forkserver`) and, before any of that code runs, the child calls
-the steps here, in order (see :func:`services.worker._child.enter_sandbox`):
+the steps here, in order (see :func:`services.worker.hardening.enter_sandbox`):
 
 1. :func:`allowed_environment`: the environment is an allowlist (what Python, torch,
    Triton, CUDA and the BLAS libraries read), never a denylist of secret-looking names.

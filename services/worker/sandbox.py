@@ -7,7 +7,7 @@ fork server rather than ``multiprocessing``'s forkserver context because that on
 is a process-wide singleton that cannot be stopped, re-imports the worker's
 ``__main__`` in every child, and gives no say over what the child does before the
 job starts; here each :class:`~services.worker.verifier.Verifier` owns its server
-and :func:`services.worker._child.enter_sandbox` isolates the child first.
+and :func:`services.worker.hardening.enter_sandbox` isolates the child first.
 
 :class:`ChildRun` is one child: its pid, its frames (read with the event loop, so
 ``await`` never blocks it), its exit status, and the kill of its process group.
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.worker import _child, _forkserver, isolation
-from services.worker._child import ChildSpec
+from services.worker import _forkserver, isolation, wire
+from services.worker.wire import ChildSpec
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PID_BYTES = 8
@@ -106,8 +106,8 @@ def read_tail(path: Path, limit: int) -> tuple[str, int]:
 def captured_output(scratch: Path, limit: int) -> str:
     """The child's stdout and stderr, each section cut to its tail, ``limit`` bytes in all."""
     parts = []
-    stdout, cut_out = read_tail(scratch / _child.STDOUT_FILE, limit // 2)
-    stderr, cut_err = read_tail(scratch / _child.STDERR_FILE, limit - len(stdout.encode()))
+    stdout, cut_out = read_tail(scratch / wire.STDOUT_FILE, limit // 2)
+    stderr, cut_err = read_tail(scratch / wire.STDERR_FILE, limit - len(stdout.encode()))
     for name, text, cut in (("stdout", stdout, cut_out), ("stderr", stderr, cut_err)):
         if text:
             note = f" (first {cut} bytes cut)" if cut else ""
@@ -121,7 +121,7 @@ class ChildRun:
     Read its frames with :meth:`frame` / :meth:`raw` in order; :meth:`close` kills
     its process group (also any descendants still in it), waits for the exit status
     and removes the scratch directory. When ``spec.frame_key`` is set every frame's
-    tag is checked (see :func:`services.worker._child.frame_tag`): bytes the candidate
+    tag is checked (see :func:`services.worker.wire.frame_tag`): bytes the candidate
     wrote on the socket's file descriptor raise :class:`ForgedFrame`.
     """
 
@@ -173,7 +173,7 @@ class ChildRun:
         return self.exit_status
 
     async def frame(self) -> Any | None:
-        """The next frame (see :data:`services.worker._child.Frame`), or None at end of stream.
+        """The next frame (see :data:`services.worker.wire.Frame`), or None at end of stream.
 
         Raises:
             ProtocolError: the frame is larger than ``max_frame_bytes`` or malformed.
@@ -185,7 +185,7 @@ class ChildRun:
         if payload is None or not await self._check_tag(payload):
             return None
         try:
-            return _child.FRAME_DECODER.decode(payload)
+            return wire.FRAME_DECODER.decode(payload)
         except Exception as exc:
             raise ProtocolError(f"malformed frame from the child: {exc}") from None
 
@@ -213,21 +213,21 @@ class ChildRun:
         """
         if not self._key:
             return True
-        tag = await self._recv_exactly(self._result, _child.TAG_BYTES)
+        tag = await self._recv_exactly(self._result, wire.TAG_BYTES)
         if tag is None:
             return False
-        want = _child.frame_tag(self._key, self._tag, self._header, payload)
+        want = wire.frame_tag(self._key, self._tag, self._header, payload)
         if not hmac.compare_digest(bytes(tag), want):
             raise ForgedFrame("a frame on the result channel was not written by the harness")
         self._tag = want
         return True
 
     async def _length(self) -> int | None:
-        header = await self._recv_exactly(self._result, _child.HEADER.size)
+        header = await self._recv_exactly(self._result, wire.HEADER.size)
         if header is None:
             return None
         self._header = bytes(header)
-        (size,) = _child.HEADER.unpack(header)
+        (size,) = wire.HEADER.unpack(header)
         if size > self.max_frame_bytes:
             raise ProtocolError(f"the child sent a {size}-byte frame "
                                 f"(limit {self.max_frame_bytes} bytes)")
@@ -381,7 +381,7 @@ class SandboxPool:
         Raises:
             PoolBroken: the pool was never started, or the server could not be restarted.
         """
-        payload = _child.encode_spec(spec)
+        payload = wire.encode_spec(spec)
         with self._lock:
             if self._proc is None:
                 raise PoolBroken("the sandbox pool is not started")
@@ -489,7 +489,7 @@ class Sandbox:
     The worker's :class:`~services.worker.verifier.Verifier` runs references and
     candidates in it; the generator and the SDK run the built-in coder's lowering of a
     task in it (:meth:`lower`). Every child is a fresh process (no state carried from
-    one job to the next) confined as :func:`services.worker._child.enter_sandbox` says.
+    one job to the next) confined as :func:`services.worker.hardening.enter_sandbox` says.
 
     Args:
         backend: ``cpu`` (Triton interpreter), ``cuda`` or ``ascend``: the device the
@@ -596,7 +596,7 @@ class Sandbox:
                          f"failed: {failure}" if run_as else failure)
         raise PoolBroken(f"no sandboxed child could run: {failure}")
 
-    async def _probe_once(self, run_as: tuple[int, int] | None) -> tuple[_child.Hello | None, str]:
+    async def _probe_once(self, run_as: tuple[int, int] | None) -> tuple[wire.Hello | None, str]:
         scratch = self.scratch("probe", "probe", run_as)
         # No device restriction: the probe checks that some device is usable at all.
         env = {k: v for k, v in self.child_env("probe", run_as).items()
@@ -609,11 +609,11 @@ class Sandbox:
             async with asyncio.timeout(_PROBE_TIMEOUT_S):
                 while True:
                     frame = await run.frame()
-                    if isinstance(frame, _child.Hello):
+                    if isinstance(frame, wire.Hello):
                         hello = frame
-                    elif isinstance(frame, _child.Failure):
+                    elif isinstance(frame, wire.Failure):
                         return None, frame.message
-                    elif isinstance(frame, _child.Done):
+                    elif isinstance(frame, wire.Done):
                         return hello, ""
                     elif frame is None:
                         status = await run.wait(_EXIT_WAIT_S)
@@ -721,11 +721,11 @@ class Sandbox:
             async with asyncio.timeout(timeout_s):
                 while True:
                     frame = await run.frame()
-                    if isinstance(frame, _child.Lowered):
+                    if isinstance(frame, wire.Lowered):
                         return frame.code
-                    if isinstance(frame, _child.Failure):
+                    if isinstance(frame, wire.Failure):
                         raise LoweringFailed(frame.message)
-                    if frame is None or isinstance(frame, _child.Done):
+                    if frame is None or isinstance(frame, wire.Done):
                         status = await run.wait(_EXIT_WAIT_S)
                         tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
                         raise LoweringFailed(

@@ -41,7 +41,7 @@ but ``error`` starts with ``flagged:`` so a human or the generator can review th
 candidate before trusting the speedup: a kernel that is 50x faster than eager
 PyTorch usually skips work or games the timer.
 
-Sandbox (see :mod:`services.worker.sandbox`, :func:`services.worker._child.enter_sandbox`):
+Sandbox (see :mod:`services.worker.sandbox`, :func:`services.worker.hardening.enter_sandbox`):
 own process group killed at the end, RLIMIT_CPU/FSIZE/NOFILE/CORE (and RLIMIT_AS on
 cpu), scratch directory, no secrets in the environment, own Triton cache per
 device, one visible device, a private network namespace and an unprivileged user
@@ -69,8 +69,7 @@ import structlog
 import torch
 
 from schemas.events import VerifyRequest, VerifyResult
-from services.worker import _child
-from services.worker._child import ChildSpec
+from services.worker import _child, wire
 from services.worker.correctness import (
     check_meta,
     compare_outputs,
@@ -87,6 +86,7 @@ from services.worker.sandbox import (
     describe_exit,
 )
 from services.worker.static_check import check_candidate
+from services.worker.wire import ChildSpec
 
 log = structlog.get_logger("aikg.worker.verifier")
 
@@ -202,7 +202,7 @@ class _CandidateState:
     rel_l2_error: float | None = None
     tolerance: Any = None
     gen_time_us: float | None = None
-    audit: _child.Audit | None = None
+    audit: wire.Audit | None = None
 
 
 def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> dict[str, Any]:
@@ -240,9 +240,9 @@ def _size_hint(need: int, limit: int, names: dict[str, int]) -> str:
             f"(aikg submit: --shape {name}={value})")
 
 
-def _decode_tensor(meta: _child.TensorMeta, data: bytearray) -> torch.Tensor:
+def _decode_tensor(meta: wire.TensorMeta, data: bytearray) -> torch.Tensor:
     """A CPU tensor from a child's metadata and bytes (both untrusted; validated)."""
-    dtype = _child.dtype_from_name(meta.dtype)
+    dtype = wire.dtype_from_name(meta.dtype)
     if any(d < 0 for d in meta.shape):
         raise ProtocolError(f"negative dimension in shape {meta.shape}")
     numel = math.prod(meta.shape)
@@ -681,11 +681,11 @@ class Verifier:
             async with asyncio.timeout(request.timeout_s):
                 while True:
                     frame = await run.frame()
-                    if isinstance(frame, _child.Progress):
+                    if isinstance(frame, wire.Progress):
                         phase = frame.phase
                         if phase == "profiling":
                             profiling_at = time.monotonic()
-                    elif isinstance(frame, _child.Sizes):
+                    elif isinstance(frame, wire.Sizes):
                         self._input_bytes[timing_key[0], timing_key[2]] = frame.input_bytes
                         self._size_names[timing_key[0], timing_key[2]] = frame.size_names
                         if spec.input_limit_bytes is not None and (
@@ -696,7 +696,7 @@ class Verifier:
                                 f"task inputs need {_format_bytes(frame.input_bytes)} (limit "
                                 f"{_format_bytes(limit)}); "
                                 f"{_size_hint(frame.input_bytes, limit, frame.size_names)}")
-                    elif isinstance(frame, _child.Trial):
+                    elif isinstance(frame, wire.Trial):
                         outputs = []
                         for meta in frame.outputs:
                             data = await run.raw(meta.nbytes)
@@ -705,16 +705,16 @@ class Verifier:
                             outputs.append(_decode_tensor(meta, data))
                         fresh.append(_Reference(frame.seed, outputs, frame.inputs_before,
                                                 frame.inputs_after, frame.aliasing))
-                    elif isinstance(frame, _child.Timing):
+                    elif isinstance(frame, wire.Timing):
                         self._check_timing(frame, profiling_at, "the reference Model",
                                            repeats=spec.repeats)
                         self._base_times[timing_key] = frame.median_us
-                    elif isinstance(frame, _child.Failure):
+                    elif isinstance(frame, wire.Failure):
                         raise _Verdict("infrastructure", f"reference run: {frame.message}",
                                        log=_join_log(run.output(self.output_limit_bytes),
                                                      frame.traceback,
                                                      limit=self.output_limit_bytes))
-                    elif isinstance(frame, _child.Done):
+                    elif isinstance(frame, wire.Done):
                         if need_timing and timing_key not in self._base_times:
                             raise _Verdict("infrastructure", "the reference child sent no "
                                            "timing")
@@ -734,7 +734,7 @@ class Verifier:
         finally:
             await run.close()
 
-    def _check_timing(self, timing: _child.Timing, since: float | None, who: str,
+    def _check_timing(self, timing: wire.Timing, since: float | None, who: str,
                       repeats: int | None = None, stage: str = "infrastructure") -> None:
         """Reject timings whose total exceeds the wall time observed here.
 
@@ -846,15 +846,15 @@ class Verifier:
         """
         while True:
             frame = await run.frame()
-            if isinstance(frame, _child.Progress):
+            if isinstance(frame, wire.Progress):
                 state.phase = frame.phase
-                if clock is not None and frame.phase == _child.IMPORT_PHASE:
+                if clock is not None and frame.phase == wire.IMPORT_PHASE:
                     clock.lap("candidate_start")
                 if state.phase == "profiling":
                     state.profiling_at = time.monotonic()
                     if clock is not None:
                         clock.lap("candidate_finish")
-            elif isinstance(frame, _child.Trial):
+            elif isinstance(frame, wire.Trial):
                 if frame.index != state.compared or frame.index >= len(references):
                     raise ProtocolError(f"trial {frame.index} arrived out of order")
                 if clock is not None:
@@ -868,7 +868,7 @@ class Verifier:
                 state.max_abs_error = _max(state.max_abs_error, comparison.max_abs_error)
                 state.max_rel_error = _max(state.max_rel_error, comparison.max_rel_error)
                 state.rel_l2_error = _max(state.rel_l2_error, comparison.rel_l2_error)
-            elif isinstance(frame, _child.Timing):
+            elif isinstance(frame, wire.Timing):
                 if (not spec.profile or state.phase != "profiling"
                         or state.gen_time_us is not None):
                     raise _Verdict("audit", "the candidate wrote on the result channel: a "
@@ -879,7 +879,7 @@ class Verifier:
                 state.gen_time_us = frame.median_us
                 if clock is not None:
                     clock.lap("profile")
-            elif isinstance(frame, _child.Audit):
+            elif isinstance(frame, wire.Audit):
                 state.audit = frame
                 if frame.refused:
                     raise _Verdict("audit", f"the sandbox refused {frame.refused[0]} in "
@@ -893,10 +893,10 @@ class Verifier:
                         ": PyTorch computed in forward; do the work in Triton kernels (only "
                         "allocation, views and layout copies are allowed)",
                         log="\n".join(findings))
-            elif isinstance(frame, _child.Failure):
+            elif isinstance(frame, wire.Failure):
                 stage = frame.stage if frame.stage in _STAGES else "runtime"
                 raise _Verdict(stage, frame.message, log=frame.traceback)
-            elif isinstance(frame, _child.Done):
+            elif isinstance(frame, wire.Done):
                 # Done is only a claim; every trial must have been compared here.
                 if state.compared != len(references):
                     raise _Verdict("crash", f"the candidate's process reported results for "
@@ -918,7 +918,7 @@ class Verifier:
                              "or sys.exit?)")
                 raise _Verdict("crash", f"the candidate's process {what} during {state.phase}")
 
-    async def _compare_trial(self, run: ChildRun, frame: _child.Trial, ref: _Reference):
+    async def _compare_trial(self, run: ChildRun, frame: wire.Trial, ref: _Reference):
         """Check one candidate trial against its reference.
 
         Raises:
@@ -948,7 +948,7 @@ class Verifier:
                            trials=frame.index + 1)
         for i, (meta, want) in enumerate(zip(frame.outputs, ref.outputs, strict=True)):
             try:
-                dtype = _child.dtype_from_name(meta.dtype)
+                dtype = wire.dtype_from_name(meta.dtype)
             except ValueError as exc:
                 raise ProtocolError(str(exc)) from None
             problem = check_meta(i, list(want.shape), want.dtype, meta.shape, dtype)
