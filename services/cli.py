@@ -987,8 +987,8 @@ def run(
     Exit codes: 0 passed, 1 not passed or no kernel for this task, 2 bad input, 6 the
     sandbox cannot start here, 130 Ctrl-C.
     """
-    from services.common.jobs import TaskError, check_task_source
     from services.common.logging import configure_logging
+    from services.common.records import TaskError, check_task_source
 
     try:
         task_desc = file.read_text(encoding="utf-8")

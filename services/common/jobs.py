@@ -1,17 +1,17 @@
-"""Job helpers shared by the gateway (HTTP submissions) and the generator (raw ``nats pub``).
+"""Job helpers on the bus, shared by the gateway (HTTP submissions) and the generator
+(raw ``nats pub``): the checked job store, live workers, events and cancel.
 
-A job may enter through either door, so validation, record creation and event
-publishing live here, once.
+A job may enter through either door, so what both need lives here, once; the pure
+half (task checks, new records, arch choice) is :mod:`services.common.records`,
+which the no-NATS local path imports instead.
 """
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import contextlib
 import time
 
-import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
@@ -20,7 +20,6 @@ from schemas import (
     TERMINAL_STATUSES,
     JobEvent,
     JobRecord,
-    JobSubmit,
     WorkerInfo,
     decode,
     encode,
@@ -29,45 +28,18 @@ from schemas import (
     utcnow,
 )
 from services.common.bus import Bus, JobNotFound, JobStore
+from services.common.records import (  # noqa: F401  (re-exported: the pure half lives there)
+    REQUIRED_TASK_NAMES,
+    JobRecordCorrupt,
+    TaskError,
+    check_task_source,
+    decode_record,
+    describe_pairs,
+    new_record,
+    pick_arch,
+)
 
 log = structlog.get_logger("aikg.jobs")
-
-# Longest piece of a decoder's complaint kept in a corrupt record's error text, characters.
-_FAULT_CHARS = 300
-
-
-class JobRecordCorrupt(Exception):
-    """A job's value in the ``jobs`` bucket does not decode as a :class:`JobRecord`.
-
-    Written by something other than AIKG (``nats kv put``, a task's code with bus
-    access, a newer or broken client) or truncated. Not a :class:`JobNotFound`: the
-    job exists, its record cannot be read.
-
-    Attributes:
-        job_id: the key.
-        fault: what the decoder said (``JSON is malformed: ...`` or ``Expected `str`,
-            got `int` - at `$.status```), at most 300 characters.
-        revision: the key's revision holding the bad value, for a compare-and-swap
-            that replaces exactly that value.
-    """
-
-    def __init__(self, job_id: str, fault: str, revision: int | None = None) -> None:
-        self.job_id = job_id
-        self.fault = fault[:_FAULT_CHARS]
-        self.revision = revision
-        super().__init__(f"job record {job_id} is corrupt: {self.fault}")
-
-
-def decode_record(job_id: str, value: bytes) -> JobRecord:
-    """Decode a ``jobs`` bucket value, naming the job when it does not decode.
-
-    Raises:
-        JobRecordCorrupt: not JSON, or JSON that breaks the :class:`JobRecord` schema.
-    """
-    try:
-        return decode(value, JobRecord)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise JobRecordCorrupt(job_id, str(exc) or exc.__class__.__name__) from exc
 
 
 class CheckedJobStore(JobStore):
@@ -108,64 +80,6 @@ class CheckedJobStore(JobStore):
             return False
         return True
 
-REQUIRED_TASK_NAMES = ("Model", "get_inputs", "get_init_inputs")
-
-
-class TaskError(ValueError):
-    """The task source is not a usable KernelBench-format task; the message says why."""
-
-
-def check_task_source(task_desc: str) -> None:
-    """Statically check a KernelBench-format task without running it.
-
-    The task must parse as Python and define ``class Model``, ``get_inputs`` and
-    ``get_init_inputs`` at module level (KernelBench's problem format).
-
-    Raises:
-        TaskError: syntax error (with line number) or a missing definition.
-    """
-    try:
-        tree = ast.parse(task_desc)
-    except SyntaxError as exc:
-        raise TaskError(f"task_desc is not valid Python: line {exc.lineno}: {exc.msg}") from exc
-    defined = {
-        node.name
-        for node in tree.body
-        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-    }
-    defined |= {
-        t.id
-        for node in tree.body
-        if isinstance(node, ast.Assign)
-        for t in node.targets
-        if isinstance(t, ast.Name)
-    }
-    missing = [n for n in REQUIRED_TASK_NAMES if n not in defined]
-    if missing:
-        raise TaskError(
-            "task_desc must define class Model, get_inputs() and get_init_inputs() "
-            f"(KernelBench format); missing: {', '.join(missing)}"
-        )
-
-
-def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None) -> JobRecord:
-    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new)."""
-    job_id = submit.job_id or job_id or new_id("job-")
-    submit.job_id = job_id
-    if arch:
-        submit.arch = arch
-    return JobRecord(
-        job_id=job_id,
-        status="pending",
-        job_type=submit.job_type,
-        op_name=submit.op_name,
-        submit_time=utcnow(),
-        backend=submit.backend,
-        arch=submit.arch,
-        request=submit,
-    )
-
-
 async def live_workers(bus: Bus) -> list[WorkerInfo]:
     """Workers whose heartbeat is in the ``workers`` bucket now (expired keys are gone)."""
     try:
@@ -180,24 +94,6 @@ async def live_workers(bus: Bus) -> list[WorkerInfo]:
                 with contextlib.suppress(Exception):
                     out.append(decode(entry.value, WorkerInfo))
     return out
-
-
-def pick_arch(workers: list[WorkerInfo], backend: str, arch: str | None) -> str | None:
-    """The arch to run on: ``arch`` when a live worker offers backend/arch, else the
-    arch of the least loaded live worker of ``backend`` when ``arch`` is None; None when
-    no live worker matches."""
-    matching = [w for w in workers if w.backend == backend and (arch is None or w.arch == arch)]
-    if not matching:
-        return None
-    if arch is not None:
-        return arch
-    best = min(matching, key=lambda w: w.in_flight / max(w.capacity, 1))
-    return best.arch
-
-
-def describe_pairs(workers: list[WorkerInfo]) -> list[str]:
-    """Sorted ``backend/arch`` pairs with a live worker, for error messages."""
-    return sorted({f"{w.backend}/{w.arch}" for w in workers})
 
 
 # How long publish_event retries while JOB_EVENTS has no leader (a cluster node

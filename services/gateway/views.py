@@ -19,7 +19,7 @@ from nats.js.kv import KeyValue
 from schemas import JobRecord, WorkerInfo
 from schemas.events import JobStatus
 from services.common.bus import Bus
-from services.common.jobs import JobRecordCorrupt, decode_record
+from services.common.records import JobRecordCorrupt, decode_record
 
 # A job id is one NATS subject token (schemas.events.JobId); anything else names no job.
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -167,7 +167,7 @@ class Task:
         Raises:
             services.sdk.workers.NoWorkerError: no worker registered for backend/arch.
         """
-        from services.common.jobs import TaskError, check_task_source
+        from services.common.records import TaskError, check_task_source
 
         info: dict[str, Any] = {
             "task_id": self.task_id, "op_name": self.op_name, "backend": self.backend,
