@@ -258,6 +258,14 @@ class VerifyResult(Struct, kw_only=True):
     to ``duration_s`` (queue wait, fetch-to-start and lease precede it and are not
     part of it); the ones in it are children that ran beside those spans. Empty from
     a worker that does not measure them.
+
+    ``reference_source``: where the reference outputs came from: ``run`` (a
+    reference child ran now), ``worker_cache`` (this worker's process kept them) or
+    ``shared_cache`` (the ``references`` object store every worker shares); None
+    when the run stopped before (e.g. at static checks). ``baseline_source`` /
+    ``baseline_age_s``: likewise for the eager baseline behind ``base_time_us``
+    (``measured`` now, ``worker_cache``, ``shared_cache``: the ``baselines``
+    bucket) and seconds since it was measured; None when nothing was timed.
     """
 
     request_id: str
@@ -287,6 +295,9 @@ class VerifyResult(Struct, kw_only=True):
     ghost_replay: str | None = None
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    reference_source: Literal["run", "worker_cache", "shared_cache"] | None = None
+    baseline_source: Literal["measured", "worker_cache", "shared_cache"] | None = None
+    baseline_age_s: float | None = None
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION
