@@ -374,6 +374,8 @@ class JobResult(Struct, kw_only=True):
     verdict: VerifyResult | None = None
     candidate_id: str | None = None
     coder: str | None = None
+    # The LLM model that wrote the kernel, as the endpoint named it (None: no LLM).
+    model: str | None = None
     attempts: int = 0
     speedup: float | None = None
     # Evolve jobs: the best candidates, best first, with code, round, island and parent.
@@ -480,6 +482,59 @@ class WorkerInfo(Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class KernelRow(Struct, kw_only=True):
+    """One job's kernel with its task, verdict, timings and provenance: a row of
+    ``GET /api/v1/kernels`` and of ``aikg export`` (JSON Lines and Parquet).
+
+    Flat, so that every field is one Parquet column: ``shape_overrides`` is the
+    job's shape_overrides as JSON text; times are microseconds (``base_time_us`` the
+    eager reference, ``gen_time_us`` the kernel; None on the cpu backend, where
+    Triton is interpreted) and ``verify_duration_s`` seconds. Provenance: ``job_id``,
+    ``candidate_id``, ``coder`` (``builtin``, ``llm``, ``init_code``), ``model`` (the
+    LLM's, None otherwise), ``worker_id`` / ``device`` that verified it.
+    ``task_sha256`` / ``code_sha256``: sha256 of the UTF-8 sources, hex.
+    """
+
+    job_id: str
+    candidate_id: str | None
+    op_name: str
+    job_type: str
+    status: str
+    backend: str
+    arch: str | None
+    dsl: str
+    framework: str
+    workflow: str
+    coder: str | None
+    model: str | None
+    task_desc: str
+    task_sha256: str
+    shape_overrides: str
+    code: str
+    code_sha256: str
+    passed: bool
+    stage: str | None
+    error: str | None
+    attempts: int
+    trials: int | None
+    max_abs_error: float | None
+    max_rel_error: float | None
+    atol: float | None
+    rtol: float | None
+    base_time_us: float | None
+    gen_time_us: float | None
+    speedup: float | None
+    interpreted: bool | None
+    worker_id: str | None
+    device: str | None
+    verify_duration_s: float | None
+    baseline_source: str | None
+    submit_time: dt.datetime
+    end_time: dt.datetime | None
+    type: Literal["kernel.row"] = "kernel.row"
+    schema_version: int = SCHEMA_VERSION
+
+
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
@@ -514,4 +569,5 @@ ALL_RECORDS: tuple[type[Struct], ...] = (
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
+    KernelRow,
 )
