@@ -258,6 +258,14 @@ class VerifyResult(Struct, kw_only=True):
     to ``duration_s`` (queue wait, fetch-to-start and lease precede it and are not
     part of it); the ones in it are children that ran beside those spans. Empty from
     a worker that does not measure them.
+
+    ``reference_source``: where the reference outputs came from: ``run`` (a
+    reference child ran now), ``worker_cache`` (this worker's process kept them) or
+    ``shared_cache`` (the ``references`` object store every worker shares); None
+    when the run stopped before (e.g. at static checks). ``baseline_source`` /
+    ``baseline_age_s``: likewise for the eager baseline behind ``base_time_us``
+    (``measured`` now, ``worker_cache``, ``shared_cache``: the ``baselines``
+    bucket) and seconds since it was measured; None when nothing was timed.
     """
 
     request_id: str
@@ -287,6 +295,9 @@ class VerifyResult(Struct, kw_only=True):
     ghost_replay: str | None = None
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
+    reference_source: Literal["run", "worker_cache", "shared_cache"] | None = None
+    baseline_source: Literal["measured", "worker_cache", "shared_cache"] | None = None
+    baseline_age_s: float | None = None
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION
@@ -363,6 +374,8 @@ class JobResult(Struct, kw_only=True):
     verdict: VerifyResult | None = None
     candidate_id: str | None = None
     coder: str | None = None
+    # The LLM model that wrote the kernel, as the endpoint named it (None: no LLM).
+    model: str | None = None
     attempts: int = 0
     speedup: float | None = None
     # Evolve jobs: the best candidates, best first, with code, round, island and parent.
@@ -469,6 +482,59 @@ class WorkerInfo(Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+class KernelRow(Struct, kw_only=True):
+    """One job's kernel with its task, verdict, timings and provenance: a row of
+    ``GET /api/v1/kernels`` and of ``aikg export`` (JSON Lines and Parquet).
+
+    Flat, so that every field is one Parquet column: ``shape_overrides`` is the
+    job's shape_overrides as JSON text; times are microseconds (``base_time_us`` the
+    eager reference, ``gen_time_us`` the kernel; None on the cpu backend, where
+    Triton is interpreted) and ``verify_duration_s`` seconds. Provenance: ``job_id``,
+    ``candidate_id``, ``coder`` (``builtin``, ``llm``, ``init_code``), ``model`` (the
+    LLM's, None otherwise), ``worker_id`` / ``device`` that verified it.
+    ``task_sha256`` / ``code_sha256``: sha256 of the UTF-8 sources, hex.
+    """
+
+    job_id: str
+    candidate_id: str | None
+    op_name: str
+    job_type: str
+    status: str
+    backend: str
+    arch: str | None
+    dsl: str
+    framework: str
+    workflow: str
+    coder: str | None
+    model: str | None
+    task_desc: str
+    task_sha256: str
+    shape_overrides: str
+    code: str
+    code_sha256: str
+    passed: bool
+    stage: str | None
+    error: str | None
+    attempts: int
+    trials: int | None
+    max_abs_error: float | None
+    max_rel_error: float | None
+    atol: float | None
+    rtol: float | None
+    base_time_us: float | None
+    gen_time_us: float | None
+    speedup: float | None
+    interpreted: bool | None
+    worker_id: str | None
+    device: str | None
+    verify_duration_s: float | None
+    baseline_source: str | None
+    submit_time: dt.datetime
+    end_time: dt.datetime | None
+    type: Literal["kernel.row"] = "kernel.row"
+    schema_version: int = SCHEMA_VERSION
+
+
 T = TypeVar("T")
 
 _encoder = msgspec.json.Encoder()
@@ -503,4 +569,5 @@ ALL_RECORDS: tuple[type[Struct], ...] = (
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
+    KernelRow,
 )

@@ -32,9 +32,13 @@ CONSUMER_GENERATOR = "generator"
 BUCKET_JOBS = "jobs"
 BUCKET_WORKERS = "workers"
 BUCKET_LEASES = "leases"
+# Eager baseline timings shared by every worker (services/worker/cache.py).
+BUCKET_BASELINES = "baselines"
 
 # Object store bucket for kernel sources, logs and checkpoints.
 OBJECT_STORE_ARTIFACTS = "artifacts"
+# Object store bucket for reference outputs shared by every worker (services/worker/cache.py).
+OBJECT_STORE_REFERENCES = "references"
 
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 

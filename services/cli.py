@@ -3,7 +3,7 @@
 Service commands (``gateway``, ``generator``, ``worker``, ``up``) read their
 configuration from ``AIKG_*`` environment variables (services/common/settings.py);
 flags override them. Client commands (``submit``, ``status``, ``list``, ``cancel``,
-``events``, ``workers``) talk to the gateway over HTTP; ``run`` needs neither NATS
+``events``, ``workers``, ``export``: services/cli_export.py) talk to the gateway over HTTP; ``run`` needs neither NATS
 nor a network. They exit with:
 
 ====  =====================================================================
@@ -1041,6 +1041,16 @@ def schema(
 
     for path in export_json_schemas(out_dir or JSON_DIR):
         out.print(str(path), markup=False, soft_wrap=True)
+
+
+def _register_export() -> None:
+    # Its own module: this one is long enough.
+    from services.cli_export import export
+
+    app.command("export")(export)
+
+
+_register_export()
 
 
 def _flags_without_metavar(command: Any) -> Any:

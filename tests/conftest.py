@@ -68,6 +68,14 @@ class LentVerifier:
         self.verifier.start()
 
     @property
+    def shared_cache(self) -> Any:
+        return self.verifier.shared_cache
+
+    @shared_cache.setter
+    def shared_cache(self, cache: Any) -> None:
+        self.verifier.shared_cache = cache
+
+    @property
     def sandbox(self) -> Any:
         return self.verifier.sandbox
 
@@ -80,6 +88,8 @@ class LentVerifier:
 
     def close(self) -> None:
         self.verifier.worker_id = self._owner
+        # The cache belongs to the borrower's bus, which closes with it.
+        self.verifier.shared_cache = None
 
 
 def lend_verifier(verifier: Any, worker_id: str) -> LentVerifier:

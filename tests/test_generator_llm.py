@@ -76,6 +76,7 @@ async def test_softmax_job_completes_after_one_repair_round(
     assert record.status == "completed" and record.error is None
     result = record.result
     assert result is not None and result.passed and result.coder == "llm"
+    assert result.model == fake.model
     assert result.attempts == 2 and result.code == SOFTMAX_FIXED
 
     first, second = record.progress.candidates

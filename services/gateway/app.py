@@ -4,7 +4,8 @@ Routes keep the names of the HTTP AIKG service it replaces (docs/compatibility.m
 ``AIKGClient``): ``POST /api/v1/jobs/submit``, ``GET /api/v1/jobs/{job_id}/status``,
 ``GET /api/v1/workers/status``; and add what it lacked: ``GET /api/v1/jobs`` (list),
 ``POST /api/v1/jobs/{job_id}/cancel``, ``GET /api/v1/jobs/{job_id}/events`` (SSE),
-``GET /api/v1/jobs/{job_id}/kernel``. A submission is validated (msgspec schema,
+``GET /api/v1/jobs/{job_id}/kernel``, ``GET /api/v1/kernels`` (every job's kernel with its
+verdict and provenance, by cursor: services/gateway/kernels.py). A submission is validated (msgspec schema,
 static task check, a live worker for its backend/arch), written to the ``jobs``
 bucket and published on ``jobs.submit`` with the job id as ``Nats-Msg-Id``; the
 generator does the rest. The gateway holds no state of its own, so any number of
@@ -82,6 +83,7 @@ from services.common.jobs import (
 from services.common.queue_metrics import run_queue_metrics
 from services.common.settings import Settings
 from services.gateway import events as job_events
+from services.gateway.kernels import kernels_list
 from services.gateway.views import (
     JOB_ID_RE,
     JobPage,
@@ -581,7 +583,8 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
 
     return Litestar(
         route_handlers=[submit_job, jobs_list, job_status, job_cancel, job_kernel,
-                        job_events_stream, workers_status, healthz, readyz, metrics],
+                        job_events_stream, workers_status, kernels_list, healthz, readyz,
+                        metrics],
         lifespan=[lifespan],
         guards=[_auth_guard(settings.api_token)] if settings.api_token else [],
         exception_handlers={Exception: _error_response},

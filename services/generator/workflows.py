@@ -109,6 +109,7 @@ def _result(attempt: Attempt, attempts: int) -> JobResult:
         verdict=verdict,
         candidate_id=verdict.candidate_id,
         coder=attempt.candidate.coder,
+        model=attempt.candidate.meta.get("model"),
         attempts=attempts,
         speedup=verdict.speedup,
     )

@@ -5,7 +5,9 @@
 backend=..., arch=..., dsl=..., framework=..., workflow=...)`` returns a job id and
 ``wait_for_completion(job_id, timeout=1800)`` the final status dict (``status["status"]``,
 ``status.get("result")``). It adds ``list_jobs``, ``cancel_job``, ``stream_events``
-(Server-Sent Events), ``get_kernel`` and bearer-token auth.
+(Server-Sent Events), ``get_kernel``, ``list_kernels`` / ``iter_kernel_pages`` (every
+job's kernel with its verdict and provenance, by cursor; ``aikg export`` writes them to
+files with :mod:`services.sdk.export`) and bearer-token auth.
 
 Errors: :class:`AIKGHTTPError` when the gateway refuses a request (its ``status_code``
 and ``detail`` say why), :class:`AIKGConnectionError` when it cannot be reached.
@@ -74,6 +76,16 @@ def _raise_for(response: httpx.Response) -> httpx.Response:
     detail = body.get("detail") if isinstance(body, dict) else None
     raise AIKGHTTPError(response.status_code,
                         str(detail or response.text.strip() or response.reason_phrase), body)
+
+
+def _kernel_params(passed: bool | None, op_name: str | None, backend: str | None,
+                   arch: str | None, cursor: str | None, limit: int) -> dict[str, Any]:
+    params: dict[str, Any] = {"limit": limit}
+    if passed is not None:
+        params["passed"] = "true" if passed else "false"
+    params.update({k: v for k, v in (("op_name", op_name), ("backend", backend),
+                                     ("arch", arch), ("cursor", cursor)) if v is not None})
+    return params
 
 
 def _path(job_id: str, suffix: str = "") -> str:
@@ -240,6 +252,36 @@ class AIKGClient:
         load, leases, ...}]}``."""
         return self._request("GET", "/api/v1/workers/status").json()
 
+    def list_kernels(self, passed: bool | None = None, op_name: str | None = None,
+                     backend: str | None = None, arch: str | None = None,
+                     cursor: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """One page of kernels (``GET /api/v1/kernels``): ``{"kernels": [KernelRow
+        dicts], "next_cursor": str, "more": bool}``, ordered by the job's end time.
+
+        Args:
+            passed: only kernels that passed (True) or failed (False); None: both.
+            cursor: the ``next_cursor`` of an earlier page (None: from the first).
+            limit: rows per page, 1 to 500.
+
+        Raises:
+            AIKGHTTPError: 400 for a cursor the gateway did not send or a bad limit.
+        """
+        return self._request("GET", "/api/v1/kernels", params=_kernel_params(
+            passed, op_name, backend, arch, cursor, limit)).json()
+
+    def iter_kernel_pages(self, passed: bool | None = None, op_name: str | None = None,
+                          backend: str | None = None, arch: str | None = None,
+                          cursor: str | None = None, limit: int = 100
+                          ) -> Iterator[dict[str, Any]]:
+        """:meth:`list_kernels` page after page, following ``next_cursor`` until a page
+        says no ``more``; the last page's ``next_cursor`` resumes later."""
+        while True:
+            page = self.list_kernels(passed, op_name, backend, arch, cursor, limit)
+            yield page
+            cursor = page.get("next_cursor") or cursor
+            if not page.get("more"):
+                return
+
     def stream_events(self, job_id: str, last_event_id: int | None = None
                       ) -> Iterator[dict[str, Any]]:
         """The job's events (JobEvent dicts) from its first one, then live; the iterator
@@ -361,6 +403,13 @@ class AsyncAIKGClient:
     async def get_workers_status(self) -> dict[str, Any]:
         """See :meth:`AIKGClient.get_workers_status`."""
         return (await self._request("GET", "/api/v1/workers/status")).json()
+
+    async def list_kernels(self, passed: bool | None = None, op_name: str | None = None,
+                           backend: str | None = None, arch: str | None = None,
+                           cursor: str | None = None, limit: int = 100) -> dict[str, Any]:
+        """See :meth:`AIKGClient.list_kernels`."""
+        return (await self._request("GET", "/api/v1/kernels", params=_kernel_params(
+            passed, op_name, backend, arch, cursor, limit))).json()
 
     async def stream_events(self, job_id: str, last_event_id: int | None = None
                             ) -> AsyncIterator[dict[str, Any]]:

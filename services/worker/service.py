@@ -330,6 +330,7 @@ class Worker:
         psub = pull = beat = service = None
         try:
             await asyncio.to_thread(self.verifier.start)
+            await self._open_shared_cache()
             DEVICES.labels(**self.labels).set(len(self.devices))
             subject = subjects.verify(self.backend, self.arch)
             psub = await self._bind_consumer()
@@ -359,9 +360,25 @@ class Worker:
             if psub is not None:
                 with contextlib.suppress(Exception):
                     await psub.unsubscribe()
+            self.verifier.shared_cache = None
             await asyncio.to_thread(self.verifier.close)
             DEVICES.labels(**self.labels).set(0)
             self.log.info("worker_stopped")
+
+    async def _open_shared_cache(self) -> None:
+        """Give the verifier the reference outputs and baselines every worker shares
+        (:mod:`services.worker.cache`); without them (turned off, or JetStream refused)
+        it keeps to its own process's cache."""
+        from services.worker.cache import SharedCache
+
+        try:
+            cache = await SharedCache.open(self.bus.js, self.settings, worker_id=self.worker_id)
+        except Exception as exc:  # noqa: BLE001 - verifying works without the shared tier
+            self.log.warning("shared_cache_unavailable", error=str(exc) or type(exc).__name__,
+                             hint="reference outputs and baselines stay in this worker")
+            return
+        self.verifier.shared_cache = cache
+        self.log.info("shared_cache", enabled=cache is not None)
 
     async def _serve(self, pull: CapacityPull, stop: asyncio.Event) -> None:
         """Fetch as many requests as there are free devices, until stopped or drained."""

@@ -6,8 +6,11 @@
 1. Static checks of the candidate's source (:mod:`services.worker.static_check`);
    a syntax error is stage ``compile``, any other finding stage ``static``.
 2. Reference outputs, from a sandboxed child that runs only the task's ``Model``,
-   cached per (task source sha256, seed, shape_overrides). Before allocating, that
-   child measures the task's inputs on fake tensors; inputs above
+   cached per (task source sha256, seed, shape_overrides) in this process and, when
+   :attr:`Verifier.shared_cache` is set, in the JetStream buckets every worker shares
+   (:mod:`services.worker.cache`; keys add backend, arch and library versions).
+   ``VerifyResult.reference_source`` says where they came from. Before allocating,
+   that child measures the task's inputs on fake tensors; inputs above
    ``memory_limit_bytes`` fail as ``infrastructure`` with a shape_overrides hint.
 3. The candidate, in its own sandboxed child, for ``request.trials`` seeds
    (``1000 + i``): for each seed ``torch.manual_seed(seed)`` before
@@ -18,8 +21,11 @@
    before/after, against the reference's) and that outputs do not share memory with
    inputs or each other.
 4. ``mode="profile"`` on a GPU backend: the candidate child times ``ModelNew`` and a
-   reference child times ``Model`` (cached per task, arch and shapes) on the same
-   device: warm-up, L2 flush, device events, median of repeats. A child's reported
+   reference child times ``Model`` (cached per task, arch and shapes, in this process
+   and in the shared ``baselines`` bucket, whose key adds the torch, CUDA runtime
+   and driver versions; ``VerifyResult.baseline_source`` / ``baseline_age_s`` say
+   which and how old) on the same device: warm-up, L2 flush, device events, median
+   of repeats. A child's reported
    total time must fit in the wall time this process observed. On ``cpu`` Triton
    runs in its interpreter: the result says ``interpreted=True`` and carries no
    timings.
@@ -53,6 +59,7 @@ the worker keeps its own user when that fails).
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import json
 import math
@@ -68,8 +75,20 @@ import msgspec
 import structlog
 import torch
 
-from schemas.events import VerifyRequest, VerifyResult
+from schemas.events import VerifyRequest, VerifyResult, utcnow
 from services.worker import _child, wire
+from services.worker.cache import (
+    CACHE_FORMAT,
+    CACHE_LOOKUPS,
+    Baseline,
+    MalformedEntry,
+    ReferenceHeader,
+    SharedCache,
+    TensorEntry,
+    Versions,
+    baseline_key,
+    reference_key,
+)
 from services.worker.correctness import (
     check_meta,
     compare_outputs,
@@ -160,6 +179,16 @@ class _Reference:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.outputs)
+
+
+@dataclass
+class _BaseTime:
+    """An eager baseline as this process holds it: median time (us), when it was
+    measured (UTC), and where this process got it (``measured`` here or ``shared``)."""
+
+    median_us: float
+    measured_at: dt.datetime
+    origin: str
 
 
 @dataclass
@@ -287,6 +316,10 @@ class Verifier:
             cores); None (GPU default) leaves torch's setting alone.
 
     Attributes:
+        shared_cache: the reference outputs and baselines every worker shares
+            (:class:`~services.worker.cache.SharedCache`), consulted after this
+            process's own cache and filled after each reference run; None (the
+            default, and local mode) keeps to this process.
         reference_runs: reference children spawned so far (cache misses).
         candidate_runs: candidate children spawned so far.
         network_isolated: whether children run in a private network namespace
@@ -322,7 +355,11 @@ class Verifier:
         self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
         self._input_bytes: dict[tuple[str, str], int] = {}
         self._size_names: dict[tuple[str, str], dict[str, int]] = {}
-        self._base_times: dict[tuple[str, str, str], float] = {}
+        self._base_times: dict[tuple[str, str, str], _BaseTime] = {}
+        # The JetStream tier shared by every worker (set by the worker service); None:
+        # this process's caches only.
+        self.shared_cache: SharedCache | None = None
+        self.versions = Versions.detect(backend)
         self._reference_locks: weakref.WeakValueDictionary[Any, asyncio.Lock] = (
             weakref.WeakValueDictionary())
 
@@ -363,6 +400,14 @@ class Verifier:
         self.sandbox.start()
         log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
                  sandbox=self.sandbox.isolation.summary(), notes=self.sandbox_notes)
+
+    def clear_caches(self) -> None:
+        """Forget this process's reference outputs, input sizes and baselines (what a
+        fresh worker process starts with); the shared tier keeps its entries."""
+        self._references = _LRU(REFERENCE_CACHE_ENTRIES, REFERENCE_CACHE_BYTES)
+        self._input_bytes.clear()
+        self._size_names.clear()
+        self._base_times.clear()
 
     def close(self) -> None:
         """Stop the fork server (it kills every running child's process group) and
@@ -418,8 +463,9 @@ class Verifier:
         """
         started = time.monotonic()
         clock = PhaseClock()
+        provenance: dict[str, Any] = {}
         try:
-            fields = await self._verify(request, device, clock)
+            fields = await self._verify(request, device, clock, provenance)
         except _Verdict as verdict:
             fields = verdict.fields
         except Exception as exc:
@@ -431,14 +477,15 @@ class Verifier:
             request_id=request.request_id, job_id=request.job_id,
             candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
             interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
-            phases={k: round(v, 6) for k, v in clock.spans.items()}, **fields)
+            phases={k: round(v, 6) for k, v in clock.spans.items()},
+            **{**provenance, **fields})
         log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
                  candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
                  duration_s=round(result.duration_s, 3))
         return result
 
-    async def _verify(self, request: VerifyRequest, device: str,
-                      clock: PhaseClock) -> dict[str, Any]:
+    async def _verify(self, request: VerifyRequest, device: str, clock: PhaseClock,
+                      provenance: dict[str, Any]) -> dict[str, Any]:
         if request.backend != self.backend:
             raise _Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
                            f"request is for {request.backend}")
@@ -463,7 +510,7 @@ class Verifier:
         overrides = json.dumps(request.shape_overrides, sort_keys=True)
         profile = request.mode == "profile" and self.backend != "cpu"
         references = await self._references_for(request, device, seeds, task_sha, overrides,
-                                                profile, clock=clock)
+                                                profile, clock=clock, provenance=provenance)
         total, empty = compared_elements(references[0].outputs)
         if total == 0:
             raise _Verdict("infrastructure", f"nothing to compare: the reference {empty or 'returned no outputs'} "
@@ -525,8 +572,9 @@ class Verifier:
                 raise _Verdict("audit", f"{impossible}; the kernel skips work or games the "
                                "timer", gen_time_us=fields["gen_time_us"],
                                trials=fields["trials"], log=fields.get("log", ""))
-            fields.update(speedup_fields(self._base_times[(task_sha, request.arch, overrides)],
-                                         fields["gen_time_us"], self.speedup_flag_bound))
+            fields.update(speedup_fields(
+                self._base_times[(task_sha, request.arch, overrides)].median_us,
+                fields["gen_time_us"], self.speedup_flag_bound))
             if fields["error"]:
                 fields["log"] = _join_log(fields.get("log", ""), fields["error"],
                                           limit=self.output_limit_bytes)
@@ -638,7 +686,18 @@ class Verifier:
     async def _references_for(self, request: VerifyRequest, device: str, seeds: list[int],
                               task_sha: str, overrides: str, profile: bool,
                               input_limit: int | None = None,
-                              clock: PhaseClock | None = None) -> list[_Reference]:
+                              clock: PhaseClock | None = None,
+                              provenance: dict[str, Any] | None = None) -> list[_Reference]:
+        """The reference runs of ``seeds`` (and, with ``profile``, the eager baseline):
+        from this process's cache, else the shared cache, else a reference child.
+
+        Each lookup is counted in ``aikg_worker_cache_lookups_total``; ``provenance``
+        (the main lookup's) gets ``reference_source`` and, when profiling,
+        ``baseline_source`` / ``baseline_age_s`` for the result.
+
+        Raises:
+            _Verdict: the reference child failed (``infrastructure``).
+        """
         lock_key = (task_sha, overrides)
         lock = self._reference_locks.get(lock_key)
         if lock is None:
@@ -647,8 +706,26 @@ class Verifier:
         async with lock:
             found = {s: self._references.get((task_sha, s, overrides)) for s in seeds}
             missing = [s for s, ref in found.items() if ref is None]
+            shared_hit = False
+            if missing and self.shared_cache is not None:
+                for seed in missing:
+                    ref = await self._shared_reference(request, task_sha, overrides, seed)
+                    if ref is not None:
+                        found[seed] = ref
+                        self._references.put((task_sha, seed, overrides), ref)
+                        shared_hit = True
+                missing = [s for s, ref in found.items() if ref is None]
             timing_key = (task_sha, request.arch, overrides)
+            baseline_origin = "worker_cache"
             need_timing = profile and timing_key not in self._base_times
+            if need_timing and self.shared_cache is not None:
+                baseline = await self.shared_cache.get_baseline(
+                    self._baseline_key(request, task_sha, overrides))
+                if baseline is not None:
+                    self._base_times[timing_key] = _BaseTime(
+                        baseline.median_us, baseline.measured_at, "shared")
+                    baseline_origin = "shared_cache"
+                    need_timing = False
             if missing or need_timing:
                 fresh = await self._run_reference(request, device, missing or seeds[-1:],
                                                   bool(missing), need_timing, timing_key,
@@ -656,9 +733,95 @@ class Verifier:
                 for ref in fresh:
                     found[ref.seed] = ref
                     self._references.put((task_sha, ref.seed, overrides), ref)
+                if need_timing:
+                    baseline_origin = "measured"
+                await self._share(request, task_sha, overrides, fresh,
+                                  timing_key if need_timing else None)
             if clock is not None:
                 clock.lap("reference" if missing or need_timing else "reference_cache")
+            labels = {"backend": self.backend, "arch": request.arch}
+            reference_origin = ("run" if missing else
+                                "shared_cache" if shared_hit else "worker_cache")
+            CACHE_LOOKUPS.labels(**labels, kind="reference", result={
+                "run": "miss", "shared_cache": "shared", "worker_cache": "worker"}[
+                    reference_origin]).inc()
+            if profile:
+                CACHE_LOOKUPS.labels(**labels, kind="baseline", result={
+                    "measured": "miss", "shared_cache": "shared", "worker_cache": "worker"}[
+                        baseline_origin]).inc()
+            if provenance is not None:
+                provenance["reference_source"] = reference_origin
+                if profile:
+                    base = self._base_times[timing_key]
+                    provenance["baseline_source"] = baseline_origin
+                    provenance["baseline_age_s"] = round(
+                        max(0.0, (utcnow() - base.measured_at).total_seconds()), 3)
             return [found[s] for s in seeds]
+
+    def _reference_key(self, request: VerifyRequest, task_sha: str, overrides: str,
+                       seed: int) -> str:
+        return reference_key(task_sha256=task_sha, shapes=overrides, seed=seed,
+                             backend=self.backend, arch=request.arch, versions=self.versions)
+
+    def _baseline_key(self, request: VerifyRequest, task_sha: str, overrides: str) -> str:
+        return baseline_key(task_sha256=task_sha, shapes=overrides, backend=self.backend,
+                            arch=request.arch, versions=self.versions)
+
+    async def _shared_reference(self, request: VerifyRequest, task_sha: str, overrides: str,
+                                seed: int) -> _Reference | None:
+        """One seed's reference run from the shared cache, checked as a child's frames
+        are (:func:`_decode_tensor`), or None. Also restores the task's input size and
+        size names at these shapes, which the reference child would have sent."""
+        assert self.shared_cache is not None
+        key = self._reference_key(request, task_sha, overrides, seed)
+        stored = await self.shared_cache.get_reference(key)
+        if stored is None:
+            return None
+        header, parts = stored
+        try:
+            if header.seed != seed:
+                raise MalformedEntry(f"seed {header.seed} stored under seed {seed}")
+            outputs = [_decode_tensor(wire.TensorMeta(t.dtype, t.shape, t.nbytes), data)
+                       for t, data in zip(header.outputs, parts, strict=True)]
+        except (MalformedEntry, ProtocolError, ValueError) as exc:
+            self.shared_cache._failed("reference", "decode", key, exc)
+            return None
+        self._input_bytes.setdefault((task_sha, overrides), header.input_bytes)
+        self._size_names.setdefault((task_sha, overrides), dict(header.size_names))
+        return _Reference(seed, outputs, list(header.inputs_before),
+                          list(header.inputs_after), list(header.aliasing))
+
+    async def _share(self, request: VerifyRequest, task_sha: str, overrides: str,
+                     fresh: list[_Reference],
+                     timing_key: tuple[str, str, str] | None) -> None:
+        """Put what a reference child just produced into the shared cache: its runs
+        (each seed's outputs) and, when ``timing_key`` is given, its baseline."""
+        cache = self.shared_cache
+        if cache is None:
+            return
+        for ref in fresh:
+            header = ReferenceHeader(
+                format=CACHE_FORMAT, key=self._reference_key(request, task_sha, overrides,
+                                                             ref.seed),
+                seed=ref.seed, outputs=[
+                    TensorEntry(wire.dtype_name(t.dtype), list(t.shape),
+                                t.numel() * t.element_size()) for t in ref.outputs],
+                inputs_before=ref.inputs_before, inputs_after=ref.inputs_after,
+                aliasing=ref.aliasing,
+                input_bytes=self._input_bytes.get((task_sha, overrides), 0),
+                size_names=self._size_names.get((task_sha, overrides), {}))
+            # Outputs are contiguous CPU tensors (decoded from the child's frames).
+            await cache.put_reference(header, [
+                t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+                if t.numel() else b"" for t in ref.outputs])
+        if timing_key is not None and timing_key in self._base_times:
+            base = self._base_times[timing_key]
+            await cache.put_baseline(Baseline(
+                format=CACHE_FORMAT, key=self._baseline_key(request, task_sha, overrides),
+                median_us=base.median_us, measured_at=base.measured_at, task_sha256=task_sha,
+                shapes=overrides, backend=self.backend, arch=request.arch,
+                versions={"torch": self.versions.torch, "cuda": self.versions.cuda,
+                          "driver": self.versions.driver}))
 
     async def _run_reference(self, request: VerifyRequest, device: str, seeds: list[int],
                              want_outputs: bool, need_timing: bool,
@@ -708,7 +871,8 @@ class Verifier:
                     elif isinstance(frame, wire.Timing):
                         self._check_timing(frame, profiling_at, "the reference Model",
                                            repeats=spec.repeats)
-                        self._base_times[timing_key] = frame.median_us
+                        self._base_times[timing_key] = _BaseTime(frame.median_us, utcnow(),
+                                                                 "measured")
                     elif isinstance(frame, wire.Failure):
                         raise _Verdict("infrastructure", f"reference run: {frame.message}",
                                        log=_join_log(run.output(self.output_limit_bytes),

@@ -1,0 +1,78 @@
+"""``aikg export``: the verified kernels, with their tasks, verdicts, timings and
+provenance, as JSON Lines or Parquet (wired into :mod:`services.cli`).
+
+The rows come from the gateway (``GET /api/v1/kernels``, through
+:class:`~services.sdk.client.AIKGClient`); the file writing is
+:func:`services.sdk.export.export_kernels`. Exit codes as the other client commands:
+0 written (also when no kernel matched), 2 bad input or a refused request, 3 the
+gateway is unreachable or answered 5xx.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+err = Console(stderr=True, highlight=False)
+
+
+def _fail(code: int, message: str) -> None:
+    err.print(message, markup=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def export(
+    out: Annotated[Path, typer.Argument(
+        help="File to write: NAME.jsonl (JSON Lines) or NAME.parquet (Parquet).",
+        dir_okay=False)],
+    passed: Annotated[bool, typer.Option(
+        "--passed/--all", help="Only kernels that passed verification (default), or "
+        "every job's final kernel.")] = True,
+    op_name: Annotated[str | None, typer.Option(help="Only kernels of this operator.")] = None,
+    backend: Annotated[str | None, typer.Option(help="Only kernels verified on this "
+                                                "backend.")] = None,
+    arch: Annotated[str | None, typer.Option(help="Only kernels verified on this arch.")] = None,
+    cursor: Annotated[str | None, typer.Option(
+        help="Start after this cursor (printed by an earlier export); writes a fresh file.")
+    ] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Add the kernels of jobs that ended since the last export to "
+        "OUT, from the cursor kept in OUT.cursor.")] = False,
+    page_size: Annotated[int, typer.Option(min=1, max=500, help="Rows per request.")] = 200,
+    gateway_url: Annotated[str, typer.Option(
+        "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")
+    ] = "http://127.0.0.1:8000",
+    token: Annotated[str | None, typer.Option(
+        "--token", envvar="AIKG_API_TOKEN", show_default=False,
+        help="Bearer token, when the gateway has AIKG_API_TOKEN set.")] = None,
+) -> None:
+    """Write the verified kernels with their tasks, verdicts, timings, arch and
+    provenance (job, candidate, coder, model, worker) to OUT, one row per job.
+
+    The cursor after the last row is kept in OUT.cursor and printed; `--resume` adds
+    what ended since. Exit codes: 0 written, 2 bad input or refused, 3 unreachable.
+    """
+    from services.sdk.client import AIKGClient, AIKGConnectionError, AIKGHTTPError
+    from services.sdk.export import export_kernels
+
+    try:
+        with AIKGClient(gateway_url, token=token or "") as client:
+            summary = export_kernels(client, out, passed=True if passed else None,
+                                     op_name=op_name, backend=backend, arch=arch,
+                                     cursor=cursor, resume=resume, page_size=page_size)
+    except ValueError as exc:
+        _fail(2, str(exc))
+    except OSError as exc:
+        _fail(2, f"cannot write {out}: {exc.strerror or exc}")
+    except AIKGConnectionError as exc:
+        _fail(3, f"{exc}; rows written so far stay in {out}, resume with --resume")
+    except AIKGHTTPError as exc:
+        _fail(3 if exc.status_code >= 500 else 2, f"gateway refused ({exc.status_code}): "
+              f"{exc.detail}")
+    err.print(f"{summary.rows} kernel(s) written to {summary.path} ({summary.format}); "
+              f"resume with `aikg export {out} --resume` or --cursor {summary.cursor}",
+              markup=False, soft_wrap=True)
+    print(summary.cursor or "")
