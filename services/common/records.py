@@ -11,6 +11,7 @@ workers. The NATS side (the checked job store, events, cancel) is
 from __future__ import annotations
 
 import ast
+import hashlib
 
 import msgspec
 
@@ -128,3 +129,28 @@ def pick_arch(workers: list[WorkerInfo], backend: str, arch: str | None) -> str 
 def describe_pairs(workers: list[WorkerInfo]) -> list[str]:
     """Sorted ``backend/arch`` pairs with a live worker, for error messages."""
     return sorted({f"{w.backend}/{w.arch}" for w in workers})
+
+
+def attempt_ids(job_id: str, attempt: int) -> tuple[str, str]:
+    """Deterministic ``(candidate_id, request_id)`` of a job's attempt.
+
+    ``<job_id>-c<n>`` / ``<job_id>-a<n>``; a job id too long for a 64-character
+    subject token is shortened with a hash of it, still deterministic.
+    """
+    base = job_id
+    if len(job_id) + 6 > 64:
+        base = f"{job_id[:40]}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
+    return f"{base}-c{attempt}", f"{base}-a{attempt}"
+
+
+def request_id_of(candidate_id: str) -> str:
+    """The request id :func:`attempt_ids` pairs with ``candidate_id``
+    (``<base>-c<n>`` -> ``<base>-a<n>``).
+
+    Raises:
+        ValueError: ``candidate_id`` is not one :func:`attempt_ids` makes.
+    """
+    base, sep, number = candidate_id.rpartition("-c")
+    if not sep or not number.isdigit():
+        raise ValueError(f"{candidate_id!r} is not an attempt's candidate id (<job>-c<n>)")
+    return f"{base}-a{number}"

@@ -9,7 +9,6 @@ Store after each verified candidate, and the job record's evolve summary.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 import msgspec
@@ -21,12 +20,11 @@ from schemas import (
     JobEvent,
     JobRecord,
     JobResult,
-    VerifyRequest,
     VerifyResult,
-    encode,
     subjects,
 )
 from services.common.jobs import live_workers, publish_event
+from services.common.records import request_id_of
 from services.generator.coders.base import Candidate
 from services.generator.evolve import BuiltinMutator, EvolveSearch, EvolveState, LLMMutator
 from services.generator.workflows import WorkflowError
@@ -114,29 +112,16 @@ class EvolveJob:
                       "islands": [len(i) for i in summary.islands]}))
 
     async def verify(self, candidate: Candidate, candidate_id: str) -> VerifyResult:
-        submit = self.submit
-        request_id = candidate_id.rsplit("-c", 1)[0] + "-a" + candidate_id.rsplit("-c", 1)[1]
-        request = VerifyRequest(
-            request_id=request_id, job_id=self.job_id, candidate_id=candidate_id,
-            op_name=submit.op_name, task_desc=submit.task_desc, code=candidate.code,
-            dsl=submit.dsl, framework=submit.framework, backend=submit.backend,
-            arch=self.record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
-            shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
-            trials=submit.trials)
-        future = self.run.waiter.expect(request_id)
-        ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
-                                        encode(request), headers={"Nats-Msg-Id": request_id})
-        await publish_event(self.bus, JobEvent(
-            job_id=self.job_id, event="verify_started", status="running",
-            candidate_id=candidate_id, request_id=request_id,
-            data={"duplicate": bool(ack.duplicate)}))
-        timeout = self.run.gen.settings.verify_result_timeout_s
-        try:
-            result = await asyncio.wait_for(future, timeout)
-        except TimeoutError as exc:
-            raise WorkflowError(
-                f"no verdict for candidate {candidate_id} within {timeout:.0f} s: is a worker "
-                f"for {submit.backend}/{self.record.arch} running?") from exc
+        """Send ``candidate``'s verify request and return its verdict (see
+        :meth:`JobRun.send_request`); its request id is the one
+        :func:`services.common.records.attempt_ids` pairs with ``candidate_id``.
+
+        Raises:
+            WorkflowError: no verdict within ``verify_result_timeout_s``.
+        """
+        request_id = request_id_of(candidate_id)
+        await self.run.send_request(candidate_id, request_id, candidate.code)
+        result = await self.run.await_verdict(candidate_id, request_id)
         await publish_event(self.bus, JobEvent(
             job_id=self.job_id, event="verify_result", status="running",
             candidate_id=candidate_id, request_id=request_id, verdict=result))

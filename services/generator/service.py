@@ -42,10 +42,12 @@ import hashlib
 import os
 import time
 from collections.abc import Awaitable
+from typing import Any
 
 import msgspec
 import structlog
 from nats.aio.msg import Msg
+from nats.js.api import PubAck
 from prometheus_client import Counter, Histogram
 
 from schemas import (
@@ -83,6 +85,7 @@ from services.common.jobs import (
     publish_event,
 )
 from services.common.metrics import start_metrics_server
+from services.common.records import attempt_ids
 from services.common.runtime import install_signal_handlers
 from services.common.settings import Settings
 from services.common.verdicts import VerdictWaiter
@@ -521,18 +524,6 @@ def job_phases(record: JobRecord, measured: dict[str, float]) -> dict[str, float
     return {k: round(v, 6) for k, v in out.items()}
 
 
-def attempt_ids(job_id: str, attempt: int) -> tuple[str, str]:
-    """Deterministic ``(candidate_id, request_id)`` of a job's attempt.
-
-    ``<job_id>-c<n>`` / ``<job_id>-a<n>``; a job id too long for a 64-character
-    subject token is shortened with a hash of it, still deterministic.
-    """
-    base = job_id
-    if len(job_id) + 6 > 64:
-        base = f"{job_id[:40]}-{hashlib.sha256(job_id.encode()).hexdigest()[:12]}"
-    return f"{base}-c{attempt}", f"{base}-a{attempt}"
-
-
 def code_sha256(code: str) -> str:
     return hashlib.sha256(code.encode()).hexdigest()
 
@@ -554,6 +545,7 @@ class JobRun:
         self.phases: dict[str, float] = {} if phases is None else phases
         self.bus = generator.bus
         self.jobs = generator.jobs
+        self.settings = generator.settings
         self.record = record
         self.job_id = record.job_id
         self.submit = record.request
@@ -654,41 +646,16 @@ class JobRun:
         if entry.code is None:
             raise WorkflowError(f"attempt {entry.attempt}'s code is not in the job record; "
                                 "resubmit the job")
-        submit = self.submit
-        arch = self.record.arch or ""
-        future = self.waiter.expect(entry.request_id)
-        waiting = time.monotonic()
         bound = log.bind(candidate_id=entry.candidate_id, request_id=entry.request_id,
                          attempt=entry.attempt)
         if entry.verify_seq is None:
-            request = VerifyRequest(
-                request_id=entry.request_id, job_id=self.job_id, candidate_id=entry.candidate_id,
-                op_name=submit.op_name, task_desc=submit.task_desc, code=entry.code,
-                dsl=submit.dsl, framework=submit.framework, backend=submit.backend, arch=arch,
-                mode="verify" if submit.backend == "cpu" else "profile",
-                shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
-                trials=submit.trials,
-            )
-            ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
-                                            encode(request),
-                                            headers={"Nats-Msg-Id": request.request_id})
+            ack = await self.send_request(entry.candidate_id, entry.request_id, entry.code,
+                                          data={"attempt": entry.attempt})
             await self._update_entry(entry.attempt, verify_seq=ack.seq)
-            await publish_event(self.bus, JobEvent(
-                job_id=self.job_id, event="verify_started", status="running",
-                candidate_id=entry.candidate_id, request_id=entry.request_id,
-                data={"attempt": entry.attempt, "duplicate": bool(ack.duplicate)}))
             bound.info("verify_requested", seq=ack.seq, duplicate=bool(ack.duplicate))
         else:
             bound.info("verify_reawaited", seq=entry.verify_seq)
-        timeout = self.gen.settings.verify_result_timeout_s
-        try:
-            result = await asyncio.wait_for(future, timeout)
-        except TimeoutError as exc:
-            raise WorkflowError(
-                f"no verdict for candidate {entry.candidate_id} within {timeout:.0f} s: is a "
-                f"worker for {submit.backend}/{arch} running?") from exc
-        finally:
-            add_phase(self.phases, "verify_wait", time.monotonic() - waiting)
+        result = await self.await_verdict(entry.candidate_id, entry.request_id)
         current = await self._update_entry(entry.attempt, verdict=result)
         await publish_event(self.bus, JobEvent(
             job_id=self.job_id, event="verify_result", status=current.status,
@@ -697,6 +664,55 @@ class JobRun:
         if current.status in TERMINAL_STATUSES:
             raise JobCancelled(self.job_id)
         return result
+
+    async def send_request(self, candidate_id: str, request_id: str, code: str, *,
+                           data: dict[str, Any] | None = None) -> PubAck:
+        """Publish ``code``'s verify request on ``verify.<backend>.<arch>`` with
+        ``request_id`` as its ``Nats-Msg-Id`` (a resend inside the stream's duplicate
+        window is dropped by the stream) and report ``verify_started``.
+
+        The verdict is awaited with :meth:`await_verdict`; a waiter on
+        ``results.<job_id>`` exists from the run's start, so a verdict that comes
+        before the await is kept.
+
+        Returns:
+            The stream's acknowledgement (``seq``, ``duplicate``).
+        """
+        submit = self.submit
+        request = VerifyRequest(
+            request_id=request_id, job_id=self.job_id, candidate_id=candidate_id,
+            op_name=submit.op_name, task_desc=submit.task_desc, code=code,
+            dsl=submit.dsl, framework=submit.framework, backend=submit.backend,
+            arch=self.record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
+            shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
+            trials=submit.trials,
+        )
+        self.waiter.expect(request_id)
+        ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
+                                        encode(request), headers={"Nats-Msg-Id": request_id})
+        await publish_event(self.bus, JobEvent(
+            job_id=self.job_id, event="verify_started", status="running",
+            candidate_id=candidate_id, request_id=request_id,
+            data={**(data or {}), "duplicate": bool(ack.duplicate)}))
+        return ack
+
+    async def await_verdict(self, candidate_id: str, request_id: str) -> VerifyResult:
+        """The verdict of ``request_id`` (sent now or before a restart), its wait added
+        to the job's ``verify_wait`` phase.
+
+        Raises:
+            WorkflowError: no verdict within ``verify_result_timeout_s``.
+        """
+        waiting = time.monotonic()
+        timeout = self.settings.verify_result_timeout_s
+        try:
+            return await self.waiter.wait(request_id, timeout)
+        except TimeoutError as exc:
+            raise WorkflowError(
+                f"no verdict for candidate {candidate_id} within {timeout:.0f} s: is a "
+                f"worker for {self.submit.backend}/{self.record.arch} running?") from exc
+        finally:
+            add_phase(self.phases, "verify_wait", time.monotonic() - waiting)
 
     async def _record_candidate(self, attempt: Attempt) -> CandidateRecord:
         candidate = attempt.candidate
