@@ -19,6 +19,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -182,6 +183,21 @@ async def read_all(bus: Bus, subject: str) -> list[bytes]:
     return out
 
 
+def await_chain(task: asyncio.Task) -> str:
+    """``file:function:line`` of each coroutine ``task`` is suspended in, outermost first."""
+    parts = []
+    coro: Any = task.get_coro()
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:
+            parts.append(type(coro).__name__)
+            break
+        parts.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}:"
+                     f"{frame.f_lineno}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " -> ".join(parts)
+
+
 async def explain(bus: Bus, job_ids: list[str]) -> str:
     """What the bus holds about ``job_ids``: record, events, verify requests, verdicts
     and the consumers' state, so that a lost job's failure says where it stopped."""
@@ -205,10 +221,7 @@ async def explain(bus: Bus, job_ids: list[str]) -> str:
             lines.append(f"stream {name}: {info.state} leader={info.cluster and info.cluster.leader}")
     # Where each of this loop's tasks waits (a stuck job's coroutine shows its await).
     for task in asyncio.all_tasks():
-        frames = task.get_stack(limit=12)
-        if frames:
-            where = " <- ".join(f"{f.f_code.co_name}:{f.f_lineno}" for f in reversed(frames))
-            lines.append(f"task {task.get_name()}: {where}")
+        lines.append(f"task {task.get_name()}: {await_chain(task)}")
     return "\n".join(lines)
 
 

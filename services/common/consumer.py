@@ -21,6 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger("aikg.consumer")
 
@@ -114,6 +115,4 @@ async def run_with_progress(msg: Msg, every_s: float, work: Callable[[], Awaitab
     try:
         await work()
     finally:
-        beat.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await beat
+        await cancel_and_wait(beat)

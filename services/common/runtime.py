@@ -16,3 +16,29 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
+
+
+# How often a cancellation is repeated while the task has not ended, seconds.
+_RECANCEL_S = 0.1
+
+
+async def cancel_and_wait(*tasks: asyncio.Future) -> None:
+    """Cancel ``tasks`` and wait until each has ended, cancelling again while one runs on.
+
+    A single ``cancel()`` is not enough on Python 3.11: ``asyncio.wait_for`` drops a
+    cancellation that arrives in the same loop iteration as the awaited future's
+    result (CPython gh-86296, fixed in 3.12 by rewriting ``wait_for``), and nats-py's
+    requests (KV reads and writes, JetStream publishes) await through it. A polling
+    loop whose cancel was dropped would run on, and whoever awaits it would wait
+    forever: a generator's job stuck after its verdict, a worker's lease renewer
+    holding a device. Exceptions of the tasks are swallowed (they were cancelled);
+    a cancellation of the caller propagates.
+    """
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=_RECANCEL_S)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not log it as never retrieved

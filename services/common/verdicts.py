@@ -36,6 +36,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from schemas import VerifyResult, decode, subjects
+from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger()
 
@@ -122,9 +123,7 @@ class VerdictWaiter:
     async def stop(self) -> None:
         """Unsubscribe and stop catching up; pending futures stay unresolved."""
         if self._catch_up is not None:
-            self._catch_up.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._catch_up
+            await cancel_and_wait(self._catch_up)
             self._catch_up = None
         if self._sub is not None:
             with contextlib.suppress(Exception):

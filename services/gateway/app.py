@@ -81,6 +81,7 @@ from services.common.jobs import (
     publish_event,
 )
 from services.common.queue_metrics import run_queue_metrics
+from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 from services.gateway import events as job_events
 from services.gateway.kernels import kernels_list
@@ -665,9 +666,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             await serving
     finally:
         stopping.cancel()
-        queue_metrics.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await queue_metrics
+        await cancel_and_wait(queue_metrics)
         if not serving.done():
             # Cancelled while uvicorn was still shutting down: give it its grace once
             # more, bounded, then cancel it, so a stuck request cannot keep the gateway

@@ -86,7 +86,7 @@ from services.common.jobs import (
 )
 from services.common.metrics import start_metrics_server
 from services.common.records import attempt_ids
-from services.common.runtime import install_signal_handlers
+from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
@@ -190,9 +190,7 @@ class Generator:
                     self.tasks.add(task)
                     task.add_done_callback(self.tasks.discard)
         finally:
-            for task in list(self.tasks):
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
+            await cancel_and_wait(*self.tasks)
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
             if self.llm is not None:
@@ -450,17 +448,12 @@ class Generator:
             done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if task in done:
                 return task.result()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await cancel_and_wait(task)
             if isinstance(watcher.exception(), JobRecordCorrupt):
                 raise watcher.exception()  # type: ignore[misc]
             raise JobCancelled(job_id)
         finally:
-            for t in (task, watcher):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
+            await cancel_and_wait(task, watcher)
 
     async def _finish(self, job_id: str, status: str, *, result: JobResult | None = None,
                       error: str | None = None, phases: dict[str, float] | None = None) -> None:

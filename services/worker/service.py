@@ -58,6 +58,7 @@ from services.common.consumer import (
 )
 from services.common.jobs import publish_event
 from services.common.metrics import start_metrics_server
+from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 
 log = structlog.get_logger("aikg.worker")
@@ -350,9 +351,7 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await service.stop()
             if beat is not None:
-                beat.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await beat
+                await cancel_and_wait(beat)
                 with contextlib.suppress(Exception):
                     await self.bus.workers.delete(self.worker_id)
             if pull is not None:
@@ -431,8 +430,7 @@ class Worker:
             await asyncio.wait({finished, abandoned}, return_when=asyncio.FIRST_COMPLETED)
             if not finished.done():
                 self.log.warning("worker_abandoning_in_flight", in_flight=len(self.tasks))
-                for task in tasks:
-                    task.cancel()
+                await cancel_and_wait(*tasks)
                 await finished
         finally:
             abandoned.cancel()
@@ -550,9 +548,7 @@ class Worker:
         try:
             return await self.free.get()
         finally:
-            beat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await beat
+            await cancel_and_wait(beat)
 
     async def _handle(self, msg, device: str, received: float,
                       release: Callable[[], None] | None = None) -> None:
@@ -679,9 +675,7 @@ class Worker:
         try:
             yield key
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            await cancel_and_wait(renewer)
             with contextlib.suppress(Exception):
                 await self.bus.leases.delete(key)
             LEASES.labels(**self.labels).dec()

@@ -1,0 +1,61 @@
+"""cancel_and_wait ends a task whose cancellation asyncio.wait_for dropped."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from services.common.runtime import cancel_and_wait
+
+
+async def poller(futures: list[asyncio.Future]) -> None:
+    """A polling loop like a cancel watcher: each round awaits a reply through wait_for
+    (as nats-py's requests do)."""
+    while True:
+        fut = asyncio.get_running_loop().create_future()
+        futures.append(fut)
+        await asyncio.wait_for(fut, 10)
+
+
+async def test_a_cancel_that_races_a_reply_is_repeated_until_the_task_ends() -> None:
+    futures: list[asyncio.Future] = []
+    task = asyncio.create_task(poller(futures))
+    await asyncio.sleep(0)
+    # The reply and the cancel land in the same loop iteration.
+    futures[-1].set_result("reply")
+    task.cancel()
+    await asyncio.sleep(0.05)
+    if sys.version_info < (3, 12):
+        # CPython gh-86296: 3.11's wait_for returned the reply and dropped the cancel,
+        # so the loop runs on: a plain `await task` would wait forever.
+        assert not task.done() and len(futures) == 2
+    futures[-1].set_result("another reply")
+    await asyncio.wait_for(cancel_and_wait(task), 5)
+    assert task.cancelled()
+
+
+async def test_tasks_that_end_or_fail_are_awaited_quietly() -> None:
+    async def fails() -> None:
+        raise RuntimeError("boom")
+
+    failing = asyncio.create_task(fails())
+    sleeping = asyncio.create_task(asyncio.sleep(60))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(cancel_and_wait(failing, sleeping), 5)
+    assert sleeping.cancelled() and isinstance(failing.exception(), RuntimeError)
+    await cancel_and_wait()  # nothing to do
+
+
+async def test_the_callers_own_cancellation_propagates() -> None:
+    stubborn_futures: list[asyncio.Future] = []
+    stubborn = asyncio.create_task(poller(stubborn_futures))
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(cancel_and_wait(stubborn))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    await cancel_and_wait(stubborn)
+    assert stubborn.done()
