@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,10 @@ from pathlib import Path
 
 import httpx
 
+from services.common.runtime import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 TASK = (ROOT / "tasks" / "relu.py").read_text()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def drive(client: httpx.AsyncClient, make: Callable[[int], tuple[str, str, dict]],

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,16 +35,12 @@ from pathlib import Path
 
 import httpx
 
+from services.common.runtime import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 # The last revision before the built-in coder's lowering moved into the sandbox.
 DEFAULT_BASELINE = "bea7ec8"
 POLL_S = 0.02
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def export_revision(revision: str, into: Path) -> Path:

@@ -19,10 +19,12 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
+from schemas.subjects import TOKEN_PATTERN
+
 SCHEMA_VERSION = 1
 
 # One NATS subject token: ids, backends and arches end up in subjects.
-_TOKEN_PATTERN = r"^[A-Za-z0-9_-]+$"
+_TOKEN_PATTERN = TOKEN_PATTERN
 Token = Annotated[str, Meta(pattern=_TOKEN_PATTERN, min_length=1, max_length=64)]
 JobId = Annotated[str, Meta(pattern=_TOKEN_PATTERN, min_length=1, max_length=64,
                             description="Client-chosen or generated job id; also the submit message's Nats-Msg-Id")]

@@ -40,7 +40,15 @@ OBJECT_STORE_ARTIFACTS = "artifacts"
 # Object store bucket for reference outputs shared by every worker (services/worker/cache.py).
 OBJECT_STORE_REFERENCES = "references"
 
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+# One NATS subject token as AIKG uses them (job ids, backends, arches, device names):
+# no dots (they split a subject), no spaces or wildcards (they widen it).
+TOKEN_PATTERN = r"^[A-Za-z0-9_-]+$"
+_TOKEN = re.compile(TOKEN_PATTERN)
+
+
+def is_token(value: object, max_length: int = 64) -> bool:
+    """Whether ``value`` is a str usable as one subject token, 1 to ``max_length`` characters."""
+    return isinstance(value, str) and 0 < len(value) <= max_length and bool(_TOKEN.match(value))
 
 
 def _token(kind: str, value: str) -> str:

@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -55,6 +54,7 @@ import typer
 from rich.console import Console
 
 from schemas import TERMINAL_STATUSES, JobRecord
+from services.common.runtime import free_port
 from services.common.settings import Settings, load_settings
 
 
@@ -263,13 +263,6 @@ class LocalStack:
         n = len(w.get("devices", []))
         return (f"gateway {self.gateway_url}, NATS {self.nats_url}, worker "
                 f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago (the OS picked it)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

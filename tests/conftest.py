@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from schemas import WorkerInfo, encode
 from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
 from services.common.nats_auth import BusCredentials
+from services.common.runtime import free_port
 from services.common.settings import Settings, load_settings
 from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
 
@@ -106,13 +106,6 @@ def lowering_sandbox():
     sandbox.start()
     yield sandbox
     sandbox.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free a moment ago (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 async def fake_worker_heartbeat(

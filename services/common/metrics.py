@@ -12,7 +12,6 @@ in a container it must be ``0.0.0.0`` so Prometheus can reach it
 from __future__ import annotations
 
 import os
-import socket
 
 from prometheus_client import start_http_server
 
@@ -43,10 +42,7 @@ def start_metrics_server(port: int, host: str | None = None) -> int | None:
     if port < 0:
         return None
     host = host or metrics_host()
-    if port == 0:
-        family = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-    start_http_server(port, addr=host)
-    return port
+    # Port 0 is bound by the server itself (no pick-then-bind race); it says which
+    # port the OS gave it.
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:
@@ -42,3 +43,15 @@ async def cancel_and_wait(*tasks: asyncio.Future) -> None:
     for task in tasks:
         if task.done() and not task.cancelled():
             task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (the OS picked it).
+
+    Another process may take it before the caller binds it: use it only where the
+    port must be known before the server starts (a child process's command line),
+    never where the server can bind port 0 itself and say which port it got.
+    """
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -86,7 +86,6 @@ from services.common.settings import Settings
 from services.gateway import events as job_events
 from services.gateway.kernels import kernels_list
 from services.gateway.views import (
-    JOB_ID_RE,
     JobPage,
     ListStatus,
     WorkerList,
@@ -296,7 +295,7 @@ async def _record(state: State, job_id: str) -> JobRecord:
         JobRecordCorrupt: the record does not decode; answered 500 naming the job and
             the fault (:func:`_corrupt_record_response`).
     """
-    if not JOB_ID_RE.match(job_id):
+    if not subjects.is_token(job_id):
         raise _unknown_job(job_id)
     try:
         record, _ = await CheckedJobStore(_bus(state).jobs).get(job_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import re
 from typing import Any, Literal
 
 import msgspec
@@ -22,7 +21,6 @@ from services.common.bus import Bus
 from services.common.records import JobRecordCorrupt, decode_record
 
 # A job id is one NATS subject token (schemas.events.JobId); anything else names no job.
-JOB_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # How long one bucket read may wait for the server's next message, seconds.
 _WATCH_STEP_S = 5.0
 # A list row's status: a job status, or ``corrupt`` for a record that does not decode.

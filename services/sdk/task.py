@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import re
 import threading
 import warnings
 from collections.abc import Mapping
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from schemas import subjects
 from services.sdk.workers import (
     DevicePool,
     LocalWorker,
@@ -36,7 +36,6 @@ from services.sdk.workers import (
 # off after this many seconds (as the generator's built-in coder).
 LOWERING_TIMEOUT_S = 120.0
 WORKFLOWS = ("coder_only_workflow", "default_workflow")
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,48}$")
 
 if TYPE_CHECKING:
     from services.worker.sandbox import Sandbox
@@ -235,4 +234,4 @@ def _devices_of(device_pool: Any) -> list[str]:
 
 
 def _candidate_id(task_id: str, attempt: int) -> str | None:
-    return f"{task_id}-{attempt}" if _TOKEN.match(task_id) else None
+    return f"{task_id}-{attempt}" if subjects.is_token(task_id, 48) else None

@@ -115,8 +115,9 @@ HEARTBEAT_RETRY_S = 0.5
 # Attempts at each publish that ends a request (its result, its DLQ copy) before the
 # handler gives up and leaves the message to JetStream's redelivery.
 FINAL_PUBLISH_ATTEMPTS = 3
-# Device names become lease keys (`<worker_id>.<device>`) and env values.
-_DEVICE_NAME = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+# Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
+# token of at most this many characters.
+_DEVICE_NAME_CHARS = 32
 
 
 class CapacityPull:
@@ -235,7 +236,7 @@ class Worker:
         self.backend = settings.worker_backend
         self.arch = settings.arch
         self.devices = settings.devices or ["0"]
-        bad = [d for d in self.devices if not _DEVICE_NAME.match(d)]
+        bad = [d for d in self.devices if not subjects.is_token(d, _DEVICE_NAME_CHARS)]
         if bad or len(set(self.devices)) != len(self.devices):
             raise ValueError(
                 f"devices {settings.worker_devices!r}: each must be a distinct name of "
@@ -758,7 +759,7 @@ def _job_id_of(data: bytes) -> str | None:
     except Exception:  # noqa: BLE001
         return None
     job_id = value.get("job_id") if isinstance(value, dict) else None
-    if isinstance(job_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", job_id):
+    if subjects.is_token(job_id):
         return job_id
     return None
 
