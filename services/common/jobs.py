@@ -148,8 +148,10 @@ def check_task_source(task_desc: str) -> None:
         )
 
 
-def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None) -> JobRecord:
-    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new)."""
+def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None,
+               tenant: str = subjects.DEFAULT_TENANT, priority: str | None = None) -> JobRecord:
+    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new),
+    of ``tenant``, at ``priority`` (the submission's when None)."""
     job_id = submit.job_id or job_id or new_id("job-")
     submit.job_id = job_id
     if arch:
@@ -163,6 +165,8 @@ def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None
         backend=submit.backend,
         arch=submit.arch,
         request=submit,
+        tenant=tenant,
+        priority=priority or submit.priority,
     )
 
 

@@ -122,9 +122,10 @@ class EvolveJob:
             dsl=submit.dsl, framework=submit.framework, backend=submit.backend,
             arch=self.record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
             shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
-            trials=submit.trials)
+            trials=submit.trials, tenant=self.record.tenant, priority=self.record.priority)
         future = self.run.waiter.expect(request_id)
-        ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
+        ack = await self.bus.js.publish(subjects.verify_lane(request.backend, request.arch,
+                                                             request.tenant, request.priority),
                                         encode(request), headers={"Nats-Msg-Id": request_id})
         await publish_event(self.bus, JobEvent(
             job_id=self.job_id, event="verify_started", status="running",
