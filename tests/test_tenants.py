@@ -19,14 +19,17 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from rich.console import Console
 
-from schemas import VerifyResult, decode, subjects
+from schemas import JobRecord, VerifyResult, decode, subjects
+from services.cli_render import jobs_table, record_view
 from services.common.bus import Bus
 from services.common.lanes import LanePull, lane_config
 from services.common.settings import Settings
 from services.common.tenants import hash_token, load_tenants
 from services.gateway.queue import fair_positions
 from services.generator.service import run_generator
+from services.sdk.client import AsyncAIKGClient
 from services.worker.service import Worker
 from tests.conftest import lend_verifier
 from tests.helpers import RELU_KERNEL, RELU_TASK
@@ -256,8 +259,19 @@ async def test_burst_of_one_tenant_does_not_hold_up_another(
         last = await status("a-29")
         assert last["queue_position"] == 31 and last["estimated_start_time"] is None
         listed = (await client.get("/api/v1/jobs", headers=auth("team_b"),
-                                   params={"tenant": "team_b"})).json()["jobs"]
-        assert [(j["job_id"], j["queue_position"]) for j in listed] == [("b-00", 2)]
+                                   params={"tenant": "team_b"})).json()
+        assert [(j["job_id"], j["queue_position"]) for j in listed["jobs"]] == [("b-00", 2)]
+        # What `aikg list` and `aikg status` print, and the SDK's view.
+        console = Console(width=200, record=True)
+        console.print(jobs_table(listed))
+        console.print(record_view(decode(json.dumps(last), JobRecord)))
+        shown = console.export_text()
+        assert "position 2 in the queue" in shown and "position 31 in the queue" in shown
+        sdk = AsyncAIKGClient(str(client.base_url), token=TOKENS["team_b"])
+        try:
+            assert await sdk.get_queue_position("b-00") == (2, None)
+        finally:
+            await sdk.aclose()
 
         queued: list[int] = []
 
