@@ -42,6 +42,8 @@ Framework = Literal["torch"]
 Workflow = Literal["coder_only_workflow", "default_workflow"]
 JobType = Literal["single", "evolve"]
 Coder = Literal["builtin", "llm"]
+Priority = Literal["low", "normal", "high"]
+TenantName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_]{1,32}$")]
 JobStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
 TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 VerifyMode = Literal["verify", "profile"]
@@ -101,6 +103,9 @@ class JobSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     # Correctness trials per candidate, each with its own seed and fresh inputs.
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    # Order among this tenant's waiting jobs and against other tenants' (high lanes
+    # are served first); a tenant may be limited to a lower one (docs/architecture.md).
+    priority: Priority = "normal"
     type: Literal["job.submit"] = "job.submit"
     schema_version: int = SCHEMA_VERSION
 
@@ -189,6 +194,9 @@ class VerifyRequest(Struct, kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
     created_at: dt.datetime = field(default_factory=utcnow)
+    # The job's tenant and priority (also in the lane subject the request waits on).
+    tenant: TenantName = "default"
+    priority: Priority = "normal"
     type: Literal["verify.request"] = "verify.request"
     schema_version: int = SCHEMA_VERSION
 
@@ -405,6 +413,12 @@ class JobRecord(Struct, kw_only=True):
     meanings: :data:`JOB_PHASES`), measured by the generator; they add up to
     ``end_time - submit_time``. Empty until the job ends (and for evolve jobs, which
     record only ``queue`` and ``verify_wait``).
+
+    ``tenant`` is the tenant that submitted the job (its API token's, or the lane
+    subject's for a raw ``nats pub``); ``priority`` its lane's. ``queue_position`` (1:
+    next to start) and ``estimated_start_time`` are never stored: the status route
+    fills them in while the job waits in the JOBS stream, and leaves them null once it
+    has started (or when they cannot be told).
     """
 
     job_id: str
@@ -423,12 +437,17 @@ class JobRecord(Struct, kw_only=True):
     updated_at: dt.datetime = field(default_factory=utcnow)
     evolve: EvolveSummary | None = None
     phases: dict[str, float] = field(default_factory=dict)
+    tenant: str = "default"
+    priority: Priority = "normal"
+    queue_position: int | None = None
+    estimated_start_time: dt.datetime | None = None
     type: Literal["job.record"] = "job.record"
     schema_version: int = SCHEMA_VERSION
 
 
 JobEventKind = Literal[
     "submitted",
+    "queued",
     "started",
     "candidate_generated",
     "verify_started",
@@ -442,7 +461,12 @@ JobEventKind = Literal[
 
 
 class JobEvent(Struct, kw_only=True):
-    """One step of a job, published on ``jobs.events.<job_id>`` (stream JOB_EVENTS)."""
+    """One step of a job, published on ``jobs.events.<job_id>`` (stream JOB_EVENTS).
+
+    ``queued`` events are not published: the gateway's event stream (SSE) sends one
+    whenever the job's queue position changes while it waits, with ``data``
+    ``{"queue_position": int, "estimated_start_time": RFC 3339 or null}``.
+    """
 
     job_id: str
     event: JobEventKind

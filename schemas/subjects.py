@@ -28,12 +28,25 @@ STREAM_DLQ = "DLQ"
 # Durable consumers.
 CONSUMER_GENERATOR = "generator"
 
+# Tenants and priorities (docs/architecture.md, "Tenants and fair scheduling"). A job
+# or verify request of tenant ``t`` at priority ``p`` waits on its own subject (a
+# "lane") with its own durable consumer, so the generator and the workers can take
+# one request per tenant in turn. The default tenant at normal priority keeps the
+# subjects without a lane suffix (``jobs.submit``, ``verify.<backend>.<arch>``), which
+# raw ``nats pub`` users and older clients publish to.
+DEFAULT_TENANT = "default"
+DEFAULT_PRIORITY = "normal"
+# Served in this order: a lane of a higher priority is emptied before a lower one.
+PRIORITIES = ("high", "normal", "low")
+TENANT_PATTERN = r"^[A-Za-z0-9_]{1,32}$"
+
 # Key-value buckets.
 BUCKET_JOBS = "jobs"
 BUCKET_WORKERS = "workers"
 BUCKET_LEASES = "leases"
 # Eager baseline timings shared by every worker (services/worker/cache.py).
 BUCKET_BASELINES = "baselines"
+BUCKET_TENANT_USAGE = "tenant_usage"
 
 # Object store bucket for kernel sources, logs and checkpoints.
 OBJECT_STORE_ARTIFACTS = "artifacts"
@@ -49,6 +62,7 @@ _TOKEN = re.compile(TOKEN_PATTERN)
 def is_token(value: object, max_length: int = 64) -> bool:
     """Whether ``value`` is a str usable as one subject token, 1 to ``max_length`` characters."""
     return isinstance(value, str) and 0 < len(value) <= max_length and bool(_TOKEN.match(value))
+_TENANT = re.compile(TENANT_PATTERN)
 
 
 def _token(kind: str, value: str) -> str:
@@ -62,6 +76,84 @@ def _token(kind: str, value: str) -> str:
             f"{kind} {value!r} is not usable in a NATS subject: use letters, digits, '_' or '-'"
         )
     return value
+
+
+def tenant_name(value: str) -> str:
+    """Return ``value`` if it can name a tenant: 1 to 32 letters, digits or ``_`` (no
+    ``-``, so lane consumer names split back unambiguously).
+
+    Raises:
+        ValueError: naming the value and the rule.
+    """
+    if not isinstance(value, str) or not _TENANT.match(value):
+        raise ValueError(f"tenant name {value!r} is not usable: use 1 to 32 letters, digits "
+                         "or '_'")
+    return value
+
+
+def _priority(value: str) -> str:
+    if value not in PRIORITIES:
+        raise ValueError(f"priority {value!r} is not one of {', '.join(PRIORITIES)}")
+    return value
+
+
+def is_default_lane(tenant: str, priority: str) -> bool:
+    """Whether ``tenant``/``priority`` use the subjects without a lane suffix."""
+    return tenant == DEFAULT_TENANT and priority == DEFAULT_PRIORITY
+
+
+def job_submit(tenant: str = DEFAULT_TENANT, priority: str = DEFAULT_PRIORITY) -> str:
+    """Subject a job of ``tenant`` at ``priority`` is queued on: ``jobs.submit`` for the
+    default tenant at normal priority, else ``jobs.submit.<tenant>.<priority>``.
+
+    Raises:
+        ValueError: a tenant name or priority that is not allowed.
+    """
+    if is_default_lane(tenant_name(tenant), _priority(priority)):
+        return JOBS_SUBMIT
+    return f"{JOBS_SUBMIT}.{tenant}.{priority}"
+
+
+def generator_consumer(tenant: str = DEFAULT_TENANT, priority: str = DEFAULT_PRIORITY) -> str:
+    """Durable consumer of one JOBS lane, shared by every generator:
+    ``generator`` (default lane) or ``generator-<tenant>-<priority>``."""
+    if is_default_lane(tenant_name(tenant), _priority(priority)):
+        return CONSUMER_GENERATOR
+    return f"{CONSUMER_GENERATOR}-{tenant}-{priority}"
+
+
+def verify_lane(backend: str, arch: str, tenant: str = DEFAULT_TENANT,
+                priority: str = DEFAULT_PRIORITY) -> str:
+    """Subject of verify requests of one tenant and priority: ``verify.<backend>.<arch>``
+    (default lane) or ``verify.<backend>.<arch>.<tenant>.<priority>``."""
+    base = verify(backend, arch)
+    if is_default_lane(tenant_name(tenant), _priority(priority)):
+        return base
+    return f"{base}.{tenant}.{priority}"
+
+
+def verify_lane_consumer(backend: str, arch: str, tenant: str = DEFAULT_TENANT,
+                         priority: str = DEFAULT_PRIORITY) -> str:
+    """Durable consumer of one VERIFY lane: ``verify-<backend>-<arch>`` (default lane) or
+    ``verify-<backend>-<arch>-<priority>-<tenant>`` (a tenant name holds no ``-``)."""
+    base = verify_consumer(backend, arch)
+    if is_default_lane(tenant_name(tenant), _priority(priority)):
+        return base
+    return f"{base}-{priority}-{tenant}"
+
+
+def parse_lane(base: str, subject: str) -> tuple[str, str] | None:
+    """``(tenant, priority)`` of a lane subject under ``base`` (``jobs.submit``,
+    ``verify.cpu.x86_64``): the default lane for ``base`` itself, None for a subject
+    that is no lane (a bad tenant name or priority, other tokens)."""
+    if subject == base:
+        return DEFAULT_TENANT, DEFAULT_PRIORITY
+    if not subject.startswith(base + "."):
+        return None
+    parts = subject[len(base) + 1:].split(".")
+    if len(parts) != 2 or not _TENANT.match(parts[0]) or parts[1] not in PRIORITIES:
+        return None
+    return parts[0], parts[1]
 
 
 def job_events(job_id: str) -> str:

@@ -721,6 +721,10 @@ def submit(
     job_id: Annotated[str | None, typer.Option(
         help="Client-chosen job id (letters, digits, _ and -); resubmitting the same job "
         "with it is idempotent.")] = None,
+    priority: Annotated[str | None, typer.Option(
+        help="low | normal | high: order among waiting jobs (high lanes are served "
+        "first); the tenant's max_priority bounds it. Default normal.",
+        show_default=False)] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
     as_json: JsonOption = False,
@@ -751,7 +755,8 @@ def submit(
     optional = {"arch": arch, "coder": coder, "job_id": job_id, "max_rounds": max_rounds,
                 "parallel_num": parallel_num, "num_islands": num_islands,
                 "migration_interval": migration_interval, "elite_size": elite_size,
-                "parent_selection_prob": parent_selection_prob, "max_attempts": max_attempts}
+                "parent_selection_prob": parent_selection_prob, "max_attempts": max_attempts,
+                "priority": priority}
     body.update({k: v for k, v in optional.items() if v is not None})
     with _client(gateway_url, token) as client:
         response = _request(client, "POST", "/api/v1/jobs/submit", json=body)

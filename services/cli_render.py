@@ -133,6 +133,17 @@ def verdict_table(v: VerifyResult) -> Table:
     return t
 
 
+def queue_text(position: int, eta: dt.datetime | str | None) -> str:
+    """``position 3 in the queue, starts ~12:04:31 UTC`` (the time when the gateway
+    estimated one; ``eta`` a datetime or its RFC 3339 text)."""
+    text = f"position {position} in the queue"
+    if eta:
+        if isinstance(eta, str):
+            eta = dt.datetime.fromisoformat(eta)
+        text += f", starts ~{eta.astimezone(dt.UTC):%H:%M:%S} UTC"
+    return text
+
+
 def record_view(record: JobRecord) -> RenderableType:
     """The whole job for a terminal: summary, error, verdict, and the kernel source."""
     style = _STATUS_STYLE.get(record.status, "")
@@ -149,6 +160,10 @@ def record_view(record: JobRecord) -> RenderableType:
         head.add_row("started", _time(record.start_time))
     if record.end_time:
         head.add_row("finished", _time(record.end_time))
+    if record.tenant != "default" or record.priority != "normal":
+        head.add_row("tenant / priority", f"{record.tenant} / {record.priority}")
+    if record.queue_position is not None:
+        head.add_row("queue", queue_text(record.queue_position, record.estimated_start_time))
     if record.status not in ("completed", "failed", "cancelled"):
         head.add_row("progress", Text.from_markup(progress_line(record)))
     if record.error:
@@ -226,6 +241,8 @@ def jobs_table(page: dict, width: int = 200) -> Table:
             outcome = "passed" + (f" ({j['speedup']:.2f}x)" if j.get("speedup") else "")
         elif j.get("error"):
             outcome = j["error"]
+        elif j.get("queue_position") is not None:
+            outcome = queue_text(j["queue_position"], j.get("estimated_start_time"))
         else:
             outcome = j.get("message") or j.get("phase") or ""
         where = ([f"{j['backend']}/{j.get('arch') or '-'}", _short_time(j.get("submit_time"))]

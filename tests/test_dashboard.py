@@ -57,7 +57,7 @@ PROMETHEUS = shutil.which("prometheus") or next(
 WINDOW = "5m"
 GRAFANA_VARIABLES = {"$__rate_interval": WINDOW, "$__interval": WINDOW, "$__range": WINDOW,
                      "${__rate_interval}": WINDOW, "$backend": ".*", "$arch": ".*",
-                     "${backend}": ".*", "${arch}": ".*"}
+                     "${backend}": ".*", "${arch}": ".*", "$tenant": ".*", "${tenant}": ".*"}
 LLM_METRICS = {"aikg_llm_requests_total", "aikg_llm_request_duration_seconds",
                "aikg_llm_tokens_total"}
 
@@ -195,7 +195,8 @@ async def stack(settings: Settings, bus: Bus) -> AsyncIterator[str]:
 @pytest.mark.timeout(420)
 async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, tmp_path: Path,
                                                   fake_llm: Any) -> None:
-    overrides: dict[str, Any] = {"worker_devices": "0,1"}
+    # A tenant limit, so that one submission below is refused (the rejections panel).
+    overrides: dict[str, Any] = {"worker_devices": "0,1", "tenant_max_parallel_num": 64}
     if fake_llm is not None:
         overrides |= {"llm_base_url": fake_llm.url, "llm_model": fake_llm.model,
                       "llm_max_retries": 0}
@@ -233,6 +234,10 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                     resp = await client.post("/api/v1/jobs/submit",
                                              json={"backend": "cpu", "job_id": job_id, **body})
                     assert resp.status_code == 200, resp.text
+                refused = await client.post("/api/v1/jobs/submit", json={
+                    "backend": "cpu", "op_name": "relu", "task_desc": RELU_TASK,
+                    "parallel_num": 65})
+                assert refused.status_code == 403, refused.text
                 # What a broken client would send: dead-lettered as malformed.
                 await bus.js.publish(subjects.verify("cpu", arch), b'{"not": "a verify request"}',
                                      headers={"Nats-Msg-Id": "dash-malformed"})

@@ -70,13 +70,17 @@ async def finish(bus: Bus, job_id: str, status: str = "completed", *, code: str 
         await publish_event(bus, JobEvent(job_id=job_id, event=status, status=status))
 
 
-async def read_sse(response: httpx.Response, *, until: str | None = None) -> list[dict]:
+async def read_sse(response: httpx.Response, *, until: str | None = None,
+                   queued: bool = False) -> list[dict]:
     """Parse an event stream into ``{"id", "event", "data", "comment"}`` dicts until it
-    ends (or after an event of kind ``until``)."""
+    ends (or after an event of kind ``until``); ``queued`` events (a waiting job's
+    position, tests/test_tenants.py) only when ``queued``."""
     out: list[dict] = []
     block: dict = {}
     async for line in response.aiter_lines():
         if line == "":
+            if block.get("event") == "queued" and not queued:
+                block = {}
             if block:
                 out.append(block)
                 if until and block.get("event") == until:
@@ -347,10 +351,12 @@ async def test_events_send_keepalive_comments(client: httpx.AsyncClient, cpu_wor
 
 
 async def _iter_sse(response: httpx.Response):
+    """Events of a stream as dicts, leaving out ``queued`` ones (the jobs here wait with
+    no generator running, so their position is told once)."""
     block: dict = {}
     async for line in response.aiter_lines():
         if line == "":
-            if block and "event" in block:
+            if block and "event" in block and block["event"] != "queued":
                 yield block
             block = {}
         elif not line.startswith(":"):

@@ -58,6 +58,8 @@ class Bus:
     workers: KeyValue
     leases: KeyValue
     settings: Settings
+    # Per-tenant submission counts per hour (the gateway's jobs-per-hour limit).
+    tenant_usage: KeyValue | None = None
 
     async def close(self) -> None:
         """Flush and close the connection; safe to call twice."""
@@ -75,7 +77,9 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
     return [
         StreamConfig(
             name=subjects.STREAM_JOBS,
-            subjects=[subjects.JOBS_SUBMIT],
+            # jobs.submit (default tenant, normal priority) and the tenant lanes
+            # jobs.submit.<tenant>.<priority> (services/common/lanes.py).
+            subjects=[subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*"],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,
@@ -119,10 +123,11 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
 
 def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
-    """The ``jobs``, ``workers`` and ``leases`` buckets.
+    """The ``jobs``, ``workers``, ``leases`` and ``tenant_usage`` buckets.
 
     ``workers`` expires a key three heartbeats after its last put; ``leases`` after
-    ten, so a crashed worker's leases go by themselves.
+    ten, so a crashed worker's leases go by themselves; ``tenant_usage`` (one counter
+    per tenant and clock hour) after two hours.
     """
     r = settings.stream_replicas
     hb = settings.worker_heartbeat_s
@@ -133,6 +138,8 @@ def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
                        storage=StorageType.FILE),
         KeyValueConfig(bucket=subjects.BUCKET_LEASES, history=1, ttl=10 * hb, replicas=r,
                        storage=StorageType.FILE),
+        KeyValueConfig(bucket=subjects.BUCKET_TENANT_USAGE, history=1, ttl=2 * 3600.0,
+                       replicas=r, storage=StorageType.FILE),
     ]
 
 
@@ -343,6 +350,7 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
         workers=buckets[subjects.BUCKET_WORKERS],
         leases=buckets[subjects.BUCKET_LEASES],
         settings=settings,
+        tenant_usage=buckets[subjects.BUCKET_TENANT_USAGE],
     )
 
 

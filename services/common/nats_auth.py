@@ -57,7 +57,7 @@ ROLES = NATS_ROLES
 ADMIN_USER = "admin"
 
 _KV = {b: f"KV_{b}" for b in (subjects.BUCKET_JOBS, subjects.BUCKET_WORKERS,
-                               subjects.BUCKET_LEASES)}
+                               subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE)}
 _OBJ = f"OBJ_{subjects.OBJECT_STORE_ARTIFACTS}"
 # The workers' shared cache (services/worker/cache.py): reference outputs decide
 # verdicts, so only the worker user may create, write or read these two.
@@ -108,17 +108,23 @@ class Permissions:
 
 PERMISSIONS: dict[str, Permissions] = {
     "gateway": Permissions(
-        what="submits jobs, writes job records (create, cancel), reads the jobs/workers/"
-             "leases buckets and JOB_EVENTS, reads consumer info for queue metrics",
+        what="submits jobs (on tenant lanes too), writes job records (create, cancel) and "
+             "tenant usage counts, reads the jobs/workers/leases buckets and JOB_EVENTS, "
+             "reads consumer info and waiting jobs for queue metrics and positions",
         publish=(
-            subjects.JOBS_SUBMIT, f"{subjects.JOB_EVENTS_PREFIX}.>",
-            f"$KV.{subjects.BUCKET_JOBS}.>",
+            subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*",
+            f"{subjects.JOB_EVENTS_PREFIX}.>",
+            f"$KV.{subjects.BUCKET_JOBS}.>", f"$KV.{subjects.BUCKET_TENANT_USAGE}.>",
             *_common(),
             *_read(_KV[subjects.BUCKET_JOBS]), *_read(_KV[subjects.BUCKET_WORKERS]),
-            *_read(_KV[subjects.BUCKET_LEASES]), *_read(subjects.STREAM_JOB_EVENTS),
-            # Queue depth (services/common/queue_metrics.py): information, not consumption.
+            *_read(_KV[subjects.BUCKET_LEASES]), *_read(_KV[subjects.BUCKET_TENANT_USAGE]),
+            *_read(subjects.STREAM_JOB_EVENTS),
+            # Queue depth (services/common/queue_metrics.py) and queue positions
+            # (services/gateway/queue.py): information, not consumption.
             f"$JS.API.CONSUMER.LIST.{subjects.STREAM_VERIFY}",
-            f"$JS.API.CONSUMER.INFO.{subjects.STREAM_JOBS}.{subjects.CONSUMER_GENERATOR}",
+            f"$JS.API.CONSUMER.LIST.{subjects.STREAM_JOBS}",
+            f"$JS.API.CONSUMER.INFO.{subjects.STREAM_JOBS}.*",
+            f"$JS.API.STREAM.MSG.GET.{subjects.STREAM_JOBS}",
         ),
         subscribe=("_INBOX.>",),
     ),
@@ -132,13 +138,15 @@ PERMISSIONS: dict[str, Permissions] = {
             # RemoteWorker.status (the SDK acts with a generator's rights).
             f"{subjects.WORKER_SERVICE_PREFIX}.*.status",
             *_common(),
-            *_consume(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR),
+            # ``generator`` and the lanes' ``generator-<tenant>-<priority>``.
+            *_consume(subjects.STREAM_JOBS, "*"),
             *_read(subjects.STREAM_RESULTS), *_read(_KV[subjects.BUCKET_JOBS]),
             *_read(_KV[subjects.BUCKET_WORKERS]), *_read(_OBJ),
             # Replacing an object purges its old chunks.
             f"$JS.API.STREAM.PURGE.{_OBJ}",
         ),
-        subscribe=("_INBOX.>",),
+        # The lanes' subjects wake an idle generator (services/common/lanes.py).
+        subscribe=("_INBOX.>", subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*"),
     ),
     "worker": Permissions(
         what="pulls verify.<backend>.<arch>, publishes results and job events, writes "
@@ -160,7 +168,9 @@ PERMISSIONS: dict[str, Permissions] = {
             # Replacing an object (two workers ran the same reference) purges its old chunks.
             f"$JS.API.STREAM.PURGE.{_OBJ_REFERENCES}",
         ),
-        subscribe=("_INBOX.>", "$SRV.>", f"{subjects.WORKER_SERVICE_PREFIX}.>"),
+        subscribe=("_INBOX.>", "$SRV.>", f"{subjects.WORKER_SERVICE_PREFIX}.>",
+                   # Verify lanes' subjects wake an idle worker (services/common/lanes.py).
+                   f"{subjects.VERIFY_PREFIX}.>"),
         allow_responses=True,
     ),
 }

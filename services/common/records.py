@@ -15,7 +15,7 @@ import hashlib
 
 import msgspec
 
-from schemas import JobRecord, JobSubmit, WorkerInfo, decode, new_id, utcnow
+from schemas import JobRecord, JobSubmit, WorkerInfo, decode, new_id, subjects, utcnow
 
 # Longest piece of a decoder's complaint kept in a corrupt record's error text, characters.
 _FAULT_CHARS = 300
@@ -95,8 +95,10 @@ def check_task_source(task_desc: str) -> None:
         )
 
 
-def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None) -> JobRecord:
-    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new)."""
+def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None,
+               tenant: str = subjects.DEFAULT_TENANT, priority: str | None = None) -> JobRecord:
+    """A ``pending`` job record for ``submit`` (id from the submit, the argument, or new),
+    of ``tenant``, at ``priority`` (the submission's when None)."""
     job_id = submit.job_id or job_id or new_id("job-")
     submit.job_id = job_id
     if arch:
@@ -110,6 +112,8 @@ def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None
         backend=submit.backend,
         arch=submit.arch,
         request=submit,
+        tenant=tenant,
+        priority=priority or submit.priority,
     )
 
 

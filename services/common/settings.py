@@ -94,7 +94,16 @@ class Settings(msgspec.Struct, kw_only=True):
         sandbox_env_allow: comma-separated extra environment variable names (or
             ``PREFIX*``) that sandboxed children keep beyond the built-in allowlist.
         api_token: bearer token the gateway requires on every route but health;
-            empty turns auth off.
+            empty turns auth off. With tenants, it is the ``default`` tenant's token.
+        tenants_file: a TOML file of tenants, each with the SHA-256 of its API token
+            and its limits (format: services/common/tenants.py); empty: only the
+            ``default`` tenant. Any tenant's token then opens every route.
+        tenant_max_in_flight / tenant_max_jobs_per_hour / tenant_max_parallel_num /
+            tenant_max_rounds: limits of a tenant that its entry does not set (0: no
+            limit): jobs pending or running, submissions per clock hour (UTC), and the
+            largest ``parallel_num`` / ``max_rounds`` of a job.
+        tenant_max_priority: the highest ``priority`` (``low`` | ``normal`` |
+            ``high``) a tenant whose entry does not say may submit with.
         llm_base_url: OpenAI-compatible endpoint of the LLM agents
             (``https://api.openai.com/v1``, ``http://gpu-box:8000/v1`` for vLLM,
             ``http://127.0.0.1:11434/v1`` for Ollama). Empty: no LLM; jobs use the
@@ -165,6 +174,12 @@ class Settings(msgspec.Struct, kw_only=True):
     sandbox_require: str = ""
     sandbox_env_allow: str = ""
     api_token: str = ""
+    tenants_file: str = ""
+    tenant_max_in_flight: int = 0
+    tenant_max_jobs_per_hour: int = 0
+    tenant_max_parallel_num: int = 0
+    tenant_max_rounds: int = 0
+    tenant_max_priority: str = "normal"
     llm_base_url: str = ""
     llm_api_key: str = ""
     llm_model: str = ""

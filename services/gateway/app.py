@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hmac
 import os
 import re
@@ -83,8 +84,10 @@ from services.common.jobs import (
 from services.common.queue_metrics import run_queue_metrics
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
+from services.common.tenants import Tenant, TenantTable, load_tenants, tenant_label
 from services.gateway import events as job_events
 from services.gateway.kernels import kernels_list
+from services.gateway.queue import QueueView
 from services.gateway.views import (
     JobPage,
     ListStatus,
@@ -111,6 +114,16 @@ REQUESTS = Counter(
     "aikg_gateway_requests_total",
     "HTTP requests answered by the gateway, by route template, method and status code.",
     ["route", "method", "status"],
+)
+JOBS_SUBMITTED = Counter(
+    "aikg_gateway_jobs_submitted_total",
+    "Jobs accepted by the gateway, by tenant and priority.", ["tenant", "priority"],
+)
+REJECTIONS = Counter(
+    "aikg_gateway_rejections_total",
+    "Submissions refused for a tenant limit, by tenant and limit (max_in_flight, "
+    "max_jobs_per_hour: 429; max_parallel_num, max_rounds, max_priority: 403).",
+    ["tenant", "limit"],
 )
 SUBMIT_SECONDS = Histogram(
     "aikg_gateway_submit_seconds",
@@ -197,6 +210,8 @@ async def submit_job(data: JSONBody[JobSubmit], request: Request, state: State) 
     # has already refused what even lax rules refuse; the strict decode decides.
     data = await _strict_submit(request)
     bus = _bus(state)
+    tenant = _tenant(request, state)
+    _check_job_limits(tenant, data)
     try:
         check_task_source(data.task_desc)
     except TaskError as exc:
@@ -220,11 +235,14 @@ async def submit_job(data: JSONBody[JobSubmit], request: Request, state: State) 
             extra={"live": live},
         )
 
-    record = new_record(data, arch=arch)
+    record = new_record(data, arch=arch, tenant=tenant.name)
     job_id = record.job_id
-    with structlog.contextvars.bound_contextvars(job_id=job_id):
+    subject = subjects.job_submit(tenant.name, record.priority)
+    with structlog.contextvars.bound_contextvars(job_id=job_id, tenant=tenant.name):
         store = CheckedJobStore(bus.jobs)
-        if not await store.create(record):
+        async with _tenant_lock(state, tenant.name):
+            created = await _create_within_limits(bus, store, tenant, record)
+        if not created:
             existing, _ = await store.get(job_id)
             if existing.request != record.request:
                 raise HTTPException(
@@ -237,7 +255,8 @@ async def submit_job(data: JSONBody[JobSubmit], request: Request, state: State) 
                 # Recovers a gateway that died between the record and the publish; the
                 # stream drops the copy when the first one made it. Outside the dedupe
                 # window a copy would run the job twice, so it is not sent.
-                await publish_json(bus.js, subjects.JOBS_SUBMIT, existing.request, msg_id=job_id)
+                await publish_json(bus.js, subjects.job_submit(existing.tenant, existing.priority),
+                                   existing.request, msg_id=job_id)
             log.info("job_resubmitted", status=existing.status)
             return SubmitResponse(job_id=job_id, status=existing.status,
                                   backend=existing.backend, arch=existing.arch,
@@ -247,22 +266,146 @@ async def submit_job(data: JSONBody[JobSubmit], request: Request, state: State) 
         await publish_event(bus, JobEvent(job_id=job_id, event="submitted", status="pending",
                                           message=f"{record.backend}/{arch}"))
         try:
-            await publish_json(bus.js, subjects.JOBS_SUBMIT, record.request, msg_id=job_id)
+            await publish_json(bus.js, subject, record.request, msg_id=job_id)
         except Exception as exc:
             await publish_event(bus, JobEvent(job_id=job_id, event="error", status="pending",
                                               message=f"submission withdrawn: {exc}"))
-            await _withdraw(bus, job_id, exc)
+            await _withdraw(bus, job_id, exc, subject)
+        await _count_submission(bus, tenant)
+        JOBS_SUBMITTED.labels(tenant=tenant_label(tenant.name), priority=record.priority).inc()
         log.info("job_submitted", op_name=record.op_name, backend=record.backend, arch=arch,
-                 job_type=record.job_type, workflow=data.workflow)
+                 job_type=record.job_type, workflow=data.workflow, priority=record.priority,
+                 subject=subject)
     SUBMIT_SECONDS.observe(time.perf_counter() - started)
     return SubmitResponse(job_id=job_id, status="pending", backend=record.backend, arch=arch)
 
 
-async def _withdraw(bus: Bus, job_id: str, exc: Exception) -> NoReturn:
+# --- tenants and their limits ---------------------------------------------------------
+
+
+def _tenant(request: Request, state: State) -> Tenant:
+    """The tenant the auth guard found for this request (``default`` without auth)."""
+    table: TenantTable = state.get("tenants")
+    name = request.scope.get("aikg_tenant") or subjects.DEFAULT_TENANT  # type: ignore[typeddict-item]
+    return table.get(name)
+
+
+def _refuse(tenant: Tenant, limit: str, status: int, detail: str,
+            retry_after_s: float | None = None) -> HTTPException:
+    REJECTIONS.labels(tenant=tenant_label(tenant.name), limit=limit).inc()
+    log.info("job_rejected", tenant=tenant.name, limit=limit)
+    headers = {"Retry-After": str(max(1, int(retry_after_s + 0.999)))} \
+        if retry_after_s is not None else None
+    return HTTPException(status_code=status, detail=detail, headers=headers,
+                         extra={"tenant": tenant.name, "limit": limit})
+
+
+def _check_job_limits(tenant: Tenant, data: JobSubmit) -> None:
+    """Refuse (403) a job larger than the tenant may submit, naming the limit: retrying
+    cannot help, so no ``Retry-After``."""
+    for limit, value in (("max_parallel_num", data.parallel_num),
+                         ("max_rounds", data.max_rounds)):
+        bound = getattr(tenant, limit)
+        if bound and value > bound:
+            raise _refuse(tenant, limit, 403, f"tenant {tenant.name!r} may submit jobs with "
+                          f"{limit.removeprefix('max_')} up to {bound} ({limit}); this one "
+                          f"asks for {value}: lower it, or ask an operator to raise the limit")
+    if not tenant.allows_priority(data.priority):
+        raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
+                      f"priority up to {tenant.max_priority!r} (max_priority); this job asks "
+                      f"for {data.priority!r}")
+
+
+def _tenant_lock(state: State, name: str) -> asyncio.Lock:
+    """One lock per tenant, so this gateway's limit check and the publish that fills
+    the slot are not interleaved with another submission of the same tenant."""
+    locks: dict[str, asyncio.Lock] = state.get("tenant_locks")
+    return locks.setdefault(name, asyncio.Lock())
+
+
+def _hour_key(tenant: str, now: dt.datetime) -> tuple[str, float]:
+    """``tenant_usage`` key of the current clock hour (UTC), and seconds to its end."""
+    end = now.replace(minute=0, second=0, microsecond=0) + dt.timedelta(hours=1)
+    return f"{tenant}.{now:%Y%m%d%H}", (end - now).total_seconds()
+
+
+async def in_flight(bus: Bus, tenant: str) -> int:
+    """Jobs of ``tenant`` pending or running: the messages in its JOBS lanes (a job's
+    message stays in the work-queue stream until a generator acks it at the end)."""
+    info = await bus.js.stream_info(subjects.STREAM_JOBS, subjects_filter=">")
+    total = 0
+    for subject, count in (info.state.subjects or {}).items():
+        lane = subjects.parse_lane(subjects.JOBS_SUBMIT, subject)
+        if lane is not None and lane[0] == tenant:
+            total += count
+    return total
+
+
+async def _create_within_limits(bus: Bus, store: CheckedJobStore, tenant: Tenant,
+                                record: JobRecord) -> bool:
+    """Create the job's record unless a tenant limit forbids it.
+
+    Returns:
+        False when the job id has a record already (an idempotent resubmit, which no
+        limit stops).
+
+    Raises:
+        HTTPException: 429 with ``Retry-After`` over ``max_in_flight`` or
+            ``max_jobs_per_hour``.
+    """
+    if record.request.job_id:
+        with contextlib.suppress(JobNotFound, JobRecordCorrupt):
+            await store.get(record.job_id)
+            return False
+    if tenant.max_in_flight:
+        busy = await in_flight(bus, tenant.name)
+        if busy >= tenant.max_in_flight:
+            raise _refuse(tenant, "max_in_flight", 429, f"tenant {tenant.name!r} has {busy} "
+                          f"jobs pending or running, its limit (max_in_flight) is "
+                          f"{tenant.max_in_flight}: retry when one has ended, or cancel one",
+                          retry_after_s=5)
+    if tenant.max_jobs_per_hour and bus.tenant_usage is not None:
+        key, left_s = _hour_key(tenant.name, utcnow())
+        with contextlib.suppress(nats.js.errors.KeyNotFoundError):
+            entry = await bus.tenant_usage.get(key)
+            used = int(entry.value or b"0")
+            if used >= tenant.max_jobs_per_hour:
+                raise _refuse(tenant, "max_jobs_per_hour", 429, f"tenant {tenant.name!r} has "
+                              f"submitted {used} jobs this hour (UTC), its limit "
+                              f"(max_jobs_per_hour) is {tenant.max_jobs_per_hour}: retry "
+                              f"after {left_s:.0f} s", retry_after_s=left_s)
+    return await store.create(record)
+
+
+async def _count_submission(bus: Bus, tenant: Tenant) -> None:
+    """Add one to the tenant's count of this hour (compare-and-swap; best effort)."""
+    if not tenant.max_jobs_per_hour or bus.tenant_usage is None:
+        return
+    kv = bus.tenant_usage
+    key, _ = _hour_key(tenant.name, utcnow())
+    for _ in range(20):
+        try:
+            try:
+                entry = await kv.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                await kv.create(key, b"1")
+                return
+            await kv.update(key, str(int(entry.value or b"0") + 1).encode(),
+                            last=entry.revision)
+            return
+        except nats.js.errors.KeyWrongLastSequenceError:
+            await asyncio.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 - the job is queued; the count is bookkeeping
+            log.warning("tenant_usage_update_failed", tenant=tenant.name, error=str(exc))
+            return
+
+
+async def _withdraw(bus: Bus, job_id: str, exc: Exception,
+                    subject: str = subjects.JOBS_SUBMIT) -> NoReturn:
     """The record is written but its submit message could not be published: remove the
     record (so nothing waits on a job no generator will see) and answer 503, so the
     client retries; the same ``job_id`` is free again."""
-    reason = f"could not queue the job on {subjects.JOBS_SUBMIT}: {exc.__class__.__name__} {exc}"
+    reason = f"could not queue the job on {subject}: {exc.__class__.__name__} {exc}"
     log.error("job_publish_failed", error=reason)
     with contextlib.suppress(Exception):
         await bus.jobs.delete(job_id)
@@ -308,8 +451,26 @@ async def _record(state: State, job_id: str) -> JobRecord:
 
 @get(["/api/v1/jobs/{job_id:str}/status", "/api/v1/jobs/{job_id:str}"], summary="Job status")
 async def job_status(job_id: FromPath[str], state: State) -> JobRecord:
-    """The job record: status, progress, result (kernel source and verdict), error."""
-    return await _record(state, job_id)
+    """The job record: status, progress, result (kernel source and verdict), error;
+    while the job waits, its ``queue_position`` (1: next to start) and
+    ``estimated_start_time`` (services/gateway/queue.py), null otherwise."""
+    record = await _record(state, job_id)
+    if record.status == "pending":
+        record.queue_position, record.estimated_start_time = await _estimate(state, job_id)
+    return record
+
+
+async def _estimate(state: State, job_id: str) -> tuple[int | None, dt.datetime | None]:
+    """Queue position and estimated start of a waiting job; ``(None, None)`` when the
+    stream cannot be read (the status itself must not fail for it)."""
+    view: QueueView | None = state.get("queue")
+    if view is None:
+        return None, None
+    try:
+        return await view.estimate(job_id)
+    except Exception as exc:  # noqa: BLE001 - a position is a hint
+        log.warning("queue_position_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
+        return None, None
 
 
 # Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
@@ -324,17 +485,24 @@ async def jobs_list(
         "decode.")] = None,
     op_name: Annotated[str | None, QueryParameter(
         max_length=128, description="Only jobs of this operator (exact).")] = None,
+    tenant: Annotated[str | None, QueryParameter(
+        max_length=32, description="Only jobs of this tenant.")] = None,
     limit: Annotated[int, QueryParameter(ge=1, le=MAX_PAGE, description="Page size.")] = 50,
     offset: Annotated[int, QueryParameter(
         ge=0, description="Jobs to skip (newest first).")] = 0,
 ) -> JobPage:
-    """Job summaries, newest submission first, filtered by ``status`` and ``op_name``;
-    ``total`` counts every match, so ``offset`` + ``limit`` page through them."""
+    """Job summaries, newest submission first, filtered by ``status``, ``op_name`` and
+    ``tenant``; ``total`` counts every match, so ``offset`` + ``limit`` page through
+    them. Waiting jobs carry their ``queue_position`` and ``estimated_start_time``."""
     try:
-        return await list_jobs(_bus(state), status=status, op_name=op_name, limit=limit,
-                               offset=offset)
+        page = await list_jobs(_bus(state), status=status, op_name=op_name, limit=limit,
+                               offset=offset, tenant=tenant)
     except _NATS_TROUBLE as exc:
         raise _nats_unavailable(exc, "read the jobs bucket") from exc
+    for row in page.jobs:
+        if row.status == "pending":
+            row.queue_position, row.estimated_start_time = await _estimate(state, row.job_id)
+    return page
 
 
 @post("/api/v1/jobs/{job_id:str}/cancel", status_code=200, summary="Cancel a job")
@@ -404,7 +572,8 @@ async def job_events_stream(
                             f"{subjects.STREAM_JOB_EVENTS}: {exc.__class__.__name__} {exc}; "
                             "retry shortly") from exc
     return ServerSentEvent(job_events.job_event_stream(
-        bus, job_id, sub, ended=record.status in TERMINAL_STATUSES))
+        bus, job_id, sub, ended=record.status in TERMINAL_STATUSES,
+        queue=state.get("queue") if record.status == "pending" else None))
 
 
 @get(["/api/v1/workers/status", "/api/v1/workers"], summary="Live workers")
@@ -462,22 +631,26 @@ def _token_matches(header: str, expected: bytes) -> bool:
     return hmac.compare_digest(header.encode("utf-8", "surrogateescape"), expected)
 
 
-def _auth_guard(token: str) -> Guard:
-    """A guard that wants ``Authorization: Bearer <token>`` outside :data:`PUBLIC_PATHS`.
+def _auth_guard(tenants: TenantTable) -> Guard:
+    """A guard that wants ``Authorization: Bearer <token>`` of some tenant outside
+    :data:`PUBLIC_PATHS`, and records that tenant for the route (``aikg_tenant`` in the
+    ASGI scope).
 
-    The header is compared in constant time (:func:`_token_matches`): a wrong token of
-    the right length and one of another length both get 401 after the same work.
+    The token is compared by its SHA-256 against every tenant's, in constant time
+    (:meth:`~services.common.tenants.TenantTable.authenticate`): a wrong token of any
+    length gets 401 after the same work.
     """
-    expected = f"Bearer {token}".encode("utf-8", "surrogateescape")
 
     async def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
         if connection.scope["path"] in PUBLIC_PATHS:
             return
-        if not _token_matches(connection.headers.get("authorization", ""), expected):
+        tenant = tenants.authenticate(connection.headers.get("authorization", ""))
+        if tenant is None:
             raise NotAuthorizedException(
                 detail="missing or wrong API token: send `Authorization: Bearer <token>` "
-                "(the gateway's AIKG_API_TOKEN)"
+                "(the gateway's AIKG_API_TOKEN, or a tenant's token from AIKG_TENANTS_FILE)"
             )
+        connection.scope["aikg_tenant"] = tenant.name  # type: ignore[typeddict-unknown-key]
 
     return guard
 
@@ -558,27 +731,36 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
     """Build the gateway's Litestar app.
 
     Args:
-        settings: ``api_token`` turns on bearer auth (all routes but ``/healthz`` and
-            ``/readyz``); ``nats_url`` is used when ``bus`` is None.
+        settings: ``api_token`` and ``tenants_file`` turn on bearer auth (all routes but
+            ``/healthz`` and ``/readyz``) and name the tenants and their limits;
+            ``nats_url`` is used when ``bus`` is None.
         bus: an open bus to use (the caller closes it); None connects one at startup
             and closes it at shutdown.
+
+    Raises:
+        ValueError: the tenants file or limits are unusable (the message says why).
 
     Returns:
         The app; OpenAPI is served under ``/schema`` (``/schema/openapi.json``).
     """
 
+    tenants = load_tenants(settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         if bus is not None:
             app.state.bus = bus
+            app.state.queue = QueueView(bus)
             yield
             return
         own = await connect_bus(settings, "gateway", role="gateway")
         app.state.bus = own
+        app.state.queue = QueueView(own)
         try:
             yield
         finally:
             app.state.bus = None
+            app.state.queue = None
             await own.close()
 
     return Litestar(
@@ -586,14 +768,15 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
                         job_events_stream, workers_status, kernels_list, healthz, readyz,
                         metrics],
         lifespan=[lifespan],
-        guards=[_auth_guard(settings.api_token)] if settings.api_token else [],
+        guards=[_auth_guard(tenants)] if tenants.auth else [],
         exception_handlers={Exception: _error_response},
         before_send=[_count_response],
         request_max_body_size=REQUEST_MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="AIKG gateway", version="1",
                                      description="Submit, list, follow and cancel jobs; "
                                      "read their kernels; list workers."),
-        state=State({"bus": bus}),
+        state=State({"bus": bus, "queue": QueueView(bus) if bus is not None else None,
+                     "tenants": tenants, "tenant_locks": {}}),
         logging_config=None,
     )
 
@@ -641,7 +824,8 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
     except BaseException:
         sock.close()
         raise
-    server = _Server(uvicorn.Config(create_app(settings, bus), log_config=None,
+    app = create_app(settings, bus)
+    server = _Server(uvicorn.Config(app, log_config=None,
                                     access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
     loop = asyncio.get_running_loop()
@@ -652,10 +836,12 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             loop.add_signal_handler(sig, stop.set)
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-uvicorn")
     queue_metrics = asyncio.create_task(run_queue_metrics(bus), name="gateway-queue-metrics")
+    # Throughput samples for the estimated start times, also while nobody asks.
+    sampler = asyncio.create_task(app.state.queue.run_sampler(), name="gateway-queue-sampler")
     stopping = asyncio.create_task(stop.wait(), name="gateway-stop")
     host, port = sock.getsockname()[:2]
     log.info("gateway_listening", url=f"http://{host}:{port}", nats_url=settings.nats_url,
-             auth=bool(settings.api_token))
+             auth=bool(settings.api_token or settings.tenants_file))
     try:
         await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         server.should_exit = True
@@ -665,7 +851,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             await serving
     finally:
         stopping.cancel()
-        await cancel_and_wait(queue_metrics)
+        await cancel_and_wait(queue_metrics, sampler)
         if not serving.done():
             # Cancelled while uvicorn was still shutting down: give it its grace once
             # more, bounded, then cancel it, so a stuck request cannot keep the gateway

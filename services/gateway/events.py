@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -48,6 +49,8 @@ TERMINAL_GRACE_S = 3.0
 # The consumer behind a stream is removed by the server this long after its client is gone.
 _CONSUMER_INACTIVE_S = 60.0
 _POLL_S = 0.5
+# How often a waiting job's queue position is looked at, seconds.
+QUEUE_CHECK_S = 1.0
 
 
 async def open_event_subscription(bus: Bus, job_id: str, after_seq: int = 0):
@@ -63,8 +66,17 @@ async def open_event_subscription(bus: Bus, job_id: str, after_seq: int = 0):
     )
 
 
-async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
-                           ) -> AsyncIterator[ServerSentEventMessage]:
+def _queued(job_id: str, position: int, eta) -> ServerSentEventMessage:
+    """A ``queued`` event (no ``id:``: it is not in the stream, so not resumable)."""
+    event = JobEvent(job_id=job_id, event="queued", status="pending",
+                     message=f"position {position} in the queue",
+                     data={"queue_position": position,
+                           "estimated_start_time": eta.isoformat() if eta else None})
+    return ServerSentEventMessage(data=encode(event).decode(), event=event.event)
+
+
+async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False,
+                           queue: Any = None) -> AsyncIterator[ServerSentEventMessage]:
     """SSE messages for ``job_id`` from an open subscription (closed when this ends).
 
     Args:
@@ -74,12 +86,20 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
         ended: the record was terminal before the stream opened, so its terminal event
             (if any) is already in the stream: once the history is drained, the end
             is known without waiting for the grace period.
+        queue: the gateway's :class:`~services.gateway.queue.QueueView` when the job
+            was waiting as the stream opened: a ``queued`` event (data
+            ``queue_position``, ``estimated_start_time``) goes out each time its
+            position changes (checked every :data:`QUEUE_CHECK_S` seconds), until an
+            event says the job left ``pending``.
     """
     loop = asyncio.get_running_loop()
     store = CheckedJobStore(bus.jobs)
     told_fault: str | None = None
     last_beat = last_check = loop.time()
     ended_at: float | None = None
+    waiting = queue is not None
+    told_position: int | None = None
+    last_queue_check = loop.time() - QUEUE_CHECK_S
     if ended:
         last_check -= RECORD_CHECK_S
         ended_at = last_check - TERMINAL_GRACE_S
@@ -89,6 +109,14 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
                 msg = await sub.next_msg(timeout=_POLL_S)
             except (nats.errors.TimeoutError, TimeoutError):
                 now = loop.time()
+                if waiting and now - last_queue_check >= QUEUE_CHECK_S:
+                    last_queue_check = now
+                    with contextlib.suppress(Exception):
+                        position, eta = await queue.estimate(job_id)
+                        if position is not None and position != told_position:
+                            told_position = position
+                            last_beat = now
+                            yield _queued(job_id, position, eta)
                 if now - last_beat >= HEARTBEAT_S:
                     last_beat = now
                     yield ServerSentEventMessage(data=None, comment="keepalive")
@@ -124,6 +152,8 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False
                 log.warning("malformed_job_event", job_id=job_id, error=str(exc))
                 continue
             last_beat = loop.time()
+            if event.status is not None and event.status != "pending":
+                waiting = False
             yield ServerSentEventMessage(data=encode(event).decode(), event=event.event,
                                          id=msg.metadata.sequence.stream)
             if event.event in TERMINAL_STATUSES:

@@ -35,6 +35,7 @@ class JobSummary(msgspec.Struct, kw_only=True):
     not meaningful (cpu backend) or the job has no result. A record that does not decode
     is a row with status ``corrupt``, ``error`` naming the fault, empty ``op_name`` /
     ``job_type`` / ``backend`` and ``submit_time`` the time the bad value was written.
+    ``queue_position`` / ``estimated_start_time``: as on the job's status, while it waits.
     """
 
     job_id: str
@@ -52,6 +53,11 @@ class JobSummary(msgspec.Struct, kw_only=True):
     passed: bool | None = None
     speedup: float | None = None
     error: str | None = None
+    tenant: str = ""
+    priority: str = ""
+    # Filled in by the list route while the job waits (services/gateway/queue.py).
+    queue_position: int | None = None
+    estimated_start_time: dt.datetime | None = None
 
 
 class JobPage(msgspec.Struct, kw_only=True):
@@ -142,6 +148,8 @@ def summarize(record: JobRecord) -> JobSummary:
         passed=None if result is None else result.passed,
         speedup=None if result is None else result.speedup,
         error=record.error,
+        tenant=record.tenant,
+        priority=record.priority,
     )
 
 
@@ -154,8 +162,8 @@ def summarize_corrupt(exc: JobRecordCorrupt, written: dt.datetime | None) -> Job
 
 
 async def list_jobs(bus: Bus, *, status: str | None, op_name: str | None,
-                    limit: int, offset: int) -> JobPage:
-    """Jobs matching ``status`` and ``op_name`` (exact), newest submission first.
+                    limit: int, offset: int, tenant: str | None = None) -> JobPage:
+    """Jobs matching ``status``, ``op_name`` and ``tenant`` (exact), newest submission first.
 
     A record that does not decode (written by something other than AIKG, or cut short)
     keeps its place as a ``corrupt`` row (:func:`summarize_corrupt`); ``status="corrupt"``
@@ -166,12 +174,14 @@ async def list_jobs(bus: Bus, *, status: str | None, op_name: str | None,
         try:
             record = decode_record(key, entry.value or b"")
         except JobRecordCorrupt as exc:
-            if status in (None, CORRUPT) and op_name is None:
+            if status in (None, CORRUPT) and op_name is None and tenant is None:
                 rows.append(summarize_corrupt(exc, entry.created))
             continue
         if status is not None and record.status != status:
             continue
         if op_name is not None and record.op_name != op_name:
+            continue
+        if tenant is not None and record.tenant != tenant:
             continue
         rows.append(summarize(record))
     rows.sort(key=lambda r: (r.submit_time, r.job_id), reverse=True)

@@ -70,7 +70,6 @@ from services.common.consumer import (
     dead_letter,
     deliveries,
     durable_pull,
-    fetch_some,
     run_with_progress,
 )
 from services.common.jobs import (
@@ -84,10 +83,12 @@ from services.common.jobs import (
     pick_arch,
     publish_event,
 )
+from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
 from services.common.records import attempt_ids
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
+from services.common.tenants import tenant_label
 from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, lowering_sandbox
@@ -103,7 +104,17 @@ from services.generator.workflows import (
 
 log = structlog.get_logger("aikg.generator")
 
-JOBS_FINISHED = Counter("aikg_generator_jobs_total", "Jobs finished, by outcome.", ["outcome"])
+JOBS_FINISHED = Counter("aikg_generator_jobs_total", "Jobs finished, by outcome and tenant.",
+                        ["outcome", "tenant"])
+JOBS_STARTED = Counter("aikg_generator_jobs_started_total",
+                       "Jobs a generator started (first start of each delivery), by tenant "
+                       "and priority.", ["tenant", "priority"])
+JOB_QUEUE_WAIT = Histogram(
+    "aikg_job_queue_wait_seconds",
+    "Time from a job's submission to its start by a generator, seconds, by tenant.",
+    ["tenant", "priority"],
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200),
+)
 CANDIDATES = Counter("aikg_generator_candidates_total", "Candidates generated, by coder.", ["coder"])
 JOB_SECONDS = Histogram(
     "aikg_generator_job_duration_seconds", "Wall time of a job in the generator, seconds.",
@@ -171,6 +182,13 @@ class Generator:
             max_deliver=JOB_MAX_DELIVER + 1,
         )
         await self._align_ack_wait()
+        # Jobs wait in one lane per tenant and priority; they are taken in fair order.
+        lanes = LanePull(
+            self.bus.js, self.bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
+            consumer_of=subjects.generator_consumer,
+            config_of=lambda subject, durable: lane_config(
+                subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1))
+        await lanes.start()
         # Before the first job: every lowering runs the task's code in this sandbox.
         await asyncio.to_thread(self.sandbox.start)
         log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
@@ -185,11 +203,18 @@ class Generator:
                 if free <= 0:
                     await asyncio.sleep(0.05)
                     continue
-                for msg in await fetch_some(psub, free, timeout=1.0):
-                    task = asyncio.create_task(self.handle(msg))
-                    self.tasks.add(task)
-                    task.add_done_callback(self.tasks.discard)
+                await lanes.fetch_or_wait(free, self._take)
+                if lanes.default_failed:
+                    lanes.default_failed = False
+                    await asyncio.sleep(1.0)
+                    with contextlib.suppress(Exception):
+                        await (await durable_pull(
+                            self.bus.js, stream=subjects.STREAM_JOBS,
+                            subject=subjects.JOBS_SUBMIT, durable=subjects.CONSUMER_GENERATOR,
+                            ack_wait_s=JOB_ACK_WAIT_S,
+                            max_deliver=JOB_MAX_DELIVER + 1)).unsubscribe()
         finally:
+            await lanes.stop()
             await cancel_and_wait(*self.tasks)
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
@@ -197,6 +222,11 @@ class Generator:
                 await self.llm.aclose()
             await asyncio.to_thread(self.sandbox.close)
             log.info("generator_stopped")
+
+    def _take(self, msg: Msg) -> None:
+        task = asyncio.create_task(self.handle(msg))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     async def _align_ack_wait(self) -> None:
         """Bring a JOBS consumer created by an older generator (another ack wait) to
@@ -241,13 +271,19 @@ class Generator:
             return
         job_id = submit.job_id or (header_id if header_id and _is_token(header_id) else None)
         job_id = job_id or new_id("job-")
-        with structlog.contextvars.bound_contextvars(job_id=job_id):
+        # The lane it waited on says whose job it is (a raw `nats pub` on jobs.submit:
+        # the default tenant).
+        tenant, priority = (subjects.parse_lane(subjects.JOBS_SUBMIT, msg.subject or "")
+                            or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
+        with structlog.contextvars.bound_contextvars(job_id=job_id, tenant=tenant):
             try:
-                await self._serve(msg, job_id, submit)
+                await self._serve(msg, job_id, submit, tenant, priority)
             except JobRecordCorrupt as exc:
                 await self._fail_corrupt(msg, submit, exc)
 
-    async def _serve(self, msg: Msg, job_id: str, submit: JobSubmit) -> None:
+    async def _serve(self, msg: Msg, job_id: str, submit: JobSubmit,
+                     tenant: str = subjects.DEFAULT_TENANT,
+                     priority: str = subjects.DEFAULT_PRIORITY) -> None:
         """Run a decoded job message to its end, then ack it.
 
         Raises:
@@ -259,13 +295,13 @@ class Generator:
             await dead_letter(self.bus.js, msg, reason)
             await self._finish(job_id, "failed", error=reason)
             return
-        record = await self._ensure_record(job_id, submit)
+        record = await self._ensure_record(job_id, submit, tenant, priority)
         if record is None or record.status in TERMINAL_STATUSES:
             await msg.ack()
             return
         started = time.monotonic()
         outcome = await self._run_job(record)
-        JOBS_FINISHED.labels(outcome=outcome).inc()
+        JOBS_FINISHED.labels(outcome=outcome, tenant=tenant_label(record.tenant)).inc()
         JOB_SECONDS.labels(job_type=record.job_type).observe(time.monotonic() - started)
         await msg.ack()
 
@@ -294,13 +330,15 @@ class Generator:
             return
         # One warning, no traceback: the fault is the data's, not the generator's.
         log.warning("job_record_corrupt", fault=corrupt.fault, outcome="failed")
-        JOBS_FINISHED.labels(outcome="failed").inc()
+        JOBS_FINISHED.labels(outcome="failed", tenant=tenant_label(record.tenant)).inc()
         await publish_event(self.bus, JobEvent(job_id=corrupt.job_id, event="failed",
                                                status="failed", message=reason))
         with contextlib.suppress(Exception):  # already acked when it was dead-lettered
             await msg.ack()
 
-    async def _ensure_record(self, job_id: str, submit: JobSubmit) -> JobRecord | None:
+    async def _ensure_record(self, job_id: str, submit: JobSubmit,
+                             tenant: str = subjects.DEFAULT_TENANT,
+                             priority: str = subjects.DEFAULT_PRIORITY) -> JobRecord | None:
         """The job's record; created here for a raw ``nats pub`` submission (which did
         not pass the gateway's checks, so they run now)."""
         try:
@@ -319,7 +357,7 @@ class Generator:
             if arch is None:
                 error = (f"no live worker for backend={submit.backend}; live: "
                          f"{', '.join(describe_pairs(workers)) or 'none'}")
-        record = new_record(submit, job_id=job_id, arch=arch)
+        record = new_record(submit, job_id=job_id, arch=arch, tenant=tenant, priority=priority)
         await self.jobs.create(record)
         await publish_event(self.bus, JobEvent(job_id=job_id, event="submitted", status="pending"))
         if error:
@@ -331,10 +369,14 @@ class Generator:
         job_id = record.job_id
         submit = record.request
 
+        first_start = [False]
+
         def start(r: JobRecord) -> JobRecord | None:
+            first_start[0] = False
             if r.status in TERMINAL_STATUSES:
                 return None
             r.status = "running"
+            first_start[0] = r.start_time is None
             r.start_time = r.start_time or utcnow()
             r.progress.phase = "started"
             return r
@@ -342,6 +384,11 @@ class Generator:
         record = await self.jobs.update(job_id, start)
         if record.status != "running":
             return record.status
+        if first_start[0] and record.start_time is not None:
+            tenant = tenant_label(record.tenant)
+            JOBS_STARTED.labels(tenant=tenant, priority=record.priority).inc()
+            JOB_QUEUE_WAIT.labels(tenant=tenant, priority=record.priority).observe(
+                max(0.0, (record.start_time - record.submit_time).total_seconds()))
         recorded = len(record.progress.candidates)
         await publish_event(self.bus, JobEvent(
             job_id=job_id, event="started", status="running",
@@ -660,7 +707,8 @@ class JobRun:
 
     async def send_request(self, candidate_id: str, request_id: str, code: str, *,
                            data: dict[str, Any] | None = None) -> PubAck:
-        """Publish ``code``'s verify request on ``verify.<backend>.<arch>`` with
+        """Publish ``code``'s verify request on the job's lane of
+        ``verify.<backend>.<arch>`` (:func:`schemas.subjects.verify_lane`) with
         ``request_id`` as its ``Nats-Msg-Id`` (a resend inside the stream's duplicate
         window is dropped by the stream) and report ``verify_started``.
 
@@ -678,11 +726,14 @@ class JobRun:
             dsl=submit.dsl, framework=submit.framework, backend=submit.backend,
             arch=self.record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
             shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
-            trials=submit.trials,
+            trials=submit.trials, tenant=self.record.tenant, priority=self.record.priority,
         )
         self.waiter.expect(request_id)
-        ack = await self.bus.js.publish(subjects.verify(request.backend, request.arch),
-                                        encode(request), headers={"Nats-Msg-Id": request_id})
+        # The job's lane on VERIFY, so that workers serve tenants in turn too.
+        subject = subjects.verify_lane(request.backend, request.arch, request.tenant,
+                                       request.priority)
+        ack = await self.bus.js.publish(subject, encode(request),
+                                        headers={"Nats-Msg-Id": request_id})
         await publish_event(self.bus, JobEvent(
             job_id=self.job_id, event="verify_started", status="running",
             candidate_id=candidate_id, request_id=request_id,

@@ -195,18 +195,23 @@ class AIKGClient:
         shape_overrides: dict[str, Any] | None = None,
         coder: str | None = None,
         job_id: str | None = None,
+        priority: str | None = None,
         **fields: Any,
     ) -> str:
         """Submit a job; returns its id.
 
         Arguments are the reference client's (and the JobSubmit wire fields); None
         leaves a field to the gateway's default (backend ``cpu``, any live arch, dsl
-        ``triton``, workflow ``coder_only_workflow``). ``fields`` passes further
-        JobSubmit fields (``max_attempts``, ``timeout_s`` seconds, ``trials``).
+        ``triton``, workflow ``coder_only_workflow``, priority ``normal``). ``priority``
+        (``low`` | ``normal`` | ``high``) orders the job among waiting ones, within
+        the tenant's ``max_priority``. ``fields`` passes further JobSubmit fields
+        (``max_attempts``, ``timeout_s`` seconds, ``trials``).
 
         Raises:
             AIKGHTTPError: 400 (the detail names the bad field), 409 (no live worker
-                for backend/arch; ``body["live"]`` lists the live pairs), 413, 401.
+                for backend/arch; ``body["live"]`` lists the live pairs), 413, 401;
+                403 or 429 over a tenant limit (``body["limit"]`` names it; a 429's
+                ``Retry-After`` header says when to retry).
             AIKGConnectionError: the gateway is unreachable.
         """
         body = _submit_body(op_name, task_desc, {
@@ -215,22 +220,38 @@ class AIKGClient:
             "parallel_num": parallel_num, "num_islands": num_islands,
             "migration_interval": migration_interval, "elite_size": elite_size,
             "parent_selection_prob": parent_selection_prob, "init_code": init_code,
-            "shape_overrides": shape_overrides, "coder": coder, "job_id": job_id, **fields})
+            "shape_overrides": shape_overrides, "coder": coder, "job_id": job_id,
+            "priority": priority, **fields})
         return self._request("POST", "/api/v1/jobs/submit", json=body).json()["job_id"]
 
     def get_job_status(self, job_id: str) -> dict[str, Any]:
         """The job record: ``status``, ``job_type``, ``op_name``, ``submit_time``,
-        ``result`` (``code``, ``verdict``), ``error``, ``progress``.
+        ``result`` (``code``, ``verdict``), ``error``, ``progress``, ``tenant``,
+        ``priority``; while it waits, ``queue_position`` (1: next) and
+        ``estimated_start_time`` (RFC 3339, or None without a recent throughput).
 
         Raises:
             AIKGHTTPError: 404 for an unknown job.
         """
         return self._request("GET", _path(job_id, "/status")).json()
 
+    def get_queue_position(self, job_id: str) -> tuple[int | None, str | None]:
+        """``(queue_position, estimated_start_time)`` of a waiting job; ``(None, None)``
+        once it has started (or when the gateway cannot tell).
+
+        Raises:
+            AIKGHTTPError: 404 for an unknown job.
+        """
+        record = self.get_job_status(job_id)
+        return record.get("queue_position"), record.get("estimated_start_time")
+
     def list_jobs(self, status: str | None = None, op_name: str | None = None,
-                  limit: int = 50, offset: int = 0) -> dict[str, Any]:
-        """Job summaries, newest first: ``{"jobs": [...], "total", "limit", "offset"}``."""
-        params = {k: v for k, v in (("status", status), ("op_name", op_name)) if v is not None}
+                  limit: int = 50, offset: int = 0, tenant: str | None = None
+                  ) -> dict[str, Any]:
+        """Job summaries, newest first: ``{"jobs": [...], "total", "limit", "offset"}``;
+        waiting jobs carry ``queue_position`` and ``estimated_start_time``."""
+        params = {k: v for k, v in (("status", status), ("op_name", op_name),
+                                    ("tenant", tenant)) if v is not None}
         return self._request("GET", "/api/v1/jobs",
                              params={**params, "limit": limit, "offset": offset}).json()
 
@@ -380,10 +401,17 @@ class AsyncAIKGClient:
         """See :meth:`AIKGClient.get_job_status`."""
         return (await self._request("GET", _path(job_id, "/status"))).json()
 
+    async def get_queue_position(self, job_id: str) -> tuple[int | None, str | None]:
+        """See :meth:`AIKGClient.get_queue_position`."""
+        record = await self.get_job_status(job_id)
+        return record.get("queue_position"), record.get("estimated_start_time")
+
     async def list_jobs(self, status: str | None = None, op_name: str | None = None,
-                        limit: int = 50, offset: int = 0) -> dict[str, Any]:
+                        limit: int = 50, offset: int = 0, tenant: str | None = None
+                        ) -> dict[str, Any]:
         """See :meth:`AIKGClient.list_jobs`."""
-        params = {k: v for k, v in (("status", status), ("op_name", op_name)) if v is not None}
+        params = {k: v for k, v in (("status", status), ("op_name", op_name),
+                                    ("tenant", tenant)) if v is not None}
         return (await self._request("GET", "/api/v1/jobs",
                                     params={**params, "limit": limit, "offset": offset})).json()
 

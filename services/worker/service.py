@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import json
 import os
 import re
 import signal
@@ -57,9 +56,11 @@ from services.common.consumer import (
     run_with_progress,
 )
 from services.common.jobs import publish_event
+from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
+from services.common.tenants import tenant_label
 
 log = structlog.get_logger("aikg.worker")
 
@@ -76,8 +77,8 @@ VERIFY_SECONDS = Histogram(
 )
 QUEUE_WAIT = Histogram(
     "aikg_worker_queue_wait_seconds",
-    "Time from a verify request's creation to the start of its run, seconds.",
-    ["backend", "arch"],
+    "Time from a verify request's creation to the start of its run, seconds, by tenant.",
+    ["backend", "arch", "tenant"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300),
 )
 IN_FLIGHT = Gauge("aikg_worker_in_flight", "Verifications running now.", ["backend", "arch"])
@@ -118,100 +119,6 @@ FINAL_PUBLISH_ATTEMPTS = 3
 # Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
 # token of at most this many characters.
 _DEVICE_NAME_CHARS = 32
-
-
-class CapacityPull:
-    """Pull requests on a durable consumer that never bring more messages than asked.
-
-    nats-py's ``fetch`` stops waiting about when the server expires its pull request,
-    so a message the server sends in that moment lands in the subscription, and the
-    next ``fetch`` returns it on top of the batch it asked for: a worker would hold a
-    request it has no device for while another worker idles. Here each pull request
-    is followed until the server ends it (all messages delivered, or a status such
-    as 408 Request Timeout), so the next one starts only when none is open.
-
-    Args:
-        nc: the NATS connection.
-        stream / consumer: the durable pull consumer (it must exist).
-    """
-
-    def __init__(self, nc, stream: str, consumer: str) -> None:
-        self.nc = nc
-        self.api_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
-        self.inbox = nc.new_inbox()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.sub = None
-        self.requests = 0
-
-    async def start(self) -> None:
-        async def on_msg(msg) -> None:
-            self.queue.put_nowait(msg)
-
-        self.sub = await self.nc.subscribe(f"{self.inbox}.*", cb=on_msg)
-
-    async def stop(self) -> None:
-        if self.sub is not None:
-            with contextlib.suppress(Exception):
-                await self.sub.unsubscribe()
-
-    async def fetch(self, batch: int, take: Callable[[Any], None],
-                    expires_s: float = PULL_EXPIRES_S) -> str | None:
-        """Ask for up to ``batch`` messages and pass each to ``take`` as it arrives;
-        return when the server has ended the request (at most ``expires_s`` when fewer
-        arrive, plus a margin when its end status is lost).
-
-        ``take`` sees more than ``batch`` messages only when an earlier pull request
-        could not be followed to its end (a lost connection) and delivered late.
-
-        Returns:
-            The status that ended the request (``"408"`` when it expired, ``"409"`` /
-            ``"503"`` when the consumer or JetStream is not there ...), or None when
-            all ``batch`` messages came, or no status did.
-        """
-        want = batch
-        for msg in self._late():
-            take(msg)
-            want -= 1
-        if want <= 0:
-            return None
-        self.requests += 1
-        reply = f"{self.inbox}.{self.requests}"
-        body = {"batch": want, "expires": int(expires_s * 1e9)}
-        await self.nc.publish(self.api_subject, json.dumps(body).encode(), reply=reply)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + expires_s + 5.0
-        while want > 0:
-            try:
-                msg = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                return None
-            status = _status(msg)
-            if status is None:
-                take(msg)
-                want -= 1
-            elif status not in ("100", "") and msg.subject == reply:
-                return status  # 404/408/409/503: this request is over
-        return None
-
-    def _late(self) -> list:
-        """Messages (not statuses) already queued: deliveries of an earlier request."""
-        out = []
-        while not self.queue.empty():
-            msg = self.queue.get_nowait()
-            if _status(msg) is None:
-                out.append(msg)
-        return out
-
-
-def _status(msg) -> str | None:
-    """The status code of a JetStream status message (``"408"`` ...), None for a message.
-
-    Delivered messages carry an ack subject as reply; status messages carry none (a
-    publisher's own ``Status`` header cannot make a message look like one).
-    """
-    if msg.reply:
-        return None
-    return (msg.headers or {}).get("Status", "")
 
 
 class Worker:
@@ -337,8 +244,15 @@ class Worker:
             subject = subjects.verify(self.backend, self.arch)
             psub = await self._bind_consumer()
             await self._adopt_consumer_config(psub)
-            pull = CapacityPull(self.bus.nc, subjects.STREAM_VERIFY,
-                                subjects.verify_consumer(self.backend, self.arch))
+            # Requests wait in one lane per tenant and priority; taken in fair order.
+            pull = LanePull(
+                self.bus.js, self.bus.nc, stream=subjects.STREAM_VERIFY, base=subject,
+                consumer_of=lambda t, p: subjects.verify_lane_consumer(
+                    self.backend, self.arch, t, p),
+                config_of=lambda subj, durable: lane_config(
+                    subj, durable, ack_wait_s=self.ack_wait_s,
+                    max_deliver=self.max_deliver + 1),
+                idle_poll_s=PULL_EXPIRES_S)
             await pull.start()
             beat = asyncio.create_task(self.heartbeat())
             service = await self.control_service()
@@ -380,8 +294,9 @@ class Worker:
         self.verifier.shared_cache = cache
         self.log.info("shared_cache", enabled=cache is not None)
 
-    async def _serve(self, pull: CapacityPull, stop: asyncio.Event) -> None:
-        """Fetch as many requests as there are free devices, until stopped or drained."""
+    async def _serve(self, pull: LanePull, stop: asyncio.Event) -> None:
+        """Take as many requests as there are free devices (one lane after another, see
+        :class:`~services.common.lanes.LanePull`), until stopped or drained."""
         while not stop.is_set() and not self.draining:
             # Wait for at least one free device before asking for work; woken by the
             # release itself, so the next fetch follows a verdict at once.
@@ -390,11 +305,11 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.freed.wait(), PULL_EXPIRES_S)
                 continue
-            status = await pull.fetch(self.free.qsize(), self._take)
-            if status not in (None, "404", "408"):
+            await pull.fetch_or_wait(self.free.qsize(), self._take)
+            if pull.default_failed:
                 # The consumer or JetStream is gone (409 Consumer Deleted, 503 No
                 # Responders ...): re-create the consumer rather than spin on errors.
-                self.log.warning("pull_request_failed", status=status)
+                pull.default_failed = False
                 await asyncio.sleep(1.0)
                 with contextlib.suppress(Exception):
                     await (await self._bind_consumer()).unsubscribe()
@@ -541,7 +456,7 @@ class Worker:
         """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
 
         Only a pull request that could not be followed to its end (see
-        :class:`CapacityPull`) brings more messages than devices were free; those
+        :class:`~services.common.lanes.LanePull`) brings more messages than devices were free; those
         wait here instead of being nak'ed, which would count a delivery against
         max_deliver.
         """
@@ -579,7 +494,8 @@ class Worker:
             bound.info("skipped_cancelled_job")
             await msg.ack()
             return
-        QUEUE_WAIT.labels(**self.labels).observe(_age_s(request.created_at))
+        QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
+            _age_s(request.created_at))
         bound.info("verify_started", deliveries=delivered)
         IN_FLIGHT.labels(**self.labels).inc()
         started = time.monotonic()

@@ -1,0 +1,296 @@
+"""Fair pulls across tenant lanes: one durable consumer per (tenant, priority) subject.
+
+JetStream hands out a durable consumer's messages in stream order, so one consumer
+per queue is a FIFO: a burst of 100 jobs from one tenant holds up everyone behind it.
+Here each tenant and priority waits on its own subject (a *lane*,
+:func:`schemas.subjects.job_submit`, :func:`schemas.subjects.verify_lane`) with its own
+durable pull consumer, and :class:`LanePull` asks the lanes for one message at a time:
+the highest priority that has a waiting message first, and within a priority the
+tenants in turn (round-robin, starting after the tenant served last).
+
+Nothing is queued in memory: every message stays in its work-queue stream until it
+is acked, so a generator or worker that dies leaves its unacked messages to
+JetStream's redelivery, as before. The lanes are found in the stream itself (the
+per-subject message counts of ``STREAM.INFO`` with a subject filter), so a new
+tenant needs no restart; the default lane (the subject without a lane suffix, which
+raw ``nats pub`` users and older clients publish to) is always asked.
+
+Each ask is a ``$JS.API.CONSUMER.MSG.NEXT`` pull request with ``batch: 1`` and
+``no_wait: true``: the server answers at once with the message or a 404 status, so
+a caller never holds more messages than it asked for (the reason the worker pulled
+this way before; see :class:`services.worker.service.Worker`). While every lane is
+empty, :meth:`LanePull.wait` sleeps until a message is published on one of the
+lanes' subjects (a core NATS subscription used only as a wake-up) or
+``idle_poll_s`` passes (redeliveries after ack_wait publish nothing).
+
+nats-server 2.11+ also has consumer priority groups, but they order *consumers*
+of one subject (overflow, pinning), not tenants' messages, and nats-py 2.16's
+``ConsumerConfig`` has no field for them; per-tenant subjects and consumers are what
+both the installed server and client support.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import nats.js.errors
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas import subjects
+
+log = structlog.get_logger("aikg.lanes")
+
+# How long one no_wait pull may take to be answered before the ask counts as empty,
+# seconds (the server answers at once; this covers a lost reply).
+ANSWER_TIMEOUT_S = 2.0
+# After a wake-up finds nothing (the stream stores a message a moment after core
+# subscribers see it), the next asks come after these pauses, seconds.
+WAKE_RETRY_S = (0.005, 0.02, 0.1)
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One tenant's queue at one priority: its subject and durable consumer."""
+
+    tenant: str
+    priority: str
+    subject: str
+    consumer: str
+
+
+class LanePull:
+    """Take messages one at a time from the lanes under ``base``, fairly.
+
+    Args:
+        js / nc: the JetStream context and connection.
+        stream: the work-queue stream (``JOBS``, ``VERIFY``).
+        base: the default lane's subject (``jobs.submit``, ``verify.<backend>.<arch>``);
+            lanes are ``<base>.<tenant>.<priority>``.
+        consumer_of: ``(tenant, priority) -> durable consumer name`` of a lane.
+        config_of: ``(subject, durable) -> ConsumerConfig`` for a lane consumer that
+            does not exist yet (the caller creates the default lane's own).
+        idle_poll_s: longest sleep of :meth:`wait`, seconds.
+    """
+
+    def __init__(self, js: JetStreamContext, nc: Any, *, stream: str, base: str,
+                 consumer_of: Callable[[str, str], str],
+                 config_of: Callable[[str, str], ConsumerConfig],
+                 idle_poll_s: float = 1.0) -> None:
+        self.js = js
+        self.nc = nc
+        self.stream = stream
+        self.base = base
+        self.consumer_of = consumer_of
+        self.config_of = config_of
+        self.idle_poll_s = idle_poll_s
+        self.inbox = nc.new_inbox()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.woken = asyncio.Event()
+        self.subs: list[Any] = []
+        self.requests = 0
+        # Consumers known to exist (the default lane's is bound by the caller).
+        self.known: set[str] = {consumer_of(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY)}
+        # Per priority: the tenant served last, so the next ask starts after it.
+        self.last_served: dict[str, str] = {}
+        # Set when the default lane's consumer answered an error status (409, 503): the
+        # caller binds it again.
+        self.default_failed = False
+
+    async def start(self) -> None:
+        """Subscribe the reply inbox and the wake-up subjects."""
+        async def on_reply(msg) -> None:
+            self.queue.put_nowait(msg)
+
+        async def on_publish(_msg) -> None:
+            self.woken.set()
+
+        self.subs.append(await self.nc.subscribe(f"{self.inbox}.*", cb=on_reply))
+        for subject in (self.base, f"{self.base}.*.*"):
+            self.subs.append(await self.nc.subscribe(subject, cb=on_publish))
+
+    async def stop(self) -> None:
+        for sub in self.subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        self.subs.clear()
+
+    def lane(self, tenant: str, priority: str) -> Lane:
+        """The lane of ``tenant`` at ``priority``."""
+        subject = self.base if subjects.is_default_lane(tenant, priority) \
+            else f"{self.base}.{tenant}.{priority}"
+        return Lane(tenant, priority, subject, self.consumer_of(tenant, priority))
+
+    async def lanes(self) -> list[Lane]:
+        """Lanes holding messages now (from the stream's per-subject counts), and the
+        default lane; a subject under ``base`` that names no lane is left out."""
+        found = {(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY)}
+        try:
+            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.base}.*.*")
+            for subject, count in (info.state.subjects or {}).items():
+                parsed = subjects.parse_lane(self.base, subject)
+                if parsed is not None and count:
+                    found.add(parsed)
+        except Exception as exc:  # noqa: BLE001 - the default lane still works
+            log.warning("lane_listing_failed", stream=self.stream,
+                        error=f"{type(exc).__name__}: {exc}")
+        return [self.lane(t, p) for t, p in sorted(found)]
+
+    def order(self, lanes: list[Lane]) -> list[list[Lane]]:
+        """Lanes grouped by priority (high first), each group's tenants starting after
+        the one served last at that priority."""
+        groups = []
+        for priority in subjects.PRIORITIES:
+            group = sorted((ln for ln in lanes if ln.priority == priority),
+                           key=lambda ln: ln.tenant)
+            last = self.last_served.get(priority)
+            if last is not None and group:
+                after = [ln for ln in group if ln.tenant > last]
+                group = after + [ln for ln in group if ln.tenant <= last]
+            groups.append(group)
+        return groups
+
+    async def fetch(self, want: int, take: Callable[[Any], None]) -> int:
+        """Take up to ``want`` messages in fair order, passing each to ``take``.
+
+        Returns:
+            How many were taken (0 when every lane is empty or all its messages are
+            being worked on).
+        """
+        got = 0
+        for msg in self._late():
+            take(msg)
+            got += 1
+        if got >= want:
+            return got
+        for group in self.order(await self.lanes()):
+            active = list(group)
+            while active and got < want:
+                for lane in list(active):
+                    if got >= want:
+                        break
+                    msg = await self._next(lane)
+                    if msg is None:
+                        active.remove(lane)
+                        continue
+                    self.last_served[lane.priority] = lane.tenant
+                    take(msg)
+                    got += 1
+            if got >= want:
+                break
+        return got
+
+    async def wait(self) -> None:
+        """Sleep until a message is published on a lane, or ``idle_poll_s`` passes."""
+        self.woken.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.woken.wait(), self.idle_poll_s)
+        if self.woken.is_set():
+            await asyncio.sleep(WAKE_RETRY_S[0])
+
+    async def fetch_or_wait(self, want: int, take: Callable[[Any], None]) -> int:
+        """:meth:`fetch`; when it takes nothing, :meth:`wait` and ask again a few times
+        (a wake-up can precede the message's store by a moment)."""
+        got = await self.fetch(want, take)
+        if got:
+            return got
+        await self.wait()
+        if not self.woken.is_set():
+            return await self.fetch(want, take)
+        for pause in WAKE_RETRY_S:
+            got = await self.fetch(want, take)
+            if got:
+                return got
+            await asyncio.sleep(pause)
+        return 0
+
+    async def _ensure(self, lane: Lane) -> bool:
+        """Create the lane's consumer when it does not exist (an existing one keeps its
+        configuration, as a bound durable does). False when it cannot be had."""
+        if lane.consumer in self.known:
+            return True
+        try:
+            await self.js.consumer_info(self.stream, lane.consumer)
+        except nats.js.errors.NotFoundError:
+            try:
+                await self.js.add_consumer(self.stream, self.config_of(lane.subject,
+                                                                       lane.consumer))
+            except nats.js.errors.BadRequestError as exc:
+                # Created meanwhile by another instance with another configuration.
+                log.info("lane_consumer_exists", consumer=lane.consumer, error=str(exc))
+            except Exception as exc:  # noqa: BLE001 - try again on the next fetch
+                log.warning("lane_consumer_failed", consumer=lane.consumer, error=str(exc))
+                return False
+        except Exception as exc:  # noqa: BLE001
+            log.warning("lane_consumer_failed", consumer=lane.consumer, error=str(exc))
+            return False
+        self.known.add(lane.consumer)
+        log.info("lane_consumer_bound", stream=self.stream, consumer=lane.consumer,
+                 subject=lane.subject)
+        return True
+
+    async def _next(self, lane: Lane) -> Any | None:
+        """One message of ``lane``, or None when it has none to hand out now."""
+        if not await self._ensure(lane):
+            return None
+        self.requests += 1
+        reply = f"{self.inbox}.{self.requests}"
+        api = f"$JS.API.CONSUMER.MSG.NEXT.{self.stream}.{lane.consumer}"
+        await self.nc.publish(api, json.dumps({"batch": 1, "no_wait": True}).encode(),
+                              reply=reply)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ANSWER_TIMEOUT_S
+        while True:
+            try:
+                msg = await asyncio.wait_for(self.queue.get(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                return None
+            status = _status(msg)
+            if status is None:
+                return msg
+            if msg.subject != reply:
+                continue  # the end of an earlier ask, answered late
+            if status not in ("404", "408"):
+                # 409 (consumer deleted, too many pending) or 503: look it up again next time.
+                log.warning("lane_pull_failed", consumer=lane.consumer, status=status)
+                if lane.consumer != self.consumer_of(subjects.DEFAULT_TENANT,
+                                                     subjects.DEFAULT_PRIORITY):
+                    self.known.discard(lane.consumer)
+                else:
+                    self.default_failed = True
+            return None
+
+    def _late(self) -> list:
+        """Messages (not statuses) already queued: deliveries of an ask that timed out."""
+        out = []
+        while not self.queue.empty():
+            msg = self.queue.get_nowait()
+            if _status(msg) is None:
+                out.append(msg)
+        return out
+
+
+def _status(msg) -> str | None:
+    """The status code of a JetStream status message (``"404"`` ...), None for a message.
+
+    Delivered messages carry an ack subject as reply; status messages carry none.
+    """
+    if msg.reply:
+        return None
+    return (msg.headers or {}).get("Status", "")
+
+
+def lane_config(subject: str, durable: str, *, ack_wait_s: float, max_deliver: int,
+                max_ack_pending: int = 1000) -> ConsumerConfig:
+    """The configuration of a lane's durable pull consumer (explicit acks, every
+    message from the start, ``ack_wait_s`` seconds, ``max_deliver`` deliveries)."""
+    return ConsumerConfig(durable_name=durable, filter_subject=subject,
+                          ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                          ack_wait=ack_wait_s, max_deliver=max_deliver,
+                          max_ack_pending=max_ack_pending)
