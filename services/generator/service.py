@@ -400,7 +400,8 @@ class Generator:
             waiter = VerdictWaiter(self.bus.js, job_id)
             await waiter.start()
             try:
-                run = JobRun(self, record, waiter, phases)
+                run = JobRun(bus=self.bus, jobs=self.jobs, settings=self.settings,
+                             llm=self.llm, record=record, waiter=waiter, phases=phases)
                 if submit.job_type == "evolve":
                     work = self._evolve(run)
                 else:
@@ -573,19 +574,24 @@ class JobRun:
     their verify requests and verdicts, its progress and its LLM usage.
 
     Args:
-        generator: the owning generator (bus, store, settings, LLM client).
+        bus: the connection (verify requests, events).
+        jobs: the ``jobs`` bucket's store (the record, by compare-and-swap).
+        settings: the generator's settings (``verify_result_timeout_s``).
+        llm: the LLM client for :meth:`chat`, or None without one.
         record: the job's record when the run started.
         waiter: the job's verdict collector.
+        phases: seconds per job phase, added to by the run and its workflow.
     """
 
-    def __init__(self, generator: Generator, record: JobRecord, waiter: VerdictWaiter,
+    def __init__(self, *, bus: Bus, jobs: CheckedJobStore, settings: Settings,
+                 llm: LLMClient | None, record: JobRecord, waiter: VerdictWaiter,
                  phases: dict[str, float] | None = None) -> None:
-        self.gen = generator
         # Seconds per job phase measured here (verify_wait) and by the workflow.
         self.phases: dict[str, float] = {} if phases is None else phases
-        self.bus = generator.bus
-        self.jobs = generator.jobs
-        self.settings = generator.settings
+        self.bus = bus
+        self.jobs = jobs
+        self.settings = settings
+        self.llm = llm
         self.record = record
         self.job_id = record.job_id
         self.submit = record.request
@@ -648,8 +654,8 @@ class JobRun:
 
     async def chat(self, agent: str, messages: list[Message]) -> Completion:
         """The LLM client's chat, with the call's usage added to the job record."""
-        assert self.gen.llm is not None
-        return await self.gen.llm.chat(agent, messages, usage=self._add_usage)
+        assert self.llm is not None
+        return await self.llm.chat(agent, messages, usage=self._add_usage)
 
     async def _add_usage(self, completion: Completion) -> None:
         def change(r: JobRecord) -> JobRecord | None:
