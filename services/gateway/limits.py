@@ -25,6 +25,7 @@ import structlog
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 from prometheus_client import Counter
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_fixed
 
 from schemas import JobRecord, JobSubmit, subjects, utcnow
 from services.common.bus import Bus, JobNotFound
@@ -39,6 +40,11 @@ REJECTIONS = Counter(
     "max_jobs_per_hour: 429; max_parallel_num, max_rounds, max_priority: 403).",
     ["tenant", "limit"],
 )
+
+# Compare-and-swap attempts on a tenant's hourly count, and the pause between them,
+# seconds: submissions of one tenant through several gateways race on one key.
+COUNT_ATTEMPTS = 20
+COUNT_RETRY_S = 0.01
 
 
 def _refuse(tenant: Tenant, limit: str, status: int, detail: str,
@@ -129,23 +135,31 @@ async def create_within_limits(bus: Bus, store: CheckedJobStore, tenant: Tenant,
 
 
 async def count_submission(bus: Bus, tenant: Tenant) -> None:
-    """Add one to the tenant's count of this hour (compare-and-swap; best effort)."""
+    """Add one to the tenant's count of this hour (compare-and-swap; best effort).
+
+    A lost race with another gateway (``KeyWrongLastSequenceError``) is retried, up to
+    :data:`COUNT_ATTEMPTS` times; any other failure, or running out of attempts, is
+    logged and the count left short, since the job is already queued.
+    """
     if not tenant.max_jobs_per_hour or bus.tenant_usage is None:
         return
     kv = bus.tenant_usage
     key, _ = _hour_key(tenant.name, utcnow())
-    for _ in range(20):
-        try:
-            try:
-                entry = await kv.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                await kv.create(key, b"1")
-                return
-            await kv.update(key, str(int(entry.value or b"0") + 1).encode(),
-                            last=entry.revision)
-            return
-        except nats.js.errors.KeyWrongLastSequenceError:
-            await asyncio.sleep(0.01)
-        except Exception as exc:  # noqa: BLE001 - the job is queued; the count is bookkeeping
-            log.warning("tenant_usage_update_failed", tenant=tenant.name, error=str(exc))
-            return
+    try:
+        async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(nats.js.errors.KeyWrongLastSequenceError),
+                stop=stop_after_attempt(COUNT_ATTEMPTS), wait=wait_fixed(COUNT_RETRY_S),
+                reraise=True):
+            with attempt:
+                try:
+                    entry = await kv.get(key)
+                except nats.js.errors.KeyNotFoundError:
+                    entry = None
+                if entry is None:
+                    await kv.create(key, b"1")
+                else:
+                    await kv.update(key, str(int(entry.value or b"0") + 1).encode(),
+                                    last=entry.revision)
+    except Exception as exc:  # noqa: BLE001 - the job is queued; the count is bookkeeping
+        log.warning("tenant_usage_update_failed", tenant=tenant.name,
+                    error=f"{type(exc).__name__}: {exc}")
