@@ -19,12 +19,13 @@ import json
 from typing import Annotated
 
 import msgspec
-from litestar import get
-from litestar.datastructures import State
+from litestar import Router, get
+from litestar.di import NamedDependency
 from litestar.exceptions import ClientException
 from litestar.params import QueryParameter
 
 from schemas import JobRecord, KernelRow
+from services.common.bus import Bus
 from services.common.jobs import JobRecordCorrupt, decode_record
 from services.gateway.views import read_entries
 
@@ -141,9 +142,9 @@ def kernel_page(records: dict[str, bytes], *, passed: bool | None, op_name: str 
     return KernelPage(kernels=page, next_cursor=next_cursor, more=len(rows) > limit)
 
 
-@get("/api/v1/kernels", summary="Kernels (export)")
+@get("/", summary="Kernels (export)")
 async def kernels_list(
-    state: State,
+    bus: NamedDependency[Bus],
     passed: Annotated[bool | None, QueryParameter(
         description="Only kernels that passed (true) or failed (false) verification; "
         "leave out for both.")] = None,
@@ -154,21 +155,19 @@ async def kernels_list(
     arch: Annotated[str | None, QueryParameter(
         max_length=64, description="Only kernels verified on this arch.")] = None,
     cursor: Annotated[str | None, QueryParameter(
-        max_length=1024, description="Resume after this cursor (next_cursor of an earlier "
-        "page).")] = None,
+        max_length=1024, description="Resume after this cursor (next_cursor of an "
+        "earlier page).")] = None,
     limit: Annotated[int, QueryParameter(ge=1, le=MAX_KERNEL_PAGE,
                                          description="Page size, rows.")] = 100,
 ) -> KernelPage:
     """Every job's kernel with its task, verdict, timings, arch and provenance (job,
     candidate, coder, model, worker), ordered by the job's end time; page on with
     ``cursor``. ``aikg export`` writes them as JSON Lines or Parquet."""
-    # Imported here: app.py imports this module for its route list.
-    from services.gateway.app import _NATS_TROUBLE, _bus, _nats_unavailable
-
-    try:
-        entries = await read_entries(_bus(state).jobs)
-    except _NATS_TROUBLE as exc:
-        raise _nats_unavailable(exc, "read the jobs bucket") from exc
+    entries = await read_entries(bus.jobs)
     return kernel_page({k: e.value or b"" for k, e in entries.items()}, passed=passed,
-                             op_name=op_name, backend=backend, arch=arch, cursor=cursor,
-                             limit=limit)
+                       op_name=op_name, backend=backend, arch=arch, cursor=cursor,
+                       limit=limit)
+
+
+# Kernels: ``/api/v1/kernels`` (the ``/api/v1`` router adds the prefix).
+kernels_router = Router(path="/kernels", route_handlers=[kernels_list])

@@ -1,0 +1,355 @@
+"""``/api/v1/jobs``: submit, list, read, cancel and follow jobs, and read a job's kernel.
+
+Routes keep the names of the HTTP AIKG service it replaces (docs/compatibility.md,
+``AIKGClient``): ``POST /api/v1/jobs/submit`` and ``GET /api/v1/jobs/{job_id}/status``;
+and add ``GET /api/v1/jobs`` (list), ``POST /api/v1/jobs/{job_id}/cancel``,
+``GET /api/v1/jobs/{job_id}/events`` (SSE, services/gateway/events.py) and
+``GET /api/v1/jobs/{job_id}/kernel``. A submission is validated (msgspec schema, tenant
+limits, static task check, a live worker for its backend/arch), written to the ``jobs``
+bucket and published on its ``jobs.submit`` lane with the job id as ``Nats-Msg-Id``;
+the generator does the rest.
+
+The bus, the job store, the queue view and the tenant are dependencies
+(services/gateway/deps.py); NATS trouble is answered 503 by the app's exception handler
+(services/gateway/errors.py), so the routes do not catch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import re
+import time
+from typing import Annotated, NoReturn
+
+import msgspec
+import structlog
+from litestar import Request, Response, Router, get, post
+from litestar.datastructures import State
+from litestar.di import NamedDependency, Provide
+from litestar.exceptions import (
+    ClientException,
+    HTTPException,
+    NotFoundException,
+    ValidationException,
+)
+from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
+from litestar.response import ServerSentEvent
+from prometheus_client import Counter, Histogram
+
+from schemas import TERMINAL_STATUSES, JobEvent, JobRecord, JobSubmit, decode, subjects, utcnow
+from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound, publish_json
+from services.common.jobs import (
+    CheckedJobStore,
+    TaskError,
+    cancel_job,
+    check_task_source,
+    describe_pairs,
+    live_workers,
+    new_record,
+    pick_arch,
+    publish_event,
+)
+from services.common.tenants import Tenant, tenant_label
+from services.gateway import events as job_events
+from services.gateway.deps import load_record, provide_tenant
+from services.gateway.errors import unknown_job
+from services.gateway.limits import (
+    check_job_limits,
+    count_submission,
+    create_within_limits,
+    tenant_lock,
+)
+from services.gateway.queue import QueueView
+from services.gateway.views import JobPage, ListStatus, list_jobs
+
+log = structlog.get_logger("aikg.gateway")
+
+JOBS_SUBMITTED = Counter(
+    "aikg_gateway_jobs_submitted_total",
+    "Jobs accepted by the gateway, by tenant and priority.", ["tenant", "priority"],
+)
+SUBMIT_SECONDS = Histogram(
+    "aikg_gateway_submit_seconds",
+    "Time to accept a job submission (validation, record write, publish), seconds.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+
+# Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
+MAX_PAGE = 500
+
+# msgspec's error text ends with the field's path: "... - at `$.max_rounds`".
+_FIELD_PATH_RE = re.compile(r"^(?P<message>.*) - at `\$\.?(?P<key>[^`]*)`$", re.DOTALL)
+
+
+class SubmitResponse(msgspec.Struct, kw_only=True):
+    """Answer to a job submission; ``job_id`` is what ``AIKGClient.submit_job`` returns."""
+
+    job_id: str
+    status: str
+    backend: str
+    arch: str | None
+    message: str = ""
+
+
+async def _strict_submit(request: Request) -> JobSubmit:
+    """The body decoded as :class:`JobSubmit` with msgspec's strict rules.
+
+    Litestar converts bodies in msgspec's lax mode (``strict=False``), which turns
+    ``"max_rounds": "3"`` into 3; a raw ``nats pub`` on ``jobs.submit`` is decoded
+    strictly by the generator (:func:`schemas.decode`), so the HTTP door applies the
+    same rule: a number in a string, a float for an integer field or a string for a
+    boolean is refused (an integer for a float field is accepted). See msgspec's
+    "Strict vs Lax Mode" (https://jcristharif.com/msgspec/usage.html#strict-vs-lax-mode).
+
+    Raises:
+        ValidationException: answered 400, the message naming the field
+            (``Expected `int`, got `str` - at `$.max_rounds```).
+    """
+    try:
+        return decode(await request.body(), JobSubmit)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        text = str(exc)
+        match = _FIELD_PATH_RE.match(text)
+        error = ({"message": match["message"], "key": match["key"] or "data", "source": "body"}
+                 if match else {"message": text, "key": "data", "source": "body"})
+        raise ValidationException(detail=text, extra=[error]) from exc
+
+
+def _check_task(task_desc: str) -> None:
+    """400 unless ``task_desc`` is a KernelBench-format task (static check, no run)."""
+    try:
+        check_task_source(task_desc)
+    except TaskError as exc:
+        raise ClientException(detail=str(exc)) from exc
+    except (ValueError, RecursionError, MemoryError) as exc:
+        # ast.parse refuses NUL bytes with ValueError on 3.11 and very deep nesting
+        # with RecursionError: the task is unusable either way.
+        raise ClientException(detail=f"task_desc cannot be parsed as Python: "
+                                     f"{exc.__class__.__name__}: {exc}") from exc
+
+
+async def _withdraw(bus: Bus, job_id: str, exc: Exception,
+                    subject: str = subjects.JOBS_SUBMIT) -> NoReturn:
+    """The record is written but its submit message could not be published: remove the
+    record (so nothing waits on a job no generator will see) and answer 503, so the
+    client retries; the same ``job_id`` is free again."""
+    reason = f"could not queue the job on {subject}: {exc.__class__.__name__} {exc}"
+    log.error("job_publish_failed", error=reason)
+    with contextlib.suppress(Exception):
+        await bus.jobs.delete(job_id)
+    raise HTTPException(status_code=503, detail=f"{reason}; NATS may be down, retry shortly")
+
+
+async def _estimate(queue: QueueView | None,
+                    job_id: str) -> tuple[int | None, dt.datetime | None]:
+    """Queue position and estimated start of a waiting job; ``(None, None)`` when the
+    stream cannot be read (the status itself must not fail for it)."""
+    if queue is None:
+        return None, None
+    try:
+        return await queue.estimate(job_id)
+    except Exception as exc:  # noqa: BLE001 - a position is a hint
+        log.warning("queue_position_failed", job_id=job_id, error=f"{type(exc).__name__}: {exc}")
+        return None, None
+
+
+@post(["/submit", "/"], status_code=200, summary="Submit a job",
+      dependencies={"tenant": Provide(provide_tenant, sync_to_thread=False)})
+async def submit_job(
+    data: JSONBody[JobSubmit],
+    request: Request,
+    state: State,
+    bus: NamedDependency[Bus],
+    store: NamedDependency[CheckedJobStore],
+    tenant: NamedDependency[Tenant],
+) -> SubmitResponse:
+    """Validate a job, record it as ``pending`` and publish it on ``jobs.submit``.
+
+    The body is decoded strictly (:func:`_strict_submit`): ``"max_rounds": "3"`` is a
+    400 naming ``$.max_rounds``, as it is for a raw ``nats pub`` on ``jobs.submit``.
+    Answers 400 when the task is not a KernelBench-format task, 409 when no live
+    worker offers ``backend``/``arch`` (the body lists the live pairs) or when the
+    client-chosen ``job_id`` is already taken by a different job, 503 when the job
+    could not be queued (its record is withdrawn). Resubmitting the very same job with
+    the same ``job_id`` is idempotent: the answer carries the existing job's status.
+    """
+    started = time.perf_counter()
+    # ``data`` (Litestar's lax conversion) documents the body in the OpenAPI schema
+    # and has already refused what even lax rules refuse; the strict decode decides.
+    data = await _strict_submit(request)
+    check_job_limits(tenant, data)
+    _check_task(data.task_desc)
+
+    workers = await live_workers(bus)
+    arch = pick_arch(workers, data.backend, data.arch)
+    if arch is None:
+        wanted = f"backend={data.backend}" + (f" arch={data.arch}" if data.arch else "")
+        live = describe_pairs(workers)
+        raise HTTPException(
+            status_code=409,
+            detail=f"no live worker for {wanted}; live backend/arch pairs: "
+            f"{', '.join(live) or 'none'}. Start one with `aikg worker --backend "
+            f"{data.backend}{' --arch ' + data.arch if data.arch else ''}` or submit to "
+            "a live pair.",
+            extra={"live": live},
+        )
+
+    record = new_record(data, arch=arch, tenant=tenant.name)
+    job_id = record.job_id
+    subject = subjects.job_submit(tenant.name, record.priority)
+    with structlog.contextvars.bound_contextvars(job_id=job_id, tenant=tenant.name):
+        async with tenant_lock(state, tenant.name):
+            created = await create_within_limits(bus, store, tenant, record)
+        if not created:
+            existing, _ = await store.get(job_id)
+            if existing.request != record.request:
+                raise HTTPException(
+                    status_code=409,
+                    detail=f"job id {job_id!r} already exists with a different request; "
+                    "choose another job_id or omit it to get a fresh one",
+                )
+            age_s = (utcnow() - existing.submit_time).total_seconds()
+            if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S:
+                # Recovers a gateway that died between the record and the publish;
+                # the stream drops the copy when the first one made it. Outside the
+                # dedupe window a copy would run the job twice, so it is not sent.
+                await publish_json(bus.js,
+                                   subjects.job_submit(existing.tenant, existing.priority),
+                                   existing.request, msg_id=job_id)
+            log.info("job_resubmitted", status=existing.status)
+            return SubmitResponse(job_id=job_id, status=existing.status,
+                                  backend=existing.backend, arch=existing.arch,
+                                  message="job already submitted")
+        # The event goes first so that a job's history starts with it: a generator
+        # may pick the job up and report "started" before this handler runs on.
+        await publish_event(bus, JobEvent(job_id=job_id, event="submitted",
+                                          status="pending",
+                                          message=f"{record.backend}/{arch}"))
+        try:
+            await publish_json(bus.js, subject, record.request, msg_id=job_id)
+        except Exception as exc:
+            await publish_event(bus, JobEvent(job_id=job_id, event="error",
+                                              status="pending",
+                                              message=f"submission withdrawn: {exc}"))
+            await _withdraw(bus, job_id, exc, subject)
+        await count_submission(bus, tenant)
+        JOBS_SUBMITTED.labels(tenant=tenant_label(tenant.name),
+                              priority=record.priority).inc()
+        log.info("job_submitted", op_name=record.op_name, backend=record.backend,
+                 arch=arch, job_type=record.job_type, workflow=data.workflow,
+                 priority=record.priority, subject=subject)
+    SUBMIT_SECONDS.observe(time.perf_counter() - started)
+    return SubmitResponse(job_id=job_id, status="pending", backend=record.backend,
+                          arch=arch)
+
+@get("/", summary="List jobs")
+async def jobs_list(
+    bus: NamedDependency[Bus],
+    queue: NamedDependency[QueueView | None],
+    status: Annotated[ListStatus | None, QueryParameter(
+        description="Only jobs with this status; `corrupt`: records that do not "
+        "decode.")] = None,
+    op_name: Annotated[str | None, QueryParameter(
+        max_length=128, description="Only jobs of this operator (exact).")] = None,
+    tenant: Annotated[str | None, QueryParameter(
+        max_length=32, description="Only jobs of this tenant.")] = None,
+    limit: Annotated[int, QueryParameter(ge=1, le=MAX_PAGE, description="Page size.")] = 50,
+    offset: Annotated[int, QueryParameter(
+        ge=0, description="Jobs to skip (newest first).")] = 0,
+) -> JobPage:
+    """Job summaries, newest submission first, filtered by ``status``, ``op_name`` and
+    ``tenant``; ``total`` counts every match, so ``offset`` + ``limit`` page through
+    them. Waiting jobs carry their ``queue_position`` and ``estimated_start_time``."""
+    page = await list_jobs(bus, status=status, op_name=op_name, limit=limit,
+                           offset=offset, tenant=tenant)
+    for row in page.jobs:
+        if row.status == "pending":
+            row.queue_position, row.estimated_start_time = await _estimate(queue, row.job_id)
+    return page
+
+@get(["/{job_id:str}/status", "/{job_id:str}"], summary="Job status")
+async def job_status(job_id: FromPath[str], store: NamedDependency[CheckedJobStore],
+                     queue: NamedDependency[QueueView | None]) -> JobRecord:
+    """The job record: status, progress, result (kernel source and verdict), error;
+    while the job waits, its ``queue_position`` (1: next to start) and
+    ``estimated_start_time`` (services/gateway/queue.py), null otherwise."""
+    record = await load_record(store, job_id)
+    if record.status == "pending":
+        record.queue_position, record.estimated_start_time = await _estimate(queue, job_id)
+    return record
+
+@post("/{job_id:str}/cancel", status_code=200, summary="Cancel a job")
+async def job_cancel(job_id: FromPath[str], bus: NamedDependency[Bus],
+                     store: NamedDependency[CheckedJobStore]) -> JobRecord:
+    """Mark the job ``cancelled`` and publish its ``cancelled`` event; the generator
+    stops its work and workers skip its pending verify requests. Idempotent: a job
+    that has already ended is returned unchanged (its ``status`` says how it ended)."""
+    await load_record(store, job_id)
+    try:
+        record = await cancel_job(bus, job_id)
+    except JobNotFound as exc:
+        raise unknown_job(job_id) from exc
+    log.info("job_cancel_requested", job_id=job_id, status=record.status)
+    return record
+
+@get("/{job_id:str}/kernel", summary="Best kernel source", media_type="text/x-python")
+async def job_kernel(job_id: FromPath[str],
+                     store: NamedDependency[CheckedJobStore]) -> Response[str]:
+    """The job's kernel source (``text/x-python``): the passing candidate of a
+    completed job, or the last candidate tried of a failed one. Headers
+    ``X-AIKG-Passed`` and ``X-AIKG-Candidate-Id`` say which. 404 while the job has no
+    kernel yet."""
+    record = await load_record(store, job_id)
+    result = record.result
+    if result is None or not result.code:
+        raise NotFoundException(
+            detail=f"job {job_id!r} has no kernel yet (status {record.status}); it has "
+            "one once it has ended with a candidate")
+    headers = {
+        "X-AIKG-Passed": "true" if result.passed else "false",
+        "X-AIKG-Candidate-Id": result.candidate_id or "",
+        "Content-Disposition": f'inline; filename="{record.op_name}_kernel.py"',
+    }
+    return Response(result.code, media_type="text/x-python", headers=headers)
+
+@get("/{job_id:str}/events", summary="Job events (Server-Sent Events)",
+     media_type="text/event-stream")
+async def job_events_stream(
+    job_id: FromPath[str],
+    bus: NamedDependency[Bus],
+    store: NamedDependency[CheckedJobStore],
+    queue: NamedDependency[QueueView | None],
+    last_event_id: Annotated[str | None, HeaderParameter(
+        name="Last-Event-ID", required=False,
+        description="Resume after this event id (a JOB_EVENTS stream sequence).")] = None,
+) -> ServerSentEvent:
+    """The job's events as ``text/event-stream``: its whole history, then live, ending
+    after the terminal event (``completed``, ``failed``, ``cancelled``). ``event:`` is
+    the event kind, ``data:`` the JobEvent JSON, ``id:`` its stream sequence. A
+    comment line goes out every 15 s while idle."""
+    after = 0
+    if last_event_id:
+        try:
+            after = int(last_event_id)
+        except ValueError:
+            raise ClientException(detail=f"Last-Event-ID must be an event id (an integer) "
+                                  f"sent by this route, not {last_event_id[:40]!r}") from None
+        if after < 0:
+            raise ClientException(detail="Last-Event-ID must not be negative")
+    record = await load_record(store, job_id)
+    try:
+        sub = await job_events.open_event_subscription(bus, job_id, after)
+    except Exception as exc:  # noqa: BLE001 - NATS trouble: the client may retry
+        raise HTTPException(status_code=503, detail=f"cannot read the job's events from "
+                            f"{subjects.STREAM_JOB_EVENTS}: {exc.__class__.__name__} "
+                            f"{exc}; retry shortly") from exc
+    return ServerSentEvent(job_events.job_event_stream(
+        bus, job_id, sub, ended=record.status in TERMINAL_STATUSES,
+        queue=queue if record.status == "pending" else None))
+
+
+# Jobs: ``/api/v1/jobs`` (the ``/api/v1`` router adds the prefix). Listed in this order
+# in the OpenAPI document.
+jobs_router = Router(path="/jobs", route_handlers=[submit_job, jobs_list, job_status, job_cancel,
+                                                   job_kernel, job_events_stream])
