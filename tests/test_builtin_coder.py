@@ -281,6 +281,7 @@ REFUSED = [
     ("F.adaptive_max_pool1d(x.unsqueeze(0), 7)", "", "aten.adaptive_max_pool2d.default",
      "pooling"),
     ("torch.cat([x, y])", "", "aten.cat.default", "concatenation"),
+    ("torch.sort(x, dim=1).values", "", "aten.sort.default", "sorting"),
     ("self.conv(x.unsqueeze(0))", "        self.conv = nn.Conv1d(4, 4, 3)\n",
      "aten.convolution.default", "convolution"),
 ]
@@ -360,6 +361,8 @@ SCHEDULES = {
     "cumsum": ("x", "torch.cumsum(x, dim=1) + torch.cumprod(1.0 + 0.01 * x, dim=0)", "",
                SIGNED),
     "exclusive_cumsum": ("x", "torch.cumsum(x, dim=0) - x", "", SIGNED),
+    "reverse_cumsum": ("x", "torch.cumsum(x.flip(1), dim=1).flip(1) + x.flip(0, 1) * 0.5", "",
+                       SIGNED),
     "masked_cumsum": ("x, m", "torch.cumsum(x * m, dim=1)", "", f"{SIGNED}, torch.rand(rows, features) > 0.5"),
     # matmul with epilogues
     "linear_epilogue": ("x", "torch.relu(self.fc(x)) * 0.5 + self.bias",

@@ -1011,6 +1011,8 @@ class _Lowerer:
             self.scan(node, op)
         elif op in _POOLS:
             self.pool(node, op)
+        elif op == "aten.flip.default":
+            self.flip(node, op)
         else:
             raise _refuse(op)
 
@@ -1562,6 +1564,47 @@ class _Lowerer:
         ]
         self.values[node] = _Value("tensor", out)
 
+    # ---- flip ----------------------------------------------------------------------
+
+    def flip(self, node: torch.fx.Node, op: str) -> None:
+        """Schedule ``flip``: a copy whose loads read index ``size - 1 - i`` along the
+        flipped dims (torch has no negative strides, so a flip is not a view); one
+        program per BLOCK_SIZE output elements, the output contiguous."""
+        raw = _bind(node)
+        src = self.materialize(raw["self"])
+        val = _val(node)
+        rank = len(val.shape)
+        dims = sorted({d % rank for d in raw["dims"]}) if rank else []
+        out = self.alloc(f"{src}.shape", val.dtype)
+        lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
+                 "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                 "mask = offsets < n_elements",
+                 "rest = offsets",
+                 "src = offsets * 0"]
+        for d in reversed(range(rank)):
+            lines.append(f"i{d} = rest % size{d}" if d else "i0 = rest")
+            if d:
+                lines.append(f"rest = rest // size{d}")
+            index = f"(size{d} - 1 - i{d})" if d in dims else f"i{d}"
+            lines.append(f"src += {index} * s{d}")
+        lines.append("tl.store(out_ptr + offsets, tl.load(in_ptr + src, mask=mask), mask=mask)")
+        kname = self.fresh("flip_kernel_")
+        self.add_kernel(kname, ["in_ptr", *(f"s{d}" for d in range(rank)), "out_ptr",
+                                "n_elements", *(f"size{d}" for d in range(rank)),
+                                "BLOCK_SIZE: tl.constexpr"],
+                        f"Flip: {op} along dims {dims}: out[i] = in[..., size - 1 - i, ...]; "
+                        "in is read through its strides.", lines, [op])
+        block = self.p["block_size"]
+        self.forward += [
+            f"n = {out}.numel()",
+            "if n > 0:",
+            f"    {kname}[(triton.cdiv(n, {block}),)](",
+            f"        {', '.join([src, f'*{src}.stride()', out, 'n', f'*{src}.shape'])},",
+            f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        self.values[node] = _Value("tensor", out)
+
     # ---- pooling -------------------------------------------------------------------
 
     def pool(self, node: torch.fx.Node, op: str) -> None:
@@ -2004,7 +2047,7 @@ def lower_task(
     argmin, prod, var, any/all over any dims, with the element-wise chain producing its
     input fused in; softmax, log_softmax, layer/group/batch/instance and RMS norms and
     losses decompose into these), ``matmul`` (mm, bmm, addmm, baddbmm; ``tl.dot`` tiles,
-    bias epilogue), ``scan`` (cumsum, cumprod) and ``pooling`` (max_pool1d/2d/3d with
+    bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip`` and ``pooling`` (max_pool1d/2d/3d with
     or without indices, avg_pool1d/2d/3d). Views (permute, expand, slice, ...)
     stay views in forward, and kernels read every operand through its strides.
     Tensors may be float32, float16, bfloat16 or bool; kernels compute in float32.
