@@ -30,6 +30,7 @@ import argparse
 import ast
 import asyncio
 import json
+import os
 import re
 import sys
 import time
@@ -211,8 +212,10 @@ async def run(args: argparse.Namespace) -> list[Row]:
     if args.only:
         wanted = {int(x) for x in args.only.split(",")}
         problems = [p for p in problems if int(p.name.split("_")[0]) in wanted]
-    sandbox = lowering_sandbox("kernelbench")
-    verifier = Verifier(args.backend, worker_id="kernelbench")
+    # Per process: two runs at once (level 1 beside level 2) must not share, and then
+    # remove, one scratch directory.
+    sandbox = lowering_sandbox(f"kernelbench-{os.getpid()}")
+    verifier = Verifier(args.backend, worker_id=f"kernelbench-{os.getpid()}")
     await asyncio.to_thread(sandbox.start)
     await asyncio.to_thread(verifier.start)
     rows: list[Row] = []

@@ -948,7 +948,7 @@ async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | Non
     from services.sdk import LocalWorker, Task, WorkerManager
 
     manager = WorkerManager()
-    worker = LocalWorker(devices, backend=backend, arch=arch)
+    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg run")
     manager.add(worker, backend, worker.arch, len(devices))
     try:
         return await Task(op_name, task_desc, task_id=f"run-{os.getpid()}", backend=backend,
@@ -1003,7 +1003,6 @@ def run(
     overrides = dict(parse_shape(s) for s in shape or [])
     _check_shape_names(file, task_desc, overrides)
     configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
-    from services.worker.sandbox import PoolBroken  # imports torch: after the checks
 
     live = not as_json and err.is_terminal
     display = (err.status(f"writing and verifying a kernel for {file} on {backend} ...")
@@ -1017,7 +1016,13 @@ def run(
         _fail(ExitCode.INTERRUPTED, "stopped")
     except ValueError as exc:
         _fail(ExitCode.USAGE, str(exc))
-    except PoolBroken as exc:
+    except Exception as exc:
+        # Imported only now: it imports torch, which a task the coder declines from its
+        # source alone never needs (that refusal takes milliseconds, not seconds).
+        from services.worker.sandbox import PoolBroken
+
+        if not isinstance(exc, PoolBroken):
+            raise
         _fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")
     if as_json:
         sys.stdout.write(json.dumps({"op_name": op, **info}) + "\n")

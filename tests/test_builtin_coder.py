@@ -281,6 +281,7 @@ REFUSED = [
     ("F.adaptive_max_pool1d(x.unsqueeze(0), 7)", "", "aten.adaptive_max_pool2d.default",
      "pooling"),
     ("torch.cat([x, y])", "", "aten.cat.default", "concatenation"),
+    ("torch.sort(x, dim=1).values", "", "aten.sort.default", "sorting"),
     ("self.conv(x.unsqueeze(0))", "        self.conv = nn.Conv1d(4, 4, 3)\n",
      "aten.convolution.default", "convolution"),
 ]
@@ -337,6 +338,8 @@ SCHEDULES = {
     "broadcast": ("x, b", "torch.relu(x + b) * b.unsqueeze(0)", "",
                   f"{SIGNED}, torch.randn(features)"),
     "scalar_input": ("x, s", "x * s + 1.0", "", f"{SIGNED}, 2.5"),
+    "scalar_inputs": ("x, scale, offset, flag", "torch.relu(x * scale + offset) * flag", "",
+                      f"{SIGNED}, -0.75, 2, True"),
     "permute": ("x", "x.t().contiguous() * 2.0 + x.t()", "", SIGNED),
     "multi_output": ("x", "torch.sigmoid(x), x.sum(dim=1), x.amax(dim=0)", "", SIGNED),
     # row reductions along any dim
@@ -344,20 +347,34 @@ SCHEDULES = {
     "amax_amin": ("x", "x.amax(dim=1) - x.amin(dim=1, keepdim=True).squeeze(1)", "", SIGNED),
     "prod": ("x", "(1.0 + 0.1 * x).prod(dim=1)", "", SIGNED),
     "argmax_argmin": ("x", "torch.argmax(x, dim=1), torch.argmin(x, dim=0)", "", SIGNED),
+    "any_all": ("x", "(x > 0.5).any(dim=1), (x < 1.5).all(dim=0), (x > 3.0).any()", "",
+                SIGNED),
     "var_std": ("x", "torch.var(x, dim=1) + torch.std(x, dim=0).sum()", "", SIGNED),
     "logsumexp": ("x", "torch.logsumexp(x, dim=1)", "", SIGNED),
     "softmax": ("x", "torch.softmax(x, dim=1) + torch.log_softmax(x, dim=0)", "", SIGNED),
     "layer_norm": ("x", "self.norm(x)", "        self.norm = nn.LayerNorm(features)\n", SIGNED),
+    "group_norm": ("x", "self.norm(x.unsqueeze(-1))",
+                   "        self.norm = nn.GroupNorm(2, features)\n", SIGNED),
     "mse_loss": ("x, y", "F.mse_loss(x, y) + F.smooth_l1_loss(x, y)", "",
                  f"{SIGNED}, {SIGNED}"),
     # scan
     "cumsum": ("x", "torch.cumsum(x, dim=1) + torch.cumprod(1.0 + 0.01 * x, dim=0)", "",
                SIGNED),
+    "exclusive_cumsum": ("x", "torch.cumsum(x, dim=0) - x", "", SIGNED),
+    "reverse_cumsum": ("x", "torch.cumsum(x.flip(1), dim=1).flip(1) + x.flip(0, 1) * 0.5", "",
+                       SIGNED),
     "masked_cumsum": ("x, m", "torch.cumsum(x * m, dim=1)", "", f"{SIGNED}, torch.rand(rows, features) > 0.5"),
     # matmul with epilogues
     "linear_epilogue": ("x", "torch.relu(self.fc(x)) * 0.5 + self.bias",
                         "        self.fc = nn.Linear(features, 24)\n"
                         "        self.bias = nn.Parameter(torch.randn(24))\n", SIGNED),
+    "gemm_epilogue_chain": ("x", "(lambda y: F.leaky_relu(torch.clamp(y * 2.0 + y.clone().detach(), "
+                            "-1.0, 1.0), 0.1) + torch.sigmoid(y) * F.gelu(y) - F.hardtanh(torch.tanh(y), "
+                            "-0.5, 0.5))(self.fc(x))",
+                            "        self.fc = nn.Linear(features, 24)\n", SIGNED),
+    "mm_transposed_epilogue": ("a, b, r", "F.silu(a.t() @ b) / 3.0 + r", "",
+                               "torch.randn(features, rows), torch.randn(features, 24), "
+                               "torch.randn(24)"),
     "bmm_transposed": ("a, b", "torch.tanh(torch.bmm(a, b.transpose(1, 2)))", "",
                        "torch.randn(3, rows, features), torch.randn(3, 20, features)"),
     # pooling: windows over the padded border, dilation, ceil_mode, 1-D/2-D/3-D
@@ -442,3 +459,57 @@ def test_kernels_have_docstrings_naming_their_aten_ops():
 def test_bad_matmul_tiles_are_refused(config):
     with pytest.raises(ValueError, match="power of two"):
         lower_task((TASKS / "matmul.py").read_text(), **config)
+
+
+def _launches(candidate: str) -> list[str]:
+    """Names of the kernels ModelNew.forward launches, in order."""
+    return re.findall(r"(\w+_kernel_\d+)\[\(", candidate)
+
+
+@pytest.mark.parametrize("name", ["linear_epilogue", "gemm_epilogue_chain",
+                                  "mm_transposed_epilogue", "bmm_transposed"])
+def test_matmul_epilogue_is_fused_into_the_dot_kernel(name):
+    """Activation, scaling, clamp, residual and bias chains on a matmul's product run in
+    the tl.dot kernel's epilogue: one launch, the product never stored."""
+    candidate = lower_task(schedule_task(name))
+    assert len(_launches(candidate)) == 1 and _launches(candidate)[0].startswith("matmul_kernel_")
+    tree = ast.parse(candidate)
+    kernel = next(f for f in tree.body if isinstance(f, ast.FunctionDef)
+                  and f.name.startswith("matmul_kernel_"))
+    doc = ast.get_docstring(kernel)
+    assert "epilogue: aten." in doc, doc
+    assert candidate.count("tl.store(") == 1
+
+
+def test_matmul_product_read_elsewhere_is_stored_once():
+    """A product that an element-wise chain and a reduction both read is computed by one
+    matmul kernel and stored; the chain does not recompute it."""
+    task_src = SCHEDULE_TASK.format(args="x", body="(lambda y: (torch.relu(y), y.sum(dim=1)))"
+                                    "(self.fc(x))",
+                                    init="        self.fc = nn.Linear(features, 24)\n",
+                                    inputs=SIGNED)
+    candidate = lower_task(task_src)
+    assert sum(k.startswith("matmul_kernel_") for k in _launches(candidate)) == 1
+    _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
+
+
+def test_scalar_inputs_are_kernel_arguments():
+    """Numbers from get_inputs() reach the kernel as arguments, so ModelNew follows the
+    values forward is called with, not the ones it was lowered at."""
+    task_src = schedule_task("scalar_inputs")
+    candidate = lower_task(task_src)
+    assert re.search(r"def pointwise_kernel_\d+\(.*f_scale, i_offset, b_flag", candidate)
+    task, module = _module(task_src), _module(candidate)
+    x = torch.randn(5, 7)
+    for scale, offset, flag in ((-0.75, 2, True), (3.5, -1, True), (0.25, 0, False)):
+        torch.testing.assert_close(module.ModelNew(7)(x, scale, offset, flag),
+                                   task.Model(7)(x, scale, offset, flag))
+
+
+def test_scalar_input_used_as_a_dim_is_baked_in():
+    """A number torch.export cannot trace as a tensor (a reduction dim) is specialized."""
+    task_src = SCHEDULE_TASK.format(args="x, d", body="x.sum(dim=d) * 2.0", init="",
+                                    inputs=f"{SIGNED}, 1")
+    candidate = lower_task(task_src)
+    assert "i_d" not in candidate
+    _assert_matches(task_src, candidate, rtol=1e-5, atol=1e-5)

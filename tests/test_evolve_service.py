@@ -187,3 +187,61 @@ async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
         stop.set()
         await asyncio.wait_for(asyncio.gather(worker, return_exceptions=True), 60)
 
+
+
+# A matmul with an epilogue, small enough for the interpreter: the built-in coder writes
+# one tl.dot kernel whose tiles, warps and stages the evolve search varies.
+MATMUL_TASK = '''\
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, a, b):
+        return torch.relu(a @ b) * 0.5
+
+
+m = 24
+k = 40
+n = 20
+
+
+def get_inputs():
+    return [torch.randn(m, k), torch.randn(k, n)]
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+async def test_evolve_job_tunes_a_matmul_schedules_launch_parameters(
+        settings: Settings, bus: Bus, gateway: str) -> None:
+    """Evolve with the built-in coder on a matmul task: each candidate is the tl.dot
+    kernel at another point of (block_m, block_n, block_k, num_warps, num_stages), the
+    job record keeps every point tried with its verdict, and the best is verified."""
+    settings = msgspec.structs.replace(settings, worker_devices="0,1")
+    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+                                                                  timeout=10) as client:
+        resp = await client.post("/api/v1/jobs/submit", json={
+            "op_name": "matmul_relu", "task_desc": MATMUL_TASK, "backend": "cpu",
+            "job_type": "evolve", "max_rounds": 2, "parallel_num": 3, "num_islands": 1,
+            "migration_interval": 1, "elite_size": 2, "parent_selection_prob": 0.5,
+            "trials": 1})
+        assert resp.status_code == 200, resp.text
+        record = await wait_terminal(client, resp.json()["job_id"], timeout_s=300)
+    assert record["status"] == "completed", record["error"]
+    candidates = record["evolve"]["candidates"]
+    assert len(candidates) == 6
+    tiles = set()
+    for c in candidates:
+        p = c["params"]
+        tiles.add((p["block_m"], p["block_n"], p["block_k"], p["num_warps"], p["num_stages"]))
+        assert c["passed"] is True, c
+    assert len(tiles) >= 3, "the search must try several matmul launch configurations"
+    best = record["result"]["best"][0]
+    assert best["passed"] is True
+    p = best["params"]
+    launch = (f"BLOCK_M={p['block_m']}, BLOCK_N={p['block_n']}, BLOCK_K={p['block_k']}, "
+              f"num_warps={p['num_warps']}, num_stages={p['num_stages']})")
+    assert launch in best["code"] and "tl.dot(" in best["code"]

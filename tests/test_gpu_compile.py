@@ -55,8 +55,12 @@ for path in paths:
     dtypes = sys.argv[2].split(",") if path.parent.name == "tasks" else ["fp32"]
     for kname, kernel in kernels.items():
         for dtype in dtypes:
+            # numbers from get_inputs() arrive as f_<name> (float), b_<name> (bool),
+            # i_<name> (int) arguments; sizes and strides as ints
             signature = {name: "*" + dtype if name.endswith("_ptr")
-                         else "constexpr" if name in CONSTEXPRS else "i64"
+                         else "constexpr" if name in CONSTEXPRS
+                         else "fp32" if name.startswith("f_")
+                         else "i1" if name.startswith("b_") else "i64"
                          for name in kernel.arg_names}
             constexprs = {n: v for n, v in CONSTEXPRS.items() if n in kernel.arg_names}
             try:
@@ -95,6 +99,9 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
                 for name, task in results.items() if task["lowered"]
                 for kernel, r in task["dtypes"].items() if "error" in r}
     assert not failures, json.dumps(failures, indent=1)
+    # every kernel of every schedule task (matmul epilogues and scalar arguments included)
+    for name in SCHEDULES:
+        assert results[f"schedule_{name}"]["dtypes"], name
     cubins = [r["cubin_bytes"] for task in results.values() for r in task["dtypes"].values()]
     assert len(cubins) >= 3 * len(list(TASKS.glob("*.py"))) + len(SCHEDULES)
     assert min(cubins) > 1000

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from schemas import subjects
+from services.generator.coders.screen import decline
 from services.sdk.workers import (
     DevicePool,
     LocalWorker,
@@ -181,12 +182,21 @@ class Task:
             info["error"] = str(exc)
             return self.op_name, False, info
 
+        if not self.init_code:
+            declined = decline(self.task_desc)
+            if declined is not None:  # seen in the source: no sandbox starts at all
+                info["error"] = _llm_hint(declined)
+                return self.op_name, False, info
         # A LocalWorker's sandbox takes seconds to start: overlap that with the lowering.
         warm = asyncio.ensure_future(worker.start()) if hasattr(worker, "start") else None
         try:
             await self._attempts(worker, info, warm)
         finally:
             if warm is not None and not warm.done():
+                if info["attempts"] == 0 and hasattr(worker, "abort_start"):
+                    # Nothing to verify (the coder declined): stop a start still under
+                    # way rather than wait seconds for a sandbox no candidate will use.
+                    worker.abort_start()
                 await asyncio.gather(warm, return_exceptions=True)
         return self.op_name, bool(info["passed"]), info
 
@@ -200,7 +210,7 @@ class Task:
                 coder_pending = False  # deterministic: one kernel per task
                 code, error = await lower_in_child(self.task_desc, self.shape_overrides)
                 if code is None:
-                    info["error"] = error
+                    info["error"] = _llm_hint(error or "")
                     return
                 candidates.append((code, "builtin"))
             if not candidates:
@@ -222,6 +232,15 @@ class Task:
                         f"{result.error or 'no detail'}")
             if result.passed:
                 return
+
+
+def _llm_hint(error: str) -> str:
+    """A refusal, with where the LLM coder runs: the generator service, not here."""
+    if error.endswith("use the LLM coder"):
+        error += (" (it runs in the generator service: `aikg submit --coder llm` to a "
+                  "gateway whose generator has AIKG_LLM_BASE_URL and AIKG_LLM_MODEL set; "
+                  "README: Using an LLM)")
+    return error
 
 
 def _devices_of(device_pool: Any) -> list[str]:

@@ -323,10 +323,14 @@ class LocalWorker:
         backend: ``cpu`` (Triton interpreter) | ``cuda`` | ``ascend``.
         arch: reported arch; default this machine's CPU arch on ``cpu``.
         memory_limit_bytes: largest total of a task's inputs, bytes; default 4 GiB on cpu.
+        client_command: the command a too-large-inputs hint names with its ``--shape``
+            option (``aikg run`` from the CLI); None: the hint names ``shape_overrides``
+            only, as a library user passes them.
     """
 
     def __init__(self, devices: Iterable[int | str] = (0,), backend: str = "cpu",
-                 arch: str | None = None, *, memory_limit_bytes: int | None = None) -> None:
+                 arch: str | None = None, *, memory_limit_bytes: int | None = None,
+                 client_command: str | None = None) -> None:
         self.devices = [str(d) for d in devices]
         if not self.devices:
             raise ValueError("LocalWorker needs at least one device (e.g. devices=[0])")
@@ -337,6 +341,7 @@ class LocalWorker:
         self.memory_limit_bytes = memory_limit_bytes or (
             CPU_MEMORY_LIMIT_BYTES if backend == "cpu" else None)
         self.worker_id = f"local-{socket.gethostname()[:32]}-{os.getpid()}"
+        self.client_command = client_command
         self._verifier: Any = None
         self._free: asyncio.Queue[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -364,9 +369,18 @@ class LocalWorker:
             from services.worker.verifier import Verifier
 
             self._verifier = Verifier(self.backend, worker_id=self.worker_id,
-                                      memory_limit_bytes=self.memory_limit_bytes)
+                                      memory_limit_bytes=self.memory_limit_bytes,
+                                      client_command=self.client_command)
             atexit.register(self._verifier.close)
         await asyncio.to_thread(self._verifier.start)
+
+    def abort_start(self) -> None:
+        """Cut short a :meth:`start` still under way: its fork server, not ready yet, is
+        killed and that start raises PoolBroken. A started sandbox is left alone; the
+        next verify starts one again. For a caller that will verify nothing (the coder
+        declined the task)."""
+        if self._verifier is not None:
+            self._verifier.abort_start()
 
     async def close(self) -> None:
         """Stop the fork server and every running child."""

@@ -309,6 +309,7 @@ class SandboxPool:
         self.env = base
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen[bytes] | None = None
+        self._abort = threading.Event()
         self._control: socket.socket | None = None
         self._lock = threading.Lock()
         self.restarts = 0
@@ -327,6 +328,12 @@ class SandboxPool:
             self._start_locked()
 
     def _start_locked(self) -> None:
+        try:
+            self._start_server()
+        finally:
+            self._abort.clear()
+
+    def _start_server(self) -> None:
         self._stop_locked()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -337,6 +344,8 @@ class SandboxPool:
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
+        if self._abort.is_set():
+            self._kill_starting()
         ours.settimeout(self.start_timeout_s)
         try:
             ready = ours.recv(16)
@@ -345,9 +354,27 @@ class SandboxPool:
         if ready != b"ready":
             ours.close()
             self._stop_locked()
+            if self._abort.is_set():
+                raise PoolBroken("the sandbox server's start was aborted")
             raise PoolBroken("the sandbox server failed to start (see the worker's stderr)")
         ours.settimeout(None)
         self._control = ours
+
+    def abort_start(self) -> None:
+        """Stop a :meth:`start` under way (or about to run) in another thread: its server
+        is killed before it gets ready, and that start raises PoolBroken at once instead
+        of blocking for the imports. A server already started is left alone. For a
+        caller that no longer needs the pool it asked for."""
+        self._abort.set()
+        if self._control is None:
+            self._kill_starting()
+
+    def _kill_starting(self) -> None:
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            # start_new_session: the server leads its own process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
 
     def _stop_locked(self) -> None:
         if self._control is not None:
@@ -564,6 +591,12 @@ class Sandbox:
                 self.pool.close()
                 raise
             self.started = True
+
+    def abort_start(self) -> None:
+        """Make a :meth:`start` under way in another thread fail fast (PoolBroken) if its
+        fork server is not ready yet (:meth:`SandboxPool.abort_start`)."""
+        if not self.started:
+            self.pool.abort_start()
 
     def close(self) -> None:
         """Stop the fork server (it kills every child's process group); remove a default

@@ -257,7 +257,7 @@ def _format_bytes(n: float) -> str:
     return f"{n / 1024:.1f} KiB"
 
 
-def _size_hint(need: int, limit: int, names: dict[str, int]) -> str:
+def _size_hint(need: int, limit: int, names: dict[str, int], command: str | None) -> str:
     factor = 1 << max(1, math.ceil(math.log2(max(need / max(limit, 1), 1.0))))
     name = "batch_size" if "batch_size" in names else (
         max(names, key=lambda n: names[n]) if names else None)
@@ -265,8 +265,8 @@ def _size_hint(need: int, limit: int, names: dict[str, int]) -> str:
         return "pass smaller shape_overrides"
     value = max(1, names[name] // factor)
     suggestion = json.dumps({name: value})
-    return (f"pass shape_overrides such as {suggestion} to shrink them "
-            f"(aikg submit: --shape {name}={value})")
+    return (f"pass shape_overrides such as {suggestion} to shrink them"
+            + (f" ({command}: --shape {name}={value})" if command else ""))
 
 
 def _decode_tensor(meta: wire.TensorMeta, data: bytearray) -> torch.Tensor:
@@ -314,6 +314,9 @@ class Verifier:
             the same cores: two OpenMP threads there spun at barriers and made one
             comparison of a 1 MiB output 5-10x slower (measured at load 3 on 2
             cores); None (GPU default) leaves torch's setting alone.
+        client_command: the command whose ``--shape`` option the too-large-inputs hint
+            names (``aikg submit`` for a worker service, whose jobs come through the
+            gateway; ``aikg run`` for the CLI's local mode); None names no command.
 
     Attributes:
         shared_cache: the reference outputs and baselines every worker shares
@@ -332,11 +335,13 @@ class Verifier:
                  memory_limit_bytes: int | None = None, output_limit_bytes: int = 64 * 1024,
                  speedup_flag_bound: float = 50.0, sandbox_require: tuple[str, ...] = (),
                  sandbox_env_allow: tuple[str, ...] = (),
-                 compare_threads: int | None | str = "auto") -> None:
+                 compare_threads: int | None | str = "auto",
+                 client_command: str | None = "aikg submit") -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
         self.worker_id = worker_id
+        self.client_command = client_command
         self.memory_limit_bytes = memory_limit_bytes
         self.output_limit_bytes = output_limit_bytes
         self.speedup_flag_bound = speedup_flag_bound
@@ -408,6 +413,12 @@ class Verifier:
         self._input_bytes.clear()
         self._size_names.clear()
         self._base_times.clear()
+
+    def abort_start(self) -> None:
+        """Make a :meth:`start` under way in another thread fail fast (PoolBroken)
+        instead of waiting for its fork server's imports; a started verifier is left
+        alone. A later :meth:`start` starts afresh."""
+        self.sandbox.abort_start()
 
     def close(self) -> None:
         """Stop the fork server (it kills every running child's process group) and
@@ -858,7 +869,7 @@ class Verifier:
                                 "infrastructure",
                                 f"task inputs need {_format_bytes(frame.input_bytes)} (limit "
                                 f"{_format_bytes(limit)}); "
-                                f"{_size_hint(frame.input_bytes, limit, frame.size_names)}")
+                                f"{_size_hint(frame.input_bytes, limit, frame.size_names, self.client_command)}")
                     elif isinstance(frame, wire.Trial):
                         outputs = []
                         for meta in frame.outputs:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from schemas import JobSubmit, VerifyResult
+from services.generator.coders.screen import decline
 from services.worker.sandbox import LoweringFailed, PoolBroken, Sandbox
 
 # torch.export of a KernelBench element-wise task takes ~1-2 s on a laptop CPU; a task
@@ -92,6 +93,9 @@ class BuiltinCoder:
             CoderError: the task cannot be lowered (the message names the op), its code
                 failed, or lowering took longer than ``timeout_s``.
         """
+        declined = decline(submit.task_desc)
+        if declined is not None:  # no sandboxed child for what the source shows
+            raise CoderError(_llm_hint(declined))
         key = (hashlib.sha256(submit.task_desc.encode()).hexdigest(),
                json.dumps(submit.shape_overrides, sort_keys=True),
                json.dumps(params, sort_keys=True))
@@ -105,17 +109,21 @@ class BuiltinCoder:
                 submit.task_desc, dict(submit.shape_overrides), params,
                 timeout_s=self.timeout_s, label=submit.job_id or "lower")
         except LoweringFailed as exc:
-            error = str(exc)
-            if error.endswith("use the LLM coder"):
-                error += (" (point the generator at one with AIKG_LLM_BASE_URL and "
-                          "AIKG_LLM_MODEL, then submit with coder 'llm'; README: Using an LLM)")
-            raise CoderError(error) from None
+            raise CoderError(_llm_hint(str(exc))) from None
         except PoolBroken as exc:
             raise CoderError(f"built-in coder's sandbox is broken: {exc}") from None
         self._lowered[key] = code
         while len(self._lowered) > LOWERED_CACHE_ENTRIES:
             self._lowered.popitem(last=False)
         return Candidate(code=code, coder=self.name, meta=params)
+
+
+def _llm_hint(error: str) -> str:
+    """A refusal, with how to reach the LLM coder from a job."""
+    if error.endswith("use the LLM coder"):
+        error += (" (point the generator at one with AIKG_LLM_BASE_URL and "
+                  "AIKG_LLM_MODEL, then submit with coder 'llm'; README: Using an LLM)")
+    return error
 
 
 def lowering_sandbox(name: str, *, require: tuple[str, ...] = (),

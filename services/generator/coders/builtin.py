@@ -535,26 +535,47 @@ _EXTRA_DECOMPOSITIONS = (
 )
 
 
-def _export(task: _Task) -> torch.export.ExportedProgram:
+def _scalar_tensors(task: _Task) -> tuple[Any, ...] | None:
+    """The task's inputs with each number as a 0-d tensor (float32, int64 or bool),
+    or None when ``get_inputs()`` returns no number.
+
+    torch.export bakes a Python number argument into the graph as a constant; traced as
+    a 0-d tensor it stays a graph input, so the generated kernels take it as an argument
+    and ModelNew follows whatever value forward is called with. A 0-d tensor promotes
+    like the number it stands for (torch's type promotion treats both as "scalars":
+    https://pytorch.org/docs/stable/tensor_attributes.html#type-promotion-doc).
+    """
+    if all(isinstance(x, torch.Tensor) for x in task.inputs):
+        return None
+    device = next((x.device for x in task.inputs if isinstance(x, torch.Tensor)), None)
+    dtypes = {bool: torch.bool, int: torch.int64, float: torch.float32}
+    return tuple(x if isinstance(x, torch.Tensor)
+                 else torch.tensor(x, dtype=dtypes[type(x)], device=device)
+                 for x in task.inputs)
+
+
+def _export(task: _Task, inputs: tuple[Any, ...] | None = None) -> torch.export.ExportedProgram:
     """Export with every input extent dynamic (``Dim.AUTO``), else with static shapes.
 
     Dynamic extents make the graph's view sizes expressions over the inputs' shapes, so
     the generated forward works at other sizes (the worker checks a second one).
+    ``inputs`` replaces the task's example inputs (numbers as 0-d tensors).
     """
     from torch._decomp import core_aten_decompositions, get_decompositions
 
+    inputs = task.inputs if inputs is None else inputs
     table = core_aten_decompositions()
     aten = torch.ops.aten
     table.update(get_decompositions([getattr(aten, name) for name in _EXTRA_DECOMPOSITIONS
                                      if hasattr(aten, name)]))
     dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
-                    if isinstance(x, torch.Tensor) else None for x in task.inputs)
+                    if isinstance(x, torch.Tensor) else None for x in inputs)
     errors = []
     for shapes in (dynamic, None):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
-                ep = torch.export.export(task.model, task.inputs, dynamic_shapes=shapes)
+                ep = torch.export.export(task.model, inputs, dynamic_shapes=shapes)
                 return ep.run_decompositions(table)
         except Exception as exc:  # noqa: BLE001 - retried with static shapes
             errors.append(exc)
@@ -617,12 +638,32 @@ class _Value:
 
     kind: ``tensor`` (a forward expression: input, parameter, view or kernel output),
     ``pointwise`` (an element-wise node, computed inside the kernels that consume it),
-    ``sym`` (a Python int expression), ``const`` (a number), ``tuple`` (``items``).
+    ``matmul`` (a matmul not launched yet: the element-wise chain consuming it may
+    become its epilogue), ``sym`` (a Python int expression), ``const`` (a number),
+    ``tuple`` (``items``).
     """
 
     kind: str
     expr: str = ""
     items: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class _PendingMatmul:
+    """A matmul whose operands exist in forward but whose kernel is not written yet.
+
+    a, b, bias: forward expressions (bias None for mm/bmm); out_shape: a forward
+    expression of the product's shape; alpha/beta: addmm's scalars.
+    """
+
+    op: str
+    a: str
+    b: str
+    bias: str | None
+    out_shape: str
+    batched: bool
+    alpha: float
+    beta: float
 
 
 @dataclass
@@ -650,6 +691,8 @@ class _Lowerer:
         self.symbols: dict[str, str] = {}
         self.scalars: list[tuple[str, str]] = []  # (kernel parameter, forward expression)
         self.specialized: dict[int, str] = {}
+        self.pending: dict[torch.fx.Node, _PendingMatmul] = {}
+        self.needed: set[torch.fx.Node] = set()
         self.sizes = False  # while rendering a size list: ints may be specialized extents
 
     # ---- helpers -------------------------------------------------------------------
@@ -682,6 +725,20 @@ class _Lowerer:
         finally:
             self.sizes = False
 
+    def reshape_sizes(self, sizes: Any) -> str:
+        """A view's size tuple read at run time; a fixed extent that no input extent or
+        init argument explains (GroupNorm's channels per group, C // G, fixed because
+        the weight fixes C) becomes -1, so reshape infers it at another size. The largest
+        such extent is chosen; the others stay as they are."""
+        sizes = list(sizes)
+        init_ints = {v for v in self.task.init_inputs if type(v) is int}
+        loose = [k for k, v in enumerate(sizes) if type(v) is int and v > 1
+                 and v not in self.specialized and v not in init_ints]
+        if not loose or any(type(v) is int and v == -1 for v in sizes):
+            return self.size_list(sizes)
+        pick = max(loose, key=lambda k: sizes[k])
+        return self.size_list(sizes[:pick] + [-1] + sizes[pick + 1:])
+
     def sympy(self, expr: Any) -> str:
         import sympy
 
@@ -711,6 +768,8 @@ class _Lowerer:
         v = self.values[node]
         if v.kind == "tensor":
             return f"{v.expr}.shape"
+        if v.kind == "matmul":
+            return self.pending[node].out_shape
         if node in self.shape_vars:
             return self.shape_vars[node]
         leaves, shape_only = self.leaves(node)
@@ -722,8 +781,13 @@ class _Lowerer:
         self.shape_vars[node] = var
         return var
 
-    def leaves(self, node: torch.fx.Node) -> tuple[list[torch.fx.Node], list[Any]]:
-        """Tensor values a pointwise chain loads, and constant-node shapes it spans."""
+    def leaves(self, node: torch.fx.Node, keep: torch.fx.Node | None = None
+               ) -> tuple[list[torch.fx.Node], list[Any]]:
+        """Tensor values a pointwise chain loads, and constant-node shapes it spans.
+
+        A matmul not launched yet is launched here (the chain reads its product from
+        memory), except ``keep``: the matmul whose epilogue the chain becomes.
+        """
         order: list[torch.fx.Node] = []
         shape_only: list[Any] = []
         seen: set[torch.fx.Node] = set()
@@ -733,7 +797,10 @@ class _Lowerer:
                 return
             seen.add(n)
             v = self.values[n]
-            if v.kind == "tensor":
+            if v.kind == "matmul" and n is not keep:
+                self.emit_matmul(n)
+                v = self.values[n]
+            if v.kind in ("tensor", "matmul"):
                 order.append(n)
                 return
             if v.kind != "pointwise":
@@ -762,8 +829,15 @@ class _Lowerer:
         if node in load:
             return load[node]
         if self.values[node].kind in ("sym", "const"):
-            # a size or number known only at run time: a scalar kernel argument
+            # a size or number known only at run time: a scalar kernel argument, named
+            # after the forward argument it comes from when it is one (f_/i_/b_: float,
+            # int, bool), else c<k>
             name = f"c{len(self.scalars)}"
+            val = _val(node)
+            if node.op == "placeholder" and isinstance(val, torch.Tensor):
+                prefix = ("b" if val.dtype == torch.bool else
+                          "f" if val.dtype.is_floating_point else "i")
+                name = f"{prefix}_{self.values[node].expr}"
             self.scalars.append((name, self.values[node].expr))
             memo[node] = name
             return memo[node]
@@ -804,7 +878,7 @@ class _Lowerer:
         # ModelNew computes the user outputs only.
         user_outputs = [n for n, spec in zip(output.args[0], sig.output_specs, strict=True)
                         if spec.kind == torch.export.graph_signature.OutputKind.USER_OUTPUT]
-        needed = set()
+        needed = self.needed
         for out in user_outputs:
             if isinstance(out, torch.fx.Node):
                 needed |= _reachable(out) | {out}
@@ -862,7 +936,11 @@ class _Lowerer:
         val = _val(node)
         if kind == InputKind.USER_INPUT:
             name = self.task.arg_names[user_pos[node.name]]
-            if isinstance(val, torch.Tensor):
+            if isinstance(val, torch.Tensor) and not isinstance(
+                    self.task.inputs[user_pos[node.name]], torch.Tensor):
+                # a number traced as a 0-d tensor: a scalar kernel argument
+                self.values[node] = _Value("const", name)
+            elif isinstance(val, torch.Tensor):
                 _check_dtype(val.dtype, f"input `{name}`")
                 self.values[node] = _Value("tensor", name)
             elif isinstance(val, torch.SymInt | torch.SymFloat):
@@ -908,7 +986,9 @@ class _Lowerer:
         for v in vals:
             if isinstance(v, torch.Tensor) and v.dtype not in _TL_DTYPES and v.dtype != torch.int64:
                 _check_dtype(v.dtype, f"{op}'s result")
-        if op in _RULES and op not in _RESHAPES or op in _CONSTANTS:
+        # alias (detach) keeps the shape: a pass-through inside the chain, so a chain
+        # through it stays one kernel and no output aliases an input.
+        if op in _RULES and (op not in _RESHAPES or op == "aten.alias.default") or op in _CONSTANTS:
             for arg in node.all_input_nodes:
                 if (self.values[arg].kind == "tensor"
                         and _val(arg).dtype not in (*_TL_DTYPES, torch.int64)):
@@ -931,12 +1011,17 @@ class _Lowerer:
             self.scan(node, op)
         elif op in _POOLS:
             self.pool(node, op)
+        elif op == "aten.flip.default":
+            self.flip(node, op)
         else:
             raise _refuse(op)
 
     def materialize(self, node: torch.fx.Node) -> str:
         """A forward tensor holding ``node``'s value (a pointwise kernel if needed)."""
         v = self.values[node]
+        if v.kind == "matmul":
+            self.emit_matmul(node)
+            v = self.values[node]
         if v.kind == "tensor":
             return v.expr
         if v.kind != "pointwise":
@@ -949,7 +1034,7 @@ class _Lowerer:
         src = self.materialize(raw["self"])
         name = op.split(".")[1]
         if name in ("view", "_unsafe_view", "reshape"):
-            expr = f"{src}.reshape({self.size_list(raw.get('size', raw.get('shape')))})"
+            expr = f"{src}.reshape({self.reshape_sizes(raw.get('size', raw.get('shape')))})"
         elif name == "alias":
             expr = src
         elif name == "squeeze":
@@ -992,7 +1077,14 @@ class _Lowerer:
 
     def pointwise(self, node: torch.fx.Node) -> None:
         """Schedule ``pointwise``: one program per BLOCK_SIZE output elements; each
-        operand is loaded through its strides broadcast to the output's shape."""
+        operand is loaded through its strides broadcast to the output's shape.
+
+        A chain over a matmul's product becomes that matmul's epilogue instead
+        (:meth:`epilogue_of`)."""
+        product = self.epilogue_of(node)
+        if product is not None:
+            self.emit_matmul(product, node)
+            return
         val = _val(node)
         rank = len(val.shape)
         leaves, _ = self.leaves(node)
@@ -1056,7 +1148,7 @@ class _Lowerer:
         stack, seen = [node], set()
         while stack:
             n = stack.pop()
-            if n in seen or self.values[n].kind == "tensor":
+            if n in seen or self.values[n].kind in ("tensor", "matmul"):
                 continue
             seen.add(n)
             if str(n.target) in _CONSTANTS:
@@ -1279,22 +1371,70 @@ class _Lowerer:
     # ---- matmul --------------------------------------------------------------------
 
     def matmul(self, node: torch.fx.Node, op: str) -> None:
-        """Schedule ``matmul``: BLOCK_M x BLOCK_N output tiles, tl.dot over BLOCK_K
-        slices of K, float32 accumulation; bias (addmm/baddbmm) in the epilogue."""
+        """Schedule ``matmul`` (mm, bmm, addmm, baddbmm): operands are materialized now;
+        the kernel is written when the product is first read (:meth:`emit_matmul`), so
+        an element-wise chain consuming it can become its epilogue."""
         raw = _bind(node)
         name = op.split(".")[1]
         a = self.materialize(raw["mat1" if name == "addmm" else ("self" if name in ("mm", "bmm") else "batch1")])
         b = self.materialize(raw["mat2" if name in ("addmm", "mm", "bmm") else "batch2"])
         batched = name in ("bmm", "baddbmm")
-        val = _val(node)
         if batched:
             out_shape = f"({a}.shape[0], {a}.shape[1], {b}.shape[2])"
         else:
             out_shape = f"({a}.shape[0], {b}.shape[1])"
-        out = self.alloc(out_shape, val.dtype)
-        bias = None
-        if name in ("addmm", "baddbmm"):
-            bias = self.materialize(raw["self"])
+        bias = self.materialize(raw["self"]) if name in ("addmm", "baddbmm") else None
+        self.pending[node] = _PendingMatmul(op, a, b, bias, out_shape, batched,
+                                            float(raw.get("alpha", 1)), float(raw.get("beta", 1)))
+        self.values[node] = _Value("matmul")
+
+    def epilogue_of(self, node: torch.fx.Node) -> torch.fx.Node | None:
+        """The pending matmul whose epilogue the element-wise chain ``node`` can be.
+
+        The chain qualifies when it has the product's shape (no broadcasting past it)
+        and when neither the product nor any intermediate value of the chain is read by
+        anything outside the chain: then fusing computes each value once, and the
+        product never goes through memory.
+        """
+        chain: set[torch.fx.Node] = set()
+        products: list[torch.fx.Node] = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            if n in chain:
+                continue
+            kind = self.values[n].kind
+            if kind == "matmul":
+                if n not in products:
+                    products.append(n)
+                continue
+            if kind != "pointwise":
+                continue
+            chain.add(n)
+            if str(n.target) not in _CONSTANTS:
+                stack.extend(n.all_input_nodes)
+        shape = [str(s) for s in _val(node).shape]
+        for product in products:
+            if [str(s) for s in _val(product).shape] != shape:
+                continue
+            inside = chain | {product}
+            if all(user in chain or (user not in self.needed and user.op != "output")
+                   for n in inside - {node} for user in n.users):
+                return product
+        return None
+
+    def emit_matmul(self, node: torch.fx.Node, epilogue: torch.fx.Node | None = None) -> None:
+        """Write and launch a pending matmul: BLOCK_M x BLOCK_N output tiles, tl.dot over
+        BLOCK_K slices of K, float32 accumulation, then in registers: alpha, the bias
+        (addmm/baddbmm) and the element-wise chain ``epilogue`` (activation, scaling,
+        residual add, clamp, ...), whose other operands are loaded as tiles broadcast
+        to the product's shape. With an epilogue, its value is stored, not the product.
+        """
+        pm = self.pending.pop(node)
+        op, a, b, batched, out_shape = pm.op, pm.a, pm.b, pm.batched, pm.out_shape
+        root = epilogue if epilogue is not None else node
+        dtype = _val(root).dtype
+        out = self.alloc(out_shape, dtype)
         av, bv, cv = (f"{t}.unsqueeze(0)" if not batched else t for t in (a, b, out))
         lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
                  "batch = tl.program_id(2).to(tl.int64)",
@@ -1314,24 +1454,55 @@ class _Lowerer:
         launch = [a, b, out, f"{out}.shape[-2]", f"{out}.shape[-1]", f"{a}.shape[-1]",
                   f"*{av}.stride()", f"*{bv}.stride()", f"*{cv}.stride()"]
         ops = [op]
-        alpha, beta = float(raw.get("alpha", 1)), float(raw.get("beta", 1))
-        if alpha != 1.0:
-            lines.append(f"acc = acc * {_literal(alpha)}")
-        if bias is not None:
-            bias_view = f"{bias}.expand({out_shape})" + ("" if batched else ".unsqueeze(0)")
+        if pm.alpha != 1.0:
+            lines.append(f"acc = acc * {_literal(pm.alpha)}")
+        if pm.bias is not None:
+            bias_view = f"{pm.bias}.expand({out_shape})" + ("" if batched else ".unsqueeze(0)")
             params += ["bias_ptr", "sxb", "sxm", "sxn"]
-            launch += [bias, f"*{bias_view}.stride()"]
+            launch += [pm.bias, f"*{bias_view}.stride()"]
             lines += ["bias = tl.load(bias_ptr + batch * sxb + rm[:, None] * sxm + rn[None, :] * sxn,",
                       "               mask=mask, other=0.0).to(tl.float32)",
-                      f"acc = acc + bias * {_literal(beta)}" if beta != 1.0 else "acc = acc + bias"]
+                      f"acc = acc + bias * {_literal(pm.beta)}" if pm.beta != 1.0 else "acc = acc + bias"]
+        result = "acc"
+        if epilogue is not None:
+            product_dtype = _val(node).dtype
+            if product_dtype == torch.float16:  # the chain reads the product as torch stores it
+                lines.append("acc = acc.to(tl.float16).to(tl.float32)")
+            elif product_dtype == torch.bfloat16:
+                lines.append("acc = _round_to_bf16(acc)")
+            leaves, _ = self.leaves(epilogue, keep=node)
+            load: dict[torch.fx.Node, str] = {node: "acc"}
+            for k, leaf in enumerate(leaf for leaf in leaves
+                                     if leaf is not node and self._used_by_value(epilogue, leaf)):
+                expr = self.values[leaf].expr
+                params += [f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"]
+                launch += [expr, f"*_strides({expr}, {out_shape})" if batched
+                           else f"0, *_strides({expr}, {out_shape})"]
+                ld = (f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
+                      f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
+                if _val(leaf).dtype != torch.bool:
+                    ld += ".to(tl.float32)"
+                lines.append(f"v_e{k} = {ld}")
+                load[leaf] = f"v_e{k}"
+            self.scalars = []
+            body: list[str] = []
+            result = self.chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops, {})
+            lines += body
+            params += [name for name, _ in self.scalars]
+            launch += [expr for _, expr in self.scalars]
+            result = self._cast_out(result, dtype, "")
         lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
-                     "acc.to(c_ptr.dtype.element_ty), mask=mask)")
+                     f"({result}).to(c_ptr.dtype.element_ty), mask=mask)")
         kname = self.fresh("matmul_kernel_")
+        what = "c[b, m, n] = sum_k a[b, m, k] * b[b, k, n]" + (" + bias" if pm.bias else "")
+        if epilogue is not None:
+            what = ("c = epilogue(sum_k a[b, m, k] * b[b, k, n]"
+                    + (" + bias" if pm.bias else "") + f"), epilogue: {' -> '.join(dict.fromkeys(ops[1:]))}")
         self.add_kernel(kname, [*params, "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
                                 "BLOCK_K: tl.constexpr"],
-                        f"Matmul: {op}: c[b, m, n] = sum_k a[b, m, k] * b[b, k, n]"
-                        + (" + bias" if bias else "") + ".\n\nOperands are read through "
-                        "their strides, so transposed views cost nothing.", lines, ops)
+                        f"Matmul: {op}: {what}.\n\nOperands are read through "
+                        "their strides, so transposed views cost nothing; masks cover the "
+                        "ragged M, N and K edges.", lines, ops)
         bm, bn, bk = self.p["block_m"], self.p["block_n"], self.p["block_k"]
         batch = f"{out}.shape[0]" if batched else "1"
         self.forward += [
@@ -1341,7 +1512,9 @@ class _Lowerer:
             f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={self.p['num_warps']}, "
             f"num_stages={self.p['num_stages']})",
         ]
-        self.values[node] = _Value("tensor", out)
+        self.values[root] = _Value("tensor", out)
+        if epilogue is not None:
+            self.values[node] = _Value("fused")  # read only by the epilogue, now stored
 
     # ---- scan ----------------------------------------------------------------------
 
@@ -1387,6 +1560,47 @@ class _Lowerer:
             f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
             f"        {', '.join([*launch, out, f'{sizes}[1]', f'{sizes}[2]'])},",
             f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={self.p['num_warps']}, "
+            f"num_stages={self.p['num_stages']})",
+        ]
+        self.values[node] = _Value("tensor", out)
+
+    # ---- flip ----------------------------------------------------------------------
+
+    def flip(self, node: torch.fx.Node, op: str) -> None:
+        """Schedule ``flip``: a copy whose loads read index ``size - 1 - i`` along the
+        flipped dims (torch has no negative strides, so a flip is not a view); one
+        program per BLOCK_SIZE output elements, the output contiguous."""
+        raw = _bind(node)
+        src = self.materialize(raw["self"])
+        val = _val(node)
+        rank = len(val.shape)
+        dims = sorted({d % rank for d in raw["dims"]}) if rank else []
+        out = self.alloc(f"{src}.shape", val.dtype)
+        lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
+                 "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                 "mask = offsets < n_elements",
+                 "rest = offsets",
+                 "src = offsets * 0"]
+        for d in reversed(range(rank)):
+            lines.append(f"i{d} = rest % size{d}" if d else "i0 = rest")
+            if d:
+                lines.append(f"rest = rest // size{d}")
+            index = f"(size{d} - 1 - i{d})" if d in dims else f"i{d}"
+            lines.append(f"src += {index} * s{d}")
+        lines.append("tl.store(out_ptr + offsets, tl.load(in_ptr + src, mask=mask), mask=mask)")
+        kname = self.fresh("flip_kernel_")
+        self.add_kernel(kname, ["in_ptr", *(f"s{d}" for d in range(rank)), "out_ptr",
+                                "n_elements", *(f"size{d}" for d in range(rank)),
+                                "BLOCK_SIZE: tl.constexpr"],
+                        f"Flip: {op} along dims {dims}: out[i] = in[..., size - 1 - i, ...]; "
+                        "in is read through its strides.", lines, [op])
+        block = self.p["block_size"]
+        self.forward += [
+            f"n = {out}.numel()",
+            "if n > 0:",
+            f"    {kname}[(triton.cdiv(n, {block}),)](",
+            f"        {', '.join([src, f'*{src}.stride()', out, 'n', f'*{src}.shape'])},",
+            f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
             f"num_stages={self.p['num_stages']})",
         ]
         self.values[node] = _Value("tensor", out)
@@ -1833,7 +2047,7 @@ def lower_task(
     argmin, prod, var, any/all over any dims, with the element-wise chain producing its
     input fused in; softmax, log_softmax, layer/group/batch/instance and RMS norms and
     losses decompose into these), ``matmul`` (mm, bmm, addmm, baddbmm; ``tl.dot`` tiles,
-    bias epilogue), ``scan`` (cumsum, cumprod) and ``pooling`` (max_pool1d/2d/3d with
+    bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip`` and ``pooling`` (max_pool1d/2d/3d with
     or without indices, avg_pool1d/2d/3d). Views (permute, expand, slice, ...)
     stay views in forward, and kernels read every operand through its strides.
     Tensors may be float32, float16, bfloat16 or bool; kernels compute in float32.
@@ -1869,11 +2083,18 @@ def lower_task(
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
     task = _load_task(task_desc, shape_overrides)
-    ep = _export(task)
     params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
               "precision": "ieee"}
-    return _Lowerer(ep, task, params).run()
+    scalars = _scalar_tensors(task)
+    if scalars is not None:
+        try:
+            return _Lowerer(_export(task, scalars), task, params).run()
+        except LoweringError:
+            # A number used as a size, a dim or in Python control flow does not trace
+            # as a tensor: lower with it baked in, as torch.export specializes it.
+            pass
+    return _Lowerer(_export(task), task, params).run()
 
 
 # A task of ours (trusted): lowered once by :func:`warm_up`.
