@@ -32,17 +32,13 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from enum import IntEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -56,6 +52,7 @@ from rich.console import Console
 from schemas import TERMINAL_STATUSES, JobRecord
 from services.common.runtime import free_port
 from services.common.settings import Settings, load_settings
+from services.stack import LocalStack, StackError, local_stack
 
 
 class ExitCode(IntEnum):
@@ -105,9 +102,14 @@ out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
 
 
+def _say(message: str) -> None:
+    """Print ``message`` plainly (no markup, no wrapping) on stderr."""
+    err.print(message, markup=False, soft_wrap=True)
+
+
 def _fail(code: ExitCode, message: str) -> NoReturn:
     """Print ``message`` plainly on stderr and exit with ``code``."""
-    err.print(message, markup=False, soft_wrap=True)
+    _say(message)
     raise typer.Exit(int(code))
 
 
@@ -208,172 +210,6 @@ def generator(
     _run_service("generator", settings, run_generator(settings))
 
 
-def _stop_children(children: dict[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
-    """SIGTERM each child's process group, wait up to ``grace_s``, then SIGKILL what is left."""
-    for proc in children.values():
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in children.values():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    for proc in children.values():
-        # The group may outlive its leader (a sandboxed candidate): kill it in any case.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@dataclasses.dataclass
-class LocalStack:
-    """What :func:`local_stack` started: URLs, the live worker list, the children."""
-
-    gateway_url: str
-    nats_url: str
-    workers: list[dict[str, Any]]
-    children: dict[str, subprocess.Popen[bytes]]
-    logs: dict[str, Path]
-    # The embedded server's admin credentials (NATS_URL/NATS_USER/NATS_PASSWORD, 0600).
-    admin_env: Path | None = None
-
-    def dead_child(self) -> str | None:
-        """``"<service> exited with code N; log: PATH"`` for the first dead child, else None."""
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                where = f"; log: {self.logs[name]}" if name in self.logs else ""
-                return f"{name} exited with code {proc.returncode}{where}{self._cause(name)}"
-        return None
-
-    def _cause(self, name: str) -> str:
-        """The last error the service logged (e.g. the port in use), for the message."""
-        path = self.logs.get(name)
-        if path is None:
-            return ""
-        with contextlib.suppress(OSError):
-            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return f"\n  {lines[-1][:500]}"
-        return ""
-
-    def describe(self) -> str:
-        if not self.workers:
-            return f"gateway {self.gateway_url}, NATS {self.nats_url}"
-        w = self.workers[0]
-        n = len(w.get("devices", []))
-        return (f"gateway {self.gateway_url}, NATS {self.nats_url}, worker "
-                f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
-
-
-@contextlib.contextmanager
-def local_stack(
-    settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
-    store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
-    stopping: threading.Event, nats_auth: bool = True,
-) -> Iterator[LocalStack]:
-    """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
-    as child processes, each in its own process group; wait until the gateway is ready
-    and lists a worker of ``backend``; on exit stop them all (no stray processes).
-
-    With ``nats_auth`` the embedded server gets per-run random passwords for an admin
-    and each service, with each service's permissions (services/common/nats_auth.py),
-    in a configuration file in a private (0700) temporary directory removed at exit;
-    each service gets only its own user. An external server (``settings.nats_url``)
-    is left as configured: the services read their ``AIKG_NATS_*`` credentials.
-
-    Raises:
-        typer.Exit: code 1 when a service dies or is not up within ``ready_timeout`` s.
-    """
-    from services.common.embedded import EmbeddedNatsServer, die_with_parent
-    from services.common.nats_auth import BusCredentials
-
-    nats: EmbeddedNatsServer | None = None
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    logs: dict[str, Path] = {}
-    credentials: BusCredentials | None = None
-    auth_dir: Path | None = None
-    admin_env: Path | None = None
-    try:
-        nats_url = settings.nats_url
-        if not nats_url:
-            config = None
-            if nats_auth:
-                credentials = BusCredentials()
-                auth_dir = Path(tempfile.mkdtemp(prefix="aikg-nats-auth-"))
-                config = credentials.write_server_config(auth_dir / "nats-server.conf")
-            nats = EmbeddedNatsServer(store_dir, die_with_parent=True, config_file=config)
-            try:
-                nats_url = nats.start()
-            except (RuntimeError, FileNotFoundError) as exc:
-                _fail(ExitCode.FAILED, str(exc))
-            if credentials is not None and auth_dir is not None:
-                admin_env = credentials.write_admin_env(auth_dir / "nats-admin.env", nats_url)
-                err.print(f"NATS admin credentials (nats CLI): {admin_env} "
-                          f"(`set -a; . {admin_env}; set +a`)", markup=False, soft_wrap=True)
-        if not verbose:
-            log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            err.print(f"logs: {log_dir}", markup=False, soft_wrap=True)
-        gateway_url = f"http://{host}:{port}"
-        env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
-               "PYTHONUNBUFFERED": "1"}
-        if nats is not None:
-            # The embedded server knows only its own users: credentials meant for
-            # another server would be refused (or contradict the per-run ones).
-            env = {k: v for k, v in env.items()
-                   if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
-                                                              "AIKG_NATS_STORE_DIR")}
-        commands = {
-            "gateway": ["gateway", "--host", host, "--port", str(port)],
-            "generator": ["generator"],
-            "worker": ["worker", "--backend", backend, "--devices", devices,
-                       *(["--arch", arch] if arch else [])],
-        }
-        for name, args in commands.items():
-            stream: Any = None
-            if log_dir is not None and not verbose:
-                logs[name] = log_dir / f"{name}.log"
-                stream = logs[name].open("ab")
-            try:
-                own = credentials.service_env(name) if credentials is not None else {}
-                children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *args],
-                    env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                )
-            finally:
-                if stream is not None:
-                    stream.close()
-        stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
-                           children=children, logs=logs, admin_env=admin_env)
-        headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-        deadline = time.monotonic() + ready_timeout
-        with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
-            while not stopping.is_set():
-                if (dead := stack.dead_child()) is not None:
-                    _fail(ExitCode.FAILED, f"AIKG did not come up: {dead}")
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    if client.get("/readyz").status_code == 200:
-                        listed = client.get("/api/v1/workers").json().get("workers", [])
-                        stack.workers = [w for w in listed if w.get("backend") == backend]
-                        if stack.workers:
-                            break
-                if time.monotonic() > deadline:
-                    _fail(ExitCode.FAILED, f"AIKG did not come up in {ready_timeout:.0f} s "
-                          f"(gateway ready and a {backend} worker listed); see the logs"
-                          + (f" in {log_dir}" if logs else ""))
-                stopping.wait(0.25)
-        yield stack
-    finally:
-        if children:
-            err.print("stopping services ...", markup=False)
-        _stop_children(children)
-        if nats is not None:
-            nats.stop()
-        if auth_dir is not None:
-            shutil.rmtree(auth_dir, ignore_errors=True)
-
-
 @app.command()
 def up(
     host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
@@ -419,7 +255,7 @@ def up(
         with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
                          devices=devices, store_dir=store_dir, log_dir=log_dir,
                          verbose=verbose, ready_timeout=ready_timeout,
-                         stopping=stopping, nats_auth=nats_auth) as stack:
+                         stopping=stopping, nats_auth=nats_auth, say=_say) as stack:
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)
@@ -428,9 +264,12 @@ def up(
                               f"{stack.gateway_url}", markup=False, soft_wrap=True)
             while not stopping.wait(0.5):
                 if (dead := stack.dead_child()) is not None:
-                    _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
-    except typer.Exit as exc:
-        code = ExitCode(exc.exit_code)
+                    _say(f"stopping AIKG: {dead}")
+                    code = ExitCode.FAILED
+                    break
+    except StackError as exc:
+        _say(str(exc))
+        code = ExitCode.FAILED
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -465,19 +304,22 @@ def demo(
     port = free_port()
     err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
     started = time.monotonic()
-    with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
-                     devices="0", store_dir=None, log_dir=None, verbose=False,
-                     ready_timeout=ready_timeout, stopping=threading.Event()) as stack:
-        err.print(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}", markup=False,
-                  soft_wrap=True)
-        with _client(stack.gateway_url, settings.api_token or None) as client:
-            accepted = _request(client, "POST", "/api/v1/jobs/submit", json=body).json()
-            job_id = accepted["job_id"]
-            err.print(f"submitted {file} as job {job_id}", markup=False)
-            final = _wait(client, job_id, timeout, out.is_terminal)
-        record = _decode_record(final)
-        _show(record, final.content, as_json=False)
-        code = _record_exit(record)
+    try:
+        with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
+                         devices="0", store_dir=None, log_dir=None, verbose=False,
+                         ready_timeout=ready_timeout, say=_say) as stack:
+            err.print(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}", markup=False,
+                      soft_wrap=True)
+            with _client(stack.gateway_url, settings.api_token or None) as client:
+                accepted = _request(client, "POST", "/api/v1/jobs/submit", json=body).json()
+                job_id = accepted["job_id"]
+                err.print(f"submitted {file} as job {job_id}", markup=False)
+                final = _wait(client, job_id, timeout, out.is_terminal)
+            record = _decode_record(final)
+            _show(record, final.content, as_json=False)
+            code = _record_exit(record)
+    except StackError as exc:
+        _fail(ExitCode.FAILED, str(exc))
     if code == ExitCode.OK and stack.logs:
         # A throw-away stack that did its job leaves nothing behind; on failure the
         # logs stay for a look (their directory was printed at start).
