@@ -51,7 +51,9 @@ from services.cli_common import (
     DEFAULT_GATEWAY_URL,
     ExitCode,
     JsonOption,
+    OpNameOption,
     ShapesOption,
+    TaskFileArgument,
     cli_settings,
     err,
     fail,
@@ -327,10 +329,8 @@ async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | Non
 
 @app.command()
 def run(
-    file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="FILE",
-        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
-    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
+    file: TaskFileArgument,
+    op_name: OpNameOption = None,
     backend: Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")] = "cpu",
     arch: Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")] = None,
     devices: Annotated[str, typer.Option(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -25,7 +24,9 @@ from services.cli_common import (
     ExitCode,
     GatewayOption,
     JsonOption,
+    OpNameOption,
     ShapesOption,
+    TaskFileArgument,
     TokenOption,
     err,
     fail,
@@ -65,10 +66,8 @@ def wait_for_job(client: AIKGClient, job_id: str, timeout_s: float, live: bool,
 
 
 def submit(
-    file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="FILE",
-        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
-    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
+    file: TaskFileArgument,
+    op_name: OpNameOption = None,
     backend: Annotated[str, typer.Option(help="cpu | cuda | ascend.")] = "cpu",
     arch: Annotated[str | None, typer.Option(
         help="Arch (x86_64, h200, a100, ...); default: any with a live worker.")] = None,

@@ -50,6 +50,10 @@ TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="AIKG_API_TOKEN", show_default=False,
     help="Bearer token, when the gateway has AIKG_API_TOKEN set.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
+TaskFileArgument = Annotated[Path, typer.Argument(
+    exists=True, dir_okay=False, readable=True, metavar="FILE",
+    help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")]
+OpNameOption = Annotated[str | None, typer.Option(help="Operator name; default the file stem.")]
 ShapesOption = Annotated[list[str] | None, typer.Option(
     "--shape", metavar="NAME=VALUE",
     help="Rebind a module-level name of the task before get_inputs() (repeatable), "
