@@ -173,11 +173,11 @@ def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check
     ``backend`` is ``cuda`` here; ``cpu`` (with ``args.arch`` None) runs the same
     plumbing without a GPU, where the speedup expectation cannot hold.
     """
-    from services.cli import local_stack
     from services.cli_render import event_line
     from services.common.runtime import free_port
     from services.common.settings import load_settings
     from services.sdk import AIKGClient
+    from services.stack import local_stack
 
     shapes = {"batch_size": args.batch, "dim": args.dim}
     log_dir = Path(args.log_dir) if args.log_dir else Path(
@@ -245,6 +245,8 @@ def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check
 
 def run_checks(args: argparse.Namespace) -> int:
     """Run the selected parts; print a summary; 0 when every expectation holds, else 1."""
+    from services.stack import StackError
+
     checks: list[Check] = []
     expected = 0
     if "worker" in args.parts:
@@ -254,8 +256,8 @@ def run_checks(args: argparse.Namespace) -> int:
         expected += 2
         try:
             checks += evolve_checks(args)
-        except SystemExit as exc:  # local_stack's typer.Exit when the stack does not come up
-            print(f"the stack did not come up (exit {exc}); service logs above", flush=True)
+        except StackError as exc:
+            print(f"the stack did not come up: {exc}", flush=True)
     print("\nsummary")
     for name, want, ok, got in checks:
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: expected {want}; got {got}")

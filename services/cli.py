@@ -1,10 +1,13 @@
 """``aikg``: run the services, submit and follow jobs, or verify a kernel locally.
 
-Service commands (``gateway``, ``generator``, ``worker``, ``up``) read their
+This module holds the Typer app and registers every command. Service commands
+(``gateway``, ``generator``, ``worker``, ``up``, ``demo``) are here and read their
 configuration from ``AIKG_*`` environment variables (services/common/settings.py);
-flags override them. Client commands (``submit``, ``status``, ``list``, ``cancel``,
-``events``, ``workers``, ``export``: services/cli_export.py) talk to the gateway over HTTP; ``run`` needs neither NATS
-nor a network. They exit with:
+flags override them; ``up`` and ``demo`` run the local stack of
+:mod:`services.stack`. Client commands (``submit``, ``status``, ``list``, ``cancel``,
+``events``, ``workers``: :mod:`services.cli_client`; ``export``:
+:mod:`services.cli_export`) talk to the gateway through the SDK's ``AIKGClient``;
+``run`` needs neither NATS nor a network. They exit with:
 
 ====  =====================================================================
 code  meaning
@@ -29,53 +32,47 @@ code  meaning
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from enum import IntEnum
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
-from urllib.parse import quote
+from typing import Annotated, Any
 
-import httpx
-import msgspec
 import typer
-from rich.console import Console
 
-from schemas import TERMINAL_STATUSES, JobRecord
+from services import cli_client, cli_export
+from services.cli_common import (
+    DEFAULT_GATEWAY_URL,
+    ExitCode,
+    JsonOption,
+    OpNameOption,
+    ShapesOption,
+    TaskFileArgument,
+    cli_settings,
+    err,
+    fail,
+    out,
+    parse_shape,
+    read_task,
+    say,
+    sdk_errors,
+    shape_overrides,
+    show_record,
+    task_module_names,
+)
 from services.common.runtime import free_port
-from services.common.settings import Settings, load_settings
+from services.common.settings import Settings
+from services.stack import LocalStack, StackError, local_stack
 
-
-class ExitCode(IntEnum):
-    """Exit codes of the client commands (module docstring)."""
-
-    OK = 0  # completed and passed; or the listing / cancel was done
-    FAILED = 1  # failed, cancelled, or not passed
-    USAGE = 2  # bad input or refused request
-    UNREACHABLE = 3  # gateway unreachable or 5xx; event stream lost
-    TIMEOUT = 4  # gave up waiting
-    RUNNING = 5  # still pending or running
-    NO_SANDBOX = 6  # `run`: the local sandbox cannot start here
-    INTERRUPTED = 130  # Ctrl-C while waiting (the shell's code for SIGINT)
-
-
-DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
-POLL_INTERVAL_S = 0.5
-# While waiting on a job, a gateway that stays unreachable this long ends the wait
-# (a restart of the gateway takes a few seconds; the job itself lives in NATS).
-UNREACHABLE_GRACE_S = 30.0
+# Imported from here by tests and benches before these modules existed.
+__all__ = ["ExitCode", "LocalStack", "StackError", "app", "local_stack", "main", "parse_shape",
+           "task_module_names"]
 
 HELP_OPTION_NAMES = ["-h", "--help"]
 
@@ -101,22 +98,6 @@ app = typer.Typer(
     rich_markup_mode="markdown",
 )
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
-
-
-def _fail(code: ExitCode, message: str) -> NoReturn:
-    """Print ``message`` plainly on stderr and exit with ``code``."""
-    err.print(message, markup=False, soft_wrap=True)
-    raise typer.Exit(int(code))
-
-
-def _settings(**overrides: Any) -> Settings:
-    try:
-        return load_settings(**overrides)
-    except ValueError as exc:
-        _fail(ExitCode.USAGE, str(exc))
-
 
 def _run_service(service: str, settings: Settings, main: Any) -> None:
     """Configure logging for ``service`` and run its coroutine until it ends.
@@ -127,20 +108,20 @@ def _run_service(service: str, settings: Settings, main: Any) -> None:
     from services.common.logging import configure_logging
 
     if not settings.nats_url:
-        _fail(ExitCode.USAGE, f"AIKG_NATS_URL is not set: point it at a NATS server "
-              f"(e.g. nats://127.0.0.1:4222), or run `aikg up` to start everything "
-              f"with an embedded one. ({service})")
+        fail(ExitCode.USAGE, f"AIKG_NATS_URL is not set: point it at a NATS server "
+             f"(e.g. nats://127.0.0.1:4222), or run `aikg up` to start everything "
+             f"with an embedded one. ({service})")
     configure_logging(service, settings.log_level, settings.log_format)
     try:
         asyncio.run(main)
     except ConnectionError as exc:
-        _fail(ExitCode.UNREACHABLE, f"{service}: {exc}")
+        fail(ExitCode.UNREACHABLE, f"{service}: {exc}")
     except ValueError as exc:
         # Bad configuration found at start (device names, worker id ...).
-        _fail(ExitCode.USAGE, f"{service}: {exc}")
+        fail(ExitCode.USAGE, f"{service}: {exc}")
     except RuntimeError as exc:
         # e.g. the worker's sandbox cannot start on this machine (PoolBroken).
-        _fail(ExitCode.NO_SANDBOX, f"{service} could not start: {exc}")
+        fail(ExitCode.NO_SANDBOX, f"{service} could not start: {exc}")
     except KeyboardInterrupt:
         pass
 
@@ -162,11 +143,11 @@ def gateway(
     """
     from services.gateway.app import serve_gateway
 
-    settings = _settings(gateway_host=host, gateway_port=port)
+    settings = cli_settings(gateway_host=host, gateway_port=port)
     try:
         _run_service("gateway", settings, serve_gateway(settings))
     except OSError as exc:
-        _fail(ExitCode.FAILED, f"gateway: {exc}")
+        fail(ExitCode.FAILED, f"gateway: {exc}")
 
 
 @app.command()
@@ -188,7 +169,7 @@ def worker(
     """
     from services.worker.service import run_worker
 
-    settings = _settings(worker_backend=backend, worker_arch=arch, worker_devices=devices,
+    settings = cli_settings(worker_backend=backend, worker_arch=arch, worker_devices=devices,
                          metrics_port=metrics_port)
     _run_service("worker", settings, run_worker(settings))
 
@@ -204,174 +185,8 @@ def generator(
     """
     from services.generator.service import run_generator
 
-    settings = _settings(metrics_port=metrics_port)
+    settings = cli_settings(metrics_port=metrics_port)
     _run_service("generator", settings, run_generator(settings))
-
-
-def _stop_children(children: dict[str, subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
-    """SIGTERM each child's process group, wait up to ``grace_s``, then SIGKILL what is left."""
-    for proc in children.values():
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for proc in children.values():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(max(0.0, deadline - time.monotonic()))
-    for proc in children.values():
-        # The group may outlive its leader (a sandboxed candidate): kill it in any case.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-@dataclasses.dataclass
-class LocalStack:
-    """What :func:`local_stack` started: URLs, the live worker list, the children."""
-
-    gateway_url: str
-    nats_url: str
-    workers: list[dict[str, Any]]
-    children: dict[str, subprocess.Popen[bytes]]
-    logs: dict[str, Path]
-    # The embedded server's admin credentials (NATS_URL/NATS_USER/NATS_PASSWORD, 0600).
-    admin_env: Path | None = None
-
-    def dead_child(self) -> str | None:
-        """``"<service> exited with code N; log: PATH"`` for the first dead child, else None."""
-        for name, proc in self.children.items():
-            if proc.poll() is not None:
-                where = f"; log: {self.logs[name]}" if name in self.logs else ""
-                return f"{name} exited with code {proc.returncode}{where}{self._cause(name)}"
-        return None
-
-    def _cause(self, name: str) -> str:
-        """The last error the service logged (e.g. the port in use), for the message."""
-        path = self.logs.get(name)
-        if path is None:
-            return ""
-        with contextlib.suppress(OSError):
-            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return f"\n  {lines[-1][:500]}"
-        return ""
-
-    def describe(self) -> str:
-        if not self.workers:
-            return f"gateway {self.gateway_url}, NATS {self.nats_url}"
-        w = self.workers[0]
-        n = len(w.get("devices", []))
-        return (f"gateway {self.gateway_url}, NATS {self.nats_url}, worker "
-                f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
-
-
-@contextlib.contextmanager
-def local_stack(
-    settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
-    store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
-    stopping: threading.Event, nats_auth: bool = True,
-) -> Iterator[LocalStack]:
-    """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
-    as child processes, each in its own process group; wait until the gateway is ready
-    and lists a worker of ``backend``; on exit stop them all (no stray processes).
-
-    With ``nats_auth`` the embedded server gets per-run random passwords for an admin
-    and each service, with each service's permissions (services/common/nats_auth.py),
-    in a configuration file in a private (0700) temporary directory removed at exit;
-    each service gets only its own user. An external server (``settings.nats_url``)
-    is left as configured: the services read their ``AIKG_NATS_*`` credentials.
-
-    Raises:
-        typer.Exit: code 1 when a service dies or is not up within ``ready_timeout`` s.
-    """
-    from services.common.embedded import EmbeddedNatsServer, die_with_parent
-    from services.common.nats_auth import BusCredentials
-
-    nats: EmbeddedNatsServer | None = None
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    logs: dict[str, Path] = {}
-    credentials: BusCredentials | None = None
-    auth_dir: Path | None = None
-    admin_env: Path | None = None
-    try:
-        nats_url = settings.nats_url
-        if not nats_url:
-            config = None
-            if nats_auth:
-                credentials = BusCredentials()
-                auth_dir = Path(tempfile.mkdtemp(prefix="aikg-nats-auth-"))
-                config = credentials.write_server_config(auth_dir / "nats-server.conf")
-            nats = EmbeddedNatsServer(store_dir, die_with_parent=True, config_file=config)
-            try:
-                nats_url = nats.start()
-            except (RuntimeError, FileNotFoundError) as exc:
-                _fail(ExitCode.FAILED, str(exc))
-            if credentials is not None and auth_dir is not None:
-                admin_env = credentials.write_admin_env(auth_dir / "nats-admin.env", nats_url)
-                err.print(f"NATS admin credentials (nats CLI): {admin_env} "
-                          f"(`set -a; . {admin_env}; set +a`)", markup=False, soft_wrap=True)
-        if not verbose:
-            log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            err.print(f"logs: {log_dir}", markup=False, soft_wrap=True)
-        gateway_url = f"http://{host}:{port}"
-        env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
-               "PYTHONUNBUFFERED": "1"}
-        if nats is not None:
-            # The embedded server knows only its own users: credentials meant for
-            # another server would be refused (or contradict the per-run ones).
-            env = {k: v for k, v in env.items()
-                   if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
-                                                              "AIKG_NATS_STORE_DIR")}
-        commands = {
-            "gateway": ["gateway", "--host", host, "--port", str(port)],
-            "generator": ["generator"],
-            "worker": ["worker", "--backend", backend, "--devices", devices,
-                       *(["--arch", arch] if arch else [])],
-        }
-        for name, args in commands.items():
-            stream: Any = None
-            if log_dir is not None and not verbose:
-                logs[name] = log_dir / f"{name}.log"
-                stream = logs[name].open("ab")
-            try:
-                own = credentials.service_env(name) if credentials is not None else {}
-                children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *args],
-                    env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                )
-            finally:
-                if stream is not None:
-                    stream.close()
-        stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
-                           children=children, logs=logs, admin_env=admin_env)
-        headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
-        deadline = time.monotonic() + ready_timeout
-        with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
-            while not stopping.is_set():
-                if (dead := stack.dead_child()) is not None:
-                    _fail(ExitCode.FAILED, f"AIKG did not come up: {dead}")
-                with contextlib.suppress(httpx.HTTPError, ValueError):
-                    if client.get("/readyz").status_code == 200:
-                        listed = client.get("/api/v1/workers").json().get("workers", [])
-                        stack.workers = [w for w in listed if w.get("backend") == backend]
-                        if stack.workers:
-                            break
-                if time.monotonic() > deadline:
-                    _fail(ExitCode.FAILED, f"AIKG did not come up in {ready_timeout:.0f} s "
-                          f"(gateway ready and a {backend} worker listed); see the logs"
-                          + (f" in {log_dir}" if logs else ""))
-                stopping.wait(0.25)
-        yield stack
-    finally:
-        if children:
-            err.print("stopping services ...", markup=False)
-        _stop_children(children)
-        if nats is not None:
-            nats.stop()
-        if auth_dir is not None:
-            shutil.rmtree(auth_dir, ignore_errors=True)
 
 
 @app.command()
@@ -406,7 +221,7 @@ def up(
     a child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits
     1 when a service dies or does not come up in time (its log is named).
     """
-    settings = _settings()
+    settings = cli_settings()
     stopping = threading.Event()
     stack: LocalStack | None = None
 
@@ -419,7 +234,7 @@ def up(
         with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
                          devices=devices, store_dir=store_dir, log_dir=log_dir,
                          verbose=verbose, ready_timeout=ready_timeout,
-                         stopping=stopping, nats_auth=nats_auth) as stack:
+                         stopping=stopping, nats_auth=nats_auth, say=say) as stack:
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)
@@ -428,14 +243,17 @@ def up(
                               f"{stack.gateway_url}", markup=False, soft_wrap=True)
             while not stopping.wait(0.5):
                 if (dead := stack.dead_child()) is not None:
-                    _fail(ExitCode.FAILED, f"stopping AIKG: {dead}")
-    except typer.Exit as exc:
-        code = ExitCode(exc.exit_code)
+                    say(f"stopping AIKG: {dead}")
+                    code = ExitCode.FAILED
+                    break
+    except StackError as exc:
+        say(str(exc))
+        code = ExitCode.FAILED
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if logged := [p for p in stack.logs.values() if p.exists()] if stack else []:
-            err.print(f"service logs kept in {logged[0].parent}", markup=False, soft_wrap=True)
+            say(f"service logs kept in {logged[0].parent}")
     raise typer.Exit(int(code))
 
 
@@ -455,29 +273,27 @@ def demo(
     This is `make run`: embedded NATS, gateway (on a free port), generator and one cpu
     worker, all stopped at the end. Exit code 0 when the kernel passed verification.
     """
-    settings = _settings()
-    try:
-        task_desc = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
-    body = {"op_name": file.stem, "task_desc": task_desc, "backend": "cpu",
-            "shape_overrides": dict(parse_shape(s) for s in shape or [])}
+    settings = cli_settings()
+    task_desc = read_task(file)
+    overrides = dict(parse_shape(s) for s in shape or [])
     port = free_port()
     err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
     started = time.monotonic()
-    with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
-                     devices="0", store_dir=None, log_dir=None, verbose=False,
-                     ready_timeout=ready_timeout, stopping=threading.Event()) as stack:
-        err.print(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}", markup=False,
-                  soft_wrap=True)
-        with _client(stack.gateway_url, settings.api_token or None) as client:
-            accepted = _request(client, "POST", "/api/v1/jobs/submit", json=body).json()
-            job_id = accepted["job_id"]
-            err.print(f"submitted {file} as job {job_id}", markup=False)
-            final = _wait(client, job_id, timeout, out.is_terminal)
-        record = _decode_record(final)
-        _show(record, final.content, as_json=False)
-        code = _record_exit(record)
+    try:
+        with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
+                         devices="0", store_dir=None, log_dir=None, verbose=False,
+                         ready_timeout=ready_timeout, say=say) as stack:
+            say(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}")
+            with cli_client.connect(stack.gateway_url, settings.api_token) as client:
+                with sdk_errors():
+                    job_id = client.submit(file.stem, task_desc, backend="cpu",
+                                           shape_overrides=overrides)["job_id"]
+                err.print(f"submitted {file} as job {job_id}", markup=False)
+                final = cli_client.wait_for_job(client, job_id, timeout, out.is_terminal,
+                                                follow=None)
+            code = show_record(final, as_json=False)
+    except StackError as exc:
+        fail(ExitCode.FAILED, str(exc))
     if code == ExitCode.OK and stack.logs:
         # A throw-away stack that did its job leaves nothing behind; on failure the
         # logs stay for a look (their directory was printed at start).
@@ -486,460 +302,13 @@ def demo(
     raise typer.Exit(int(code))
 
 
-# --- client --------------------------------------------------------------------------
-
-GatewayOption = Annotated[str, typer.Option(
-    "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")]
-TokenOption = Annotated[str | None, typer.Option(
-    "--token", envvar="AIKG_API_TOKEN", show_default=False,
-    help="Bearer token, when the gateway has AIKG_API_TOKEN set.")]
-JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
-
-
-def _client(gateway_url: str, token: str | None) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=gateway_url.rstrip("/"), headers=headers, timeout=30.0)
-
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip() or response.reason_phrase
-    if isinstance(body, dict) and "detail" in body:
-        return str(body["detail"])
-    return json.dumps(body)
-
-
-def _request(client: httpx.Client, method: str, path: str, **kwargs: Any) -> httpx.Response:
-    """One gateway call; transport errors exit 3, 4xx exit 2, 5xx exit 3."""
-    try:
-        response = client.request(method, path, **kwargs)
-    except httpx.TransportError as exc:
-        _fail(ExitCode.UNREACHABLE,
-              f"cannot reach the gateway at {client.base_url}: {exc or exc.__class__.__name__}. "
-              "Start it (`aikg up`) or point --gateway / AIKG_GATEWAY_URL at it.")
-    if response.status_code >= 400:
-        code = ExitCode.UNREACHABLE if response.status_code >= 500 else ExitCode.USAGE
-        _fail(code, f"gateway refused ({response.status_code}): {_detail(response)}")
-    return response
-
-
-def _decode_record(response: httpx.Response) -> JobRecord:
-    try:
-        return msgspec.json.decode(response.content, type=JobRecord)
-    except msgspec.DecodeError as exc:
-        _fail(ExitCode.UNREACHABLE, f"the gateway sent a job record this CLI cannot read: {exc}")
-
-
-def _record_exit(record: JobRecord) -> ExitCode:
-    if record.status == "completed":
-        return ExitCode.OK if record.result is not None and record.result.passed else ExitCode.FAILED
-    if record.status in TERMINAL_STATUSES:
-        return ExitCode.FAILED
-    return ExitCode.RUNNING
-
-
-def _show(record: JobRecord, raw: bytes, as_json: bool) -> None:
-    if as_json:
-        sys.stdout.write(raw.decode() + "\n")
-        sys.stdout.flush()
-    else:
-        from services.cli_render import print_record
-
-        print_record(out, record)
-
-
-ShapeOverride = int | float | bool | str | tuple[int, ...]
-
-
-def parse_shape(item: str) -> tuple[str, ShapeOverride]:
-    """``NAME=VALUE`` -> ``(NAME, VALUE)``.
-
-    VALUE is read as a Python literal (:func:`ast.literal_eval`): an int (``16``), a
-    float (``1e-5``), a bool (``True``; ``true``/``false`` also accepted), a quoted
-    string, or a tuple or list of ints (``(64,)``, ``[8, 8]``), returned as a tuple;
-    text that is not a literal is kept as a string (``mode=fast``). These are the
-    values a job's ``shape_overrides`` carries (``schemas.events.ShapeValue``).
-
-    Raises:
-        typer.BadParameter: no ``=``, an empty name, or a literal of another kind
-            (a tuple of floats, a dict, None, ...).
-    """
-    name, sep, text = item.partition("=")
-    name = name.strip()
-    if not sep or not name:
-        raise typer.BadParameter(f"{item!r}: expected NAME=VALUE, e.g. batch_size=16")
-    text = text.strip()
-    if text.lower() in ("true", "false"):
-        return name, text.lower() == "true"
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return name, text  # not a Python literal: a bare word such as mode=fast
-    if isinstance(value, int | float | bool | str):
-        return name, value
-    if isinstance(value, tuple | list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return name, tuple(value)
-    raise typer.BadParameter(
-        f"{item!r}: VALUE must be an int, a float, true/false, a string or a tuple of "
-        f"ints such as (64,), not {type(value).__name__} {text}")
-
-
-def task_module_names(task_desc: str) -> list[str]:
-    """Names a task's module binds by assignment at top level, in source order.
-
-    Found with :mod:`ast`, without running the task (whose code is not trusted here):
-    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
-    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
-
-    Raises:
-        SyntaxError: the task is not valid Python.
-    """
-    names: dict[str, None] = {}
-
-    def targets(node: ast.AST) -> None:
-        if isinstance(node, ast.Name):
-            names[node.id] = None
-        elif isinstance(node, ast.Tuple | ast.List):
-            for element in node.elts:
-                targets(element)
-        elif isinstance(node, ast.Starred):
-            targets(node.value)
-
-    def visit(body: list[ast.stmt]) -> None:
-        for stmt in body:
-            if isinstance(stmt, ast.Assign):
-                for target in stmt.targets:
-                    targets(target)
-            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.For | ast.AsyncFor):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.With | ast.AsyncWith):
-                for withitem in stmt.items:
-                    if withitem.optional_vars is not None:
-                        targets(withitem.optional_vars)
-            for field_name in ("body", "orelse", "finalbody"):
-                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    visit(getattr(stmt, field_name, []) or [])
-            for handler in getattr(stmt, "handlers", []):
-                visit(handler.body)
-
-    visit(ast.parse(task_desc).body)
-    return list(names)
-
-
-def _check_shape_names(file: Path, task_desc: str, overrides: dict[str, Any]) -> None:
-    """Exit 2 when an override names something the task does not define at top level."""
-    if not overrides:
-        return
-    try:
-        defined = task_module_names(task_desc)
-    except SyntaxError as exc:
-        _fail(ExitCode.USAGE, f"{file}: not valid Python (line {exc.lineno}: {exc.msg})")
-    unknown = [name for name in overrides if name not in defined]
-    if unknown:
-        _fail(ExitCode.USAGE,
-              f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "
-              f"it defines: {', '.join(defined) or '(none)'}")
-
-
-def _wait(client: httpx.Client, job_id: str, timeout_s: float, live: bool) -> httpx.Response:
-    """Poll the job's status until it ends; the last response. Exits 4 on timeout."""
-    from services.cli_render import live_view
-
-    deadline = time.monotonic() + timeout_s
-    last_ok = time.monotonic()
-    display = out.status(f"{job_id} submitted", spinner="dots") if live else contextlib.nullcontext()
-    with display as spinner:
-        while True:
-            try:
-                response = client.get(f"/api/v1/jobs/{quote(job_id, safe='')}/status")
-            except httpx.TransportError as exc:
-                if time.monotonic() - last_ok > UNREACHABLE_GRACE_S:
-                    _fail(ExitCode.UNREACHABLE,
-                          f"lost the gateway at {client.base_url} for {UNREACHABLE_GRACE_S:.0f} s "
-                          f"({exc or exc.__class__.__name__}); the job goes on: "
-                          f"`aikg status {job_id}`")
-                response = None
-            if response is not None:
-                if response.status_code >= 400:
-                    code = ExitCode.UNREACHABLE if response.status_code >= 500 else ExitCode.USAGE
-                    _fail(code, f"gateway refused ({response.status_code}): {_detail(response)}")
-                last_ok = time.monotonic()
-                record = _decode_record(response)
-                if record.status in TERMINAL_STATUSES:
-                    return response
-                if spinner is not None:
-                    spinner.update(live_view(record))
-            if time.monotonic() > deadline:
-                _fail(ExitCode.TIMEOUT, f"job {job_id} did not finish within {timeout_s:g} s; it "
-                      f"goes on: `aikg status {job_id}`")
-            time.sleep(POLL_INTERVAL_S)
-
-
-@app.command()
-def submit(
-    file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="FILE",
-        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
-    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
-    backend: Annotated[str, typer.Option(help="cpu | cuda | ascend.")] = "cpu",
-    arch: Annotated[str | None, typer.Option(
-        help="Arch (x86_64, h200, a100, ...); default: any with a live worker.")] = None,
-    dsl: Annotated[str, typer.Option(help="triton (triton_cuda / triton_ascend accepted).")] = "triton",
-    workflow: Annotated[str, typer.Option(
-        help="coder_only_workflow | default_workflow.")] = "coder_only_workflow",
-    job_type: Annotated[str, typer.Option(help="single | evolve.")] = "single",
-    coder: Annotated[str | None, typer.Option(
-        help="builtin | llm; default the LLM coder when configured, else builtin.")] = None,
-    shape: Annotated[list[str] | None, typer.Option(
-        "--shape", metavar="NAME=VALUE",
-        help="Rebind a module-level name of the task before get_inputs() (repeatable), "
-        "e.g. --shape batch_size=16 or --shape 'input_shape=(64,)'. VALUE: a Python "
-        "literal (int, float, True/False, tuple of ints, quoted string), else a string.")] = None,
-    max_rounds: Annotated[int | None, typer.Option(
-        help="Evolve rounds; default 1.", show_default=False)] = None,
-    parallel_num: Annotated[int | None, typer.Option(
-        help="Candidates per evolve round; default 1.", show_default=False)] = None,
-    num_islands: Annotated[int | None, typer.Option(
-        help="Evolve islands (separate populations); default 1.", show_default=False)] = None,
-    migration_interval: Annotated[int | None, typer.Option(
-        help="Rounds between migrations of the best candidates to the next island; "
-        "default 2.", show_default=False)] = None,
-    elite_size: Annotated[int | None, typer.Option(
-        help="Best candidates kept in the elite archive across islands; default 5.",
-        show_default=False)] = None,
-    parent_selection_prob: Annotated[float | None, typer.Option(
-        help="Chance that an evolve parent is the island's best rather than a random "
-        "passed candidate; default 0.5.", show_default=False)] = None,
-    max_attempts: Annotated[int | None, typer.Option(
-        help="Candidates a single job may try, repairs included; default 3.",
-        show_default=False)] = None,
-    job_id: Annotated[str | None, typer.Option(
-        help="Client-chosen job id (letters, digits, _ and -); resubmitting the same job "
-        "with it is idempotent.")] = None,
-    priority: Annotated[str | None, typer.Option(
-        help="low | normal | high: order among waiting jobs (high lanes are served "
-        "first); the tenant's max_priority bounds it. Default normal.",
-        show_default=False)] = None,
-    wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
-    as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """Submit a task file as a job: print its id, or with --wait follow it to the verdict.
-
-    Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
-    1 failed/cancelled/not passed, 2 bad input or refused (400/401/409/413),
-    3 gateway unreachable, 4 --wait timed out, 130 Ctrl-C while waiting.
-    """
-    try:
-        task_desc = file.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
-    overrides = dict(parse_shape(s) for s in shape or [])
-    _check_shape_names(file, task_desc, overrides)
-    body: dict[str, Any] = {
-        "op_name": op_name or file.stem,
-        "task_desc": task_desc,
-        "job_type": job_type,
-        "backend": backend,
-        "dsl": dsl,
-        "workflow": workflow,
-        "shape_overrides": overrides,
-    }
-    optional = {"arch": arch, "coder": coder, "job_id": job_id, "max_rounds": max_rounds,
-                "parallel_num": parallel_num, "num_islands": num_islands,
-                "migration_interval": migration_interval, "elite_size": elite_size,
-                "parent_selection_prob": parent_selection_prob, "max_attempts": max_attempts,
-                "priority": priority}
-    body.update({k: v for k, v in optional.items() if v is not None})
-    with _client(gateway_url, token) as client:
-        response = _request(client, "POST", "/api/v1/jobs/submit", json=body)
-        accepted = response.json()
-        new_id = accepted["job_id"]
-        if not wait:
-            if as_json:
-                sys.stdout.write(json.dumps(accepted) + "\n")
-            else:
-                out.print(new_id, markup=False)
-                err.print(f"follow it: aikg status {new_id} | aikg events {new_id}",
-                          markup=False, soft_wrap=True)
-            return
-        live = not as_json and out.is_terminal
-        if live:
-            err.print(f"submitted {new_id} to {accepted.get('backend')}/{accepted.get('arch')}",
-                      markup=False)
-        try:
-            final = _wait(client, new_id, timeout, live)
-        except KeyboardInterrupt:
-            _fail(ExitCode.INTERRUPTED,
-                  f"stopped waiting; the job goes on: `aikg status {new_id}`")
-    record = _decode_record(final)
-    _show(record, final.content, as_json)
-    raise typer.Exit(int(_record_exit(record)))
-
-
-@app.command()
-def status(
-    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
-    as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """Print a job's record: status, progress, verdict and kernel.
-
-    Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
-    1 failed/cancelled/not passed, 2 unknown job, 3 gateway unreachable,
-    5 still pending or running.
-    """
-    with _client(gateway_url, token) as client:
-        response = _request(client, "GET", f"/api/v1/jobs/{quote(job_id, safe='')}/status")
-    record = _decode_record(response)
-    _show(record, response.content, as_json)
-    raise typer.Exit(int(_record_exit(record)))
-
-
-@app.command("list")
-def list_jobs(
-    status_filter: Annotated[str | None, typer.Option(
-        "--status", help="Only jobs with this status: pending, running, completed, failed, "
-        "cancelled, or corrupt (records that do not decode).")] = None,
-    op_name: Annotated[str | None, typer.Option(help="Only jobs of this operator.")] = None,
-    limit: Annotated[int, typer.Option(min=1, max=500, help="Jobs to show.")] = 20,
-    offset: Annotated[int, typer.Option(min=0, help="Newest jobs to skip.")] = 0,
-    as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """List jobs, newest first: id, status, op, backend/arch, submitted, result.
-
-    Exit codes: 0 listed (also when none match), 2 bad option, 3 gateway unreachable.
-    """
-    params: dict[str, Any] = {"limit": limit, "offset": offset}
-    if status_filter:
-        params["status"] = status_filter
-    if op_name:
-        params["op_name"] = op_name
-    with _client(gateway_url, token) as client:
-        response = _request(client, "GET", "/api/v1/jobs", params=params)
-    page = response.json()
-    if as_json:
-        sys.stdout.write(response.text + "\n")
-        return
-    from services.cli_render import jobs_table
-
-    if not page["jobs"]:
-        out.print("no jobs" + (" match" if status_filter or op_name else " yet"), markup=False)
-        return
-    out.print(jobs_table(page, out.width))
-    shown = len(page["jobs"])
-    if page["total"] > offset + shown:
-        err.print(f"{shown} of {page['total']} jobs; more with --offset {offset + shown}",
-                  markup=False)
-
-
-@app.command()
-def cancel(
-    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
-    as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """Cancel a job: the generator stops it, workers skip its pending candidates.
-
-    Exit codes: 0 cancelled, or had already ended (the message says how), 2 unknown
-    job, 3 gateway unreachable.
-    """
-    with _client(gateway_url, token) as client:
-        response = _request(client, "POST", f"/api/v1/jobs/{quote(job_id, safe='')}/cancel")
-    record = response.json()
-    if as_json:
-        sys.stdout.write(response.text + "\n")
-    elif record["status"] == "cancelled":
-        out.print(f"{job_id} cancelled", markup=False)
-    else:
-        out.print(f"{job_id} had already ended: {record['status']}", markup=False)
-
-
-@app.command()
-def events(
-    job_id: Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")],
-    as_json: Annotated[bool, typer.Option(
-        "--json", help="One JSON event per line (JobEvent fields plus `seq`).")] = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """Print a job's events, one line each: its history, then live until it ends.
-
-    Exit codes: 0 the job completed, 1 it failed or was cancelled, 2 unknown job,
-    3 gateway unreachable or the stream broke, 130 Ctrl-C (the job goes on).
-    """
-    from httpx_sse import connect_sse
-
-    from services.cli_render import event_line
-
-    last: str | None = None
-    path = f"/api/v1/jobs/{quote(job_id, safe='')}/events"
-    try:
-        with _client(gateway_url, token) as client, connect_sse(
-                client, "GET", path, timeout=httpx.Timeout(10.0, read=60.0)) as source:
-            if source.response.status_code >= 400:
-                source.response.read()
-                code = (ExitCode.UNREACHABLE if source.response.status_code >= 500
-                        else ExitCode.USAGE)
-                _fail(code, f"gateway refused ({source.response.status_code}): "
-                      f"{_detail(source.response)}")
-            for sse in source.iter_sse():
-                if not sse.data:  # a keepalive comment
-                    continue
-                event = json.loads(sse.data)
-                event["seq"] = int(sse.id) if sse.id else None
-                last = event.get("event")
-                if as_json:
-                    sys.stdout.write(json.dumps(event) + "\n")
-                    sys.stdout.flush()
-                else:
-                    out.print(event_line(event), soft_wrap=True)
-    except httpx.TransportError as exc:
-        _fail(ExitCode.UNREACHABLE, f"lost the gateway at {gateway_url}: "
-              f"{exc or exc.__class__.__name__}; the job goes on: `aikg events {job_id}`")
-    except KeyboardInterrupt:
-        _fail(ExitCode.INTERRUPTED, f"stopped following; the job goes on: `aikg status {job_id}`")
-    if last == "completed":
-        raise typer.Exit(int(ExitCode.OK))
-    if last in TERMINAL_STATUSES:
-        raise typer.Exit(int(ExitCode.FAILED))
-    _fail(ExitCode.UNREACHABLE, f"the event stream ended before the job did; follow it again: "
-          f"`aikg events {job_id}`")
-
-
-@app.command()
-def workers(
-    as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
-    token: TokenOption = None,
-) -> None:
-    """List live workers: backend/arch, devices, load (in-flight/capacity), leases held.
-
-    Exit codes: 0 listed (also when none is live), 3 gateway unreachable.
-    """
-    with _client(gateway_url, token) as client:
-        response = _request(client, "GET", "/api/v1/workers")
-    if as_json:
-        sys.stdout.write(response.text + "\n")
-        return
-    listing = response.json()
-    if not listing.get("workers"):
-        out.print("no live workers: start one with `aikg worker` (or `aikg up`)", markup=False)
-        return
-    from services.cli_render import workers_table
-
-    out.print(workers_table(listing))
+# The gateway's clients (services/cli_client.py), in the order `--help` lists them.
+app.command()(cli_client.submit)
+app.command()(cli_client.status)
+app.command("list")(cli_client.list_jobs)
+app.command()(cli_client.cancel)
+app.command()(cli_client.events)
+app.command()(cli_client.workers)
 
 
 async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | None,
@@ -960,19 +329,13 @@ async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | Non
 
 @app.command()
 def run(
-    file: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="FILE",
-        help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")],
-    op_name: Annotated[str | None, typer.Option(help="Operator name; default the file stem.")] = None,
+    file: TaskFileArgument,
+    op_name: OpNameOption = None,
     backend: Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")] = "cpu",
     arch: Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")] = None,
     devices: Annotated[str, typer.Option(
         help="Devices to verify on, comma-separated (GPU ordinals; on cpu, slots).")] = "0",
-    shape: Annotated[list[str] | None, typer.Option(
-        "--shape", metavar="NAME=VALUE",
-        help="Rebind a module-level name of the task before get_inputs() (repeatable), "
-        "e.g. --shape batch_size=16 or --shape 'input_shape=(64,)'. VALUE: a Python "
-        "literal (int, float, True/False, tuple of ints, quoted string), else a string.")] = None,
+    shape: ShapesOption = None,
     trials: Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")] = 3,
     timeout: Annotated[float, typer.Option(
         help="Seconds the candidate's verification may take.")] = 300.0,
@@ -988,20 +351,17 @@ def run(
     from services.common.logging import configure_logging
     from services.common.records import TaskError, check_task_source
 
+    task_desc = read_task(file)
     try:
-        task_desc = file.read_text(encoding="utf-8")
         check_task_source(task_desc)
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
     except (TaskError, ValueError) as exc:
-        _fail(ExitCode.USAGE, f"{file}: {exc}")
+        fail(ExitCode.USAGE, f"{file}: {exc}")
     device_list = [d.strip() for d in devices.split(",") if d.strip()]
     if not device_list:
-        _fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
+        fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
     if backend not in ("cpu", "cuda", "ascend"):
-        _fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
-    overrides = dict(parse_shape(s) for s in shape or [])
-    _check_shape_names(file, task_desc, overrides)
+        fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
+    overrides = shape_overrides(file, task_desc, shape)
     configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
 
     live = not as_json and err.is_terminal
@@ -1013,9 +373,9 @@ def run(
                 task_desc, op_name or file.stem, backend, arch, device_list, overrides,
                 trials, timeout))
     except KeyboardInterrupt:
-        _fail(ExitCode.INTERRUPTED, "stopped")
+        fail(ExitCode.INTERRUPTED, "stopped")
     except ValueError as exc:
-        _fail(ExitCode.USAGE, str(exc))
+        fail(ExitCode.USAGE, str(exc))
     except Exception as exc:
         # Imported only now: it imports torch, which a task the coder declines from its
         # source alone never needs (that refusal takes milliseconds, not seconds).
@@ -1023,7 +383,7 @@ def run(
 
         if not isinstance(exc, PoolBroken):
             raise
-        _fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")
+        fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")
     if as_json:
         sys.stdout.write(json.dumps({"op_name": op, **info}) + "\n")
     else:
@@ -1046,14 +406,7 @@ def schema(
         out.print(str(path), markup=False, soft_wrap=True)
 
 
-def _register_export() -> None:
-    # Its own module: this one is long enough.
-    from services.cli_export import export
-
-    app.command("export")(export)
-
-
-_register_export()
+app.command("export")(cli_export.export)
 
 
 def _flags_without_metavar(command: Any) -> Any:

@@ -14,14 +14,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-err = Console(stderr=True, highlight=False)
-
-
-def _fail(code: int, message: str) -> None:
-    err.print(message, markup=False, soft_wrap=True)
-    raise typer.Exit(code)
+from services.cli_common import ExitCode, err, fail, sdk_errors
 
 
 def export(
@@ -55,23 +49,20 @@ def export(
     The cursor after the last row is kept in OUT.cursor and printed; `--resume` adds
     what ended since. Exit codes: 0 written, 2 bad input or refused, 3 unreachable.
     """
-    from services.sdk.client import AIKGClient, AIKGConnectionError, AIKGHTTPError
+    from services.cli_client import connect
     from services.sdk.export import export_kernels
 
     try:
-        with AIKGClient(gateway_url, token=token or "") as client:
+        with connect(gateway_url, token) as client, sdk_errors(
+                follow=f"aikg export {out} --resume",
+                goes_on=f"rows written so far stay in {out}"):
             summary = export_kernels(client, out, passed=True if passed else None,
                                      op_name=op_name, backend=backend, arch=arch,
                                      cursor=cursor, resume=resume, page_size=page_size)
     except ValueError as exc:
-        _fail(2, str(exc))
+        fail(ExitCode.USAGE, str(exc))
     except OSError as exc:
-        _fail(2, f"cannot write {out}: {exc.strerror or exc}")
-    except AIKGConnectionError as exc:
-        _fail(3, f"{exc}; rows written so far stay in {out}, resume with --resume")
-    except AIKGHTTPError as exc:
-        _fail(3 if exc.status_code >= 500 else 2, f"gateway refused ({exc.status_code}): "
-              f"{exc.detail}")
+        fail(ExitCode.USAGE, f"cannot write {out}: {exc.strerror or exc}")
     err.print(f"{summary.rows} kernel(s) written to {summary.path} ({summary.format}); "
               f"resume with `aikg export {out} --resume` or --cursor {summary.cursor}",
               markup=False, soft_wrap=True)

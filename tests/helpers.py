@@ -15,6 +15,7 @@ from schemas import JobEvent, decode, subjects
 from services.common.bus import Bus
 from services.common.jobs import live_workers
 from services.common.settings import Settings
+from services.sdk.client import AsyncAIKGClient
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
@@ -110,16 +111,13 @@ async def services_running(settings: Settings, bus: Bus, *,
 
 
 async def wait_terminal(client: httpx.AsyncClient, job_id: str, timeout_s: float = 180) -> dict:
-    """Poll the status route until the job ends; its record as JSON."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        resp = await client.get(f"/api/v1/jobs/{job_id}/status")
-        if resp.status_code == 200 and resp.json()["status"] in ("completed", "failed",
-                                                                 "cancelled"):
-            return resp.json()
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"job {job_id} did not finish in {timeout_s}s")
+    """The job's record as JSON once it has ended: the SDK's wait
+    (:meth:`AsyncAIKGClient.wait_for_completion`) against ``client``'s gateway, with its
+    token. The job is left alone if the test stops waiting."""
+    token = client.headers.get("authorization", "").removeprefix("Bearer ")
+    async with AsyncAIKGClient(str(client.base_url), token=token) as sdk:
+        return await sdk.wait_for_completion(job_id, timeout=timeout_s, poll_interval=0.2,
+                                             progress=False, cancel_on_interrupt=False)
 
 
 async def stream_messages(bus: Bus, subject: str) -> list[bytes]:

@@ -28,36 +28,13 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import aconnect_sse, connect_sse
 
+from services.sdk.errors import AIKGConnectionError, AIKGError, AIKGHTTPError
+from services.sdk.job_wait import JobWait, Progress
+
 DEFAULT_URL = "http://127.0.0.1:8000"
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # Event streams send a keepalive comment every ~15 s; a read that waits this long
 # without one means the connection is dead.
 _STREAM_READ_TIMEOUT_S = 60.0
-
-
-class AIKGError(Exception):
-    """Base of the errors this client raises."""
-
-
-class AIKGConnectionError(AIKGError):
-    """The gateway could not be reached (refused, DNS, timeout)."""
-
-
-class AIKGHTTPError(AIKGError):
-    """The gateway answered with an error status.
-
-    Attributes:
-        status_code: HTTP status (400 bad body, 401 token, 404 unknown job, 409 no live
-            worker for backend/arch, 413 too large, 503 NATS unavailable).
-        detail: the gateway's explanation of what was wrong and what to do.
-        body: the whole JSON error body (``live`` lists live backend/arch pairs on 409).
-    """
-
-    def __init__(self, status_code: int, detail: str, body: Any = None) -> None:
-        super().__init__(f"gateway answered {status_code}: {detail}")
-        self.status_code = status_code
-        self.detail = detail
-        self.body = body
 
 
 def _submit_body(op_name: str, task_desc: str, fields: dict[str, Any]) -> dict[str, Any]:
@@ -98,50 +75,9 @@ def _headers(token: str | None) -> dict[str, str]:
 
 
 def _unreachable(url: Any, exc: Exception) -> AIKGConnectionError:
-    return AIKGConnectionError(f"cannot reach the AIKG gateway at {url}: "
-                               f"{exc or exc.__class__.__name__} (is `aikg up` or `aikg gateway` "
-                               "running there?)")
-
-
-class _Progress:
-    """A rich progress display on stderr while waiting: status, phase, candidates, elapsed."""
-
-    def __init__(self, job_id: str, enabled: bool) -> None:
-        self.job_id = job_id
-        self.bar = None
-        if enabled:
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                SpinnerColumn,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self.bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                                BarColumn(), TimeElapsedColumn(),
-                                console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task(f"{job_id} submitted", total=None)
-
-    def __enter__(self) -> _Progress:
-        if self.bar is not None:
-            self.bar.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-    def update(self, status: dict[str, Any]) -> None:
-        if self.bar is None:
-            return
-        p = status.get("progress") or {}
-        text = f"{self.job_id} {status.get('status')} · {p.get('phase', '')}"
-        if p.get("candidates_generated"):
-            text += (f" · candidates {p['candidates_generated']} generated, "
-                     f"{p.get('candidates_verified', 0)} verified")
-        self.bar.update(self.task, description=text)
+    reason = str(exc) or exc.__class__.__name__
+    return AIKGConnectionError(f"cannot reach the AIKG gateway at {url}: {reason} (is "
+                               "`aikg up` or `aikg gateway` running there?)", str(url), reason)
 
 
 class AIKGClient:
@@ -214,15 +150,26 @@ class AIKGClient:
                 ``Retry-After`` header says when to retry).
             AIKGConnectionError: the gateway is unreachable.
         """
-        body = _submit_body(op_name, task_desc, {
-            "job_type": job_type, "backend": backend, "arch": arch, "dsl": dsl,
-            "framework": framework, "workflow": workflow, "max_rounds": max_rounds,
-            "parallel_num": parallel_num, "num_islands": num_islands,
-            "migration_interval": migration_interval, "elite_size": elite_size,
-            "parent_selection_prob": parent_selection_prob, "init_code": init_code,
-            "shape_overrides": shape_overrides, "coder": coder, "job_id": job_id,
-            "priority": priority, **fields})
-        return self._request("POST", "/api/v1/jobs/submit", json=body).json()["job_id"]
+        return self.submit(
+            op_name, task_desc, job_type=job_type, backend=backend, arch=arch, dsl=dsl,
+            framework=framework, workflow=workflow, max_rounds=max_rounds,
+            parallel_num=parallel_num, num_islands=num_islands,
+            migration_interval=migration_interval, elite_size=elite_size,
+            parent_selection_prob=parent_selection_prob, init_code=init_code,
+            shape_overrides=shape_overrides, coder=coder, job_id=job_id, priority=priority,
+            **fields)["job_id"]
+
+    def submit(self, op_name: str, task_desc: str, **fields: Any) -> dict[str, Any]:
+        """Submit a job; returns the gateway's whole answer: ``job_id``, ``status``,
+        ``backend``, ``arch`` (the one it routed to, or None) and ``message``.
+
+        ``fields`` are JobSubmit wire fields; None leaves one to the gateway's default.
+
+        Raises:
+            AIKGHTTPError, AIKGConnectionError: as :meth:`submit_job`.
+        """
+        return self._request("POST", "/api/v1/jobs/submit",
+                             json=_submit_body(op_name, task_desc, fields)).json()
 
     def get_job_status(self, job_id: str) -> dict[str, Any]:
         """The job record: ``status``, ``job_type``, ``op_name``, ``submit_time``,
@@ -328,33 +275,42 @@ class AIKGClient:
             raise _unreachable(self.url, exc) from exc
 
     def wait_for_completion(self, job_id: str, timeout: float = 1800, poll_interval: float = 1.0,
-                            progress: bool = True) -> dict[str, Any]:
+                            progress: bool = True, *, on_status: Any = None,
+                            cancel_on_interrupt: bool = True,
+                            unreachable_grace_s: float = 0.0) -> dict[str, Any]:
         """Poll the job until it ends; returns its final status dict.
 
         Args:
             timeout: seconds to wait at most.
             poll_interval: seconds between status requests.
             progress: show a progress display on stderr when it is a terminal.
+            on_status: called with each status dict received (e.g. a display of one's own).
+            cancel_on_interrupt: cancel the job on Ctrl-C before re-raising; False
+                leaves it running.
+            unreachable_grace_s: seconds the gateway may stay unreachable before the
+                wait ends (0: at the first failed request).
 
         Raises:
             TimeoutError: the job did not end within ``timeout``; it goes on.
-            KeyboardInterrupt: Ctrl-C; the job is cancelled first.
+            AIKGConnectionError: the gateway stayed unreachable past the grace.
+            AIKGHTTPError: the gateway refused the status request (404 unknown job).
+            KeyboardInterrupt: Ctrl-C; the job is cancelled first (``cancel_on_interrupt``).
         """
-        deadline = time.monotonic() + timeout
         try:
-            with _Progress(job_id, progress and sys.stderr.isatty()) as display:
+            with Progress(job_id, progress and sys.stderr.isatty()) as display:
+                wait = JobWait(job_id, timeout, poll_interval, unreachable_grace_s,
+                                [display.update, on_status], time.monotonic)
                 while True:
-                    status = self.get_job_status(job_id)
-                    display.update(status)
-                    if status.get("status") in TERMINAL:
-                        return status
-                    if time.monotonic() >= deadline:
-                        raise TimeoutError(f"job {job_id} did not finish within {timeout:g} s "
-                                           f"(status {status.get('status')}); it goes on")
-                    time.sleep(min(poll_interval, max(0.0, deadline - time.monotonic())))
+                    try:
+                        if wait.ended(status := self.get_job_status(job_id)):
+                            return status
+                    except AIKGConnectionError as exc:
+                        wait.lost(exc)
+                    time.sleep(wait.pause())
         except KeyboardInterrupt:
-            with contextlib.suppress(AIKGError):
-                self.cancel_job(job_id)
+            if cancel_on_interrupt:
+                with contextlib.suppress(AIKGError):
+                    self.cancel_job(job_id)
             raise
 
 
@@ -457,25 +413,26 @@ class AsyncAIKGClient:
             raise _unreachable(self.url, exc) from exc
 
     async def wait_for_completion(self, job_id: str, timeout: float = 1800,
-                                  poll_interval: float = 1.0,
-                                  progress: bool = True) -> dict[str, Any]:
-        """See :meth:`AIKGClient.wait_for_completion`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
+                                  poll_interval: float = 1.0, progress: bool = True, *,
+                                  on_status: Any = None, cancel_on_interrupt: bool = True,
+                                  unreachable_grace_s: float = 0.0) -> dict[str, Any]:
+        """See :meth:`AIKGClient.wait_for_completion`; the job is also cancelled when the
+        waiting task is (``cancel_on_interrupt``)."""
         try:
-            with _Progress(job_id, progress and sys.stderr.isatty()) as display:
+            with Progress(job_id, progress and sys.stderr.isatty()) as display:
+                wait = JobWait(job_id, timeout, poll_interval, unreachable_grace_s,
+                                [display.update, on_status], asyncio.get_running_loop().time)
                 while True:
-                    status = await self.get_job_status(job_id)
-                    display.update(status)
-                    if status.get("status") in TERMINAL:
-                        return status
-                    if loop.time() >= deadline:
-                        raise TimeoutError(f"job {job_id} did not finish within {timeout:g} s "
-                                           f"(status {status.get('status')}); it goes on")
-                    await asyncio.sleep(min(poll_interval, max(0.0, deadline - loop.time())))
+                    try:
+                        if wait.ended(status := await self.get_job_status(job_id)):
+                            return status
+                    except AIKGConnectionError as exc:
+                        wait.lost(exc)
+                    await asyncio.sleep(wait.pause())
         except (KeyboardInterrupt, asyncio.CancelledError):
-            with contextlib.suppress(AIKGError):
-                await asyncio.shield(self.cancel_job(job_id))
+            if cancel_on_interrupt:
+                with contextlib.suppress(AIKGError):
+                    await asyncio.shield(self.cancel_job(job_id))
             raise
 
 

@@ -1,0 +1,255 @@
+"""What the ``aikg`` commands share: their exit codes, consoles and options, the one
+place where SDK errors become exit codes (:func:`sdk_errors`), and reading a task file
+with its ``--shape`` overrides. The commands live in :mod:`services.cli` (services,
+``up``, ``demo``, ``run``) and :mod:`services.cli_client` (the gateway's clients).
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import sys
+from collections.abc import Iterator
+from enum import IntEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import msgspec
+import typer
+from rich.console import Console
+
+from schemas import TERMINAL_STATUSES, JobRecord
+from services.common.settings import Settings, load_settings
+
+
+class ExitCode(IntEnum):
+    """Exit codes of the client commands (the table in :mod:`services.cli`)."""
+
+    OK = 0  # completed and passed; or the listing / cancel was done
+    FAILED = 1  # failed, cancelled, or not passed
+    USAGE = 2  # bad input or refused request
+    UNREACHABLE = 3  # gateway unreachable or 5xx; event stream lost
+    TIMEOUT = 4  # gave up waiting
+    RUNNING = 5  # still pending or running
+    NO_SANDBOX = 6  # `run`: the local sandbox cannot start here
+    INTERRUPTED = 130  # Ctrl-C while waiting (the shell's code for SIGINT)
+
+
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
+POLL_INTERVAL_S = 0.5
+# While waiting on a job, a gateway that stays unreachable this long ends the wait
+# (a restart of the gateway takes a few seconds; the job itself lives in NATS).
+UNREACHABLE_GRACE_S = 30.0
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+GatewayOption = Annotated[str, typer.Option(
+    "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")]
+TokenOption = Annotated[str | None, typer.Option(
+    "--token", envvar="AIKG_API_TOKEN", show_default=False,
+    help="Bearer token, when the gateway has AIKG_API_TOKEN set.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
+TaskFileArgument = Annotated[Path, typer.Argument(
+    exists=True, dir_okay=False, readable=True, metavar="FILE",
+    help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")]
+OpNameOption = Annotated[str | None, typer.Option(help="Operator name; default the file stem.")]
+ShapesOption = Annotated[list[str] | None, typer.Option(
+    "--shape", metavar="NAME=VALUE",
+    help="Rebind a module-level name of the task before get_inputs() (repeatable), "
+    "e.g. --shape batch_size=16 or --shape 'input_shape=(64,)'. VALUE: a Python "
+    "literal (int, float, True/False, tuple of ints, quoted string), else a string.")]
+
+
+def say(message: str) -> None:
+    """Print ``message`` plainly (no markup, no wrapping) on stderr."""
+    err.print(message, markup=False, soft_wrap=True)
+
+
+def fail(code: ExitCode, message: str) -> NoReturn:
+    """Print ``message`` plainly on stderr and exit with ``code``."""
+    say(message)
+    raise typer.Exit(int(code))
+
+
+def cli_settings(**overrides: Any) -> Settings:
+    """:func:`load_settings` with ``overrides``; a bad ``AIKG_*`` value exits 2."""
+    try:
+        return load_settings(**overrides)
+    except ValueError as exc:
+        fail(ExitCode.USAGE, str(exc))
+
+
+@contextlib.contextmanager
+def sdk_errors(follow: str | None = None, goes_on: str = "the job goes on") -> Iterator[None]:
+    """Turn the SDK's errors into the CLI's exit codes; every client command calls the
+    SDK inside this block.
+
+    ``AIKGConnectionError`` exits 3, ``AIKGHTTPError`` 2 (4xx: a refused request) or 3
+    (5xx), ``TimeoutError`` (a wait that gave up) 4, Ctrl-C 130 when there is work to
+    come back to. ``follow`` is the command that picks that work up again (``aikg
+    status JOB_ID``); given, the messages say that ``goes_on`` and how to follow it.
+    """
+    from services.sdk.errors import AIKGConnectionError, AIKGHTTPError
+
+    after = f"; {goes_on}: `{follow}`" if follow else ""
+    try:
+        yield
+    except AIKGConnectionError as exc:
+        if follow is None:
+            fail(ExitCode.UNREACHABLE,
+                 f"cannot reach the gateway at {exc.url}: {exc.reason}. Start it (`aikg up`) "
+                 "or point --gateway / AIKG_GATEWAY_URL at it.")
+        fail(ExitCode.UNREACHABLE, f"lost the gateway at {exc.url}: {exc.reason}{after}")
+    except AIKGHTTPError as exc:
+        fail(ExitCode.UNREACHABLE if exc.status_code >= 500 else ExitCode.USAGE,
+             f"gateway refused ({exc.status_code}): {exc.detail}")
+    except TimeoutError as exc:
+        fail(ExitCode.TIMEOUT, f"{exc}{after}")
+    except KeyboardInterrupt:
+        if follow is None:
+            raise
+        fail(ExitCode.INTERRUPTED, f"stopped{after}")
+
+
+def record_of(status: dict[str, Any]) -> JobRecord:
+    """A job's status dict (from the SDK) as a :class:`JobRecord`; one the CLI cannot
+    read exits 3."""
+    try:
+        return msgspec.convert(status, JobRecord)
+    except msgspec.ValidationError as exc:
+        fail(ExitCode.UNREACHABLE, f"the gateway sent a job record this CLI cannot read: {exc}")
+
+
+def record_exit(record: JobRecord) -> ExitCode:
+    """0 completed and passed, 1 ended otherwise, 5 still pending or running."""
+    if record.status == "completed":
+        return ExitCode.OK if record.result is not None and record.result.passed else ExitCode.FAILED
+    if record.status in TERMINAL_STATUSES:
+        return ExitCode.FAILED
+    return ExitCode.RUNNING
+
+
+def print_json(body: Any) -> None:
+    """``body`` on stdout as one line of compact JSON, as the gateway sent it."""
+    sys.stdout.write(msgspec.json.encode(body).decode() + "\n")
+    sys.stdout.flush()
+
+
+def show_record(status: dict[str, Any], as_json: bool) -> ExitCode:
+    """Print a job's status dict (JSON, or rendered) and return its exit code."""
+    record = record_of(status)
+    if as_json:
+        print_json(status)
+    else:
+        from services.cli_render import print_record
+
+        print_record(out, record)
+    return record_exit(record)
+
+
+def read_task(file: Path) -> str:
+    """The task file's text; one that cannot be read exits 2."""
+    try:
+        return file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
+
+
+ShapeOverride = int | float | bool | str | tuple[int, ...]
+
+
+def parse_shape(item: str) -> tuple[str, ShapeOverride]:
+    """``NAME=VALUE`` -> ``(NAME, VALUE)``.
+
+    VALUE is read as a Python literal (:func:`ast.literal_eval`): an int (``16``), a
+    float (``1e-5``), a bool (``True``; ``true``/``false`` also accepted), a quoted
+    string, or a tuple or list of ints (``(64,)``, ``[8, 8]``), returned as a tuple;
+    text that is not a literal is kept as a string (``mode=fast``). These are the
+    values a job's ``shape_overrides`` carries (``schemas.events.ShapeValue``).
+
+    Raises:
+        typer.BadParameter: no ``=``, an empty name, or a literal of another kind
+            (a tuple of floats, a dict, None, ...).
+    """
+    name, sep, text = item.partition("=")
+    name = name.strip()
+    if not sep or not name:
+        raise typer.BadParameter(f"{item!r}: expected NAME=VALUE, e.g. batch_size=16")
+    text = text.strip()
+    if text.lower() in ("true", "false"):
+        return name, text.lower() == "true"
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return name, text  # not a Python literal: a bare word such as mode=fast
+    if isinstance(value, int | float | bool | str):
+        return name, value
+    if isinstance(value, tuple | list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return name, tuple(value)
+    raise typer.BadParameter(
+        f"{item!r}: VALUE must be an int, a float, true/false, a string or a tuple of "
+        f"ints such as (64,), not {type(value).__name__} {text}")
+
+
+def task_module_names(task_desc: str) -> list[str]:
+    """Names a task's module binds by assignment at top level, in source order.
+
+    Found with :mod:`ast`, without running the task (whose code is not trusted here):
+    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
+    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
+
+    Raises:
+        SyntaxError: the task is not valid Python.
+    """
+    names: dict[str, None] = {}
+
+    def targets(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            names[node.id] = None
+        elif isinstance(node, ast.Tuple | ast.List):
+            for element in node.elts:
+                targets(element)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    targets(target)
+            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.For | ast.AsyncFor):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.With | ast.AsyncWith):
+                for withitem in stmt.items:
+                    if withitem.optional_vars is not None:
+                        targets(withitem.optional_vars)
+            for field_name in ("body", "orelse", "finalbody"):
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    visit(getattr(stmt, field_name, []) or [])
+            for handler in getattr(stmt, "handlers", []):
+                visit(handler.body)
+
+    visit(ast.parse(task_desc).body)
+    return list(names)
+
+
+def shape_overrides(file: Path, task_desc: str, shapes: list[str] | None) -> dict[str, Any]:
+    """The ``--shape`` items as a dict, each checked against the names the task
+    defines at top level; an unknown name or a task that is not Python exits 2."""
+    overrides = dict(parse_shape(s) for s in shapes or [])
+    if not overrides:
+        return overrides
+    try:
+        defined = task_module_names(task_desc)
+    except SyntaxError as exc:
+        fail(ExitCode.USAGE, f"{file}: not valid Python (line {exc.lineno}: {exc.msg})")
+    unknown = [name for name in overrides if name not in defined]
+    if unknown:
+        fail(ExitCode.USAGE,
+             f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "
+             f"it defines: {', '.join(defined) or '(none)'}")
+    return overrides
