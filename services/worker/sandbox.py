@@ -521,7 +521,7 @@ class Sandbox:
     Args:
         backend: ``cpu`` (Triton interpreter), ``cuda`` or ``ascend``: the device the
             children use (the probe launches a Triton kernel on it).
-        name: names the default scratch root ``<tmp>/aikg-<name>``.
+        name: names the default scratch root, ``<tmp>/aikg-<name>-<pid>-<random>`` (created at start).
         scratch_root: where run directories and per-device Triton caches live; a
             default one is removed on :meth:`close` (and by the fork server when this
             process dies).
@@ -546,8 +546,12 @@ class Sandbox:
         self.require = tuple(require)
         self.env_allow = tuple(env_allow)
         self.own_scratch = scratch_root is None
+        # The default root is this process's own (a fresh directory): two sandboxes of
+        # the same name on one machine (two ``aikg run``, two test sessions) must not
+        # remove each other's run directories when one of them closes.
         self.scratch_root = Path(scratch_root) if scratch_root is not None else (
-            Path(os.environ.get("TMPDIR", "/tmp")) / f"aikg-{safe_name(name)}")
+            Path(os.environ.get("TMPDIR", "/tmp"))
+            / f"aikg-{safe_name(name)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         self.isolation = Isolation()
         # Triton decides at import time whether its standard library (tl.sigmoid,
         # tl.softmax ...) is interpreted, so the fork server must import it with
