@@ -315,32 +315,46 @@ class LLMCoder:
             CoderError: the endpoint failed for good (the LLM client's message), or
                 ``1 + unusable_retries`` replies in a row held no usable module.
         """
-        base = self.messages(submit, history, plan, instruction)
-        messages = base
-        reasons: list[str] = []
-        for _ in range(1 + self.unusable_retries):
-            try:
-                completion = await self.chat("coder", messages)
-            except LLMError as exc:
-                raise CoderError(f"LLM coder: {exc}") from None
-            try:
-                code = extract_code(completion.text, completion.finish_reason)
-            except UnusableReply as exc:
-                reasons.append(str(exc))
-                log.warning("llm_reply_unusable", agent="coder", reason=str(exc))
-                messages = [*base,
-                            {"role": "assistant", "content": _head(completion.text, 8000)},
-                            {"role": "user", "content":
-                             f"That reply cannot be used: {exc}. Reply with the complete module "
-                             "(imports, the @triton.jit kernel(s), class ModelNew) in one "
-                             "```python block."}]
-                continue
-            meta = {"model": completion.model}
-            if instruction:
-                meta["guidance"] = instruction
-            return Candidate(code=code, coder=self.name, meta=meta)
-        raise CoderError(f"the LLM coder gave {len(reasons)} unusable replies in a row "
-                         f"({'; '.join(reasons)})")
+        meta = {"guidance": instruction} if instruction else {}
+        return await ask_coder(self.chat, self.messages(submit, history, plan, instruction),
+                               coder=self.name, retries=self.unusable_retries, meta=meta)
+
+
+async def ask_coder(chat: ChatFn, messages: list[Message], *, coder: str,
+                    retries: int = UNUSABLE_RETRIES,
+                    meta: dict[str, str] | None = None) -> Candidate:
+    """Ask the ``coder`` agent for a module and return it as a candidate.
+
+    A reply with no usable module (:func:`extract_code`) is answered with what was
+    wrong and asked again, up to ``retries`` more times; the candidate's ``meta``
+    gets the replying model's name on top of ``meta``.
+
+    Raises:
+        CoderError: the endpoint failed for good (the LLM client's message), or
+            ``1 + retries`` replies in a row held no usable module.
+    """
+    base = messages
+    reasons: list[str] = []
+    for _ in range(1 + retries):
+        try:
+            completion = await chat("coder", messages)
+        except LLMError as exc:
+            raise CoderError(f"LLM coder: {exc}") from None
+        try:
+            code = extract_code(completion.text, completion.finish_reason)
+        except UnusableReply as exc:
+            reasons.append(str(exc))
+            log.warning("llm_reply_unusable", agent="coder", reason=str(exc))
+            messages = [*base,
+                        {"role": "assistant", "content": _head(completion.text, 8000)},
+                        {"role": "user", "content":
+                         f"That reply cannot be used: {exc}. Reply with the complete module "
+                         "(imports, the @triton.jit kernel(s), class ModelNew) in one "
+                         "```python block."}]
+            continue
+        return Candidate(code=code, coder=coder, meta={**(meta or {}), "model": completion.model})
+    raise CoderError(f"the LLM coder gave {len(reasons)} unusable replies in a row "
+                     f"({'; '.join(reasons)})")
 
 
 class Designer:

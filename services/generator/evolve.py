@@ -514,34 +514,11 @@ class LLMMutator:
         return await self._ask(submit, parts)
 
     async def _ask(self, submit: JobSubmit, parts: list[str]) -> Candidate:
-        from services.generator.agents import (
-            UNUSABLE_RETRIES,
-            UnusableReply,
-            extract_code,
-            system_prompt,
-            task_section,
-        )
-        from services.generator.llm import LLMError
+        from services.generator.agents import ask_coder, system_prompt, task_section
 
         messages = [{"role": "system", "content": system_prompt("coder", submit)},
                     {"role": "user", "content": "\n\n".join([task_section(submit), *parts])}]
-        reasons = []
-        for _ in range(1 + UNUSABLE_RETRIES):
-            try:
-                completion = await self.chat("coder", messages)
-            except LLMError as exc:
-                raise CoderError(f"LLM coder: {exc}") from None
-            try:
-                code = extract_code(completion.text, completion.finish_reason)
-            except UnusableReply as exc:
-                reasons.append(str(exc))
-                messages = [*messages, {"role": "assistant", "content": completion.text[:8000]},
-                            {"role": "user", "content": f"That reply cannot be used: {exc}. "
-                             "Reply with the complete module in one ```python block."}]
-                continue
-            return Candidate(code=code, coder=self.name, meta={"model": completion.model})
-        raise CoderError(f"the LLM coder gave {len(reasons)} unusable replies in a row "
-                         f"({'; '.join(reasons)})")
+        return await ask_coder(self.chat, messages, coder=self.name)
 
 
 def describe_candidate(c: EvolveCandidate) -> str:

@@ -32,6 +32,10 @@ generator meets that (picking the job up, or polling it while it runs), it repla
 the bad value, by compare-and-swap on its revision, with a ``failed`` record that
 names the fault and keeps the job's submission, publishes one ``failed`` event and
 acks the job's message: no redelivery, no dead-letter "its generator died".
+
+Why one module: the job intake loop and :class:`JobRun` are the generator's
+crash-recovery protocol (record compare-and-swap, deterministic attempt ids,
+redelivery, cancel watch); they change together and are read together.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ everything it reports as a claim to check.
 
 The wire format is :mod:`services.worker.wire`; the sandbox entry every child runs
 first is :mod:`services.worker.hardening`.
+
+Why one module: every runner here executes in the same hostile process after the
+same entry, shares the captured tensor methods and the failure reporting, and is
+read as one piece when auditing what a candidate's process can see.
 """
 
 from __future__ import annotations

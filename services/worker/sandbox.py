@@ -11,6 +11,10 @@ and :func:`services.worker.hardening.enter_sandbox` isolates the child first.
 
 :class:`ChildRun` is one child: its pid, its frames (read with the event loop, so
 ``await`` never blocks it), its exit status, and the kill of its process group.
+
+Why one module: the fork server's client, the child's framed channel, the probe and
+the lowering run share one process-lifecycle contract (spawn, tag check, kill of the
+group, scratch removal) that is audited as a unit.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ failed ``infrastructure`` result and an ``error`` job event. A message that is n
 a VerifyRequest is dead-lettered at once; requests of cancelled jobs are acked
 unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a
 second signal gives them back to the queue.
+
+Why one module: the consumer loop, device leases, heartbeat and the final publishes
+(result, dead letter, events) are one delivery protocol; its crash-safety (ack only
+after the verdict is stored, leases renewed while a run lasts) is checked by reading
+them together.
 """
 
 from __future__ import annotations

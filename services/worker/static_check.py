@@ -24,6 +24,9 @@ as ``rule_id``.
 The checks are a first filter for LLM-written code, not a security boundary: the
 sandbox (:mod:`services.worker.sandbox`) is. They are written so that honest
 kernels pass and the common reward hacks fail with a message a coder can act on.
+
+Why one module: the rules share one AST walk and one table (:data:`RULES`) that the
+README's rule table is generated from; one file per rule would scatter the walker.
 """
 
 from __future__ import annotations

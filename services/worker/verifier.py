@@ -54,6 +54,13 @@ device, one visible device, a private network namespace and an unprivileged user
 where the machine permits (probed by :meth:`Verifier.start`: a sandboxed child
 compiles and launches a tiny Triton kernel on the backend's device as that user, and
 the worker keeps its own user when that fails).
+
+Why one module: the verdict is one procedure (reference, candidate, ghost replay,
+second size, comparison, timing rules) and its order is part of what makes it hard
+to game; keeping every step that feeds a verdict in one file keeps the trust
+boundary auditable in one read. The wire format, sandbox entry and comparison
+helpers are already apart (:mod:`services.worker.wire`,
+:mod:`services.worker.hardening`, :mod:`services.worker.correctness`).
 """
 
 from __future__ import annotations

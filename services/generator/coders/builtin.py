@@ -12,6 +12,10 @@ its family, so the caller can hand the task to the LLM coder.
 
 The coder runs the task's code in this process: call it where task code is trusted, or
 from a subprocess.
+
+Why one module: the schedules share one emitter (index arithmetic, masks, fused
+element-wise chains, parameter plumbing); splitting it per schedule would copy that
+emitter or thread it through every file.
 """
 
 from __future__ import annotations
