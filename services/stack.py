@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 
 from services.common.settings import Settings
 
@@ -190,7 +191,14 @@ def local_stack(
                     raise StackError(f"AIKG did not come up: {dead}")
                 with contextlib.suppress(httpx.HTTPError, ValueError):
                     if client.get("/readyz").status_code == 200:
-                        listed = client.get("/api/v1/workers").json().get("workers", [])
+                        answer = client.get("/api/v1/workers")
+                        if answer.status_code in (401, 403):
+                            # The API takes only tenant tokens (AIKG_TENANTS_FILE) and this
+                            # supervisor holds none: it asks the workers bucket itself.
+                            user, password = _admin_login(settings, credentials)
+                            listed = workers_over_nats(nats_url, user, password)
+                        else:
+                            listed = answer.json().get("workers", [])
                         stack.workers = [w for w in listed if w.get("backend") == backend]
                         if stack.workers:
                             break
@@ -208,3 +216,48 @@ def local_stack(
             nats.stop()
         if auth_dir is not None:
             shutil.rmtree(auth_dir, ignore_errors=True)
+
+
+def _admin_login(settings: Settings, credentials: Any) -> tuple[str | None, str | None]:
+    """The NATS user and password this supervisor reads the bus with: the per-run
+    admin's when it started the server, else the configured plain ones."""
+    if credentials is not None:
+        from services.common.nats_auth import ADMIN_USER
+
+        return ADMIN_USER, credentials.passwords[ADMIN_USER]
+    return settings.nats_user or None, settings.nats_password or None
+
+
+def workers_over_nats(nats_url: str, user: str | None, password: str | None,
+                      timeout_s: float = 2.0) -> list[dict[str, Any]]:
+    """The live workers' heartbeats (``WorkerInfo`` as dicts) read from the ``workers``
+    bucket; empty when NATS or the bucket cannot be read within ``timeout_s`` seconds."""
+    import asyncio
+
+    import nats
+    import nats.js.errors
+
+    from schemas import WorkerInfo, decode, subjects
+
+    async def read() -> list[dict[str, Any]]:
+        nc = await nats.connect(nats_url, user=user, password=password,
+                                connect_timeout=timeout_s, allow_reconnect=False)
+        try:
+            kv = await nc.jetstream(timeout=timeout_s).key_value(subjects.BUCKET_WORKERS)
+            try:
+                keys = await kv.keys()
+            except nats.js.errors.NoKeysError:
+                return []
+            out = []
+            for key in keys:
+                with contextlib.suppress(Exception):
+                    entry = await kv.get(key)
+                    out.append(msgspec.to_builtins(decode(entry.value or b"", WorkerInfo)))
+            return out
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(asyncio.wait_for(read(), timeout_s * 3))
+    except Exception:  # noqa: BLE001 - not ready yet: the caller polls again
+        return []

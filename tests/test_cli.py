@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import typer
 
@@ -281,6 +282,33 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 @pytest.mark.slow
+async def test_up_with_tenant_tokens_only_comes_up(tmp_path: Path, free_port) -> None:
+    """With AIKG_TENANTS_FILE and no AIKG_API_TOKEN the API wants a tenant's token the
+    supervisor does not have: it still sees the worker (through the bus) and says up."""
+    from services.common.tenants import hash_token
+
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.team_a]\ntoken_sha256 = "{hash_token("tok-a")}"\n')
+    port = free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    proc = await asyncio.create_subprocess_exec(
+        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        env={**clean, "COLUMNS": "200", "AIKG_TENANTS_FILE": str(tenants)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 120)
+        assert b"AIKG is up: gateway http://127.0.0.1:" in line and b"worker cpu/" in line, line
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/api/v1/workers")).status_code == 401
+            r = await client.get("/api/v1/workers", headers={"Authorization": "Bearer tok-a"})
+            assert r.status_code == 200 and r.json()["workers"]
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        code = await asyncio.wait_for(proc.wait(), 60)
+    assert code == 0, (await proc.stderr.read()).decode()
+
+
 async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, free_port) -> None:
     """`aikg up` with an embedded NATS: ready line, a job id from `submit`, clean SIGTERM."""
     port = free_port()

@@ -156,6 +156,41 @@ async def test_limits_answer_429_or_403_naming_the_limit(
         assert 'aikg_gateway_jobs_submitted_total{priority="high",tenant="team_c"} 1.0' in metrics
 
 
+async def test_a_tenant_sees_and_acts_on_its_own_jobs_only(
+        tmp_path: Path, settings: Settings, bus: Bus, fake_worker_heartbeat,
+        start_gateway) -> None:
+    await fake_worker_heartbeat(bus)
+    settings = msgspec.structs.replace(settings, tenants_file=tenants_file(tmp_path),
+                                       api_token="operator-token")
+    operator = {"Authorization": "Bearer operator-token"}
+    async with gateway(start_gateway, settings) as client:
+        for tenant, job_id in (("team_a", "a-own"), ("team_b", "b-own")):
+            r = await client.post("/api/v1/jobs/submit", headers=auth(tenant), json=job(job_id))
+            assert r.status_code == 200, r.text
+        # team_b cannot tell team_a's job from one that does not exist.
+        for method, path in (("GET", "/api/v1/jobs/a-own/status"), ("GET", "/api/v1/jobs/a-own"),
+                             ("GET", "/api/v1/jobs/a-own/kernel"),
+                             ("GET", "/api/v1/jobs/a-own/events"),
+                             ("POST", "/api/v1/jobs/a-own/cancel")):
+            r = await client.request(method, path, headers=auth("team_b"))
+            assert r.status_code == 404, (method, path, r.text)
+            assert r.json() == (await client.request(
+                method, path.replace("a-own", "nobody"), headers=auth("team_b"))).json() | {
+                "detail": r.json()["detail"]}
+        assert (await client.get("/api/v1/jobs/a-own/status",
+                                 headers=auth("team_a"))).json()["status"] != "cancelled"
+        listed = (await client.get("/api/v1/jobs", headers=auth("team_b"))).json()
+        assert [j["job_id"] for j in listed["jobs"]] == ["b-own"] and listed["total"] == 1
+        other = (await client.get("/api/v1/jobs", params={"tenant": "team_a"},
+                                  headers=auth("team_b"))).json()
+        assert other["jobs"] == [] and other["total"] == 0
+        # The operator (AIKG_API_TOKEN) sees every tenant's jobs, and may cancel them.
+        everyone = (await client.get("/api/v1/jobs", headers=operator)).json()
+        assert {j["job_id"] for j in everyone["jobs"]} == {"a-own", "b-own"}
+        r = await client.post("/api/v1/jobs/a-own/cancel", headers=operator)
+        assert r.status_code == 200 and r.json()["status"] == "cancelled"
+
+
 # --- fair order on the bus ----------------------------------------------------------
 
 
@@ -253,8 +288,9 @@ async def test_burst_of_one_tenant_does_not_hold_up_another(
         assert int(r.headers["Retry-After"]) >= 1
 
         async def status(job_id: str) -> dict[str, Any]:
+            owner = "team_b" if job_id.startswith("b-") else "team_a"
             return (await client.get(f"/api/v1/jobs/{job_id}/status",
-                                     headers=auth("team_a"))).json()
+                                     headers=auth(owner))).json()
 
         last = await status("a-29")
         assert last["queue_position"] == 31 and last["estimated_start_time"] is None

@@ -220,8 +220,27 @@ def load_tenants(settings: Settings) -> TenantTable:
     return TenantTable(tenants=tenants, auth=bool(path or settings.api_token))
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.common.tenants``: print the SHA-256 of a token read from
+    standard input (not from the command line, where shell history and ``ps`` would
+    keep it), for a tenants file's ``token_sha256``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m services.common.tenants",
+        description="Print the SHA-256 of the API token read from standard input (one "
+                    "line), for the tenants file's token_sha256. Example: "
+                    "`python -m services.common.tenants < token.txt`, or type it and press "
+                    "Enter.")
+    parser.parse_args(argv)
+    token = sys.stdin.readline().strip()
+    if not token:
+        print("no token on standard input: pipe it in, e.g. "
+              "`python -m services.common.tenants < token.txt`", file=sys.stderr)
+        return 2
+    print(hash_token(token))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python -m services.common.tenants <token>  (prints its SHA-256 for "
-                 "the tenants file)")
-    print(hash_token(sys.argv[1]))
+    sys.exit(main())

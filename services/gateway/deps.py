@@ -61,12 +61,22 @@ def provide_tenant(request: Request, state: State) -> Tenant:
     return table.get(name)
 
 
-async def load_record(store: CheckedJobStore, job_id: str) -> JobRecord:
-    """The job's record.
+def provide_viewer(request: Request) -> str | None:
+    """Whose jobs the caller may see: None for the operator (the ``default`` tenant:
+    ``AIKG_API_TOKEN``, or no auth at all), which sees every job; else the caller's
+    own tenant name. A tenant's token reads, follows, cancels and exports only its
+    own tenant's jobs; another tenant's job is answered as if it did not exist."""
+    name = request.scope.get("aikg_tenant") or subjects.DEFAULT_TENANT  # type: ignore[typeddict-item]
+    return None if name == subjects.DEFAULT_TENANT else name
+
+
+async def load_record(store: CheckedJobStore, job_id: str,
+                      viewer: str | None = None) -> JobRecord:
+    """The job's record, when ``viewer`` may see it (:func:`provide_viewer`).
 
     Raises:
-        NotFoundException: no record, or an id no job can have (not one NATS subject
-            token); answered 404.
+        NotFoundException: no record, an id no job can have (not one NATS subject
+            token), or another tenant's job for a tenant ``viewer``; answered 404.
         JobRecordCorrupt: the record does not decode; answered 500 naming the job and
             the fault.
     """
@@ -76,6 +86,8 @@ async def load_record(store: CheckedJobStore, job_id: str) -> JobRecord:
         record, _ = await store.get(job_id)
     except JobNotFound as exc:
         raise unknown_job(job_id) from exc
+    if viewer is not None and record.tenant != viewer:
+        raise unknown_job(job_id)
     return record
 
 
@@ -83,4 +95,5 @@ DEPENDENCIES = {
     "bus": Provide(provide_bus, sync_to_thread=False),
     "store": Provide(provide_store, sync_to_thread=False),
     "queue": Provide(provide_queue, sync_to_thread=False),
+    "viewer": Provide(provide_viewer, sync_to_thread=False),
 }

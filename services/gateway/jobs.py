@@ -247,6 +247,7 @@ async def submit_job(
 async def jobs_list(
     bus: NamedDependency[Bus],
     queue: NamedDependency[QueueView | None],
+    viewer: NamedDependency[str | None],
     status: Annotated[ListStatus | None, QueryParameter(
         description="Only jobs with this status; `corrupt`: records that do not "
         "decode.")] = None,
@@ -260,7 +261,12 @@ async def jobs_list(
 ) -> JobPage:
     """Job summaries, newest submission first, filtered by ``status``, ``op_name`` and
     ``tenant``; ``total`` counts every match, so ``offset`` + ``limit`` page through
-    them. Waiting jobs carry their ``queue_position`` and ``estimated_start_time``."""
+    them. Waiting jobs carry their ``queue_position`` and ``estimated_start_time``.
+    A tenant's token lists only its own tenant's jobs."""
+    if viewer is not None:
+        if tenant not in (None, viewer):
+            return JobPage(jobs=[], total=0, limit=limit, offset=offset)
+        tenant = viewer
     page = await list_jobs(bus, status=status, op_name=op_name, limit=limit,
                            offset=offset, tenant=tenant)
     for row in page.jobs:
@@ -270,22 +276,24 @@ async def jobs_list(
 
 @get(["/{job_id:str}/status", "/{job_id:str}"], summary="Job status")
 async def job_status(job_id: FromPath[str], store: NamedDependency[CheckedJobStore],
-                     queue: NamedDependency[QueueView | None]) -> JobRecord:
+                     queue: NamedDependency[QueueView | None],
+                     viewer: NamedDependency[str | None]) -> JobRecord:
     """The job record: status, progress, result (kernel source and verdict), error;
     while the job waits, its ``queue_position`` (1: next to start) and
     ``estimated_start_time`` (services/gateway/queue.py), null otherwise."""
-    record = await load_record(store, job_id)
+    record = await load_record(store, job_id, viewer)
     if record.status == "pending":
         record.queue_position, record.estimated_start_time = await _estimate(queue, job_id)
     return record
 
 @post("/{job_id:str}/cancel", status_code=200, summary="Cancel a job")
 async def job_cancel(job_id: FromPath[str], bus: NamedDependency[Bus],
-                     store: NamedDependency[CheckedJobStore]) -> JobRecord:
+                     store: NamedDependency[CheckedJobStore],
+                     viewer: NamedDependency[str | None]) -> JobRecord:
     """Mark the job ``cancelled`` and publish its ``cancelled`` event; the generator
     stops its work and workers skip its pending verify requests. Idempotent: a job
     that has already ended is returned unchanged (its ``status`` says how it ended)."""
-    await load_record(store, job_id)
+    await load_record(store, job_id, viewer)
     try:
         record = await cancel_job(bus, job_id)
     except JobNotFound as exc:
@@ -295,12 +303,13 @@ async def job_cancel(job_id: FromPath[str], bus: NamedDependency[Bus],
 
 @get("/{job_id:str}/kernel", summary="Best kernel source", media_type="text/x-python")
 async def job_kernel(job_id: FromPath[str],
-                     store: NamedDependency[CheckedJobStore]) -> Response[str]:
+                     store: NamedDependency[CheckedJobStore],
+                     viewer: NamedDependency[str | None]) -> Response[str]:
     """The job's kernel source (``text/x-python``): the passing candidate of a
     completed job, or the last candidate tried of a failed one. Headers
     ``X-AIKG-Passed`` and ``X-AIKG-Candidate-Id`` say which. 404 while the job has no
     kernel yet."""
-    record = await load_record(store, job_id)
+    record = await load_record(store, job_id, viewer)
     result = record.result
     if result is None or not result.code:
         raise NotFoundException(
@@ -320,6 +329,7 @@ async def job_events_stream(
     bus: NamedDependency[Bus],
     store: NamedDependency[CheckedJobStore],
     queue: NamedDependency[QueueView | None],
+    viewer: NamedDependency[str | None],
     last_event_id: Annotated[str | None, HeaderParameter(
         name="Last-Event-ID", required=False,
         description="Resume after this event id (a JOB_EVENTS stream sequence).")] = None,
@@ -337,7 +347,7 @@ async def job_events_stream(
                                   f"sent by this route, not {last_event_id[:40]!r}") from None
         if after < 0:
             raise ClientException(detail="Last-Event-ID must not be negative")
-    record = await load_record(store, job_id)
+    record = await load_record(store, job_id, viewer)
     try:
         sub = await job_events.open_event_subscription(bus, job_id, after)
     except Exception as exc:  # noqa: BLE001 - NATS trouble: the client may retry

@@ -116,15 +116,18 @@ def decode_cursor(cursor: str) -> tuple[dt.datetime, str]:
 
 def kernel_page(records: dict[str, bytes], *, passed: bool | None, op_name: str | None,
                       backend: str | None, arch: str | None, cursor: str | None,
-                      limit: int) -> KernelPage:
+                      limit: int, tenant: str | None = None) -> KernelPage:
     """The page of rows after ``cursor`` among ``records`` (key -> stored value)
-    matching the filters; corrupt records are left out."""
+    matching the filters (``tenant``: only that tenant's jobs); corrupt records are
+    left out."""
     after = decode_cursor(cursor) if cursor else None
     rows = []
     for key, value in records.items():
         try:
             record = decode_record(key, value)
         except JobRecordCorrupt:
+            continue
+        if tenant is not None and record.tenant != tenant:
             continue
         row = kernel_row(record)
         if row is None or (passed is not None and row.passed != passed):
@@ -145,6 +148,7 @@ def kernel_page(records: dict[str, bytes], *, passed: bool | None, op_name: str 
 @get("/", summary="Kernels (export)")
 async def kernels_list(
     bus: NamedDependency[Bus],
+    viewer: NamedDependency[str | None],
     passed: Annotated[bool | None, QueryParameter(
         description="Only kernels that passed (true) or failed (false) verification; "
         "leave out for both.")] = None,
@@ -162,11 +166,12 @@ async def kernels_list(
 ) -> KernelPage:
     """Every job's kernel with its task, verdict, timings, arch and provenance (job,
     candidate, coder, model, worker), ordered by the job's end time; page on with
-    ``cursor``. ``aikg export`` writes them as JSON Lines or Parquet."""
+    ``cursor``. ``aikg export`` writes them as JSON Lines or Parquet. A tenant's token
+    exports only its own tenant's kernels."""
     entries = await read_entries(bus.jobs)
     return kernel_page({k: e.value or b"" for k, e in entries.items()}, passed=passed,
                        op_name=op_name, backend=backend, arch=arch, cursor=cursor,
-                       limit=limit)
+                       limit=limit, tenant=viewer)
 
 
 # Kernels: ``/api/v1/kernels`` (the ``/api/v1`` router adds the prefix).
