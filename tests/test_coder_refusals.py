@@ -163,3 +163,33 @@ async def test_aikg_run_hint_names_aikg_run(tmp_path):
     code, out, err = await aikg("run", str(task), "--json", "--trials", "1", timeout=180)
     assert code == 1, err
     assert "(aikg run: --shape batch_size=" in out, out[-2000:]
+
+
+BROKEN_TASK = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        return x @ x  # (3, 4) @ (3, 4): the task itself is wrong
+
+
+def get_inputs():
+    return [torch.randn(3, 4)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+def test_a_task_whose_own_model_fails_is_blamed_not_the_coder():
+    from services.generator.coders.builtin import LoweringError, lower_task
+
+    with pytest.raises(LoweringError) as caught:
+        lower_task(BROKEN_TASK)
+    assert caught.value.op == "task"
+    message = str(caught.value)
+    assert "the task's own Model fails on its get_inputs()" in message
+    assert "same reduction dim" in message and "LLM coder" not in message

@@ -584,6 +584,16 @@ def _export(task: _Task, inputs: tuple[Any, ...] | None = None) -> torch.export.
         except Exception as exc:  # noqa: BLE001 - retried with static shapes
             errors.append(exc)
     exc = errors[-1]
+    # A reference that fails by itself is the task's fault, not something a coder
+    # (the LLM's included) can work around: say so instead of blaming the trace.
+    try:
+        with torch.no_grad():
+            task.model(*inputs)
+    except Exception as eager:  # noqa: BLE001 - reported as the task's error
+        eager_line = (str(eager).strip().splitlines() or [""])[0]
+        raise LoweringError("task", f"the task's own Model fails on its get_inputs() "
+                            f"({type(eager).__name__}: {eager_line}); fix the task: no "
+                            "kernel can match a reference that does not run") from eager
     first_line = (str(exc).strip().splitlines() or [""])[0]
     raise LoweringError("export", f"torch.export could not trace the task's Model "
                         f"({type(exc).__name__}: {first_line}); use the LLM coder") from exc
