@@ -80,6 +80,7 @@ class CheckedJobStore(JobStore):
             return False
         return True
 
+
 async def live_workers(bus: Bus) -> list[WorkerInfo]:
     """Workers whose heartbeat is in the ``workers`` bucket now (expired keys are gone)."""
     try:
