@@ -835,6 +835,18 @@ class _Lowerer:
         visit(node)
         return order, shape_only
 
+    def kernel_chain(self, node: torch.fx.Node, load: dict[torch.fx.Node, str], tile: str,
+                     body: list[str], ops: list[str], params: list[str],
+                     launch: list[str]) -> str:
+        """:meth:`chain` for one kernel: the scalars it needs (sizes and numbers known
+        only at run time) are appended to the kernel's ``params`` and the forward's
+        ``launch`` arguments; returns the variable holding ``node``."""
+        self.scalars = []
+        result = self.chain(node, load, tile, body, ops, {})
+        params += [name for name, _ in self.scalars]
+        launch += [expr for _, expr in self.scalars]
+        return result
+
     def chain(self, node: torch.fx.Node, load: dict[torch.fx.Node, str], tile: str,
               body: list[str], ops: list[str], memo: dict[torch.fx.Node, str]) -> str:
         """Kernel lines computing ``node`` from loaded leaves; returns its variable."""
@@ -1129,16 +1141,10 @@ class _Lowerer:
             expr = self.values[leaf].expr
             launch += [expr, f"*_strides({expr}, {shape})"] if rank else [expr]
             offset = " + ".join(f"i{d} * s{k}_{d}" for d in range(rank)) or "offsets * 0"
-            ld = f"tl.load(in{k}_ptr + {offset}, mask=mask)"
-            if _val(leaf).dtype != torch.bool:
-                ld += ".to(tl.float32)"
-            body.append(f"v_in{k} = {ld}")
+            body.append(f"v_in{k} = {_computed(leaf, f'tl.load(in{k}_ptr + {offset}, mask=mask)')}")
             load[leaf] = f"v_in{k}"
-        self.scalars = []
-        result = self.chain(node, load, "[BLOCK_SIZE]", body, ops, {})
+        result = self.kernel_chain(node, load, "[BLOCK_SIZE]", body, ops, params, launch)
         store = self._cast_out(result, val.dtype, "[BLOCK_SIZE]")
-        params += [name for name, _ in self.scalars]
-        launch += [expr for _, expr in self.scalars]
         kernel_params = [*params, "out_ptr", "n_elements", *dims, "BLOCK_SIZE: tl.constexpr"]
         lines = [*index_lines, *body,
                  f"tl.store(out_ptr + offsets, ({store}).to(out_ptr.dtype.element_ty), mask=mask)"]
@@ -1203,16 +1209,11 @@ class _Lowerer:
             launch += [var, f"*{var}.stride()"]
             ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
                   f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
-            if _val(leaf).dtype != torch.bool:
-                ld += ".to(tl.float32)"
-            loads.append(f"v_in{k} = {ld}")
+            loads.append(f"v_in{k} = {_computed(leaf, ld)}")
             load[leaf] = f"v_in{k}"
         body: list[str] = []
         ops: list[str] = []
-        self.scalars = []
-        x = self.chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, {})
-        params += [name for name, _ in self.scalars]
-        launch += [expr for _, expr in self.scalars]
+        x = self.kernel_chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, params, launch)
         return params, launch, loads, x, body, ops
 
     def _rows(self, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[str], list[tuple[torch.fx.Node, str]]]:
@@ -1494,16 +1495,12 @@ class _Lowerer:
                            else f"0, *_strides({expr}, {out_shape})"]
                 ld = (f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
                       f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
-                if _val(leaf).dtype != torch.bool:
-                    ld += ".to(tl.float32)"
-                lines.append(f"v_e{k} = {ld}")
+                lines.append(f"v_e{k} = {_computed(leaf, ld)}")
                 load[leaf] = f"v_e{k}"
-            self.scalars = []
             body: list[str] = []
-            result = self.chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops, {})
+            result = self.kernel_chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops,
+                                       params, launch)
             lines += body
-            params += [name for name, _ in self.scalars]
-            launch += [expr for _, expr in self.scalars]
             result = self._cast_out(result, dtype, "")
         lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
                      f"({result}).to(c_ptr.dtype.element_ty), mask=mask)")
@@ -1960,6 +1957,11 @@ def _match_parameters(task: _Task, lines: list[str]) -> list[str]:
     raise LoweringError("parameters", "the task's Model initialises its parameters in a way "
                         "the built-in coder cannot reproduce from the same seed; use the LLM "
                         "coder")
+
+
+def _computed(leaf: torch.fx.Node, load: str) -> str:
+    """``load`` as the kernel computes with it: float32, except booleans (masks)."""
+    return load if _val(leaf).dtype == torch.bool else f"{load}.to(tl.float32)"
 
 
 def _val(node: torch.fx.Node) -> Any:
