@@ -235,25 +235,16 @@ def workers_over_nats(nats_url: str, user: str | None, password: str | None,
     import asyncio
 
     import nats
-    import nats.js.errors
 
-    from schemas import WorkerInfo, decode, subjects
+    from schemas import subjects
+    from services.common.jobs import heartbeats
 
     async def read() -> list[dict[str, Any]]:
         nc = await nats.connect(nats_url, user=user, password=password,
                                 connect_timeout=timeout_s, allow_reconnect=False)
         try:
             kv = await nc.jetstream(timeout=timeout_s).key_value(subjects.BUCKET_WORKERS)
-            try:
-                keys = await kv.keys()
-            except nats.js.errors.NoKeysError:
-                return []
-            out = []
-            for key in keys:
-                with contextlib.suppress(Exception):
-                    entry = await kv.get(key)
-                    out.append(msgspec.to_builtins(decode(entry.value or b"", WorkerInfo)))
-            return out
+            return [msgspec.to_builtins(info) for info in await heartbeats(kv)]
         finally:
             await nc.close()
 

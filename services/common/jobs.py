@@ -15,6 +15,7 @@ import time
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.js.kv import KeyValue
 
 from schemas import (
     TERMINAL_STATUSES,
@@ -81,20 +82,50 @@ class CheckedJobStore(JobStore):
         return True
 
 
-async def live_workers(bus: Bus) -> list[WorkerInfo]:
-    """Workers whose heartbeat is in the ``workers`` bucket now (expired keys are gone)."""
+async def heartbeats(kv: KeyValue) -> list[WorkerInfo]:
+    """The heartbeats (``WorkerInfo``) in the ``workers`` bucket ``kv`` now: live workers
+    (expired keys are gone); values that do not decode are left out."""
     try:
-        keys = await bus.workers.keys()
+        keys = await kv.keys()
     except nats.js.errors.NoKeysError:
         return []
     out = []
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            entry = await bus.workers.get(key)
+            entry = await kv.get(key)
             if entry.value:
                 with contextlib.suppress(Exception):
                     out.append(decode(entry.value, WorkerInfo))
     return out
+
+
+async def live_workers(bus: Bus) -> list[WorkerInfo]:
+    """Workers whose heartbeat is in the ``workers`` bucket now (:func:`heartbeats`)."""
+    return await heartbeats(bus.workers)
+
+
+# Further reads of the workers bucket before "no live worker" is the answer, and the
+# pause between them, seconds (about one heartbeat in all).
+NO_WORKER_RECHECKS = 4
+NO_WORKER_RECHECK_S = 0.25
+
+
+async def live_arch(bus: Bus, backend: str, arch: str | None
+                    ) -> tuple[str | None, list[WorkerInfo]]:
+    """The arch a job of ``backend`` (and ``arch``, when given) runs on
+    (:func:`~services.common.records.pick_arch`), and the live workers it was chosen
+    among. None when no live worker matches after looking again for about a
+    heartbeat: a heartbeat between two puts, or a bucket read that raced one, can
+    miss a live worker, and "no live worker" fails the job."""
+    workers = await live_workers(bus)
+    chosen = pick_arch(workers, backend, arch)
+    for _ in range(NO_WORKER_RECHECKS):
+        if chosen is not None:
+            break
+        await asyncio.sleep(NO_WORKER_RECHECK_S)
+        workers = await live_workers(bus)
+        chosen = pick_arch(workers, backend, arch)
+    return chosen, workers
 
 
 # How long publish_event retries while JOB_EVENTS has no leader (a cluster node

@@ -57,8 +57,7 @@ def provide_queue(state: State) -> QueueView | None:
 def provide_tenant(request: Request, state: State) -> Tenant:
     """The tenant the auth guard found for this request (``default`` without auth)."""
     table: TenantTable = state.get("tenants")
-    name = request.scope.get("aikg_tenant") or subjects.DEFAULT_TENANT  # type: ignore[typeddict-item]
-    return table.get(name)
+    return table.get(_caller(request))
 
 
 def provide_viewer(request: Request) -> str | None:
@@ -66,8 +65,13 @@ def provide_viewer(request: Request) -> str | None:
     ``AIKG_API_TOKEN``, or no auth at all), which sees every job; else the caller's
     own tenant name. A tenant's token reads, follows, cancels and exports only its
     own tenant's jobs; another tenant's job is answered as if it did not exist."""
-    name = request.scope.get("aikg_tenant") or subjects.DEFAULT_TENANT  # type: ignore[typeddict-item]
+    name = _caller(request)
     return None if name == subjects.DEFAULT_TENANT else name
+
+
+def _caller(request: Request) -> str:
+    """The tenant name the auth guard recorded (``default`` without auth)."""
+    return request.scope.get("aikg_tenant") or subjects.DEFAULT_TENANT  # type: ignore[typeddict-item]
 
 
 async def load_record(store: CheckedJobStore, job_id: str,

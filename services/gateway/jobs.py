@@ -16,7 +16,6 @@ The bus, the job store, the queue view and the tenant are dependencies
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import re
@@ -46,9 +45,8 @@ from services.common.jobs import (
     cancel_job,
     check_task_source,
     describe_pairs,
-    live_workers,
+    live_arch,
     new_record,
-    pick_arch,
     publish_event,
 )
 from services.common.tenants import Tenant, tenant_label
@@ -81,11 +79,6 @@ MAX_PAGE = 500
 
 # msgspec's error text ends with the field's path: "... - at `$.max_rounds`".
 _FIELD_PATH_RE = re.compile(r"^(?P<message>.*) - at `\$\.?(?P<key>[^`]*)`$", re.DOTALL)
-
-# Further reads of the workers bucket before a submission is answered 409 "no live
-# worker", and the pause between them, seconds (about one heartbeat in all).
-NO_WORKER_RECHECKS = 4
-NO_WORKER_RECHECK_S = 0.25
 
 
 class SubmitResponse(msgspec.Struct, kw_only=True):
@@ -187,16 +180,7 @@ async def submit_job(
     check_job_limits(tenant, data)
     _check_task(data.task_desc)
 
-    workers = await live_workers(bus)
-    arch = pick_arch(workers, data.backend, data.arch)
-    for _ in range(NO_WORKER_RECHECKS):
-        if arch is not None:
-            break
-        # A heartbeat between two puts, or a bucket read that raced one, can miss a
-        # live worker: look again briefly before telling the client there is none.
-        await asyncio.sleep(NO_WORKER_RECHECK_S)
-        workers = await live_workers(bus)
-        arch = pick_arch(workers, data.backend, data.arch)
+    arch, workers = await live_arch(bus, data.backend, data.arch)
     if arch is None:
         wanted = f"backend={data.backend}" + (f" arch={data.arch}" if data.arch else "")
         live = describe_pairs(workers)

@@ -82,9 +82,8 @@ from services.common.jobs import (
     TaskError,
     check_task_source,
     describe_pairs,
-    live_workers,
+    live_arch,
     new_record,
-    pick_arch,
     publish_event,
 )
 from services.common.lanes import LanePull, lane_config
@@ -356,8 +355,7 @@ class Generator:
         except TaskError as exc:
             error = str(exc)
         if error is None and arch is None:
-            workers = await live_workers(self.bus)
-            arch = pick_arch(workers, submit.backend, None)
+            arch, workers = await live_arch(self.bus, submit.backend, None)
             if arch is None:
                 error = (f"no live worker for backend={submit.backend}; live: "
                          f"{', '.join(describe_pairs(workers)) or 'none'}")

@@ -29,6 +29,7 @@ import nats.errors
 import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
+from services.common.jobs import heartbeats
 from services.common.settings import Settings, load_settings, machine_arch
 from services.common.verdicts import VerdictWaiter
 
@@ -175,20 +176,13 @@ class RemoteWorker:
     async def live_workers(self) -> list[WorkerInfo]:
         """Live workers of this backend (and arch, when set), from the ``workers`` bucket."""
         nc = await self._connection()
-        js = nc.jetstream()
         try:
-            kv = await js.key_value(subjects.BUCKET_WORKERS)
-            keys = await kv.keys()
-        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+            kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
+        except nats.js.errors.BucketNotFoundError:
             return []
-        out = []
-        for key in keys:
-            with contextlib.suppress(Exception):
-                entry = await kv.get(key)
-                info = decode(entry.value, WorkerInfo)
-                if (self.backend is None or info.backend == self.backend) and (
-                        self.arch is None or info.arch == self.arch):
-                    out.append(info)
+        out = [info for info in await heartbeats(kv)
+               if (self.backend is None or info.backend == self.backend)
+               and (self.arch is None or info.arch == self.arch)]
         return sorted(out, key=lambda w: w.worker_id)
 
     async def capacity(self) -> int:
