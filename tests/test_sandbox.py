@@ -343,3 +343,17 @@ async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None
         assert (user, caps, network, seccomp) == (
             "user 65534", "no capabilities", "no network", "seccomp"), infos
         assert landlock.startswith("landlock v"), infos
+
+
+def test_two_sandboxes_of_one_name_get_their_own_scratch_roots(tmp_path, monkeypatch):
+    """Two `aikg run` (or test sessions) on one machine build sandboxes of the same name:
+    neither may own, and on close remove, the other's run directories."""
+    from services.worker.sandbox import Sandbox
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    first, second = Sandbox("cpu", name="aikg-run"), Sandbox("cpu", name="aikg-run")
+    assert first.own_scratch and second.own_scratch
+    assert first.scratch_root != second.scratch_root
+    assert {first.scratch_root.parent, second.scratch_root.parent} == {tmp_path}
+    assert str(os.getpid()) in first.scratch_root.name
+    assert not first.scratch_root.exists(), "created at start, not at construction"

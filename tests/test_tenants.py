@@ -21,7 +21,7 @@ import msgspec
 import pytest
 from rich.console import Console
 
-from schemas import JobRecord, VerifyResult, decode, subjects
+from schemas import JobRecord, JobResult, VerifyResult, decode, subjects
 from services.cli_render import jobs_table, record_view
 from services.common.bus import Bus
 from services.common.lanes import LanePull, lane_config
@@ -178,16 +178,33 @@ async def test_a_tenant_sees_and_acts_on_its_own_jobs_only(
                 method, path.replace("a-own", "nobody"), headers=auth("team_b"))).json() | {
                 "detail": r.json()["detail"]}
         assert (await client.get("/api/v1/jobs/a-own/status",
-                                 headers=auth("team_a"))).json()["status"] != "cancelled"
+                                 headers=auth("team_a"))).json()["status"] == "pending"
         listed = (await client.get("/api/v1/jobs", headers=auth("team_b"))).json()
         assert [j["job_id"] for j in listed["jobs"]] == ["b-own"] and listed["total"] == 1
         other = (await client.get("/api/v1/jobs", params={"tenant": "team_a"},
                                   headers=auth("team_b"))).json()
         assert other["jobs"] == [] and other["total"] == 0
+        # Both jobs end with a kernel; each tenant's export holds its own only.
+        for job_id in ("a-own", "b-own"):
+            entry = await bus.jobs.get(job_id)
+            record = decode(entry.value, JobRecord)
+            record.status = "completed"
+            record.end_time = dt.datetime.now(dt.UTC)
+            record.result = JobResult(passed=True, code=RELU_KERNEL, candidate_id=f"{job_id}-c1")
+            await bus.jobs.update(job_id, msgspec.json.encode(record), last=entry.revision)
+        for tenant, own in (("team_a", "a-own"), ("team_b", "b-own")):
+            rows = (await client.get("/api/v1/kernels", headers=auth(tenant))).json()["kernels"]
+            assert [r["job_id"] for r in rows] == [own], tenant
+        rows = (await client.get("/api/v1/kernels", headers=operator)).json()["kernels"]
+        assert {r["job_id"] for r in rows} == {"a-own", "b-own"}
+        assert (await client.get("/api/v1/jobs/a-own/kernel", headers=auth("team_b"))
+                ).status_code == 404
         # The operator (AIKG_API_TOKEN) sees every tenant's jobs, and may cancel them.
         everyone = (await client.get("/api/v1/jobs", headers=operator)).json()
         assert {j["job_id"] for j in everyone["jobs"]} == {"a-own", "b-own"}
-        r = await client.post("/api/v1/jobs/a-own/cancel", headers=operator)
+        assert (await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
+                                  json=job("a-two"))).status_code == 200
+        r = await client.post("/api/v1/jobs/a-two/cancel", headers=operator)
         assert r.status_code == 200 and r.json()["status"] == "cancelled"
 
 
@@ -348,3 +365,17 @@ async def test_burst_of_one_tenant_does_not_hold_up_another(
     assert seen["b-00"][-1] is None and b["queue_position"] is None
     assert seen["a-29"][0] == 31 and min(p for p in seen["a-29"] if p) < 31, seen["a-29"]
     assert queued and queued == sorted(set(queued), reverse=True), queued
+
+
+def test_token_hash_helper_reads_stdin_not_argv() -> None:
+    import subprocess
+    import sys
+
+    helper = [sys.executable, "-m", "services.common.tenants"]
+    hashed = subprocess.run(helper, input="tok-a\n", capture_output=True, text=True)
+    assert hashed.returncode == 0 and hashed.stdout.strip() == hash_token("tok-a")
+    helped = subprocess.run([*helper, "--help"], capture_output=True, text=True)
+    assert helped.returncode == 0 and "standard input" in helped.stdout
+    assert hash_token("--help") not in helped.stdout
+    empty = subprocess.run(helper, input="", capture_output=True, text=True)
+    assert empty.returncode == 2 and "no token on standard input" in empty.stderr
