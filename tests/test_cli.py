@@ -17,6 +17,7 @@ import typer
 from schemas import JobResult, VerifyResult
 from services.cli import parse_shape, task_module_names
 from services.common.bus import Bus, JobStore, connect_bus
+from services.common.jobs import live_arch
 from services.common.settings import Settings, load_settings
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
@@ -339,7 +340,11 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
         admin = await connect_bus(load_settings(env={}, nats_url=env["NATS_URL"],
                                                 nats_user=env["NATS_USER"],
                                                 nats_password=env["NATS_PASSWORD"]), "admin")
-        assert await admin.workers.keys()  # the worker, connected as itself, beats
+        # The worker, connected as itself, beats. One read of the workers bucket can miss
+        # a live key (nats-py's KeyValue.keys() raced a heartbeat put once here), so the
+        # services' own look-again (live_arch) reads it.
+        arch, _ = await live_arch(admin, "cpu", None)
+        assert arch is not None, "no cpu worker heartbeat in the workers bucket"
         await admin.close()
     finally:
         if proc.returncode is None:
