@@ -74,6 +74,7 @@ import os
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -227,11 +228,18 @@ class _LRU:
 
 
 @dataclass
-class _CandidateState:
-    """What the parent learned from a candidate child so far."""
+class _ChildState:
+    """Where a sandboxed child is: its last announced phase, and when (this process's
+    monotonic clock, seconds) it announced ``profiling``."""
 
     phase: str = "starting"
     profiling_at: float | None = None
+
+
+@dataclass
+class _CandidateState(_ChildState):
+    """What the parent learned from a candidate child so far."""
+
     compared: int = 0
     max_abs_error: float | None = None
     max_rel_error: float | None = None
@@ -239,6 +247,56 @@ class _CandidateState:
     tolerance: Any = None
     gen_time_us: float | None = None
     audit: wire.Audit | None = None
+
+
+async def _child_frames(run: ChildRun, state: _ChildState,
+                        lost: Callable[[int | None, str], BaseException],
+                        on_phase: Callable[[str], None] | None = None
+                        ) -> AsyncIterator[wire.Frame]:
+    """The one loop over a sandboxed child's frames, shared by reference and candidate
+    runs: yields every frame up to and including ``Done``.
+
+    ``Progress`` frames are consumed here: they move ``state.phase`` (and set
+    ``state.profiling_at`` when profiling starts), then ``on_phase`` sees the new phase.
+    When the child's channel ends before ``Done``, the child's exit status (None when
+    the sandbox server itself went away) and the phase it was in go to ``lost``, whose
+    exception is raised.
+
+    The generator holds nothing to release (no ``finally``), so a caller may stop
+    iterating at any frame, by ``return`` or by raising its verdict.
+
+    Raises:
+        ProtocolError, ForgedFrame: malformed or forged frames (from ``run.frame()``).
+        BaseException: what ``lost`` returns, when the channel ends early.
+    """
+    while True:
+        frame = await run.frame()
+        if frame is None:
+            raise lost(await run.wait(_EXIT_WAIT_S), state.phase)
+        if isinstance(frame, wire.Progress):
+            state.phase = frame.phase
+            if frame.phase == "profiling":
+                state.profiling_at = time.monotonic()
+            if on_phase is not None:
+                on_phase(frame.phase)
+            continue
+        yield frame
+        if isinstance(frame, wire.Done):
+            return
+
+
+def _candidate_lost(status: int | None, phase: str) -> _Verdict:
+    """The verdict when a candidate child's channel ends before ``Done``: the sandbox
+    server went away (``status`` None, ``infrastructure``), else ``crash`` with how the
+    process ended."""
+    if status is None:
+        return _Verdict("infrastructure", f"the sandbox server went away during {phase}")
+    what = describe_exit(status)
+    if what.startswith("killed"):
+        what = f"was {what}"
+    if os.WIFEXITED(status):
+        what += " before returning results (does the candidate call os._exit or sys.exit?)"
+    return _Verdict("crash", f"the candidate's process {what} during {phase}")
 
 
 def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> dict[str, Any]:
@@ -856,17 +914,17 @@ class Verifier:
         self.reference_runs += 1
         run = await self._spawn(spec, max_frame_bytes=4 * limit if limit else 64 << 30)
         fresh: list[_Reference] = []
-        phase = "starting"
-        profiling_at = None
+        state = _ChildState()
+
+        def lost(status: int | None, phase: str) -> _Verdict:
+            return _Verdict("infrastructure", f"the reference run's process "
+                            f"{describe_exit(status)} during {phase}",
+                            log=run.output(self.output_limit_bytes))
+
         try:
             async with asyncio.timeout(request.timeout_s):
-                while True:
-                    frame = await run.frame()
-                    if isinstance(frame, wire.Progress):
-                        phase = frame.phase
-                        if phase == "profiling":
-                            profiling_at = time.monotonic()
-                    elif isinstance(frame, wire.Sizes):
+                async for frame in _child_frames(run, state, lost):
+                    if isinstance(frame, wire.Sizes):
                         self._input_bytes[timing_key[0], timing_key[2]] = frame.input_bytes
                         self._size_names[timing_key[0], timing_key[2]] = frame.size_names
                         if spec.input_limit_bytes is not None and (
@@ -887,7 +945,7 @@ class Verifier:
                         fresh.append(_Reference(frame.seed, outputs, frame.inputs_before,
                                                 frame.inputs_after, frame.aliasing))
                     elif isinstance(frame, wire.Timing):
-                        self._check_timing(frame, profiling_at, "the reference Model",
+                        self._check_timing(frame, state.profiling_at, "the reference Model",
                                            repeats=spec.repeats)
                         self._base_times[timing_key] = _BaseTime(frame.median_us, utcnow(),
                                                                  "measured")
@@ -901,16 +959,11 @@ class Verifier:
                             raise _Verdict("infrastructure", "the reference child sent no "
                                            "timing")
                         return fresh
-                    elif frame is None:
-                        status = await run.wait(_EXIT_WAIT_S)
-                        raise _Verdict("infrastructure",
-                                       f"the reference run's process {describe_exit(status)} "
-                                       f"during {phase}",
-                                       log=run.output(self.output_limit_bytes))
+                raise ProtocolError("the frames ended without Done")
         except TimeoutError:
             raise _Verdict("infrastructure",
                            f"the reference Model did not finish within {request.timeout_s:g} s "
-                           f"(during {phase}); pass smaller shape_overrides") from None
+                           f"(during {state.phase}); pass smaller shape_overrides") from None
         except ProtocolError as exc:
             raise _Verdict("infrastructure", f"reference run: {exc}") from None
         finally:
@@ -1026,17 +1079,14 @@ class Verifier:
                 finding, a crash).
             ProtocolError: malformed frames.
         """
-        while True:
-            frame = await run.frame()
-            if isinstance(frame, wire.Progress):
-                state.phase = frame.phase
-                if clock is not None and frame.phase == wire.IMPORT_PHASE:
-                    clock.lap("candidate_start")
-                if state.phase == "profiling":
-                    state.profiling_at = time.monotonic()
-                    if clock is not None:
-                        clock.lap("candidate_finish")
-            elif isinstance(frame, wire.Trial):
+        def on_phase(phase: str) -> None:
+            if clock is not None and phase == wire.IMPORT_PHASE:
+                clock.lap("candidate_start")
+            elif clock is not None and phase == "profiling":
+                clock.lap("candidate_finish")
+
+        async for frame in _child_frames(run, state, _candidate_lost, on_phase):
+            if isinstance(frame, wire.Trial):
                 if frame.index != state.compared or frame.index >= len(references):
                     raise ProtocolError(f"trial {frame.index} arrived out of order")
                 if clock is not None:
@@ -1086,19 +1136,6 @@ class Verifier:
                 if state.audit is None:
                     raise _Verdict("audit", "the candidate's process finished without the "
                                    "harness's op record; something replaced the harness")
-                return
-            elif frame is None:
-                status = await run.wait(_EXIT_WAIT_S)
-                if status is None:
-                    raise _Verdict("infrastructure",
-                                   f"the sandbox server went away during {state.phase}")
-                what = describe_exit(status)
-                if what.startswith("killed"):
-                    what = f"was {what}"
-                if os.WIFEXITED(status):
-                    what += (" before returning results (does the candidate call os._exit "
-                             "or sys.exit?)")
-                raise _Verdict("crash", f"the candidate's process {what} during {state.phase}")
 
     async def _compare_trial(self, run: ChildRun, frame: wire.Trial, ref: _Reference):
         """Check one candidate trial against its reference.
