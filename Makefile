@@ -31,12 +31,18 @@ prometheus:
 run: venv
 	$(VENV)/bin/aikg demo $(TASK)
 
+# The suite runs on TEST_WORKERS pytest-xdist processes (default: one more than the
+# machine's cores, at most 8; most tests wait on subprocesses and the bus, not the CPU).
+# TEST_WORKERS=0 runs it in this one process. Each process starts its own warm sandbox.
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 8 ] && n=8; echo $$n)
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+
 test: venv prometheus
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PYTEST)
 
 # Tests marked `slow` (several services end to end, clusters, wheel builds) left out.
 test-fast: venv
-	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint: venv
 	$(VENV)/bin/ruff check .

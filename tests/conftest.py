@@ -30,6 +30,16 @@ from services.common.settings import Settings, load_settings
 from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` run first (in their collected order otherwise).
+
+    Under pytest-xdist (``make test``) a long end-to-end test that starts last is the
+    tail of the whole run while the other processes sit idle; started first, the short
+    tests fill in around it.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(scope="session")
 def shared_verifier(tmp_path_factory):
     """One started cpu :class:`~services.worker.verifier.Verifier` for the whole session.

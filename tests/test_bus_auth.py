@@ -252,6 +252,7 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make certificates")
 async def test_tls_with_a_client_certificate(tmp_path: Path) -> None:
     # A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it.

@@ -310,6 +310,7 @@ async def test_up_with_tenant_tokens_only_comes_up(tmp_path: Path, free_port) ->
     assert code == 0, (await proc.stderr.read()).decode()
 
 
+@pytest.mark.slow
 async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, free_port) -> None:
     """`aikg up` with an embedded NATS: ready line, a job id from `submit`, clean SIGTERM."""
     port = free_port()
@@ -359,6 +360,7 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
     assert not admin_env.exists(), "the per-run credentials outlived aikg up"
 
 
+@pytest.mark.slow
 async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None:
     """A gateway that cannot bind its port ends `aikg up` with exit 1, naming it; no strays."""
     with socket.socket() as busy:

@@ -48,9 +48,12 @@ def fuzz_settings(nats_url: str, bus_credentials: BusCredentials) -> Settings:
 
 
 def _operations() -> list[tuple[str, str]]:
-    """(method, path) of every operation in the spec (from an app that is not started)."""
+    """(method, path) of every operation in the spec (from an app that is not started),
+    sorted: the spec's own order varies between processes, and pytest-xdist needs every
+    worker to collect the same tests in the same order."""
     spec = create_app(load_settings(env={})).openapi_schema.to_schema()
-    return [(method.upper(), path) for path, item in spec["paths"].items() for method in item]
+    return sorted((method.upper(), path) for path, item in spec["paths"].items()
+                  for method in item)
 
 
 @pytest.fixture

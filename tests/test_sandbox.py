@@ -244,6 +244,7 @@ async def test_task_code_in_the_generator_through_the_gateway(
     assert_confined(facts_of(record["error"]))
 
 
+@pytest.mark.slow
 async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gateway,
                                                        relu_task) -> None:
     """Two tasks whose Model.__init__ never returns, then a relu: the relu job's latency

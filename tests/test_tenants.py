@@ -281,6 +281,7 @@ async def test_worker_serves_verify_lanes_in_turn(bus: Bus, settings: Settings,
 # --- the acceptance scenario ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 async def test_burst_of_one_tenant_does_not_hold_up_another(
         tmp_path: Path, settings: Settings, bus: Bus, fake_worker_heartbeat,

@@ -426,6 +426,7 @@ async def test_request_of_cancelled_job_is_acked_without_running(
         assert await lease_keys(bus, ws.worker_id) == set()
 
 
+@pytest.mark.slow
 async def test_run_longer_than_ack_wait_is_kept_with_in_progress(
         settings: Settings, bus: Bus, results: Results,
         shared_verifier: Verifier) -> None:
