@@ -1,13 +1,16 @@
-"""cancel_and_wait ends a task whose cancellation asyncio.wait_for dropped."""
+"""cancel_and_wait ends a task whose cancellation asyncio.wait_for dropped; retry_async
+retries with a doubling wait, logs each failure and re-raises the last one."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+import time
+from typing import Any
 
 import pytest
 
-from services.common.runtime import cancel_and_wait
+from services.common.runtime import cancel_and_wait, retry_async
 
 
 async def poller(futures: list[asyncio.Future]) -> None:
@@ -59,3 +62,47 @@ async def test_the_callers_own_cancellation_propagates() -> None:
         await waiter
     await cancel_and_wait(stubborn)
     assert stubborn.done()
+
+
+class Recorder:
+    """A logger that keeps its warnings."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self.events.append((event, fields))
+
+
+async def test_retry_async_retries_with_a_doubling_wait_then_returns() -> None:
+    calls: list[float] = []
+
+    async def flaky() -> str:
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ConnectionError(f"down {len(calls)}")
+        return "published"
+
+    log = Recorder()
+    # A lambda returning a coroutine, as the services pass their publishes.
+    assert await retry_async(lambda: flaky(), attempts=4, first_wait_s=0.05, logger=log,
+                             event="publish_retry", subject="s") == "published"
+    assert len(calls) == 3
+    waits = [b - a for a, b in zip(calls, calls[1:], strict=False)]
+    assert waits[0] >= 0.05 and waits[1] >= 0.1, waits
+    assert [(e, f["attempt"], f["error"], f["subject"]) for e, f in log.events] == [
+        ("publish_retry", 1, "down 1", "s"), ("publish_retry", 2, "down 2", "s")]
+
+
+async def test_retry_async_reraises_the_last_failure() -> None:
+    calls = 0
+
+    async def down() -> None:
+        nonlocal calls
+        calls += 1
+        raise ConnectionError(f"down {calls}")
+
+    log = Recorder()
+    with pytest.raises(ConnectionError, match="down 3"):
+        await retry_async(down, attempts=3, first_wait_s=0.01, logger=log, event="e")
+    assert calls == 3 and len(log.events) == 2

@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
-from services.common.runtime import cancel_and_wait
+from services.common.runtime import cancel_and_wait, retry_async
 
 log = structlog.get_logger("aikg.consumer")
 
@@ -85,15 +85,13 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, attempts: 
         "Aikg-Original-Subject": msg.subject,
         "Aikg-Deliveries": str(deliveries(msg)),
     }
-    for attempt in range(attempts):
-        try:
-            await js.publish(subjects.dlq(msg.subject), msg.data or b"", headers=headers)
-            break
-        except Exception as exc:  # noqa: BLE001
-            log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc),
-                      attempt=attempt + 1)
-            await asyncio.sleep(0.5 * (attempt + 1))
-    else:
+    try:
+        await retry_async(lambda: js.publish(subjects.dlq(msg.subject), msg.data or b"",
+                                             headers=headers),
+                          attempts=attempts, first_wait_s=0.5, logger=log,
+                          event="dead_letter_publish_retry", subject=msg.subject)
+    except Exception as exc:  # noqa: BLE001 - left unacked: redelivered, not lost
+        log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc))
         return False
     with contextlib.suppress(Exception):
         await msg.ack()

@@ -6,6 +6,12 @@ import asyncio
 import contextlib
 import signal
 import socket
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
+
+T = TypeVar("T")
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:
@@ -55,3 +61,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+async def retry_async(call: Callable[[], Awaitable[T]], *, attempts: int, first_wait_s: float,
+                      logger: Any, event: str, **fields: Any) -> T:
+    """``await call()`` up to ``attempts`` times, waiting ``first_wait_s`` seconds after
+    the first failure and twice as long after each next one (tenacity's exponential
+    wait); each failure before the last is logged as ``event`` with ``attempt``,
+    ``error`` and ``fields``.
+
+    Returns:
+        What ``call()`` returned.
+
+    Raises:
+        Exception: the last attempt's exception, unchanged.
+    """
+
+    def log_failure(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        logger.warning(event, attempt=state.attempt_number, error=str(exc), **fields)
+
+    retrying = AsyncRetrying(stop=stop_after_attempt(attempts),
+                             wait=wait_exponential(multiplier=first_wait_s, exp_base=2,
+                                                   min=first_wait_s),
+                             before_sleep=log_failure, reraise=True)
+
+    async def attempt() -> T:
+        # A coroutine function: tenacity calls anything else (a lambda returning a
+        # coroutine) as a plain function and would return its coroutine un-awaited.
+        return await call()
+
+    return await retrying(attempt)

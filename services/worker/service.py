@@ -32,7 +32,7 @@ import re
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -63,7 +63,7 @@ from services.common.consumer import (
 from services.common.jobs import publish_event
 from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
-from services.common.runtime import cancel_and_wait
+from services.common.runtime import cancel_and_wait, retry_async
 from services.common.settings import Settings
 from services.common.tenants import tenant_label
 
@@ -617,10 +617,11 @@ class Worker:
         Raises:
             Exception: the last attempt's error (nats errors: timeout, no responders).
         """
-        await _retry(lambda: self.bus.js.publish(
+        await retry_async(lambda: self.bus.js.publish(
             subjects.results(result.job_id), encode(result),
             headers={"Nats-Msg-Id": f"result-{result.request_id}"},
-        ), self.log, "result_publish_retry")
+        ), attempts=FINAL_PUBLISH_ATTEMPTS, first_wait_s=0.5, logger=self.log,
+            event="result_publish_retry")
 
     def _failure(self, request: VerifyRequest, device: str, stage: str, error: str) -> VerifyResult:
         return VerifyResult(
@@ -629,19 +630,6 @@ class Worker:
             passed=False, stage=stage, error=error,
             interpreted=self.backend == "cpu",
         )
-
-
-async def _retry(call: Callable[[], Awaitable[object]], logger, event: str) -> None:
-    """``await call()`` up to FINAL_PUBLISH_ATTEMPTS times, backing off 0.5 s, 1 s ..."""
-    for attempt in range(FINAL_PUBLISH_ATTEMPTS):
-        try:
-            await call()
-            return
-        except Exception as exc:
-            if attempt == FINAL_PUBLISH_ATTEMPTS - 1:
-                raise
-            logger.warning(event, attempt=attempt + 1, error=str(exc))
-            await asyncio.sleep(0.5 * 2 ** attempt)
 
 
 def _stored_wait(msg, request: VerifyRequest, received: float) -> dict[str, float]:
