@@ -19,6 +19,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import triton  # noqa: E402
 
 from services.generator.coders.builtin import LoweringError, lower_task  # noqa: E402
 
@@ -33,7 +34,7 @@ SMALL = {"batch_size": 16, "dim": 4096}
 FORWARD_CALLS = {"contiguous", "empty_like", "empty", "numel", "cdiv", "stride", "reshape",
                  "expand", "permute", "unsqueeze", "squeeze", "select", "t", "transpose",
                  "arange"}
-FORWARD_HELPERS = {"_broadcast_shape", "_strides", "tuple"}
+FORWARD_HELPERS = {"_broadcast_shape", "_strides", "_flat", "tuple"}
 
 _counter = itertools.count()
 
@@ -119,6 +120,62 @@ def test_candidate_runs_on_other_shapes_and_strides():
     # Kernels index by the rank they were lowered at; extents and strides may vary.
     for x in (torch.randn(3, 5), torch.randn(64, 40).t(), torch.randn(0, 7), torch.randn(1, 9)):
         torch.testing.assert_close(candidate.ModelNew()(x), task.Model()(x))
+
+
+class _FlatSpy:
+    """A generated kernel, launched as usual, that records each launch's FLAT argument."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.flat = kernel, []
+
+    def __getitem__(self, grid):
+        launcher = self.kernel[grid]
+
+        def launch(*args, **kwargs):
+            self.flat.append(kwargs["FLAT"])
+            return launcher(*args, **kwargs)
+
+        return launch
+
+
+def test_pointwise_reads_dense_inputs_flat_and_other_layouts_through_strides():
+    """Dense inputs take FLAT (no per-element div/mod); transposed, broadcast, expanded
+    and sliced inputs take the strided path; both match PyTorch."""
+    task_src = _zoo_task("torch.relu(x) + y")
+    candidate = lower_task(task_src)
+    assert "_mul_combine" not in candidate  # emitted only where a scan or prod uses it
+    module, task = _module(candidate), _module(task_src)
+    (name,) = _launches(candidate)
+    spy = _FlatSpy(getattr(module, name))
+    setattr(module, name, spy)
+    x, y = torch.randn(4, 300), torch.randn(4, 300)
+    cases = [
+        (x, y, True),
+        (x, torch.randn(300, 4).t(), False),  # transposed view
+        (torch.randn(1, 300), y, False),  # broadcast along dim 0
+        (x, torch.randn(300), False),  # lower rank, broadcast
+        (x, torch.randn(1, 300).expand(4, 300), False),  # stride 0, shape equal
+        (torch.randn(4, 600)[:, ::2], y, False),  # strided slice
+        (torch.randn(4, 600)[:, :300], y, False),  # slice: row stride 600
+        (torch.randn(4, 1, 300).squeeze(1), torch.randn(8, 300)[4:], True),  # dense views
+    ]
+    for a, b, flat in cases:
+        torch.testing.assert_close(module.ModelNew()(a, b), task.Model()(a, b))
+        assert spy.flat.pop() is flat, (a.shape, a.stride(), b.shape, b.stride())
+
+
+def test_flat_kernel_reads_flat_offsets_and_strided_kernel_its_strides():
+    """The two paths address memory differently: with every stride 0, FLAT still reads
+    element i at offset i, and the strided path reads element 0 everywhere."""
+    candidate = lower_task((TASKS / "relu.py").read_text())
+    (name,) = _launches(candidate)
+    kernel = getattr(_module(candidate), name)
+    x = torch.randn(3, 70)
+    for flat, expected in ((True, torch.relu(x)), (False, torch.relu(x[0, 0]).expand(3, 70))):
+        out = torch.empty_like(x)
+        kernel[(triton.cdiv(x.numel(), 64),)](x, 0, 0, out, x.numel(), 3, 70,
+                                             BLOCK_SIZE=64, FLAT=flat)
+        torch.testing.assert_close(out, expected)
 
 
 def test_launch_configuration_is_used():

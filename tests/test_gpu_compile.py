@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 DTYPES = ("fp32", "fp16", "bf16")
 
 _COMPILE_ALL = r'''
-import importlib.util, json, sys
+import importlib.util, itertools, json, sys
 from pathlib import Path
 
 import triton
@@ -54,22 +54,27 @@ for path in paths:
     results = {}
     dtypes = sys.argv[2].split(",") if path.parent.name == "tasks" else ["fp32"]
     for kname, kernel in kernels.items():
-        for dtype in dtypes:
+        # pointwise kernels branch on FLAT at compile time: build both variants
+        variants = ["FLAT=1", "FLAT=0"] if "FLAT" in kernel.arg_names else [""]
+        for dtype, variant in itertools.product(dtypes, variants):
             # numbers from get_inputs() arrive as f_<name> (float), b_<name> (bool),
             # i_<name> (int) arguments; sizes and strides as ints
             signature = {name: "*" + dtype if name.endswith("_ptr")
-                         else "constexpr" if name in CONSTEXPRS
+                         else "constexpr" if name in CONSTEXPRS or name == "FLAT"
                          else "fp32" if name.startswith("f_")
                          else "i1" if name.startswith("b_") else "i64"
                          for name in kernel.arg_names}
             constexprs = {n: v for n, v in CONSTEXPRS.items() if n in kernel.arg_names}
+            if variant:
+                constexprs["FLAT"] = variant == "FLAT=1"
+            key = f"{kname} {dtype} {variant}".rstrip()
             try:
                 compiled = triton.compile(
                     ASTSource(kernel, signature, constexprs=constexprs),
                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 1})
-                results[f"{kname} {dtype}"] = {"cubin_bytes": len(compiled.asm["cubin"])}
+                results[key] = {"cubin_bytes": len(compiled.asm["cubin"])}
             except Exception as exc:
-                results[f"{kname} {dtype}"] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+                results[key] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
     out[path.stem] = {"lowered": True, "dtypes": results}
 print(json.dumps(out))
 '''
@@ -102,6 +107,9 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
     # every kernel of every schedule task (matmul epilogues and scalar arguments included)
     for name in SCHEDULES:
         assert results[f"schedule_{name}"]["dtypes"], name
+    # both load paths of a pointwise kernel, for every dtype
+    relu = results["relu"]["dtypes"]
+    assert {k.split(" ", 1)[1] for k in relu} == {f"{d} FLAT={f}" for d in DTYPES for f in (0, 1)}
     cubins = [r["cubin_bytes"] for task in results.values() for r in task["dtypes"].values()]
     assert len(cubins) >= 3 * len(list(TASKS.glob("*.py"))) + len(SCHEDULES)
     assert min(cubins) > 1000

@@ -392,6 +392,12 @@ def _round_to_bf16(x):
     rounded = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, rounded)
 ''',
+    # associative_scan / reduce combine function (cumprod, prod)
+    "_mul_combine": '''
+@triton.jit
+def _mul_combine(a, b):
+    return a * b
+''',
     "_trunc": '''
 @triton.jit
 def _trunc(x):
@@ -409,7 +415,9 @@ def _round_half_even(x):
     return tl.where(tl.abs(x) >= 8388608.0, x, r)
 ''',
 }
-_HELPER_CALL = re.compile(r"\b(" + "|".join(_HELPERS) + r")\(")
+# A helper is named where it is called (``_tanh(x)``) or passed as a combine function
+# (``tl.reduce(x, 0, _mul_combine)``).
+_HELPER_CALL = re.compile(r"\b(" + "|".join(_HELPERS) + r")\b")
 
 
 # --------------------------------------------------------------------------------------
@@ -1103,7 +1111,9 @@ class _Lowerer:
 
     def pointwise(self, node: torch.fx.Node) -> None:
         """Schedule ``pointwise``: one program per BLOCK_SIZE output elements; each
-        operand is loaded through its strides broadcast to the output's shape.
+        operand is loaded through its strides broadcast to the output's shape, or, when
+        forward finds every operand dense in the output's shape (``FLAT``), at the
+        output's own flat offsets.
 
         A chain over a matmul's product becomes that matmul's epilogue instead
         (:meth:`epilogue_of`)."""
@@ -1122,17 +1132,19 @@ class _Lowerer:
         body: list[str] = []
         ops: list[str] = []
         load: dict[torch.fx.Node, str] = {}
-        index_lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
-                       "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
-                       "mask = offsets < n_elements"]
-        if rank:
-            index_lines.append("rest = offsets")
-            for d in reversed(range(rank)):
-                if d:
-                    index_lines.append(f"i{d} = rest % size{d}")
-                    index_lines.append(f"rest = rest // size{d}")
-                else:
-                    index_lines.append("i0 = rest")
+        lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
+                 "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+                 "mask = offsets < n_elements"]
+        # Two load paths only where there is index arithmetic to skip: a rank-0 output
+        # has none, and a chain that loads nothing (full_like) needs no indices.
+        flat = bool(rank and loaded)
+        strided = ["rest = offsets"] if flat else []
+        for d in reversed(range(rank if flat else 0)):
+            if d:
+                strided += [f"i{d} = rest % size{d}", f"rest = rest // size{d}"]
+            else:
+                strided.append("i0 = rest")
+        flat_loads: list[str] = []
         params = []
         launch = []
         for k, leaf in enumerate(loaded):
@@ -1141,23 +1153,38 @@ class _Lowerer:
             expr = self.values[leaf].expr
             launch += [expr, f"*_strides({expr}, {shape})"] if rank else [expr]
             offset = " + ".join(f"i{d} * s{k}_{d}" for d in range(rank)) or "offsets * 0"
-            body.append(f"v_in{k} = {_computed(leaf, f'tl.load(in{k}_ptr + {offset}, mask=mask)')}")
+            strided.append(f"v_in{k} = {_computed(leaf, f'tl.load(in{k}_ptr + {offset}, mask=mask)')}")
+            flat_loads.append(f"v_in{k} = {_computed(leaf, f'tl.load(in{k}_ptr + offsets, mask=mask)')}")
             load[leaf] = f"v_in{k}"
+        if flat:
+            lines += ["# FLAT (a compile-time branch): forward found every input contiguous in",
+                      "# out's shape, so element i of each input is at offset i, and the int64",
+                      "# div/mod per element that turns offsets into per-dim indices is skipped.",
+                      "if FLAT:",
+                      *(f"    {line}" for line in flat_loads),
+                      "else:",
+                      *(f"    {line}" for line in strided)]
+        else:
+            lines += strided
         result = self.kernel_chain(node, load, "[BLOCK_SIZE]", body, ops, params, launch)
         store = self._cast_out(result, val.dtype, "[BLOCK_SIZE]")
-        kernel_params = [*params, "out_ptr", "n_elements", *dims, "BLOCK_SIZE: tl.constexpr"]
-        lines = [*index_lines, *body,
-                 f"tl.store(out_ptr + offsets, ({store}).to(out_ptr.dtype.element_ty), mask=mask)"]
+        kernel_params = [*params, "out_ptr", "n_elements", *dims, "BLOCK_SIZE: tl.constexpr",
+                         *(["FLAT: tl.constexpr"] if flat else [])]
+        lines += [*body,
+                  f"tl.store(out_ptr + offsets, ({store}).to(out_ptr.dtype.element_ty), mask=mask)"]
         doc = (f"Element-wise: {' -> '.join(dict.fromkeys(ops)) or 'copy'}.\n\n"
-               "out is contiguous; input k is read through strides s{k}_* (0 along broadcast dims).")
+               "out is contiguous; input k is read through strides s{k}_* (0 along broadcast dims)"
+               + (",\nor at out's offsets when FLAT." if flat else "."))
         self.add_kernel(name, kernel_params, doc, lines, ops)
         block = self.p["block_size"]
         dims_launch = [f"{shape}[{d}]" for d in range(rank)]
+        inputs = ", ".join(self.values[leaf].expr for leaf in loaded)
         self.forward += [
             f"n = {out}.numel()",
             "if n > 0:",
             f"    {name}[(triton.cdiv(n, {block}),)](",
             f"        {', '.join([*launch, out, 'n', *dims_launch])},",
+            *([f"        FLAT=_flat({shape}, {inputs}),"] if flat else []),
             f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
             f"num_stages={self.p['num_stages']})",
         ]
@@ -1835,9 +1862,12 @@ def _strides(t, shape):
     return t.expand(shape).stride()
 
 
-@triton.jit
-def _mul_combine(a, b):
-    return a * b
+def _flat(shape, *tensors):
+    """Whether every tensor has ``shape`` and is contiguous (row-major), so a kernel may
+    read it at the output's flat offsets: not a broadcast operand, a transposed view or
+    a slice. Strides of size-1 dims do not matter (their index is always 0), which is
+    what Tensor.is_contiguous() checks too."""
+    return all(tuple(t.shape) == tuple(shape) and t.is_contiguous() for t in tensors)
 '''
 
 
@@ -2065,7 +2095,9 @@ def lower_task(
     losses decompose into these), ``matmul`` (mm, bmm, addmm, baddbmm; ``tl.dot`` tiles,
     bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip`` and ``pooling`` (max_pool1d/2d/3d with
     or without indices, avg_pool1d/2d/3d). Views (permute, expand, slice, ...)
-    stay views in forward, and kernels read every operand through its strides.
+    stay views in forward, and kernels read every operand through its strides;
+    pointwise kernels read operands that are contiguous in the output's shape at the
+    output's flat offsets instead (``FLAT``, chosen by forward per call).
     Tensors may be float32, float16, bfloat16 or bool; kernels compute in float32.
     ``ModelNew(*init_inputs)`` declares the Model's parameters in the same order (the
     same seed gives the same values) and its ``forward`` only allocates, views and
