@@ -206,11 +206,15 @@ def main(argv: list[str] | None = None) -> int:
                                  f"{(p50['RemoteWorker'] - p50['LocalWorker']) * 1000:+.0f} ms")
                     print("\n".join(lines[-5:]), flush=True)
         if "c" in args.parts:
-            times = job_latencies(ROOT, workdir, task, args.jobs)
-            lines.append(f"(c) small job (tasks/relu.py, builtin coder, idle aikg up), submit "
-                         f"to verdict: p50 {statistics.median(times):.3f} s, p95 "
-                         f"{p95(times):.3f} s over {len(times)}")
-            print(lines[-1], flush=True)
+            job_phases: dict[str, list[float]] = {}
+            times = job_latencies(ROOT, workdir, task, args.jobs, job_phases)
+            lines += [f"(c) small job (tasks/relu.py, builtin coder, idle aikg up), submit "
+                      f"to verdict: p50 {statistics.median(times):.3f} s, p95 "
+                      f"{p95(times):.3f} s over {len(times)}",
+                      "    job phases (median s): " + (", ".join(
+                          f"{k} {statistics.median(v):.3f}" for k, v in job_phases.items())
+                          or "(none reported)")]
+            print("\n".join(lines[-2:]), flush=True)
     print(f"\nload average at end {load()}")
     print("\n".join(lines))
     print(json.dumps({"load_end": load()}))
