@@ -62,6 +62,8 @@ _TOKEN = re.compile(TOKEN_PATTERN)
 def is_token(value: object, max_length: int = 64) -> bool:
     """Whether ``value`` is a str usable as one subject token, 1 to ``max_length`` characters."""
     return isinstance(value, str) and 0 < len(value) <= max_length and bool(_TOKEN.match(value))
+
+
 _TENANT = re.compile(TENANT_PATTERN)
 
 

@@ -25,7 +25,7 @@ from schemas import WorkerInfo, encode
 from services.common.bus import Bus, connect_bus
 from services.common.embedded import EmbeddedNatsServer
 from services.common.nats_auth import BusCredentials
-from services.common.runtime import free_port
+from services.common.runtime import cancel_and_wait, free_port
 from services.common.settings import Settings, load_settings
 from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
 
@@ -33,9 +33,10 @@ from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older import
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` run first (in their collected order otherwise).
 
-    Under pytest-xdist (``make test``) a long end-to-end test that starts last is the
-    tail of the whole run while the other processes sit idle; started first, the short
-    tests fill in around it.
+    Under pytest-xdist (``make test``, ``--dist load``) the first quarter of the tests
+    is dealt to the processes one by one, so the slow ones are spread over all of them
+    and start at once; a long end-to-end test that started last would be the tail of
+    the whole run while the other processes sit idle.
     """
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
@@ -181,9 +182,10 @@ async def fake_worker_heartbeat_fixture() -> AsyncIterator[Callable[..., Awaitab
         return info
 
     yield beat
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    # Not one cancel(): a bucket put awaits through asyncio.wait_for, which on Python
+    # 3.11 can drop a cancel (see cancel_and_wait); the loop would then beat forever
+    # and this teardown would wait for it until the test timed out.
+    await cancel_and_wait(*tasks)
 
 
 def as_role(settings: Settings, role: str) -> Settings:

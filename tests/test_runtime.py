@@ -91,7 +91,8 @@ async def test_retry_async_retries_with_a_doubling_wait_then_returns() -> None:
     waits = [b - a for a, b in zip(calls, calls[1:], strict=False)]
     assert waits[0] >= 0.05 and waits[1] >= 0.1, waits
     assert [(e, f["attempt"], f["error"], f["subject"]) for e, f in log.events] == [
-        ("publish_retry", 1, "down 1", "s"), ("publish_retry", 2, "down 2", "s")]
+        ("publish_retry", 1, "ConnectionError: down 1", "s"),
+        ("publish_retry", 2, "ConnectionError: down 2", "s")]
 
 
 async def test_retry_async_reraises_the_last_failure() -> None:
@@ -106,3 +107,11 @@ async def test_retry_async_reraises_the_last_failure() -> None:
     with pytest.raises(ConnectionError, match="down 3"):
         await retry_async(down, attempts=3, first_wait_s=0.01, logger=log, event="e")
     assert calls == 3 and len(log.events) == 2
+
+
+async def test_retry_async_refuses_fewer_than_one_attempt() -> None:
+    async def never() -> None:
+        raise AssertionError("called")
+
+    with pytest.raises(ValueError, match="at least 1"):
+        await retry_async(never, attempts=0, first_wait_s=0.01, logger=Recorder(), event="e")

@@ -25,6 +25,7 @@ from schemas import JobRecord, JobResult, VerifyResult, decode, subjects
 from services.cli_render import jobs_table, record_view
 from services.common.bus import Bus
 from services.common.lanes import LanePull, lane_config
+from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 from services.common.tenants import hash_token, load_tenants
 from services.gateway.queue import fair_positions
@@ -353,8 +354,7 @@ async def test_burst_of_one_tenant_does_not_hold_up_another(
             b, fifth = await status("b-00"), await status(a_ids[4])
         finally:
             stop.set()
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
+            await cancel_and_wait(follower)
             await asyncio.wait_for(generator, 60)
 
     assert b["start_time"] is not None and fifth["start_time"] is not None, (b, fifth)

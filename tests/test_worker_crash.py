@@ -35,6 +35,7 @@ import pytest
 from schemas import VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.consumer import durable_pull
+from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
 from tests.conftest import role_env
@@ -288,9 +289,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
             strays_below = worker.terminate() if worker.proc.poll() is None else set()
             if strays_below:
                 await check_reaped(strays_below)
-        for task in checks:
-            task.cancel()
-        await asyncio.gather(*checks, return_exceptions=True)
+        await cancel_and_wait(*checks)
 
     elapsed = time.monotonic() - started
     print(f"{ROUNDS} rounds in {elapsed:.1f} s; lease expiry after the kill: "

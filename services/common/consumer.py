@@ -85,13 +85,19 @@ async def dead_letter(js: JetStreamContext, msg: Msg, reason: str, *, attempts: 
         "Aikg-Original-Subject": msg.subject,
         "Aikg-Deliveries": str(deliveries(msg)),
     }
+    with contextlib.suppress(Exception):  # a message without JetStream metadata: no id
+        meta = msg.metadata
+        # A retry after a lost publish acknowledgement is dropped by the DLQ stream's
+        # duplicate window instead of storing the copy twice.
+        headers["Nats-Msg-Id"] = f"dlq-{meta.stream}-{meta.sequence.stream}"
     try:
         await retry_async(lambda: js.publish(subjects.dlq(msg.subject), msg.data or b"",
                                              headers=headers),
                           attempts=attempts, first_wait_s=0.5, logger=log,
                           event="dead_letter_publish_retry", subject=msg.subject)
     except Exception as exc:  # noqa: BLE001 - left unacked: redelivered, not lost
-        log.error("dead_letter_publish_failed", subject=msg.subject, error=str(exc))
+        log.error("dead_letter_publish_failed", subject=msg.subject,
+                  error=f"{type(exc).__name__}: {exc}")
         return False
     with contextlib.suppress(Exception):
         await msg.ack()

@@ -1,4 +1,5 @@
-"""Process-level helpers for service entry points."""
+"""Process and task helpers shared by the services: signal handling, cancelling a task
+so that it stays cancelled, retries with backoff (tenacity), and a free local port."""
 
 from __future__ import annotations
 
@@ -70,16 +71,23 @@ async def retry_async(call: Callable[[], Awaitable[T]], *, attempts: int, first_
     wait); each failure before the last is logged as ``event`` with ``attempt``,
     ``error`` and ``fields``.
 
+    Only ``Exception`` is retried: a cancellation (during a call or a wait) ends it at
+    once.
+
     Returns:
         What ``call()`` returned.
 
     Raises:
+        ValueError: ``attempts`` below 1.
         Exception: the last attempt's exception, unchanged.
     """
+    if attempts < 1:
+        raise ValueError(f"attempts must be at least 1, not {attempts}")
 
     def log_failure(state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome is not None else None
-        logger.warning(event, attempt=state.attempt_number, error=str(exc), **fields)
+        logger.warning(event, attempt=state.attempt_number,
+                       error=f"{type(exc).__name__}: {exc}", **fields)
 
     retrying = AsyncRetrying(stop=stop_after_attempt(attempts),
                              wait=wait_exponential(multiplier=first_wait_s, exp_base=2,

@@ -246,9 +246,10 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             # (and whoever awaits it) from stopping.
             server.should_exit = True
             await asyncio.wait({serving}, timeout=SHUTDOWN_GRACE_S + 1)
-            serving.cancel()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await serving
+            # uvicorn's second Ctrl+C: its shutdown loops stop waiting for connections.
+            server.force_exit = True
+            await asyncio.wait({serving}, timeout=1.0)
+            await cancel_and_wait(serving)
         for sig, previous in installed:
             loop.remove_signal_handler(sig)
             signal.signal(sig, previous)

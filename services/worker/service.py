@@ -460,10 +460,10 @@ class Worker:
     async def _device_for(self, msg) -> str:
         """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
 
-        Only a pull request that could not be followed to its end (see
-        :class:`~services.common.lanes.LanePull`) brings more messages than devices were free; those
-        wait here instead of being nak'ed, which would count a delivery against
-        max_deliver.
+        The worker fetches at most as many messages as it has free devices (see
+        :class:`~services.common.lanes.LanePull`), but a fetch that raced a device
+        being taken can bring one more; it waits here instead of being nak'ed, which
+        would count a delivery against max_deliver.
         """
         beat = asyncio.create_task(keep_in_progress(msg, self.progress_every_s))
         try:

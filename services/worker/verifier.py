@@ -253,8 +253,9 @@ async def _child_frames(run: ChildRun, state: _ChildState,
                         lost: Callable[[int | None, str], BaseException],
                         on_phase: Callable[[str], None] | None = None
                         ) -> AsyncIterator[wire.Frame]:
-    """The one loop over a sandboxed child's frames, shared by reference and candidate
-    runs: yields every frame up to and including ``Done``.
+    """The one loop over a reference or candidate child's frames, shared by both runs
+    (probe and lowering children speak other protocols, in :mod:`sandbox`): yields
+    every frame up to and including ``Done``.
 
     ``Progress`` frames are consumed here: they move ``state.phase`` (and set
     ``state.profiling_at`` when profiling starts), then ``on_phase`` sees the new phase.
@@ -959,6 +960,8 @@ class Verifier:
                             raise _Verdict("infrastructure", "the reference child sent no "
                                            "timing")
                         return fresh
+                # Not reached: _child_frames ends only after Done (returned above) or by
+                # raising; kept so a change there cannot fall through silently.
                 raise ProtocolError("the frames ended without Done")
         except TimeoutError:
             raise _Verdict("infrastructure",
