@@ -243,8 +243,9 @@ def workers_over_nats(nats_url: str, user: str | None, password: str | None,
         nc = await nats.connect(nats_url, user=user, password=password,
                                 connect_timeout=timeout_s, allow_reconnect=False)
         try:
-            kv = await nc.jetstream(timeout=timeout_s).key_value(subjects.BUCKET_WORKERS)
-            return [msgspec.to_builtins(info) for info in await heartbeats(kv)]
+            js = nc.jetstream(timeout=timeout_s)
+            kv = await js.key_value(subjects.BUCKET_WORKERS)
+            return [msgspec.to_builtins(info) for info in await heartbeats(js, kv)]
         finally:
             await nc.close()
 

@@ -30,17 +30,6 @@ from services.common.settings import Settings, load_settings
 from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` run first (in their collected order otherwise).
-
-    Under pytest-xdist (``make test``, ``--dist load``) the first quarter of the tests
-    is dealt to the processes one by one, so the slow ones are spread over all of them
-    and start at once; a long end-to-end test that started last would be the tail of
-    the whole run while the other processes sit idle.
-    """
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(scope="session")
 def shared_verifier(tmp_path_factory):
     """One started cpu :class:`~services.worker.verifier.Verifier` for the whole session.

@@ -15,6 +15,7 @@ import time
 import nats.errors
 import nats.js.errors
 import structlog
+from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from schemas import (
@@ -82,13 +83,25 @@ class CheckedJobStore(JobStore):
         return True
 
 
-async def heartbeats(kv: KeyValue) -> list[WorkerInfo]:
+async def heartbeats(js: JetStreamContext, kv: KeyValue) -> list[WorkerInfo]:
     """The heartbeats (``WorkerInfo``) in the ``workers`` bucket ``kv`` now: live workers
-    (expired keys are gone); values that do not decode are left out."""
+    (expired keys are gone); values that do not decode are left out.
+
+    The keys come from one stream-info request listing the bucket's subjects, not from
+    ``KeyValue.keys()``: that one watches through an ordered push consumer, and under
+    load it came back empty while live workers' keys were in the bucket (a job then
+    failed with "no live worker").
+
+    Raises:
+        nats.errors.Error: NATS trouble (timeouts, no permission).
+    """
+    stream, prefix = f"KV_{subjects.BUCKET_WORKERS}", f"$KV.{subjects.BUCKET_WORKERS}."
     try:
-        keys = await kv.keys()
-    except nats.js.errors.NoKeysError:
+        info = await js.stream_info(stream, subjects_filter=prefix + ">")
+    except nats.js.errors.NotFoundError:
         return []
+    keys = [subject[len(prefix):] for subject in (info.state.subjects or {})
+            if subject.startswith(prefix)]
     out = []
     for key in keys:
         with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
@@ -101,7 +114,7 @@ async def heartbeats(kv: KeyValue) -> list[WorkerInfo]:
 
 async def live_workers(bus: Bus) -> list[WorkerInfo]:
     """Workers whose heartbeat is in the ``workers`` bucket now (:func:`heartbeats`)."""
-    return await heartbeats(bus.workers)
+    return await heartbeats(bus.js, bus.workers)
 
 
 # Further reads of the workers bucket before "no live worker" is the answer, and the

@@ -177,10 +177,11 @@ class RemoteWorker:
         """Live workers of this backend (and arch, when set), from the ``workers`` bucket."""
         nc = await self._connection()
         try:
-            kv = await nc.jetstream().key_value(subjects.BUCKET_WORKERS)
+            js = nc.jetstream()
+            kv = await js.key_value(subjects.BUCKET_WORKERS)
         except nats.js.errors.BucketNotFoundError:
             return []
-        out = [info for info in await heartbeats(kv)
+        out = [info for info in await heartbeats(js, kv)
                if (self.backend is None or info.backend == self.backend)
                and (self.arch is None or info.arch == self.arch)]
         return sorted(out, key=lambda w: w.worker_id)
