@@ -271,6 +271,7 @@ class ChildRun:
             return
         self._closed = True
         self._cleanup = asyncio.ensure_future(self._close())
+        _keep(self._cleanup)
         await asyncio.shield(self._cleanup)
 
     async def _close(self) -> None:
@@ -713,6 +714,7 @@ class Sandbox:
         except asyncio.CancelledError:
             # The fork goes on in its thread: reap what it starts.
             forking.add_done_callback(functools.partial(_abandon_when_forked, spec.scratch_dir))
+            _keep(forking)
             raise
         except BaseException:
             shutil.rmtree(spec.scratch_dir, ignore_errors=True)
@@ -782,14 +784,41 @@ class Sandbox:
             await run.close()
 
 
-_abandoned: set[asyncio.Task] = set()
+# Cleanups that run on after their caller was cancelled: ChildRun.close()'s, forks
+# abandoned mid-way and the children they start (see settle()).
+_abandoned: set[asyncio.Future] = set()
 
 
 def _background(coro: Any) -> None:
     """Run ``coro`` to its end even though its caller is gone (a reference is kept)."""
-    task = asyncio.ensure_future(coro)
-    _abandoned.add(task)
-    task.add_done_callback(_abandoned.discard)
+    _keep(asyncio.ensure_future(coro))
+
+
+def _keep(future: asyncio.Future) -> None:
+    _abandoned.add(future)
+    future.add_done_callback(_abandoned.discard)
+
+
+async def settle(timeout_s: float = 10.0) -> bool:
+    """Wait until every child cleanup that outlived its cancelled caller has ended
+    (children killed, scratch directories removed), at most ``timeout_s`` seconds.
+
+    A verifier that cancels children (a failed candidate's side checks) calls it
+    before answering, so no scratch directory of that verification is left behind
+    when the verdict is out.
+
+    Returns:
+        True when none is left running.
+    """
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        pending = {f for f in _abandoned if not f.done()}
+        remaining = deadline - asyncio.get_running_loop().time()
+        if not pending or remaining <= 0:
+            return not pending
+        # A fork finishing in its thread starts its child's cleanup from a callback:
+        # look again once these are done.
+        await asyncio.wait(pending, timeout=remaining)
 
 
 async def _abandon(run: ChildRun) -> None:

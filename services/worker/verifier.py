@@ -112,6 +112,7 @@ from services.worker.sandbox import (
     Sandbox,
     describe_exit,
 )
+from services.worker.sandbox import settle as settle_children
 from services.worker.static_check import check_candidate
 from services.worker.wire import ChildSpec
 
@@ -616,9 +617,11 @@ class Verifier:
             if isinstance(exc, _Verdict):
                 exc.fields.setdefault("sizes_checked", sizes)
             if side is not None:
-                # The candidate's verdict stands; the side children are killed.
+                # The candidate's verdict stands; the side children are killed, and
+                # their cleanups (which outlive the cancel) end before the verdict.
                 side.cancel()
                 await asyncio.gather(side, return_exceptions=True)
+                await settle_children()
             raise
         notes = fields["notes"]
         ghost, sized = await (side if side is not None else side_checks())
