@@ -1176,19 +1176,27 @@ class _Lowerer:
                "out is contiguous; input k is read through strides s{k}_* (0 along broadcast dims)"
                + (",\nor at out's offsets when FLAT." if flat else "."))
         self.add_kernel(name, kernel_params, doc, lines, ops)
-        block = self.p["block_size"]
         dims_launch = [f"{shape}[{d}]" for d in range(rank)]
         inputs = ", ".join(self.values[leaf].expr for leaf in loaded)
+        self.launch_blocks(name, out, [*launch, out, "n", *dims_launch],
+                           [f"FLAT=_flat({shape}, {inputs})"] if flat else [])
+        self.values[node] = _Value("tensor", out)
+
+    def launch_blocks(self, kname: str, out: str, args: list[str],
+                      constexprs: list[str] | None = None) -> None:
+        """Emit ``kname``'s launch with one program per BLOCK_SIZE elements of ``out``
+        (skipped when ``out`` is empty; ``n`` is its element count); ``args`` are the
+        kernel's run-time arguments, ``constexprs`` further ``NAME=expr`` ones."""
+        block = self.p["block_size"]
         self.forward += [
             f"n = {out}.numel()",
             "if n > 0:",
-            f"    {name}[(triton.cdiv(n, {block}),)](",
-            f"        {', '.join([*launch, out, 'n', *dims_launch])},",
-            *([f"        FLAT=_flat({shape}, {inputs}),"] if flat else []),
+            f"    {kname}[(triton.cdiv(n, {block}),)](",
+            f"        {', '.join(args)},",
+            *(f"        {c}," for c in constexprs or []),
             f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
             f"num_stages={self.p['num_stages']})",
         ]
-        self.values[node] = _Value("tensor", out)
 
     def _used_by_value(self, node: torch.fx.Node, leaf: torch.fx.Node) -> bool:
         """Whether the chain reads ``leaf``'s values (full_like reads only its shape)."""
@@ -1632,15 +1640,7 @@ class _Lowerer:
                                 "BLOCK_SIZE: tl.constexpr"],
                         f"Flip: {op} along dims {dims}: out[i] = in[..., size - 1 - i, ...]; "
                         "in is read through its strides.", lines, [op])
-        block = self.p["block_size"]
-        self.forward += [
-            f"n = {out}.numel()",
-            "if n > 0:",
-            f"    {kname}[(triton.cdiv(n, {block}),)](",
-            f"        {', '.join([src, f'*{src}.stride()', out, 'n', f'*{src}.shape'])},",
-            f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
-            f"num_stages={self.p['num_stages']})",
-        ]
+        self.launch_blocks(kname, out, [src, f"*{src}.stride()", out, "n", f"*{src}.shape"])
         self.values[node] = _Value("tensor", out)
 
     # ---- pooling -------------------------------------------------------------------
@@ -1790,15 +1790,7 @@ class _Lowerer:
                f"{', '.join(strides)}; out is contiguous [B, {', '.join(osizes)}].")
         kname = self.fresh("pool_kernel_")
         self.add_kernel(kname, params, doc, lines, [op])
-        block = self.p["block_size"]
-        self.forward += [
-            f"n = {out}.numel()",
-            "if n > 0:",
-            f"    {kname}[(triton.cdiv(n, {block}),)](",
-            f"        {', '.join(launch)},",
-            f"        BLOCK_SIZE={block}, num_warps={self.p['num_warps']}, "
-            f"num_stages={self.p['num_stages']})",
-        ]
+        self.launch_blocks(kname, out, launch)
         if match.group(3):
             items = [_Value("tensor", out)]
             if indices_used:
