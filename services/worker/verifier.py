@@ -256,7 +256,8 @@ async def _child_frames(run: ChildRun, state: _ChildState,
                         ) -> AsyncIterator[wire.Frame]:
     """The one loop over a reference or candidate child's frames, shared by both runs
     (probe and lowering children speak other protocols, in :mod:`sandbox`): yields
-    every frame up to and including ``Done``.
+    every frame up to and including ``Done``, so an iteration that ends without an
+    exception has seen ``Done``.
 
     ``Progress`` frames are consumed here: they move ``state.phase`` (and set
     ``state.profiling_at`` when profiling starts), then ``on_phase`` sees the new phase.
@@ -958,14 +959,10 @@ class Verifier:
                                        log=_join_log(run.output(self.output_limit_bytes),
                                                      frame.traceback,
                                                      limit=self.output_limit_bytes))
-                    elif isinstance(frame, wire.Done):
-                        if need_timing and timing_key not in self._base_times:
-                            raise _Verdict("infrastructure", "the reference child sent no "
-                                           "timing")
-                        return fresh
-                # Not reached: _child_frames ends only after Done (returned above) or by
-                # raising; kept so a change there cannot fall through silently.
-                raise ProtocolError("the frames ended without Done")
+                # _child_frames ends only after Done (or raises): the run is complete.
+                if need_timing and timing_key not in self._base_times:
+                    raise _Verdict("infrastructure", "the reference child sent no timing")
+                return fresh
         except TimeoutError:
             raise _Verdict("infrastructure",
                            f"the reference Model did not finish within {request.timeout_s:g} s "
