@@ -236,7 +236,6 @@ def workers_over_nats(nats_url: str, user: str | None, password: str | None,
 
     import nats
 
-    from schemas import subjects
     from services.common.jobs import heartbeats
 
     async def read() -> list[dict[str, Any]]:
@@ -244,8 +243,7 @@ def workers_over_nats(nats_url: str, user: str | None, password: str | None,
                                 connect_timeout=timeout_s, allow_reconnect=False)
         try:
             js = nc.jetstream(timeout=timeout_s)
-            kv = await js.key_value(subjects.BUCKET_WORKERS)
-            return [msgspec.to_builtins(info) for info in await heartbeats(js, kv)]
+            return [msgspec.to_builtins(info) for info in await heartbeats(js)]
         finally:
             await nc.close()
 

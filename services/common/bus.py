@@ -23,6 +23,9 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
     DiscardPolicy,
     KeyValueConfig,
     RetentionPolicy,
@@ -46,6 +49,13 @@ STREAM_UPDATE_TIMEOUT_S = 3.0
 # nats-server's -ERR for a client whose credentials it does not accept (server/errors.go,
 # ErrAuthentication: "Authorization Violation"), lower case.
 _AUTH_REFUSED = "authorization violation"
+# bucket_entries: how long one fetch waits for the server, seconds, and how many
+# entries it asks for at a time.
+_BUCKET_FETCH_S = 5.0
+_BUCKET_BATCH = 256
+# Headers of a key's delete, purge or server-placed expiry marker (nats-server's
+# KV-Operation, and Nats-Marker-Reason from 2.11 on).
+_KV_MARKERS = ("KV-Operation", "Nats-Marker-Reason")
 
 
 @dataclass
@@ -354,6 +364,59 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     )
 
 
+async def bucket_entries(js: JetStreamContext, bucket: str) -> dict[str, KeyValue.Entry]:
+    """The current entry (value, revision, ``created`` time) of every key of the
+    key-value ``bucket``; deleted, purged and expired keys left out.
+
+    One ephemeral pull consumer on ``KV_<bucket>`` delivers the last message of each
+    key, in batches. A pull consumer delivers nothing until asked, so its
+    ``num_pending`` at creation is exactly the number of entries, and the read ends at
+    the message that reports nothing pending: no race decides where the initial values
+    end. nats-py's ``KeyValue.watch``/``keys()`` decide that from a consumer-info reply
+    racing the first deliveries, and under load they ended before any value (a listing
+    came back empty with records in the bucket).
+
+    Raises:
+        nats.errors.Error: NATS trouble (timeouts, no permission, no such bucket).
+    """
+    stream = f"KV_{bucket}"
+    config = ConsumerConfig(deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+                            ack_policy=AckPolicy.NONE, inactive_threshold=60.0,
+                            mem_storage=True, num_replicas=1)
+    sub = await js.pull_subscribe(f"$KV.{bucket}.>", stream=stream, config=config)
+    prefix = len(f"$KV.{bucket}.")
+    out: dict[str, KeyValue.Entry] = {}
+    name = None
+    try:
+        info = await sub.consumer_info()
+        name, pending = info.name, info.num_pending
+        while pending:
+            try:
+                msgs = await sub.fetch(min(pending, _BUCKET_BATCH), timeout=_BUCKET_FETCH_S)
+            except nats.errors.TimeoutError:
+                # Entries that expired after the count was taken are never delivered.
+                pending = (await sub.consumer_info()).num_pending
+                if pending:
+                    raise
+                break
+            for msg in msgs:
+                meta, key = msg.metadata, msg.subject[prefix:]
+                pending = meta.num_pending
+                if any(h in (msg.headers or {}) for h in _KV_MARKERS):
+                    out.pop(key, None)
+                    continue
+                out[key] = KeyValue.Entry(bucket=bucket, key=key, value=msg.data,
+                                          revision=meta.sequence.stream, delta=pending,
+                                          created=meta.timestamp, operation=None)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        if name is not None:  # else the server drops it after inactive_threshold
+            with contextlib.suppress(Exception):
+                await js.delete_consumer(stream, name)
+    return out
+
+
 class JobNotFound(KeyError):
     """No record for this job id in the ``jobs`` bucket."""
 
@@ -412,18 +475,6 @@ class JobStore:
             except nats.js.errors.KeyWrongLastSequenceError:
                 await asyncio.sleep(0.01)
         raise RuntimeError(f"job {job_id}: too many concurrent updates")
-
-    async def list(self) -> list[JobRecord]:
-        """Every job record in the bucket (the gateway filters and pages them)."""
-        try:
-            keys = await self.kv.keys()
-        except nats.js.errors.NoKeysError:
-            return []
-        records = []
-        for key in keys:
-            with contextlib.suppress(JobNotFound):
-                records.append((await self.get(key))[0])
-        return records
 
 
 async def publish_json(js: JetStreamContext, subject: str, record: Any,

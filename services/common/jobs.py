@@ -16,7 +16,6 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.kv import KeyValue
 
 from schemas import (
     TERMINAL_STATUSES,
@@ -29,7 +28,7 @@ from schemas import (
     subjects,
     utcnow,
 )
-from services.common.bus import Bus, JobNotFound, JobStore
+from services.common.bus import Bus, JobNotFound, JobStore, bucket_entries
 from services.common.records import (  # noqa: F401  (re-exported: the pure half lives there)
     REQUIRED_TASK_NAMES,
     JobRecordCorrupt,
@@ -83,38 +82,32 @@ class CheckedJobStore(JobStore):
         return True
 
 
-async def heartbeats(js: JetStreamContext, kv: KeyValue) -> list[WorkerInfo]:
-    """The heartbeats (``WorkerInfo``) in the ``workers`` bucket ``kv`` now: live workers
+async def heartbeats(js: JetStreamContext) -> list[WorkerInfo]:
+    """The heartbeats (``WorkerInfo``) in the ``workers`` bucket now: live workers
     (expired keys are gone); values that do not decode are left out.
 
-    The keys come from one stream-info request listing the bucket's subjects, not from
-    ``KeyValue.keys()``: that one watches through an ordered push consumer, and under
-    load it came back empty while live workers' keys were in the bucket (a job then
-    failed with "no live worker").
+    Read with :func:`services.common.bus.bucket_entries`, not ``KeyValue.keys()``: that
+    one watches through an ordered push consumer, and under load it came back empty
+    while live workers' keys were in the bucket (a job then failed with "no live
+    worker").
 
     Raises:
         nats.errors.Error: NATS trouble (timeouts, no permission).
     """
-    stream, prefix = f"KV_{subjects.BUCKET_WORKERS}", f"$KV.{subjects.BUCKET_WORKERS}."
     try:
-        info = await js.stream_info(stream, subjects_filter=prefix + ">")
+        entries = await bucket_entries(js, subjects.BUCKET_WORKERS)
     except nats.js.errors.NotFoundError:
         return []
-    keys = [subject[len(prefix):] for subject in (info.state.subjects or {})
-            if subject.startswith(prefix)]
     out = []
-    for key in keys:
-        with contextlib.suppress(nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            entry = await kv.get(key)
-            if entry.value:
-                with contextlib.suppress(Exception):
-                    out.append(decode(entry.value, WorkerInfo))
+    for entry in entries.values():
+        with contextlib.suppress(Exception):
+            out.append(decode(entry.value or b"", WorkerInfo))
     return out
 
 
 async def live_workers(bus: Bus) -> list[WorkerInfo]:
     """Workers whose heartbeat is in the ``workers`` bucket now (:func:`heartbeats`)."""
-    return await heartbeats(bus.js, bus.workers)
+    return await heartbeats(bus.js)
 
 
 # Further reads of the workers bucket before "no live worker" is the answer, and the

@@ -26,7 +26,7 @@ of nats-server's ``server/jetstream_api.go``, https://github.com/nats-io/nats-se
   and delete a key (a delete is a put with a ``KV-Operation`` header), so write access
   to a bucket is publish access to ``$KV.<bucket>.>``;
 - ``$JS.API.DIRECT.GET.<stream>.>`` / ``$JS.API.STREAM.MSG.GET.<stream>``: read a key;
-  a watch or key listing is a consumer on ``KV_<bucket>``;
+  a watch or key listing is a consumer on ``KV_<bucket>`` (a listing pulls from it);
 - ``$O.<store>.>``: object store chunks and metadata;
 - ``_INBOX.>``: replies to the client's requests (JetStream API answers, PubAcks) and
   its push consumers' deliveries; ``$SRV.>``: ``nats micro`` discovery.
@@ -76,9 +76,11 @@ def _common() -> list[str]:
 
 
 def _read(stream: str) -> list[str]:
-    """Read a stream: ordered (ephemeral) consumers on it, and single-message gets."""
+    """Read a stream: ephemeral consumers on it (ordered push, or pull as a bucket
+    listing's), and single-message gets."""
     return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
             f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
+            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
             f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
             f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.FC.{stream}.>"]
 

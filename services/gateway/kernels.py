@@ -24,10 +24,10 @@ from litestar.di import NamedDependency
 from litestar.exceptions import ClientException
 from litestar.params import QueryParameter
 
-from schemas import JobRecord, KernelRow
+from schemas import JobRecord, KernelRow, subjects
 from services.common.bus import Bus
 from services.common.jobs import JobRecordCorrupt, decode_record
-from services.gateway.views import read_entries
+from services.gateway.views import read_bucket
 
 # Largest page: a row carries its task and kernel sources (a few KiB each, at most
 # 1 MiB each), so pages stay in the low megabytes.
@@ -168,8 +168,7 @@ async def kernels_list(
     candidate, coder, model, worker), ordered by the job's end time; page on with
     ``cursor``. ``aikg export`` writes them as JSON Lines or Parquet. A tenant's token
     exports only its own tenant's kernels."""
-    entries = await read_entries(bus.jobs)
-    return kernel_page({k: e.value or b"" for k, e in entries.items()}, passed=passed,
+    return kernel_page(await read_bucket(bus.js, subjects.BUCKET_JOBS), passed=passed,
                        op_name=op_name, backend=backend, arch=arch, cursor=cursor,
                        limit=limit, tenant=viewer)
 

@@ -1,8 +1,8 @@
 """What the gateway reads back for listings: job summaries, workers with load and leases.
 
-Buckets are read with one key-value watcher each (the last value of every key in one
-ordered-consumer pass) rather than one ``get`` per key, so listing a thousand jobs is
-one round trip's worth of messages, not a thousand requests.
+Buckets are read with one consumer pass each (:func:`services.common.bus.bucket_entries`:
+the last value of every key) rather than one ``get`` per key, so listing a thousand jobs
+is a few batches of messages, not a thousand requests.
 """
 
 from __future__ import annotations
@@ -13,16 +13,14 @@ from typing import Any, Literal
 
 import msgspec
 import nats.errors
-from nats.js.kv import KeyValue
+from nats.js import JetStreamContext
 
-from schemas import JobRecord, WorkerInfo
+from schemas import JobRecord, WorkerInfo, subjects
 from schemas.events import JobStatus
-from services.common.bus import Bus
+from services.common.bus import Bus, bucket_entries
 from services.common.records import JobRecordCorrupt, decode_record
 
 # A job id is one NATS subject token (schemas.events.JobId); anything else names no job.
-# How long one bucket read may wait for the server's next message, seconds.
-_WATCH_STEP_S = 5.0
 # A list row's status: a job status, or ``corrupt`` for a record that does not decode.
 CORRUPT = "corrupt"
 ListStatus = Literal[JobStatus, "corrupt"]
@@ -97,36 +95,14 @@ class WorkerList(msgspec.Struct, kw_only=True):
     workers: list[WorkerStatus]
 
 
-async def read_entries(kv: KeyValue) -> dict[str, KeyValue.Entry]:
-    """The current entry (value, revision, ``created`` time) of every key of ``kv``
-    (deleted and expired keys left out).
+async def read_bucket(js: JetStreamContext, bucket: str) -> dict[str, bytes]:
+    """The current value of every key of ``bucket`` (deleted and expired keys left out;
+    :func:`services.common.bus.bucket_entries`).
 
     Raises:
-        nats.errors.TimeoutError: the server stopped sending before the last key.
+        nats.errors.Error: NATS trouble (timeouts, no permission).
     """
-    watcher = await kv.watchall(ignore_deletes=True)
-    out: dict[str, KeyValue.Entry] = {}
-    try:
-        while True:
-            entry = await watcher.updates(timeout=_WATCH_STEP_S)
-            if entry is None:  # the marker after the initial values
-                return out
-            if entry.value:
-                out[entry.key] = entry
-            else:
-                out.pop(entry.key, None)
-    finally:
-        with contextlib.suppress(Exception):
-            await watcher.stop()
-
-
-async def read_bucket(kv: KeyValue) -> dict[str, bytes]:
-    """The current value of every key of ``kv`` (deleted and expired keys left out).
-
-    Raises:
-        nats.errors.TimeoutError: the server stopped sending before the last key.
-    """
-    return {key: entry.value for key, entry in (await read_entries(kv)).items() if entry.value}
+    return {key: entry.value or b"" for key, entry in (await bucket_entries(js, bucket)).items()}
 
 
 def summarize(record: JobRecord) -> JobSummary:
@@ -170,7 +146,7 @@ async def list_jobs(bus: Bus, *, status: str | None, op_name: str | None,
     lists only those. Its operator is unknown, so an ``op_name`` filter leaves it out.
     """
     rows: list[JobSummary] = []
-    for key, entry in (await read_entries(bus.jobs)).items():
+    for key, entry in (await bucket_entries(bus.js, subjects.BUCKET_JOBS)).items():
         try:
             record = decode_record(key, entry.value or b"")
         except JobRecordCorrupt as exc:
@@ -199,9 +175,9 @@ async def list_workers(bus: Bus) -> WorkerList:
 
     A lease's owner is the key's part before the first dot (``<worker_id>.<device>``).
     """
-    workers = await read_bucket(bus.workers)
+    workers = await read_bucket(bus.js, subjects.BUCKET_WORKERS)
     try:
-        leases = await read_bucket(bus.leases)
+        leases = await read_bucket(bus.js, subjects.BUCKET_LEASES)
     except nats.errors.TimeoutError:
         leases = {}
     held: dict[str, list[Lease]] = {}

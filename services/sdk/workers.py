@@ -176,12 +176,7 @@ class RemoteWorker:
     async def live_workers(self) -> list[WorkerInfo]:
         """Live workers of this backend (and arch, when set), from the ``workers`` bucket."""
         nc = await self._connection()
-        try:
-            js = nc.jetstream()
-            kv = await js.key_value(subjects.BUCKET_WORKERS)
-        except nats.js.errors.BucketNotFoundError:
-            return []
-        out = [info for info in await heartbeats(js, kv)
+        out = [info for info in await heartbeats(nc.jetstream())
                if (self.backend is None or info.backend == self.backend)
                and (self.arch is None or info.arch == self.arch)]
         return sorted(out, key=lambda w: w.worker_id)
