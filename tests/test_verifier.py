@@ -366,6 +366,61 @@ def test_integers_compare_exactly():
     assert cmp.mismatch_count == 1 and "differ exactly" in cmp.message
 
 
+@pytest.mark.parametrize("name", ["random", "with zeros", "all zeros", "inf and -0.0",
+                                  "only inf", "float16", "bfloat16", "float64", "huge float64",
+                                  "int64", "bool", "bool all false", "one element"])
+def test_equal_outputs_shortcut_gives_the_full_comparisons_result(name):
+    torch.manual_seed(0)
+    expected = {
+        "random": torch.randn(64, 33),
+        "with zeros": torch.relu(torch.randn(16, 16)),
+        "all zeros": torch.zeros(8, 8),
+        "inf and -0.0": torch.tensor([math.inf, -math.inf, -0.0, 0.0, 1.5]),
+        "only inf": torch.tensor([math.inf, -math.inf]),
+        "float16": torch.randn(40).half(),
+        "bfloat16": torch.randn(40).bfloat16(),
+        "float64": torch.randn(7, 5, dtype=torch.float64),
+        "huge float64": torch.full((4,), 1e200, dtype=torch.float64),
+        "int64": torch.arange(-5, 5),
+        "bool": torch.tensor([True, False, True]),
+        "bool all false": torch.zeros(3, dtype=torch.bool),
+        "one element": torch.tensor([3.0]),
+    }[name]
+    got = expected.clone()
+    # -0.0 where +0.0 is expected: equal values, different bits.
+    got[got == 0] = -0.0 if got.dtype.is_floating_point else 0
+    short = correctness.compare_output(0, expected, got)
+    full = correctness.compare_output(0, expected, got, shortcut=False)
+    assert short == full and short.passed
+
+
+def test_nan_outputs_take_the_full_comparison():
+    expected = torch.tensor([1.0, math.nan])
+    short = correctness.compare_output(0, expected, expected.clone())
+    assert short == correctness.compare_output(0, expected, expected.clone(), shortcut=False)
+    assert short.passed and short.max_abs_error == 0.0
+
+
+def test_a_mismatch_without_detail_is_the_same_verdict():
+    expected = torch.randn(32, 32)
+    half_nan = expected.clone()
+    half_nan[:16] = math.nan
+    for got in (torch.full_like(expected, math.nan), half_nan, expected + 1, expected * (1 + 5e-5),
+                torch.full_like(expected, float(expected.mean()))):
+        full = correctness.compare_outputs([expected], [got])
+        quick = correctness.compare_outputs([expected], [got], detail=False)
+        assert quick.passed == full.passed
+        if not full.passed:
+            assert 0 < quick.outputs[0].mismatch_count <= full.outputs[0].mismatch_count
+    # Within atol everywhere but off in scale: counted no mismatch, still fails.
+    tiny = expected * 1e-6
+    assert not correctness.compare_outputs([tiny], [torch.zeros_like(tiny)], detail=False).passed
+    quick = correctness.compare_output(0, expected, torch.full_like(expected, math.nan),
+                                       detail=False)
+    assert quick.message == "output 0: 1024 of 1024 elements differ"
+    assert quick.max_abs_error is None and quick.mismatch_indices == []
+
+
 def test_output_count_mismatch():
     cmp = correctness.compare_outputs([torch.zeros(2)], [torch.zeros(2), torch.zeros(2)])
     assert cmp.message == "ModelNew.forward returned 2 outputs; expected 1"
