@@ -157,6 +157,33 @@ async def sequential(url: str, task: str, code: str, n: int
     return out
 
 
+_OWN_RUN = """
+import importlib.util, statistics, sys, time, torch
+spec = importlib.util.spec_from_file_location("candidate", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+model, x = module.ModelNew(), torch.randn(64, 4096)
+model(x)
+times = []
+for _ in range(5):
+    started = time.perf_counter()
+    model(x)
+    times.append(time.perf_counter() - started)
+print(statistics.median(times))
+"""
+
+
+def own_run(workdir: Path, code: str) -> float:
+    """Seconds of one warm ``ModelNew.forward`` of ``code`` on the 64 x 4096 input in
+    Triton's interpreter, outside any sandbox: the floor under one trial's time."""
+    path = workdir / "own_run_candidate.py"
+    path.write_text(code)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", _OWN_RUN, str(path)], env=env, check=True,
+                         capture_output=True, text=True, timeout=300)
+    return float(out.stdout.split()[-1])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speed",
                                      description=__doc__.split("\n\n")[0])
@@ -164,21 +191,35 @@ def main(argv: list[str] | None = None) -> int:
                         help="one-trial requests in the burst (default 20)")
     parser.add_argument("--cold", type=int, default=3,
                         help="cold-process verifications (default 3)")
-    parser.add_argument("--seq", type=int, default=10,
-                        help="sequential three-trial verifications per worker (default 10)")
+    parser.add_argument("--seq", type=int, default=20,
+                        help="sequential three-trial verifications per worker (default 20)")
     parser.add_argument("--jobs", type=int, default=10, help="small jobs (default 10)")
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="block_size of the candidate for (a) and (b) (default: what the "
+                             "built-in coder uses on cpu, services.generator.coders.base."
+                             "CPU_BLOCK_SIZE; 1024 is its GPU default)")
     args = parser.parse_args(argv)
     from services.common.logging import configure_logging
+    from services.generator.coders.base import launch_defaults
     from services.generator.coders.builtin import lower_task
 
     configure_logging("bench", "warning", "console")
     task = TASK_PATH.read_text()
-    code = lower_task(task, SHAPES)
+    params = launch_defaults("cpu")
+    if args.block_size is not None:
+        params["block_size"] = args.block_size
+    code = lower_task(task, SHAPES, **params)
     print(f"{os.cpu_count()} CPUs; load average at start {load()}")
     lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="aikg-speed-") as tmp:
         workdir = Path(tmp)
+        if {"a", "b"} & set(args.parts):
+            own = own_run(workdir, code)
+            lines.append(f"candidate: built-in coder, block_size {params['block_size']}; its own "
+                         f"forward at 64 x 4096, interpreted in one warm process: {own:.3f} s "
+                         "(median of 5)")
+            print(lines[-1], flush=True)
         if {"a", "b"} & set(args.parts):
             with nats_and_worker(workdir) as url:
                 if "a" in args.parts:

@@ -2,7 +2,8 @@
 
 ``python -m bench.verify_throughput`` (or ``make bench``). The task is
 ``tasks/relu.py`` at 16 x 1024 float32 on the ``cpu`` backend (Triton's interpreter);
-the candidate is the built-in coder's kernel for it. Two ways to verify it, run
+the candidate is the built-in coder's kernel for it (its ``cpu`` launch parameters,
+``launch_defaults``). Two ways to verify it, run
 interleaved in one process so both see the same machine load:
 
 * **warm pool**: :class:`services.worker.verifier.Verifier`, as a worker runs it: a
@@ -152,10 +153,11 @@ class Warm:
 
 
 async def bench(warm_n: int, uncached_n: int, cold_n: int) -> int:
+    from services.generator.coders.base import launch_defaults
     from services.generator.coders.builtin import lower_task
 
     task = TASK_PATH.read_text()
-    candidate = lower_task(task, SHAPES)
+    candidate = lower_task(task, SHAPES, **launch_defaults("cpu"))
     with tempfile.TemporaryDirectory(prefix="aikg-bench-") as tmp:
         workdir = Path(tmp)
         warm = Warm(workdir, task, candidate)
