@@ -33,6 +33,9 @@ def test_bench_speed_prints_all_three_figures_with_their_phases() -> None:
     assert re.search(r"^\(a\) burst of 2 one-trial verifications through the bus: [\d.]+ s each "
                      r"\(\d+/min\); cold python per candidate: [\d.]+ s each; ratio [\d.]+x$",
                      out, re.M), out
+    # The candidate and its own run, the floor under a trial's time.
+    assert re.search(r"^candidate: built-in coder, block_size 4096; its own forward at 64 x 4096, "
+                     r"interpreted in one warm process: [\d.]+ s", out, re.M), out
     assert re.search(r"^\(b\) RemoteWorker +three trials, sequential: p50 [\d.]+ s", out, re.M)
     assert re.search(r"^\(b\) LocalWorker +three trials, sequential: p50 [\d.]+ s", out, re.M)
     assert re.search(r"^\(b\) bus overhead \(RemoteWorker p50 - LocalWorker p50\): [+-]\d+ ms$",
