@@ -35,6 +35,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 
 from schemas import JobRecord, decode, encode, subjects, utcnow
+from services.common.runtime import cancel_and_wait
 from services.common.settings import NATS_ROLES, Settings
 
 log = structlog.get_logger("aikg.bus")
@@ -334,9 +335,9 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
                                  return_when=asyncio.FIRST_COMPLETED)
     watching.cancel()
     if connecting not in done:
-        connecting.cancel()
-        with contextlib.suppress(BaseException):
-            await connecting
+        # One cancel() can be dropped inside nats-py's connect (asyncio.wait_for on
+        # Python 3.11), and that connect retries forever: cancel until it ends.
+        await cancel_and_wait(connecting)
         with contextlib.suppress(Exception):
             await nc.close()
     if refused.is_set() and not nc.is_connected:
