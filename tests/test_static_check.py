@@ -316,6 +316,33 @@ def test_computed_attribute_names(snippet, module, shown):
     assert shown in found[0].message
 
 
+@pytest.mark.parametrize("snippet, shown", [
+    ("a = x.numpy()", ".numpy used (it hands tensor data to numpy or Python"),
+    ("a = x.detach().tolist()", ".tolist used"),
+    ("a = x.__array__()", ".__array__ used"),
+    ("a = x.__dlpack__()", ".__dlpack__ used"),
+    ("s = x.untyped_storage()", ".untyped_storage used"),
+    ("a = getattr(x, 'numpy')()", "getattr(..., 'numpy') reaches .numpy"),
+    ("a = getattr(x, 'nu' + 'mpy')()", "getattr(x, <computed name>) looks up an attribute"),
+    ("n = 'tolist'\na = getattr(out, n)()", "getattr(out, <computed name>)"),
+    ("b = type(x).__base__", ".__base__ used (walking a type's bases"),
+    ("a = x.__class__.__mro__[1]", ".__mro__ used"),
+    ("a = type(x).mro()[1]", ".mro used"),
+    ("a = super(torch.Tensor, x).tolist()", ".tolist used"),
+], ids=["numpy", "tolist", "array", "dlpack", "storage", "literal_getattr", "computed_getattr",
+        "computed_getattr_variable", "base", "mro_attr", "mro_call", "super"])
+def test_host_reads_and_type_walks(snippet, shown):
+    findings = check_candidate(in_forward(snippet))
+    found = only(findings, "S022")
+    assert found, findings
+    assert found[0].rule == "host-read" and shown in found[0].message, found[0].message
+
+
+def test_computed_names_on_self_stay_allowed():
+    code = in_forward("w = getattr(self, 'w' + '0', None)")
+    assert only(check_candidate(code), "S022") == []
+
+
 @pytest.mark.parametrize("snippet, module, shown", [
     ("y = OPS['r'](x)", "OPS = {'r': torch.relu, 'g': F.gelu}\n", "torch.relu used as a value"),
     ("y = [torch.relu][0](x)", "", "torch.relu used as a value"),

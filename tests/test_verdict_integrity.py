@@ -331,7 +331,9 @@ async def test_rewriting_the_harness_does_not_hide_input_mutation(
     await still_serves(verifier)
 
 
-async def test_numpy_doing_the_work_fails_the_ghost_replay(verifier, dynamic_only):
+async def test_numpy_doing_the_work_fails_the_ghost_replay(verifier, dynamic_only, monkeypatch):
+    # D011 (host reads) would fail it first: off, so the ghost replay is tested alone.
+    monkeypatch.setattr(verifier_module, "host_read_finding", lambda reads, elements: None)
     code = relu_candidate("""
         scratch = torch.empty(1024, device=x.device)
         scratch_kernel[(1,)](scratch, 1024, BLOCK_SIZE=1024)
@@ -341,6 +343,70 @@ async def test_numpy_doing_the_work_fails_the_ghost_replay(verifier, dynamic_onl
     assert result.stage == "audit", result
     assert "outputs do not depend on the Triton kernels" in result.error
     await still_serves(verifier)
+
+
+# Forward bodies that compute the relu on the host, each dodging the ghost replay
+# by reading one NaN-filled allocation first (D003 alone would pass them).
+HOST_COMPUTE = {
+    "numpy-view": """
+        scratch = torch.empty(1024, device=x.device)
+        scratch_kernel[(1,)](scratch, 1024, BLOCK_SIZE=1024)
+        probe = getattr(torch.empty(64), "nu" + "mpy")()
+        if all(probe != probe):
+            return torch.empty_like(x)
+        arr = getattr(x, "nu" + "mpy")()
+        out = torch.empty_like(x)
+        view = getattr(out, "nu" + "mpy")()
+        view[...] = arr * (arr > 0)
+        return out
+    """,
+    "array-protocol": """
+        scratch = torch.empty(1024, device=x.device)
+        scratch_kernel[(1,)](scratch, 1024, BLOCK_SIZE=1024)
+        probe = numpy.asarray(torch.empty(64))
+        if all(probe != probe):
+            return torch.empty_like(x)
+        out = torch.empty_like(x)
+        numpy.asarray(out)[...] = numpy.maximum(numpy.asarray(x), 0)
+        return out
+    """,
+    "item-reads": """
+        scratch = torch.empty(1024, device=x.device)
+        scratch_kernel[(1,)](scratch, 1024, BLOCK_SIZE=1024)
+        first = torch.empty(1)[0].item()
+        if first != first:
+            return torch.empty_like(x)
+        out = torch.empty_like(x)
+        src, dst = x.reshape(-1), out.reshape(-1)
+        for i in range(src.shape[0]):
+            v = src[i].item()
+            dst[i] = v if v > 0 else 0.0
+        return out
+    """,
+}
+
+
+@pytest.mark.parametrize("name", list(HOST_COMPUTE))
+async def test_host_reads_of_tensor_data_fail_the_audit(verifier, dynamic_only, name):
+    # With the static check on, S022 refuses the first two by name; the dynamic
+    # guard counts the elements forward hands to host code however it got there.
+    code = relu_candidate(HOST_COMPUTE[name], module="import numpy\n")
+    # 2 x 96 elements: the element-by-element loop stays short, and over the limit.
+    result = await verifier.verify(request(code, shape_overrides={"batch_size": 2, "dim": 96}),
+                                   device="0")
+    assert result.stage == "audit", result
+    assert "tensor elements to host code in one call" in result.error, result.error
+    await still_serves(verifier)
+
+
+async def test_a_few_scalar_reads_stay_allowed(verifier):
+    code = relu_candidate("""
+        scale = float(torch.ones(1)[0].item())
+        out = relu(x.contiguous())
+        return out if scale == 1.0 else out
+    """)
+    result = await verifier.verify(request(code), device="0")
+    assert result.passed, result
 
 
 FORGE_TIMING = """

@@ -430,6 +430,7 @@ def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
     refused = _guard.install_audit_hook(spec.candidate_path)
     recorder = _guard.OpRecorder(ghost=spec.ghost)
     notes: list[str] = []
+    _guard.guard_host_reads()
     if spec.ghost:
         _guard.ghost_launches()
     if spec.backend == "cpu":
@@ -439,7 +440,9 @@ def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
         _candidate_trials(spec, channel, task, recorder)
     finally:
         channel.send(Audit(ops=dict(recorder.ops), launcher_ops=dict(recorder.launcher_ops),
-                           refused=list(refused), notes=list(notes)))
+                           refused=list(refused), notes=list(notes),
+                           host_reads=dict(recorder.host_reads),
+                           host_elements=recorder.host_elements))
 
 
 def _candidate_trials(spec: ChildSpec, channel: Channel, task: Any, recorder: Any) -> None:

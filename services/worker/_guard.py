@@ -16,6 +16,12 @@ nothing of the harness: this module holds no reference to the result channel.
   removed from Python) that refuses, when the nearest non-stdlib frame is the
   candidate's, the events that reach harness objects or the result channel: gc's
   object walks, frame access, ctypes, ``/proc``, new sockets, tracing, exec/compile.
+* :func:`guard_host_reads`: candidate calls that hand tensor data to host Python or
+  numpy (``Tensor.numpy``, ``tolist``, ``__array__``, ``__dlpack__``, storages) are
+  counted while the recorder is active, with ``.item()``/``float()`` reads (ATen
+  ``_local_scalar_dense``), as elements read per ``forward`` call: numpy computes
+  where no ATen op is seen, and a read lets forward tell the ghost replay's NaN-filled
+  allocations apart.
 * :func:`ghost_launches`: every Triton kernel launch becomes a no-op.
 * :func:`first_autotune_config`: on the interpreter, a multi-config ``@triton.autotune``
   runs its first config without benchmarking (the interpreter has no benchmarker).
@@ -31,6 +37,8 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from services.worker import _frames
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep,
@@ -59,28 +67,58 @@ def _is_stdlib(filename: str) -> bool:
     return _in_stdlib(filename) or filename.startswith("<frozen")
 
 
+def _passed_over(filename: str) -> bool:
+    """Frames an instrument looks past for its caller: torch, the standard library,
+    this module and :mod:`services.worker._frames`."""
+    return (filename.startswith(_TORCH_DIR) or _is_stdlib(filename)
+            or filename in (_THIS_FILE, _frames.__file__))
+
+
+# The recorder around the forward call running now (None between calls).
+_ACTIVE: list[OpRecorder | None] = [None]
+
+
 class OpRecorder(TorchDispatchMode):
     """Counts ATen ops by overload name (``aten.relu.default``) while active.
 
     ``ops``: issued by anything but Triton; ``launcher_ops``: issued with a Triton
     frame as the nearest frame outside torch. ``ghost``: NaN-fill (floating) or
-    max-fill (integer) what ``empty``-family ops return.
+    max-fill (integer) what ``empty``-family ops return. ``host_reads``: calls that
+    handed tensor data to host code (``Tensor.numpy`` ...; see
+    :func:`guard_host_reads`); ``host_elements``: the most tensor elements one
+    ``forward`` call read that way or by ``.item()``.
     """
 
     def __init__(self, ghost: bool = False) -> None:
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.launcher_ops: collections.Counter[str] = collections.Counter()
+        self.host_reads: collections.Counter[str] = collections.Counter()
+        self.host_elements = 0
+        self._call_elements = 0
         self.ghost = ghost
+
+    def __enter__(self):  # noqa: ANN204
+        self._call_elements = 0
+        _ACTIVE[0] = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTIVE[0] = None
+        self.host_elements = max(self.host_elements, self._call_elements)
+        super().__exit__(*exc)
+
+    def host_read(self, what: str, elements: int) -> None:
+        """Count ``elements`` tensor elements handed to host code by ``what``."""
+        self.host_reads[what] += 1
+        self._call_elements += elements
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         name = str(func)
-        frame = sys._getframe(1)
-        while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
-                                     or _is_stdlib(frame.f_code.co_filename)):
-            frame = frame.f_back
-        from_triton = frame is not None and frame.f_code.co_filename.startswith(_TRITON_DIR)
+        from_triton = _frames.caller_file(1, _passed_over).startswith(_TRITON_DIR)
         (self.launcher_ops if from_triton else self.ops)[name] += 1
+        if not from_triton and name == "aten._local_scalar_dense.default":
+            self._call_elements += 1
         out = func(*args, **(kwargs or {}))
         if self.ghost and not from_triton and isinstance(out, torch.Tensor) and (
                 name.split(".")[1] in _ALLOCATIONS):
@@ -167,6 +205,43 @@ def install_audit_hook(candidate_path: str) -> list[str]:
 
     sys.addaudithook(hook)
     return refused
+
+
+# Tensor methods that hand a tensor's data to host Python or numpy without an ATen op.
+_HOST_READS = ("numpy", "tolist", "__array__", "__dlpack__", "untyped_storage", "storage",
+               "_typed_storage")
+
+
+def guard_host_reads() -> None:
+    """Count host reads of tensor data by candidate code while a recorder is active.
+
+    Wraps :data:`_HOST_READS` on ``torch.Tensor``; a call whose nearest frame outside
+    torch and the standard library is neither Triton's (its launcher) nor the
+    harness's adds the tensor's element count (its whole storage's for a storage) to
+    the active recorder. ``torch._C.TensorBase``'s own methods cannot be wrapped (an
+    immutable type); the static check refuses the names that reach them.
+    """
+    for name in _HOST_READS:
+        original = getattr(torch.Tensor, name, None)
+        if original is None:
+            continue
+
+        def wrapper(self, *args, __original=original, __name=name, **kwargs):  # noqa: ANN001
+            recorder = _ACTIVE[0]
+            if recorder is not None:
+                caller = _frames.caller_file(1, _passed_over)
+                if not caller.startswith((_TRITON_DIR, _LIBRARY_DIRS[2])):
+                    elements = self.numel()
+                    if __name in ("untyped_storage", "storage", "_typed_storage"):
+                        # The whole storage (a view's base included); the C method
+                        # directly, so this wrapper does not count itself.
+                        elements = torch._C.TensorBase.untyped_storage(self).nbytes() // max(
+                            self.element_size(), 1)
+                    recorder.host_read(f"Tensor.{__name}", elements)
+            return __original(self, *args, **kwargs)
+
+        wrapper.__name__ = name
+        setattr(torch.Tensor, name, wrapper)
 
 
 def ghost_launches() -> None:

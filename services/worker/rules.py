@@ -64,7 +64,16 @@ DYNAMIC_RULES: tuple[Rule, ...] = (
          _T + "test_constant_output_against_a_small_scale_reference_fails"),
     Rule("D010", "a verification that compared no elements never passes",
          "this project's red-team: --shape batch_size=0 passed with nothing compared", _T + "test_zero_size_inputs_never_pass"),
+    Rule("D011", "tensor data handed to host code in ModelNew.forward beyond "
+         "64 elements a call (Tensor.numpy/tolist/__array__/__dlpack__/storages, "
+         ".item()/float()): numpy or Python computing where no ATen op is recorded",
+         "this project's red-team: a relu computed by numpy through a tensor's numpy view, "
+         "and by .item() reads, passed with NaN-fill detection dodging the ghost replay",
+         _T + "test_host_reads_of_tensor_data_fail_the_audit"),
 )
+# D011: tensor elements one forward call may hand to host code (a few scalar parameters
+# read with .item(), say); a computation on the host reads whole inputs.
+HOST_READ_LIMIT = 64
 
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
 # ``aten.view`` for ``aten.view.default``); anything else is a compute operator.
@@ -113,6 +122,26 @@ def audit_findings(ops: dict[str, int], launcher_ops: dict[str, int]) -> list[st
                 if op_packet(n) not in LAUNCHER_OPS})
     return [f"{name} called {count} time{'s' if count != 1 else ''} in ModelNew.forward"
             for name, count in sorted(bad.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def host_read_finding(host_reads: dict[str, int], host_elements: int) -> str | None:
+    """Rule D011's message when one forward call read more than :data:`HOST_READ_LIMIT`
+    tensor elements into host code, else None.
+
+    Args:
+        host_reads: ``Tensor.numpy`` ... -> calls by candidate code (all forward calls).
+        host_elements: the most elements one call read (those calls and ``.item()``).
+
+    Example: ``ModelNew.forward handed 16384 tensor elements to host code in one call
+    (Tensor.numpy 2 calls); at most 64 ...``.
+    """
+    if host_elements <= HOST_READ_LIMIT:
+        return None
+    how = ", ".join(f"{name} {count} call{'s' if count != 1 else ''}"
+                    for name, count in sorted(host_reads.items())) or ".item()/float() reads"
+    return (f"ModelNew.forward handed {host_elements} tensor elements to host code in one "
+            f"call ({how}); at most {HOST_READ_LIMIT} are allowed (a few scalar parameters): "
+            "compute in Triton kernels, not in numpy or Python")
 
 
 # Peak memory bandwidth per arch, bytes per second (the `arch` label of a request,

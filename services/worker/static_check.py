@@ -140,6 +140,14 @@ RULES: tuple[Rule, ...] = (
          "f_back/f_globals/f_locals/tb_frame",
          f"{_METR} (tracing call stacks to find the grader's answer)",
          _T + "test_frame_and_object_graph_walks"),
+    Rule("S022", "host-read",
+         "the tensor methods that hand data to numpy or Python (.numpy, .tolist, "
+         "__array__, __dlpack__, untyped_storage, storage) and the type-hierarchy "
+         "attributes that reach torch's C tensor type past the sandbox's guards "
+         "(__base__, __bases__, __mro__, mro), anywhere in the module; getattr, setattr or "
+         "delattr with a computed name on any object but self",
+         "this project's red-team: a relu computed by numpy through a tensor's numpy view "
+         "passed with the ghost replay dodged", _T + "test_host_reads_and_type_walks"),
 )
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
@@ -238,6 +246,12 @@ _INTROSPECTION_CALLS = frozenset({
     "inspect.stack", "inspect.getouterframes", "inspect.getinnerframes", "inspect.trace",
     "inspect.getmembers", "sys._current_frames",
 })
+# S022: tensor methods whose result is the tensor's data in numpy or Python (no ATen op
+# records the computation that follows), and the attributes that reach
+# torch._C.TensorBase, whose methods the child's host-read guard cannot wrap.
+_HOST_READ_ATTRS = frozenset({"numpy", "tolist", "__array__", "__array_interface__",
+                              "__array_struct__", "__dlpack__", "untyped_storage", "storage",
+                              "_typed_storage", "__base__", "__bases__", "__mro__", "mro"})
 _FRAME_ATTRS = frozenset({"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame",
                           "gi_frame", "cr_frame", "ag_frame"})
 # torch namespaces whose lower-case members are all functions (for S017/S018).
@@ -290,6 +304,15 @@ def _literal_str(node: ast.AST | None) -> str | None:
     if isinstance(node, ast.Constant) and isinstance(node.value, str):
         return node.value
     return None
+
+
+def _host_read_why(attr: str) -> str:
+    """Why an S022 name is refused, for its finding."""
+    if attr in ("__base__", "__bases__", "__mro__", "mro"):
+        return (" (walking a type's bases reaches torch's C tensor methods past the "
+                "sandbox's host-read guard)")
+    return (" (it hands tensor data to numpy or Python, where no kernel computes; do the "
+            "work in a Triton kernel)")
 
 
 def _literal_getattr(node: ast.AST) -> tuple[ast.AST, str] | None:
@@ -463,12 +486,20 @@ class _Checker:
         methodcaller of a compute method; frame and object-graph walks (S021)."""
         name = self.qual(node.func)
         if name in ("getattr", "setattr", "delattr") and len(node.args) >= 2:
-            if _literal_str(node.args[1]) is None:
-                target = self.qual(node.args[0])
-                if target and target.split(".")[0] in _INDIRECTION_ROOTS:
-                    self.add(node.lineno, f"{name}({target}, <computed name>) looks up an "
-                             f"attribute of {target} by a name built at run time (name "
-                             "torch/triton/time attributes literally)", "S016")
+            literal = _literal_str(node.args[1])
+            target = self.qual(node.args[0])
+            if literal is None and target and target.split(".")[0] in _INDIRECTION_ROOTS:
+                self.add(node.lineno, f"{name}({target}, <computed name>) looks up an "
+                         f"attribute of {target} by a name built at run time (name "
+                         "torch/triton/time attributes literally)", "S016")
+            elif literal is None and not (isinstance(node.args[0], ast.Name)
+                                          and node.args[0].id == "self"):
+                self.add(node.lineno, f"{name}({target or '<object>'}, <computed name>) looks "
+                         "up an attribute by a name built at run time (name attributes "
+                         "literally; only self's may be computed)", "S022")
+            elif literal in _HOST_READ_ATTRS:
+                self.add(node.lineno, f"{name}(..., {literal!r}) reaches .{literal}"
+                         f"{_host_read_why(literal)}", "S022")
         elif name in ("operator.attrgetter", "operator.methodcaller") and node.args:
             literal = _literal_str(node.args[0])
             if literal is None:
@@ -564,6 +595,8 @@ class _Checker:
         elif name and name.startswith("sys.") and name.split(".")[1] in _SYS_FORBIDDEN:
             self.add(node.lineno, f"{'.'.join(name.split('.')[:2])} used (candidates must not "
                      "exit, trace, or reach into loaded modules)", "S010")
+        elif node.attr in _HOST_READ_ATTRS:
+            self.add(node.lineno, f".{node.attr} used{_host_read_why(node.attr)}", "S022")
         elif node.attr in _DUNDER_FORBIDDEN:
             self.add(node.lineno, f"{node.attr} accessed (reaching into module or function "
                      "internals is not allowed)", "S013")

@@ -103,7 +103,7 @@ from services.worker.correctness import (
     compared_elements,
     tolerance_for,
 )
-from services.worker.rules import audit_findings, impossible_timing
+from services.worker.rules import audit_findings, host_read_finding, impossible_timing
 from services.worker.sandbox import (
     ChildRun,
     ForgedFrame,
@@ -1123,6 +1123,11 @@ class Verifier:
                                    "candidate code: candidates may not inspect the harness, "
                                    "its frames or its file descriptors",
                                    log="\n".join(frame.refused))
+                host = host_read_finding(frame.host_reads, frame.host_elements) \
+                    if audit_ops else None
+                if host is not None:
+                    raise _Verdict("audit", host, log="\n".join(
+                        f"{name}: {count}" for name, count in sorted(frame.host_reads.items())))
                 findings = audit_findings(frame.ops, frame.launcher_ops) if audit_ops else []
                 if findings:
                     raise _Verdict("audit", "; ".join(findings[:3]) + (

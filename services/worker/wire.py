@@ -177,13 +177,17 @@ class Audit(msgspec.Struct, tag="audit"):
 
     ``ops`` / ``launcher_ops``: ATen overload name -> calls, issued by candidate code /
     from Triton's frames. ``refused``: events the audit hook refused. ``notes``: how
-    the candidate was run (autotune choices).
+    the candidate was run (autotune choices). ``host_reads``: ``Tensor.numpy`` ... ->
+    calls by candidate code; ``host_elements``: the most tensor elements one forward
+    call handed to host code (those calls and ``.item()`` reads).
     """
 
     ops: dict[str, int]
     launcher_ops: dict[str, int]
     refused: list[str]
     notes: list[str]
+    host_reads: dict[str, int] = {}
+    host_elements: int = 0
 
 
 Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done | Audit
