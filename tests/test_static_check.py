@@ -338,9 +338,40 @@ def test_host_reads_and_type_walks(snippet, shown):
     assert found[0].rule == "host-read" and shown in found[0].message, found[0].message
 
 
-def test_computed_names_on_self_stay_allowed():
-    code = in_forward("w = getattr(self, 'w' + '0', None)")
-    assert only(check_candidate(code), "S022") == []
+def test_computed_names_are_refused_on_self_too():
+    # self may be any object a helper was handed (a parameter named self).
+    found = only(check_candidate(in_forward("w = getattr(self, 'w' + '0', None)")), "S022")
+    assert found and "getattr(self, <computed name>)" in found[0].message
+
+
+@pytest.mark.parametrize("snippet, module, shown", [
+    ("with torch._C._DisableTorchDispatch():\n    pass", "", "torch._C._DisableTorchDispatch used"),
+    ("m = torch.utils._python_dispatch._get_current_dispatch_mode()", "",
+     "torch.utils._python_dispatch._get_current_dispatch_mode used"),
+    ("y = out.as_subclass(torch.Tensor)", "", ".as_subclass used"),
+    ("pass", "class Lazy(torch.Tensor):\n    @classmethod\n    def __torch_function__(cls, f, t, a=(), k=None):\n        return f(*a)\n",
+     "__torch_function__ defined"),
+    ("pass", "class Raw:\n    @property\n    def __array_interface__(self):\n        return {}\n",
+     "__array_interface__ defined"),
+    ("f = operator.methodcaller('numpy')", "import operator\n",
+     "operator.methodcaller('numpy') reaches .numpy"),
+    ("b = inspect.getmro(torch.Tensor)[1]", "import inspect\n", ".getmro used"),
+    ("a = super(torch.Tensor, x)", "", "super(torch.Tensor, ...) called"),
+], ids=["disable_dispatch", "current_mode", "as_subclass", "torch_function",
+        "array_interface", "methodcaller", "getmro", "super"])
+def test_instrument_tampering(snippet, module, shown):
+    findings = check_candidate(in_forward(snippet, module))
+    assert any(shown in f.message for f in findings), findings
+
+
+def test_a_function_stored_on_self_counts_as_called_from_forward():
+    module = "def helper(t, o):\n    o.copy_(torch.relu(t))\n    return o\n"
+    code = in_forward("y = self.h(x, out)", module).replace(
+        "class ModelNew(nn.Module):\n", "class ModelNew(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.h = helper\n\n")
+    found = only(check_candidate(code), "S007")
+    assert found and "torch.relu called in helper (a function used as a value)" in \
+        found[0].message, check_candidate(code)
 
 
 @pytest.mark.parametrize("snippet, module, shown", [

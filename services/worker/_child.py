@@ -176,11 +176,19 @@ def _outputs(result: Any, who: str) -> list[torch.Tensor]:
 
     Raises:
         JobFailure: (stage ``mismatch``) the result holds something that is not a
-            tensor or a number.
+            tensor or a number; (stage ``audit``) a tensor subclass, whose hooks
+            (``__torch_function__``) would run candidate code when the harness reads it,
+            after the op record stopped.
     """
     items = list(result) if isinstance(result, (tuple, list)) else [result]
     out = []
     for i, item in enumerate(items):
+        if isinstance(item, torch.Tensor) and type(item) not in (torch.Tensor,
+                                                                 torch.nn.Parameter):
+            raise JobFailure(Failure(
+                stage="audit",
+                message=f"{who} returned a {type(item).__name__} (a torch.Tensor subclass) "
+                        f"as output {i}; return plain tensors that the kernels wrote"))
         if isinstance(item, torch.Tensor):
             out.append(item)
         elif isinstance(item, (bool, int, float, complex)):

@@ -148,6 +148,15 @@ RULES: tuple[Rule, ...] = (
          "delattr with a computed name on any object but self",
          "this project's red-team: a relu computed by numpy through a tensor's numpy view "
          "passed with the ghost replay dodged", _T + "test_host_reads_and_type_walks"),
+    Rule("S023", "instruments",
+         "torch's dispatch and override machinery, which hides ops from the op record or "
+         "reaches the recorder (torch._C, torch.utils._python_dispatch, torch.overrides, "
+         "torch._subclasses ...), tensor subclasses (__torch_function__, "
+         "__torch_dispatch__, .as_subclass, _make_subclass) and __array_interface__-style "
+         "methods defined by the candidate",
+         "this project's red-team: torch.relu under _DisableTorchDispatch, the recorder's "
+         "counts cleared, a lazy output subclass computing after forward",
+         _T + "test_instrument_tampering"),
 )
 RULES_BY_ID: dict[str, Rule] = {r.id: r for r in RULES}
 
@@ -251,7 +260,18 @@ _INTROSPECTION_CALLS = frozenset({
 # torch._C.TensorBase, whose methods the child's host-read guard cannot wrap.
 _HOST_READ_ATTRS = frozenset({"numpy", "tolist", "__array__", "__array_interface__",
                               "__array_struct__", "__dlpack__", "untyped_storage", "storage",
-                              "_typed_storage", "__base__", "__bases__", "__mro__", "mro"})
+                              "_typed_storage", "__base__", "__bases__", "__mro__", "mro",
+                              "getmro"})
+# S023: torch namespaces that run ops past the op recorder or reach it, and the tensor
+# subclass hooks that run code whenever the harness touches an output.
+_INSTRUMENT_SPACES = ("torch._C", "torch.utils._python_dispatch", "torch._dispatch",
+                      "torch.overrides", "torch._subclasses", "torch._ops",
+                      "torch.utils._mode_utils", "torch._functorch", "torch.fx")
+_INSTRUMENT_ATTRS = frozenset({"__torch_function__", "__torch_dispatch__", "as_subclass",
+                               "_make_subclass", "_make_wrapper_subclass",
+                               "DisableTorchFunction", "DisableTorchFunctionSubclass",
+                               "_DisableTorchDispatch", "_disable_current_modes",
+                               "_get_current_dispatch_mode", "_pop_mode", "_push_mode"})
 _FRAME_ATTRS = frozenset({"f_back", "f_globals", "f_locals", "f_builtins", "tb_frame",
                           "gi_frame", "cr_frame", "ag_frame"})
 # torch namespaces whose lower-case members are all functions (for S017/S018).
@@ -442,6 +462,11 @@ class _Checker:
         called = {id(n.func) for n in ast.walk(self.tree) if isinstance(n, ast.Call)}
         called |= {id(n.value) for n in ast.walk(self.tree) if isinstance(n, ast.Attribute)}
         for node in ast.walk(self.tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
+                    node.name in _INSTRUMENT_ATTRS or node.name in _HOST_READ_ATTRS):
+                self.add(node.lineno, f"{node.name} defined (numpy or torch would call it "
+                         "on the candidate's objects, past the op record and the host-read "
+                         "guard)", "S023")
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 self._check_import(node)
             elif isinstance(node, ast.Call):
@@ -492,11 +517,10 @@ class _Checker:
                 self.add(node.lineno, f"{name}({target}, <computed name>) looks up an "
                          f"attribute of {target} by a name built at run time (name "
                          "torch/triton/time attributes literally)", "S016")
-            elif literal is None and not (isinstance(node.args[0], ast.Name)
-                                          and node.args[0].id == "self"):
+            elif literal is None:
                 self.add(node.lineno, f"{name}({target or '<object>'}, <computed name>) looks "
                          "up an attribute by a name built at run time (name attributes "
-                         "literally; only self's may be computed)", "S022")
+                         "literally)", "S022")
             elif literal in _HOST_READ_ATTRS:
                 self.add(node.lineno, f"{name}(..., {literal!r}) reaches .{literal}"
                          f"{_host_read_why(literal)}", "S022")
@@ -505,6 +529,9 @@ class _Checker:
             if literal is None:
                 self.add(node.lineno, f"{name}(<computed name>) looks up an attribute by a "
                          "name built at run time", "S016")
+            elif literal.split(".")[0] in _HOST_READ_ATTRS | _INSTRUMENT_ATTRS:
+                self.add(node.lineno, f"{name}({literal!r}) reaches .{literal}"
+                         f"{_host_read_why(literal.split('.')[0])}", "S022")
             elif name == "operator.methodcaller" and literal.rstrip("_") in COMPUTE_METHODS:
                 self.add(node.lineno, f"operator.methodcaller({literal!r}) calls the tensor "
                          "compute method ." + literal + "() indirectly (do the work in a "
@@ -571,6 +598,9 @@ class _Checker:
         name = self.qual(node.func)
         if name is None:
             return
+        if name == "super" and node.args and (self.qual(node.args[0]) or "").startswith("torch"):
+            self.add(node.lineno, f"super({self.qual(node.args[0])}, ...) called (it reaches "
+                     "torch's C tensor methods past the sandbox's host-read guard)", "S022")
         if name in _BUILTIN_FORBIDDEN and name not in self.aliases:
             rule = "S014" if name == "open" else "S012"
             why = ("candidates must not open files" if name == "open"
@@ -597,6 +627,11 @@ class _Checker:
                      "exit, trace, or reach into loaded modules)", "S010")
         elif node.attr in _HOST_READ_ATTRS:
             self.add(node.lineno, f".{node.attr} used{_host_read_why(node.attr)}", "S022")
+        elif node.attr in _INSTRUMENT_ATTRS or (name and name.startswith(
+                tuple(p + "." for p in _INSTRUMENT_SPACES))):
+            self.add(node.lineno, f"{name or '.' + node.attr} used (torch's dispatch and "
+                     "subclass machinery hides work from the op record; do the work in a "
+                     "Triton kernel)", "S023")
         elif node.attr in _DUNDER_FORBIDDEN:
             self.add(node.lineno, f"{node.attr} accessed (reaching into module or function "
                      "internals is not allowed)", "S013")
@@ -710,10 +745,20 @@ class _Checker:
         submodules = self._submodules(methods.get("__init__"))
         holder_names, holder_attrs = self.kernel_holders(kernels)
         launched = False
-        # Breadth-first over forward and the helpers it calls in this module.
+        # Breadth-first over forward and the helpers it calls in this module; a module
+        # function used as a value (stored on self in __init__, passed, put in a
+        # table) may be called from forward under another name, so it counts as called.
         queue: deque[tuple[ast.AST, str, ast.ClassDef | None]] = deque(
             [(forward, "ModelNew.forward", model)])
         visited = {id(forward)}
+        called_ids = {id(n.func) for n in ast.walk(self.tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(self.tree):
+            if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+                    and id(node) not in called_ids and node.id in functions
+                    and node.id not in kernels and id(functions[node.id]) not in visited):
+                visited.add(id(functions[node.id]))
+                queue.append((functions[node.id], f"{node.id} (a function used as a value)",
+                              None))
         while queue:
             func, where, owner = queue.popleft()
             for node in _walk_body(func):
