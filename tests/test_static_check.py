@@ -357,8 +357,15 @@ def test_computed_names_are_refused_on_self_too():
      "operator.methodcaller('numpy') reaches .numpy"),
     ("b = inspect.getmro(torch.Tensor)[1]", "import inspect\n", ".getmro used"),
     ("a = super(torch.Tensor, x)", "", "super(torch.Tensor, ...) called"),
+    ("v = ti.load", "from triton._C.libtriton import interpreter as ti\n",
+     "import of triton._C.libtriton is not allowed"),
+    ("v = interpreter.GridExecutor", "from triton.runtime import interpreter\n",
+     "triton.runtime.interpreter.GridExecutor used"),
+    ("m = m", "from torch.utils._python_dispatch import _get_current_dispatch_mode as m\n",
+     "import of torch.utils._python_dispatch is not allowed"),
 ], ids=["disable_dispatch", "current_mode", "as_subclass", "torch_function",
-        "array_interface", "methodcaller", "getmro", "super"])
+        "array_interface", "methodcaller", "getmro", "super", "interpreter_import",
+        "interpreter_attr", "dispatch_import"])
 def test_instrument_tampering(snippet, module, shown):
     findings = check_candidate(in_forward(snippet, module))
     assert any(shown in f.message for f in findings), findings

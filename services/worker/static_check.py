@@ -151,7 +151,8 @@ RULES: tuple[Rule, ...] = (
     Rule("S023", "instruments",
          "torch's dispatch and override machinery, which hides ops from the op record or "
          "reaches the recorder (torch._C, torch.utils._python_dispatch, torch.overrides, "
-         "torch._subclasses ...), tensor subclasses (__torch_function__, "
+         "torch._subclasses, triton._C, triton.runtime.interpreter ...), tensor "
+         "subclasses (__torch_function__, "
          "__torch_dispatch__, .as_subclass, _make_subclass) and __array_interface__-style "
          "methods defined by the candidate",
          "this project's red-team: torch.relu under _DisableTorchDispatch, the recorder's "
@@ -266,7 +267,10 @@ _HOST_READ_ATTRS = frozenset({"numpy", "tolist", "__array__", "__array_interface
 # subclass hooks that run code whenever the harness touches an output.
 _INSTRUMENT_SPACES = ("torch._C", "torch.utils._python_dispatch", "torch._dispatch",
                       "torch.overrides", "torch._subclasses", "torch._ops",
-                      "torch.utils._mode_utils", "torch._functorch", "torch.fx")
+                      "torch.utils._mode_utils", "torch._functorch", "torch.fx",
+                      # The interpreter's own loads and stores read memory at raw
+                      # addresses (numpy out, no tensor method, no ATen op).
+                      "triton._C", "triton.runtime.interpreter")
 _INSTRUMENT_ATTRS = frozenset({"__torch_function__", "__torch_dispatch__", "as_subclass",
                                "_make_subclass", "_make_wrapper_subclass",
                                "DisableTorchFunction", "DisableTorchFunctionSubclass",
@@ -571,6 +575,11 @@ class _Checker:
                                  "S010")
         for module in modules:
             root = module.split(".")[0]
+            if module in _INSTRUMENT_SPACES or module.startswith(
+                    tuple(p + "." for p in _INSTRUMENT_SPACES)):
+                self.add(node.lineno, f"import of {module} is not allowed (torch's dispatch "
+                         "machinery and Triton's interpreter internals run work past the op "
+                         "record)", "S023")
             if root in _HARNESS_MODULES:
                 what = ("the task's module (the reference the candidate is checked against)"
                         if root == TASK_MODULE else "a module of the verification harness")
