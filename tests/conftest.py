@@ -136,6 +136,15 @@ async def fake_worker_heartbeat(
 
 
 @pytest.fixture
+def dynamic_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn the verifier's static check off: what follows must be caught by the dynamic
+    checks alone (hostile-candidate tests)."""
+    from services.worker import verifier as verifier_module
+
+    monkeypatch.setattr(verifier_module, "check_candidate", lambda code, dsl="triton": [])
+
+
+@pytest.fixture
 def relu_task() -> str:
     """A small KernelBench-format task (torch.relu on a 16 x 1024 float32 tensor)."""
     return RELU_TASK

@@ -24,22 +24,11 @@ import textwrap
 
 import pytest
 
-from services.worker import verifier as verifier_module
 from tests.test_verdict_integrity import HEADER, RELU_KERNEL, request
 
 SMALL = {"batch_size": 2, "dim": 96}
 
 
-@pytest.fixture
-def verifier(shared_verifier):
-    """The session's started cpu verifier (tests/conftest.py)."""
-    return shared_verifier
-
-
-@pytest.fixture
-def dynamic_only(monkeypatch):
-    """Turn the static check off: only the dynamic checks stand."""
-    monkeypatch.setattr(verifier_module, "check_candidate", lambda code, dsl="triton": [])
 
 # Forward prologue: returns garbage in the ghost replay (launches are no-ops).
 GHOST_CHECK = """
@@ -284,18 +273,18 @@ async def _run(verifier, name):
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
-async def test_attack_static_on(verifier, name):
-    result = await _run(verifier, name)
+async def test_attack_static_on(shared_verifier, name):
+    result = await _run(shared_verifier, name)
     assert not result.passed, result
 
 
 @pytest.mark.parametrize("name", _params(STATIC_ONLY))
-async def test_attack_dynamic_only(verifier, dynamic_only, name):
-    result = await _run(verifier, name)
+async def test_attack_dynamic_only(shared_verifier, dynamic_only, name):
+    result = await _run(shared_verifier, name)
     assert not result.passed, result
 
 
-async def test_without_the_ghost_dodge_the_replay_catches_it(verifier, dynamic_only):
+async def test_without_the_ghost_dodge_the_replay_catches_it(shared_verifier, dynamic_only):
     """Control: the super() numpy attack minus the flag check fails the ghost replay
     with the static check off, so the flag read (one .item()) is what dodges it."""
     code = candidate("""
@@ -305,7 +294,7 @@ dst[...] = numpy.maximum(src, 0)
 return out
 """).replace("        if flag[0].item() != 0:\n            return out\n", "")
     assert "flag[0].item()" not in code
-    result = await verifier.verify(request(code, shape_overrides=SMALL), device="0")
+    result = await shared_verifier.verify(request(code, shape_overrides=SMALL), device="0")
     print(f"\n[control-no-ghost-dodge] stage={result.stage} error={(result.error or '')[:160]!r}")
     assert not result.passed, result
     assert "do not depend on the Triton kernels" in result.error

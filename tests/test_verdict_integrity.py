@@ -202,10 +202,6 @@ def verifier(shared_verifier):
     return shared_verifier
 
 
-@pytest.fixture
-def dynamic_only(monkeypatch):
-    """Turn the static check off: what follows must be caught by the dynamic checks alone."""
-    monkeypatch.setattr(verifier_module, "check_candidate", lambda code, dsl="triton": [])
 
 
 async def still_serves(verifier: Verifier) -> None:
