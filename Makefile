@@ -13,6 +13,7 @@ TASK ?= tasks/relu.py
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "AIKG needs Python >= 3.11; set PYTHON=python3.11")'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "installing AIKG and its dependencies (torch, triton ...) into $(VENV): a few minutes the first time"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 

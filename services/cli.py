@@ -33,7 +33,6 @@ code  meaning
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -44,25 +43,32 @@ import time
 from pathlib import Path
 from typing import Annotated, Any
 
+import msgspec
 import typer
 
 from services import cli_client, cli_export
 from services.cli_common import (
     DEFAULT_GATEWAY_URL,
+    ArchOption,
+    BackendOption,
+    DevicesOption,
     ExitCode,
     JsonOption,
     OpNameOption,
     ShapesOption,
     TaskFileArgument,
+    TimeoutOption,
+    TrialsOption,
     cli_settings,
     err,
     fail,
+    local_inputs,
     out,
     parse_shape,
     read_task,
+    run_locally,
     say,
     sdk_errors,
-    shape_overrides,
     show_record,
     task_module_names,
 )
@@ -331,14 +337,12 @@ async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | Non
 def run(
     file: TaskFileArgument,
     op_name: OpNameOption = None,
-    backend: Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")] = "cpu",
-    arch: Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")] = None,
-    devices: Annotated[str, typer.Option(
-        help="Devices to verify on, comma-separated (GPU ordinals; on cpu, slots).")] = "0",
+    backend: BackendOption = "cpu",
+    arch: ArchOption = None,
+    devices: DevicesOption = "0",
     shape: ShapesOption = None,
-    trials: Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")] = 3,
-    timeout: Annotated[float, typer.Option(
-        help="Seconds the candidate's verification may take.")] = 300.0,
+    trials: TrialsOption = 3,
+    timeout: TimeoutOption = 300.0,
     as_json: JsonOption = False,
 ) -> None:
     """Write a kernel for FILE with the built-in coder and verify it on this machine.
@@ -348,42 +352,11 @@ def run(
     Exit codes: 0 passed, 1 not passed or no kernel for this task, 2 bad input, 6 the
     sandbox cannot start here, 130 Ctrl-C.
     """
-    from services.common.logging import configure_logging
-    from services.common.records import TaskError, check_task_source
-
-    task_desc = read_task(file)
-    try:
-        check_task_source(task_desc)
-    except (TaskError, ValueError) as exc:
-        fail(ExitCode.USAGE, f"{file}: {exc}")
-    device_list = [d.strip() for d in devices.split(",") if d.strip()]
-    if not device_list:
-        fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
-    if backend not in ("cpu", "cuda", "ascend"):
-        fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
-    overrides = shape_overrides(file, task_desc, shape)
-    configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
-
-    live = not as_json and err.is_terminal
-    display = (err.status(f"writing and verifying a kernel for {file} on {backend} ...")
-               if live else contextlib.nullcontext())
-    try:
-        with display:
-            op, passed, info = asyncio.run(_run_local(
-                task_desc, op_name or file.stem, backend, arch, device_list, overrides,
-                trials, timeout))
-    except KeyboardInterrupt:
-        fail(ExitCode.INTERRUPTED, "stopped")
-    except ValueError as exc:
-        fail(ExitCode.USAGE, str(exc))
-    except Exception as exc:
-        # Imported only now: it imports torch, which a task the coder declines from its
-        # source alone never needs (that refusal takes milliseconds, not seconds).
-        from services.worker.sandbox import PoolBroken
-
-        if not isinstance(exc, PoolBroken):
-            raise
-        fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")
+    task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
+    op, passed, info = run_locally(
+        f"writing and verifying a kernel for {file} on {backend} ...", as_json,
+        _run_local(task_desc, op_name or file.stem, backend, arch, device_list, overrides,
+                   trials, timeout))
     if as_json:
         sys.stdout.write(json.dumps({"op_name": op, **info}) + "\n")
     else:
@@ -391,6 +364,59 @@ def run(
 
         out.print(local_result_view(op, passed, info))
     raise typer.Exit(int(ExitCode.OK if passed else ExitCode.FAILED))
+
+
+async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
+                        arch: str | None, devices: list[str], shape_overrides: dict[str, Any],
+                        trials: int, timeout_s: float) -> Any:
+    from services.sdk import LocalWorker
+
+    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg verify")
+    try:
+        return await worker.verify(task_desc, code, op_name, shape_overrides=shape_overrides,
+                                   trials=trials, timeout_s=timeout_s)
+    finally:
+        await worker.close()
+
+
+@app.command()
+def verify(
+    file: TaskFileArgument,
+    kernel: Annotated[Path, typer.Argument(
+        exists=True, dir_okay=False, readable=True, metavar="KERNEL",
+        help="Your candidate: Python defining class ModelNew (Triton kernels launched "
+             "from forward).")],
+    op_name: OpNameOption = None,
+    backend: BackendOption = "cpu",
+    arch: ArchOption = None,
+    devices: DevicesOption = "0",
+    shape: ShapesOption = None,
+    trials: TrialsOption = 3,
+    timeout: TimeoutOption = 300.0,
+    as_json: JsonOption = False,
+) -> None:
+    """Verify KERNEL (your own ModelNew) against FILE's Model on this machine.
+
+    The same checks a worker runs (README, "Verification"), in the same sandbox; no
+    NATS, no network. Prints the verdict: the stage and message of a failure, errors,
+    sizes checked. Exit codes: 0 passed, 1 not passed, 2 bad input, 6 the sandbox
+    cannot start here, 130 Ctrl-C.
+    """
+    task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
+    code = read_task(kernel)
+    result = run_locally(
+        f"verifying {kernel} against {file} on {backend} ...", as_json,
+        _verify_local(task_desc, code, op_name or file.stem, backend, arch, device_list,
+                      overrides, trials, timeout))
+    if as_json:
+        sys.stdout.write(json.dumps(msgspec.to_builtins(result)) + "\n")
+    else:
+        from rich.panel import Panel
+
+        from services.cli_render import verdict_table
+
+        out.print(Panel(verdict_table(result), title=f"verdict: {kernel}", title_align="left"))
+    raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 
 @app.command()

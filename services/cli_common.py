@@ -253,3 +253,61 @@ def shape_overrides(file: Path, task_desc: str, shapes: list[str] | None) -> dic
              f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "
              f"it defines: {', '.join(defined) or '(none)'}")
     return overrides
+
+
+# Options and set-up shared by the local commands (``aikg run``, ``aikg verify``).
+BackendOption = Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")]
+ArchOption = Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")]
+DevicesOption = Annotated[str, typer.Option(
+    help="Devices to verify on, comma-separated (GPU ordinals; on cpu, slots).")]
+TrialsOption = Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")]
+TimeoutOption = Annotated[float, typer.Option(
+    help="Seconds the candidate's verification may take.")]
+
+
+def local_inputs(file: Path, backend: str, devices: str,
+                  shape: list[str] | None) -> tuple[str, list[str], dict[str, Any]]:
+    """``run``/``verify``: the task's text, the device list and the shape overrides,
+    each checked (bad input exits 2); logging set up for a local run."""
+    import os
+
+    from services.common.logging import configure_logging
+    from services.common.records import TaskError, check_task_source
+
+    task_desc = read_task(file)
+    try:
+        check_task_source(task_desc)
+    except (TaskError, ValueError) as exc:
+        fail(ExitCode.USAGE, f"{file}: {exc}")
+    device_list = [d.strip() for d in devices.split(",") if d.strip()]
+    if not device_list:
+        fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
+    if backend not in ("cpu", "cuda", "ascend"):
+        fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
+    overrides = shape_overrides(file, task_desc, shape)
+    configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
+    return task_desc, device_list, overrides
+
+
+def run_locally(what: str, as_json: bool, work: Any) -> Any:
+    """Run the coroutine ``work`` with a status line on a terminal; Ctrl-C exits 130,
+    a ValueError 2, a sandbox that cannot start here 6."""
+    import asyncio
+
+    live = not as_json and err.is_terminal
+    display = err.status(what) if live else contextlib.nullcontext()
+    try:
+        with display:
+            return asyncio.run(work)
+    except KeyboardInterrupt:
+        fail(ExitCode.INTERRUPTED, "stopped")
+    except ValueError as exc:
+        fail(ExitCode.USAGE, str(exc))
+    except Exception as exc:
+        # Imported only now: it imports torch, which a task the coder declines from its
+        # source alone never needs (that refusal takes milliseconds, not seconds).
+        from services.worker.sandbox import PoolBroken
+
+        if not isinstance(exc, PoolBroken):
+            raise
+        fail(ExitCode.NO_SANDBOX, f"the local sandbox cannot start on this machine: {exc}")

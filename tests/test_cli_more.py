@@ -201,3 +201,29 @@ async def test_run_verifies_relu_with_no_nats_and_no_network() -> None:
     assert "passed" in out and "not passed" not in out
     assert "@triton.jit" in out and "class ModelNew" in out
     assert "interpreter" in out  # cpu: correctness only, said so
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_verify_checks_your_own_kernel(tmp_path: Path) -> None:
+    from tests.helpers import RELU_KERNEL
+
+    task, small = str(ROOT / "tasks/relu.py"), ["--shape", "batch_size=2", "--shape", "dim=96"]
+    good = tmp_path / "good.py"
+    good.write_text(RELU_KERNEL)
+    code, out, err = await aikg("verify", task, str(good), *small, "--trials", "1", "--json",
+                                timeout=240)
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["passed"] and result["trials"] == 1 and result["stage"] is None, result
+
+    # A kernel that hands tensor data to numpy: refused, with the line and the reason.
+    bad = tmp_path / "bad.py"
+    bad.write_text(RELU_KERNEL + "\n\ndef peek(t):\n    return t.numpy()\n")
+    code, out, err = await aikg("verify", task, str(bad), *small, timeout=240)
+    assert code == 1, err
+    assert "not passed" in out or "static" in out, out
+    assert ".numpy used (it hands tensor data to numpy or Python" in out, out
+
+    code, _, err = await aikg("verify", task, str(tmp_path / "missing.py"))
+    assert code == 2 and "missing.py" in err, err

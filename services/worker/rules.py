@@ -141,7 +141,8 @@ def host_read_finding(host_reads: dict[str, int], host_elements: int) -> str | N
                     for name, count in sorted(host_reads.items())) or ".item()/float() reads"
     return (f"ModelNew.forward handed {host_elements} tensor elements to host code in one "
             f"call ({how}); at most {HOST_READ_LIMIT} are allowed (a few scalar parameters): "
-            "compute in Triton kernels, not in numpy or Python")
+            "compute in Triton kernels, not in numpy or Python (pass tensors to the kernels "
+            "and tl.load them)")
 
 
 # Peak memory bandwidth per arch, bytes per second (the `arch` label of a request,

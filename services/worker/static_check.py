@@ -336,7 +336,8 @@ def _host_read_why(attr: str) -> str:
         return (" (walking a type's bases reaches torch's C tensor methods past the "
                 "sandbox's host-read guard)")
     return (" (it hands tensor data to numpy or Python, where no kernel computes; do the "
-            "work in a Triton kernel)")
+            "work in a Triton kernel: pass the tensor to it and tl.load the values, or "
+            "read a scalar parameter with .item())")
 
 
 def _literal_getattr(node: ast.AST) -> tuple[ast.AST, str] | None:
