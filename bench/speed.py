@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import statistics
 import subprocess
@@ -212,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     code = lower_task(task, SHAPES, **params)
     print(f"{os.cpu_count()} CPUs; load average at start {load()}")
     lines: list[str] = []
+    # figure -> (value, target, whether it is met)
+    met: dict[str, tuple[str, str, bool]] = {}
     with tempfile.TemporaryDirectory(prefix="aikg-speed-") as tmp:
         workdir = Path(tmp)
         if {"a", "b"} & set(args.parts):
@@ -229,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.cold):
                         cold.run_one()
                     cold_per = cold.seconds / cold.count
+                    met["(a) ratio to one cold python per candidate"] = (
+                        f"{cold_per / per:.1f}x", ">= 10x", cold_per / per >= 10)
                     lines += [
                         f"(a) burst of {args.burst} one-trial verifications through the bus: "
                         f"{per:.3f} s each ({60 / per:.0f}/min); cold python per candidate: "
@@ -243,12 +246,18 @@ def main(argv: list[str] | None = None) -> int:
                         lines += [f"(b) {name:<12} three trials, sequential: p50 "
                                   f"{p50[name]:.3f} s, p95 {p95(times):.3f} s",
                                   f"    phases (median s): {phase_medians(results)}"]
+                    bus_ms = (p50['RemoteWorker'] - p50['LocalWorker']) * 1000
                     lines.append("(b) bus overhead (RemoteWorker p50 - LocalWorker p50): "
-                                 f"{(p50['RemoteWorker'] - p50['LocalWorker']) * 1000:+.0f} ms")
+                                 f"{bus_ms:+.0f} ms")
+                    met["(b) RemoteWorker three-trial p50"] = (
+                        f"{p50['RemoteWorker']:.3f} s", "<= 0.6 s", p50["RemoteWorker"] <= 0.6)
+                    met["(b) bus overhead"] = (f"{bus_ms:+.0f} ms", "<= 20 ms", bus_ms <= 20)
                     print("\n".join(lines[-5:]), flush=True)
         if "c" in args.parts:
             job_phases: dict[str, list[float]] = {}
             times = job_latencies(ROOT, workdir, task, args.jobs, job_phases)
+            met["(c) small job p50"] = (f"{statistics.median(times):.3f} s", "<= 1.5 s",
+                                        statistics.median(times) <= 1.5)
             lines += [f"(c) small job (tasks/relu.py, builtin coder, idle aikg up), submit "
                       f"to verdict: p50 {statistics.median(times):.3f} s, p95 "
                       f"{p95(times):.3f} s over {len(times)}",
@@ -257,8 +266,12 @@ def main(argv: list[str] | None = None) -> int:
                           or "(none reported)")]
             print("\n".join(lines[-2:]), flush=True)
     print(f"\nload average at end {load()}")
+    print("\nsummary (the figures above, together):")
     print("\n".join(lines))
-    print(json.dumps({"load_end": load()}))
+    print(f"\ntargets (for a 2-core machine with nothing else running; (b) from {args.seq} "
+          "sequential verifications per worker):")
+    for name, (value, target, ok) in met.items():
+        print(f"  {name}: {value} (target {target}): {'met' if ok else 'missed'}")
     return 0
 
 

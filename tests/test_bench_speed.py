@@ -41,6 +41,12 @@ def test_bench_speed_prints_all_three_figures_with_their_phases() -> None:
     assert re.search(r"^\(b\) bus overhead \(RemoteWorker p50 - LocalWorker p50\): [+-]\d+ ms$",
                      out, re.M), out
     assert re.search(r"^\(c\) small job .*: p50 [\d.]+ s, p95 [\d.]+ s over 2$", out, re.M), out
+    # Each figure against its target, said met or missed.
+    for figure in (r"\(a\) ratio to one cold python per candidate: [\d.]+x \(target >= 10x\)",
+                   r"\(b\) RemoteWorker three-trial p50: [\d.]+ s \(target <= 0\.6 s\)",
+                   r"\(b\) bus overhead: [+-]\d+ ms \(target <= 20 ms\)",
+                   r"\(c\) small job p50: [\d.]+ s \(target <= 1\.5 s\)"):
+        assert re.search(r"^  " + figure + r": (met|missed)$", out, re.M), (figure, out)
     # Each figure carries its phase breakdown (the verify request's, then the job's).
     assert re.search(r"worker phases \(median s\): .*candidate_start [\d.]+", out), out
     assert re.search(r"job phases \(median s\): .*verify_wait [\d.]+", out), out
