@@ -401,6 +401,9 @@ class _Checker:
         self._alias_assignments()
         self.findings: list[Finding] = []
         self._seen: set[tuple[int, str]] = set()
+        # Nodes in a call's callee position (``f`` of ``f(x)``): any other load of a
+        # name uses it as a value.
+        self.callees = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
 
     def _alias_assignments(self) -> None:
         """``cuda = torch.cuda`` or ``fast = time.perf_counter``: follow simple rebinding,
@@ -464,7 +467,7 @@ class _Checker:
     def check_module(self) -> None:
         # Nodes that are called, or are the base of a longer dotted name: the rest of
         # the names that load a watched function use it as a value (S017, S019).
-        called = {id(n.func) for n in ast.walk(self.tree) if isinstance(n, ast.Call)}
+        called = set(self.callees)
         called |= {id(n.value) for n in ast.walk(self.tree) if isinstance(n, ast.Attribute)}
         for node in ast.walk(self.tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and (
@@ -761,10 +764,9 @@ class _Checker:
         queue: deque[tuple[ast.AST, str, ast.ClassDef | None]] = deque(
             [(forward, "ModelNew.forward", model)])
         visited = {id(forward)}
-        called_ids = {id(n.func) for n in ast.walk(self.tree) if isinstance(n, ast.Call)}
         for node in ast.walk(self.tree):
             if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
-                    and id(node) not in called_ids and node.id in functions
+                    and id(node) not in self.callees and node.id in functions
                     and node.id not in kernels and id(functions[node.id]) not in visited):
                 visited.add(id(functions[node.id]))
                 queue.append((functions[node.id], f"{node.id} (a function used as a value)",
