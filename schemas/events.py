@@ -211,30 +211,27 @@ VERIFY_PHASES: dict[str, str] = {
     "static": "static checks of the candidate's source",
     "sandbox_start": "starting the fork server and probing the sandbox (a worker's "
                      "first request only, when it was not started before)",
-    "reference": "running the reference child (a cache miss)",
-    "reference_cache": "finding the reference outputs in this worker's cache (a hit)",
-    "candidate_start": "forking the candidate child, its sandbox entry and task load",
-    "compile": "importing the candidate and its first trial up to its results (the first "
-               "launch: Triton compiles the kernels there on GPUs)",
-    "trial": "each later trial of the candidate child, up to its results "
-             "(keys trial_1, trial_2 ...)",
-    "compare": "receiving the candidate's tensors and comparing them with the "
-               "reference, all trials together",
-    "profile": "the candidate child's timing run (mode profile on a GPU)",
-    "candidate_finish": "from the last result to the candidate child's op record, exit "
-                        "and clean-up",
-    "checks": "waiting for the ghost replay and second-size children once the candidate "
-              "child is done",
-    "ghost_replay": "the ghost-replay child (every Triton launch a no-op), start to end",
-    "second_size": "the second input size: its reference (when not cached) and its "
-                   "candidate child, start to end",
+    "reference_start": "forking the reference child, loading the task and measuring its "
+                       "inputs until it sends the constructor arguments",
+    "candidate_start": "forking the candidate's planner and replayer children, importing "
+                       "the candidate and building ModelNew",
+    "dry_run": "choosing the other sizes: dry runs of forward on meta tensors at the "
+               "task's own sizes and the search for congruent ones, their references",
+    "trials": "the trials: planning on decoys, replaying on the real inputs, comparing, "
+              "up to the last trial's verdict",
+    "checks": "the other sizes, the plan without launches, every autotune config, the "
+              "GPU compile check and the candidate's audit, once the trials are done",
+    "profile": "the timing runs (mode profile on a GPU): the reference's, the candidate's",
+    "reference": "the reference child, start to end (makes every input and output)",
+    "candidate": "the candidate's planner child, start to end",
+    "replay": "the replayer child (the candidate's kernels on the real inputs), start to end",
     "verdict": "what is left: audits of the results, the timing floor, building the "
                "verdict",
     "publish": "publishing the result and acking the request (metrics only: the result "
                "cannot carry the time of its own publish)",
 }
 # Phases of children run beside the consecutive spans (they overlap them).
-VERIFY_PHASES_BESIDE = ("ghost_replay", "second_size")
+VERIFY_PHASES_BESIDE = ("reference", "candidate", "replay")
 
 
 def phase_label(name: str) -> str:
@@ -300,9 +297,12 @@ class VerifyResult(Struct, kw_only=True):
     interpreted: bool = False
     duration_s: float = 0.0
     rel_l2_error: float | None = None
-    sizes_checked: list[dict[str, int]] = field(default_factory=list)
+    sizes_checked: list[dict[str, int | list[int]]] = field(default_factory=list)
     task_sizes_checked: bool | None = None
     ghost_replay: str | None = None
+    shape_generic: bool | None = None
+    shape_generic_sizes: dict[str, int | list[int]] = field(default_factory=dict)
+    unchecked: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     phases: dict[str, float] = field(default_factory=dict)
     reference_source: Literal["run", "worker_cache", "shared_cache"] | None = None

@@ -88,11 +88,17 @@ class Settings(msgspec.Struct, kw_only=True):
             and ``torch.export`` in a sandboxed child), seconds; past it the job fails
             with a message saying so.
         sandbox_require: comma-separated isolation mechanisms (``user``,
-            ``capabilities``, ``network``, ``landlock``, ``seccomp``) without which a
+            ``capabilities``, ``network``, ``landlock``, ``seccomp``, ``pid``,
+            ``scratch``) without which a
             worker or generator refuses to start; empty runs with what the machine
             permits and reports the rest.
         sandbox_env_allow: comma-separated extra environment variable names (or
             ``PREFIX*``) that sandboxed children keep beyond the built-in allowlist.
+        sandbox_scratch_bytes: size of the tmpfs each sandboxed child may write to
+            (its work directory), bytes; 0 leaves it unbounded (per file only).
+        worker_aot_target: the GPU every kernel a candidate launches is compiled for
+            ahead of time when the request's arch names none (``h100``, ``a100``,
+            ``4090`` ...: services/worker/targets.py); ``none`` turns the check off.
         api_token: bearer token the gateway requires on every route but health;
             empty turns auth off. With tenants, it is the ``default`` tenant's token.
         tenants_file: a TOML file of tenants, each with the SHA-256 of its API token
@@ -173,6 +179,8 @@ class Settings(msgspec.Struct, kw_only=True):
     lowering_timeout_s: float = 120.0
     sandbox_require: str = ""
     sandbox_env_allow: str = ""
+    sandbox_scratch_bytes: int = 256 << 20
+    worker_aot_target: str = "h100"
     api_token: str = ""
     tenants_file: str = ""
     tenant_max_in_flight: int = 0

@@ -1,41 +1,31 @@
-"""Code that runs inside a sandboxed child: the probe, reference, candidate and lowering runs.
+"""Code that runs inside a sandboxed child: the entry, shared helpers, the probe and
+the lowering; the other roles have their modules.
 
 A child is forked by :mod:`services.worker._forkserver` (which has torch and triton
-imported already), enters the sandbox (:func:`enter_sandbox`), then runs one job:
+imported already), enters the sandbox (:func:`enter_sandbox`), then runs one role:
 
-* ``probe``: nothing but the sandbox entry and a lazy import; :meth:`Verifier.start`
-  uses it to learn which isolation steps this machine permits.
-* ``reference``: the task's ``Model`` only (never candidate code). It reports the
-  input size (estimated on fake tensors before anything is allocated), then per seed
-  the output tensors and digests of the inputs before and after the call, and, when
-  asked, the eager timing of ``Model``.
-* ``candidate``: the task's ``get_inputs``/``get_init_inputs`` and the candidate's
-  ``ModelNew``; it reports per seed the raw output tensors and the raw bytes of the
-  inputs after the call (the parent digests them and compares with the reference's
-  digests: in-place modification), aliasing facts (defence in depth only), the ATen
-  ops ``forward`` ran (:class:`Audit`), and, when asked, the candidate's timing. With
-  ``ghost`` set, every Triton launch is a no-op (the parent's ghost replay).
+* ``probe``: nothing but the sandbox entry and a tiny Triton launch;
+  :meth:`Sandbox.start` uses it to learn which isolation steps this machine permits.
+* ``reference`` (:mod:`services.worker._reference`): the task's code only; it makes
+  every input (secret seeds, distributions, decoys) and the reference outputs.
+* ``candidate`` (:mod:`services.worker._planner`): the candidate's ``ModelNew``,
+  planning its launches on decoys; nothing it computes reaches the verdict.
+* ``replay`` (:mod:`services.worker._replayer`): the candidate's kernels, no other
+  candidate code, running the recorded plan on the real inputs.
+* ``compile`` (:mod:`services.worker.aot`): the candidate's kernels compiled for a
+  GPU target, ahead of time.
+* ``lower``: the built-in coder on a task.
 
-The child never decides pass or fail: the parent compares the raw tensors itself.
-Whatever runs in the candidate's process can be rewritten by the candidate, so the
-candidate child protects what it can before importing the candidate (see
-:mod:`services.worker._guard`: an audit hook, the harness's modules hidden) and
-reads tensors with ``torch.Tensor`` methods captured at import, but the parent treats
-everything it reports as a claim to check.
+The child never decides pass or fail: the parent compares what it receives.
 
 The wire format is :mod:`services.worker.wire`; the sandbox entry every child runs
 first is :mod:`services.worker.hardening`.
-
-Why one module: every runner here executes in the same hostile process after the
-same entry, shares the captured tensor methods and the failure reporting, and is
-read as one piece when auditing what a candidate's process can see.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import hashlib
 import os
 import random
 import statistics
@@ -48,23 +38,13 @@ import torch
 
 from services.worker.hardening import enter_sandbox
 from services.worker.wire import (
-    IMPORT_PHASE,
-    Audit,
     Channel,
     ChildSpec,
     Done,
     Failure,
     Lowered,
     Progress,
-    Sizes,
-    TensorMeta,
     Timing,
-    Trial,
-    _contiguous,
-    _detach,
-    _numel,
-    _to,
-    dtype_name,
 )
 
 # A scratch allocation released when a MemoryError is handled, so that the error
@@ -137,38 +117,14 @@ def clip(text: str, limit: int) -> str:
     return f"{text[:half]} ... [{len(text) - 2 * half} characters cut] ... {text[-half:]}"
 
 
-def _seed(seed: int) -> None:
+def seed_all(seed: int) -> None:
+    """Seed Python's, torch's and numpy's generators (numpy's modulo 2**32)."""
     random.seed(seed)
     torch.manual_seed(seed)
     with contextlib.suppress(ImportError):
         import numpy
 
         numpy.random.seed(seed % (1 << 32))
-
-
-def _tensors(values: Any) -> list[torch.Tensor]:
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _nbytes(values: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(values))
-
-
-def _digest(value: Any) -> str:
-    """sha256 of a tensor's dtype, shape and bytes (or of a non-tensor's repr)."""
-    h = hashlib.sha256()
-    if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu").contiguous()
-        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    else:
-        h.update(repr(value).encode())
-    return h.hexdigest()
-
-
-def _to_device(values: list[Any], device: torch.device) -> list[Any]:
-    return [v.to(device) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _outputs(result: Any, who: str) -> list[torch.Tensor]:
@@ -199,32 +155,6 @@ def _outputs(result: Any, who: str) -> list[torch.Tensor]:
                 message=f"{who} returned a {type(item).__name__} as output {i}; "
                         "expected a tensor or a tuple of tensors"))
     return out
-
-
-def _span(t: torch.Tensor) -> tuple[int, int] | None:
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    start = storage.data_ptr()
-    return start, start + storage.nbytes()
-
-
-def _aliasing(outputs: list[torch.Tensor], args: list[Any]) -> list[str]:
-    """Facts about outputs sharing memory with inputs or with each other."""
-    facts = []
-    out_spans = [_span(t) for t in outputs]
-    in_spans = [_span(a) if isinstance(a, torch.Tensor) else None for a in args]
-    for i, o in enumerate(out_spans):
-        if o is None:
-            continue
-        for j, s in enumerate(in_spans):
-            if s is not None and o[0] < s[1] and s[0] < o[1]:
-                facts.append(f"output {i} shares memory with input {j}")
-        for k in range(i):
-            p = out_spans[k]
-            if p is not None and o[0] < p[1] and p[0] < o[1]:
-                facts.append(f"output {i} shares memory with output {k}")
-    return facts
 
 
 def _accelerator(backend: str) -> Any:
@@ -273,23 +203,6 @@ def _time_forward(model: Any, args: list[Any], spec: ChildSpec) -> Timing:
             samples.append(begin.elapsed_time(end) * 1000.0)
     return Timing(median_us=statistics.median(samples), samples_us=samples,
                   wall_s=time.perf_counter() - start_wall)
-
-
-def _input_size(task: Any, seed: int) -> Sizes:
-    """Input bytes for ``seed``, on fake tensors when the task allows it."""
-    names = {k: v for k, v in vars(task).items()
-             if type(v) is int and not k.startswith("_") and v > 1}
-    try:
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            _seed(seed)
-            inputs = list(task.get_inputs())
-            return Sizes(input_bytes=_nbytes(inputs), estimated=True, size_names=names)
-    except Exception:
-        _seed(seed)
-        inputs = list(task.get_inputs())
-        return Sizes(input_bytes=_nbytes(inputs), estimated=False, size_names=names)
 
 
 def _unwrap(exc: BaseException) -> BaseException:
@@ -345,14 +258,16 @@ def _candidate_failure(what: str, exc: BaseException, kernels: set[str], path: s
 
 
 def _raised_by_interpreter(exc: BaseException) -> bool:
-    """True when ``exc``'s innermost frame is the interpreter's op emulation."""
+    """True when ``exc``'s innermost frame is the interpreter's op emulation (or the
+    replayer's bounds check in front of its memory accesses)."""
     tb = exc.__traceback__
     last = None
     while tb is not None:
-        last = tb.tb_frame.f_code.co_filename
+        name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/")
+        if not name.endswith("services/worker/replay.py"):
+            last = name
         tb = tb.tb_next
-    return last is not None and last.replace(os.sep, "/").endswith(
-        "triton/runtime/interpreter.py")
+    return last is not None and last.endswith("triton/runtime/interpreter.py")
 
 
 def _kernel_names(module: Any) -> set[str]:
@@ -372,149 +287,6 @@ def _kernel_names(module: Any) -> set[str]:
 
 
 # ---------------------------------------------------------------- jobs
-
-
-def _run_reference(spec: ChildSpec, channel: Channel, task: Any) -> None:
-    device = _device(spec.backend)
-    if spec.backend == "cuda":
-        # An fp32 reference must be fp32-accurate; TF32 would blur the comparison.
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    if spec.want_outputs:
-        channel.send(Progress(phase="measuring task inputs"))
-        sizes = _input_size(task, spec.seeds[0])
-        channel.send(sizes)
-        if spec.input_limit_bytes is not None and sizes.input_bytes > spec.input_limit_bytes:
-            return
-    model = args = None
-    for index, seed in enumerate(spec.seeds):
-        channel.send(Progress(phase=f"reference trial {index} (seed {seed})"))
-        try:
-            _seed(seed)
-            init = _to_device(list(task.get_init_inputs()), device)
-            _seed(seed)
-            model = task.Model(*init)
-            if isinstance(model, torch.nn.Module):
-                model = model.to(device)
-            _seed(seed)
-            inputs = list(task.get_inputs())
-            before = [_digest(x) for x in inputs]
-            args = _to_device(inputs, device)
-            with torch.no_grad():
-                outputs = _outputs(model(*args), "Model.forward")
-            _synchronize(spec.backend)
-        except JobFailure as exc:
-            exc.failure.stage = "infrastructure"
-            raise
-        except Exception as exc:
-            raise JobFailure(_failure("infrastructure", "the task's Model", exc,
-                                      spec.task_path)) from None
-        if spec.want_outputs:
-            aliasing = _aliasing(outputs, args)
-            outputs = [o.detach().to("cpu").contiguous() for o in outputs]
-            channel.send(Trial(index=index, seed=seed, inputs_before=before,
-                               inputs_after=[_digest(x) for x in args],
-                               outputs=[_meta(o) for o in outputs], aliasing=aliasing), outputs)
-        del outputs
-    if spec.profile:
-        channel.send(Progress(phase="profiling"))
-        channel.send(_time_forward(model, args, spec))
-
-
-def _meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
-                      nbytes=_numel(t) * t.element_size())
-
-
-def _run_candidate(spec: ChildSpec, channel: Channel, task: Any) -> None:
-    """Import and run the candidate; see the module doc for what is reported.
-
-    Before the import: the audit hook, the op recorder (active only around
-    ``forward`` calls, so dead code is never a finding), ghost launches when asked,
-    first-config autotune on the interpreter, and the harness's modules hidden.
-    """
-    from services.worker import _guard
-
-    refused = _guard.install_audit_hook(spec.candidate_path)
-    recorder = _guard.OpRecorder(ghost=spec.ghost)
-    notes: list[str] = []
-    _guard.guard_host_reads()
-    if spec.ghost:
-        _guard.ghost_launches()
-    if spec.backend == "cpu":
-        _guard.first_autotune_config(notes)
-    _guard.hide_harness()
-    try:
-        _candidate_trials(spec, channel, task, recorder)
-    finally:
-        channel.send(Audit(ops=dict(recorder.ops), launcher_ops=dict(recorder.launcher_ops),
-                           refused=list(refused), notes=list(notes),
-                           host_reads=dict(recorder.host_reads),
-                           host_elements=recorder.host_elements))
-
-
-def _candidate_trials(spec: ChildSpec, channel: Channel, task: Any, recorder: Any) -> None:
-    device = _device(spec.backend)
-    path = spec.candidate_path
-    channel.send(Progress(phase=IMPORT_PHASE))
-    try:
-        candidate = _load_module("aikg_candidate", path)
-    except Exception as exc:
-        raise JobFailure(_failure("compile", "importing the candidate", exc, path)) from None
-    model_cls = getattr(candidate, "ModelNew", None)
-    if model_cls is None:
-        raise JobFailure(Failure(stage="static", message="class ModelNew is not defined"))
-    kernels = _kernel_names(candidate)
-    model = args = None
-    for index, seed in enumerate(spec.seeds):
-        phase = f"trial {index} (seed {seed})"
-        channel.send(Progress(phase=f"{phase}: ModelNew(*get_init_inputs())"))
-        try:
-            _seed(seed)
-            init = _to_device(list(task.get_init_inputs()), device)
-            _seed(seed)
-            model = model_cls(*init)
-            if isinstance(model, torch.nn.Module):
-                model = model.to(device)
-        except Exception as exc:
-            raise JobFailure(_candidate_failure("ModelNew(*get_init_inputs())", exc, kernels,
-                                                path)) from None
-        try:
-            _seed(seed)
-            inputs = list(task.get_inputs())
-            before = [_digest(x) for x in inputs]
-            args = [x.clone() if isinstance(x, torch.Tensor) else x
-                    for x in _to_device(inputs, device)]
-            del inputs
-        except Exception as exc:
-            raise JobFailure(_failure("infrastructure", "the task's get_inputs()", exc,
-                                      spec.task_path)) from None
-        channel.send(Progress(phase=f"{phase}: ModelNew.forward"))
-        try:
-            with torch.no_grad(), recorder:
-                result = model(*args)
-            _synchronize(spec.backend)
-        except Exception as exc:
-            raise JobFailure(_candidate_failure("ModelNew.forward", exc, kernels, path)) from None
-        outputs = _outputs(result, "ModelNew.forward")
-        del result
-        # Defence in depth: the parent decides on the input bytes sent below.
-        aliasing = _aliasing(outputs, args)
-        after = [_digest(x) for x in args]
-        outputs = [_contiguous(_to(_detach(o), "cpu")) for o in outputs]
-        held = [a for a in args if isinstance(a, torch.Tensor)]
-        channel.send(Trial(index=index, seed=seed, inputs_before=before, inputs_after=after,
-                           outputs=[_meta(o) for o in outputs], aliasing=aliasing,
-                           inputs=[_meta(a) if isinstance(a, torch.Tensor) else None
-                                   for a in args]), outputs + held)
-        del outputs, held
-    if spec.profile:
-        channel.send(Progress(phase="profiling"))
-        try:
-            channel.send(_time_forward(model, args, spec))
-        except Exception as exc:
-            raise JobFailure(_candidate_failure("timing ModelNew.forward", exc, kernels,
-                                                path)) from None
 
 
 _PROBE_KERNEL = """\
@@ -541,7 +313,7 @@ def _probe_kernel(spec: ChildSpec) -> None:
     Raises:
         JobFailure: stage ``infrastructure``, naming what failed.
     """
-    path = os.path.join(spec.scratch_dir, "probe_kernel.py")
+    path = os.path.join(os.getcwd(), "probe_kernel.py")
     with open(path, "w") as f:
         f.write(_PROBE_KERNEL)
     try:
@@ -614,6 +386,21 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
     if spec.role == "lower":
         _run_lower(spec, channel)
         return
+    if spec.role == "candidate":
+        from services.worker._planner import run_planner
+
+        run_planner(spec, channel)
+        return
+    if spec.role == "replay":
+        from services.worker._replayer import run_replayer
+
+        run_replayer(spec, channel)
+        return
+    if spec.role == "compile":
+        from services.worker.aot import run_compile
+
+        run_compile(spec, channel)
+        return
     channel.send(Progress(phase="loading the task"))
     try:
         task = _load_module("aikg_task", spec.task_path)
@@ -624,18 +411,9 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
     if missing:
         raise JobFailure(Failure(stage="infrastructure",
                                  message=f"the task does not define {', '.join(missing)}"))
-    unknown = [n for n in spec.shape_overrides if not hasattr(task, n)]
-    if unknown:
-        raise JobFailure(Failure(
-            stage="infrastructure",
-            message=f"shape_overrides name {', '.join(sorted(unknown))}, which the task "
-                    "does not define; use its module-level size names"))
-    for name, value in spec.shape_overrides.items():
-        setattr(task, name, value)
-    if spec.role == "reference":
-        _run_reference(spec, channel, task)
-    else:
-        _run_candidate(spec, channel, task)
+    from services.worker._reference import run_reference
+
+    run_reference(spec, channel, task)
 
 
 def main(spec: ChildSpec, result_fd: int) -> NoReturn:

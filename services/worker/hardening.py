@@ -14,9 +14,10 @@ import os
 import resource
 import signal
 import sys
+import tempfile
 from pathlib import Path
 
-from services.worker.wire import STDERR_FILE, STDOUT_FILE, ChildSpec, Hello
+from services.worker.wire import STDERR_FILE, STDOUT_FILE, WORK_DIR, ChildSpec, Hello
 
 # Linux constants (include/uapi/linux/prctl.h, sched.h).
 _PR_SET_PDEATHSIG = 1
@@ -51,14 +52,18 @@ def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
 def enter_sandbox(spec: ChildSpec) -> Hello:
     """Isolate this (freshly forked) process before any task or candidate code runs.
 
-    Steps, in order: own session and process group (the parent kills the group); die
-    with the fork server; a private network namespace (loopback only, down); the
-    environment reduced to an allowlist (:func:`services.worker.isolation.allowed_environment`)
-    plus ``spec.env``; chdir into the scratch directory; stdout/stderr to files there,
-    stdin from /dev/null; resource limits; the switch to an unprivileged user with
+    Steps, in order: process 1 of a PID namespace of its own with its own ``/proc``
+    (:func:`services.worker.isolation.own_pid_namespace`, as root); own session and
+    process group (the parent kills the group); die with the fork server; a private
+    network namespace (loopback only, down); the environment reduced to an allowlist
+    (:func:`services.worker.isolation.allowed_environment`) plus ``spec.env``;
+    stdout/stderr to files in the scratch directory, stdin from /dev/null; the work
+    directory a tmpfs of ``spec.scratch_bytes`` (HOME, TMPDIR, cwd; on cpu also the
+    Triton cache); resource limits; the switch to an unprivileged user with
     every capability dropped (:func:`services.worker.isolation.drop_privileges`);
-    Landlock confining reads to the Python installation and system directories and
-    writes to the scratch directory and Triton cache; a seccomp filter. Steps the
+    Landlock confining reads to the Python installation, system directories and the
+    scratch directory, and writes to the work directory and Triton cache; a seccomp
+    filter. Steps the
     machine does not permit are recorded in the returned :class:`Hello`'s ``notes``
     and skipped; a failed user switch is an error (the child then runs nothing).
 
@@ -71,10 +76,18 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
     from services.worker import isolation
 
     notes: list[str] = []
-    os.setsid()
     server = os.getppid()
+    pid_namespace = False
+    if spec.pid_namespace and os.geteuid() == 0:
+        problem = isolation.own_pid_namespace()
+        pid_namespace = problem is None or "without its own /proc" in problem
+        if problem:
+            notes.append(problem)
+    elif spec.pid_namespace:
+        notes.append("no PID namespace: the worker does not run as root")
+    os.setsid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != server:
+    if not pid_namespace and os.getppid() != server:
         os._exit(1)
 
     network_isolated = False
@@ -89,15 +102,35 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
     os.environ.clear()
     os.environ.update(kept)
     os.environ.update(spec.env)
-    os.environ["HOME"] = spec.scratch_dir
-    os.environ["TMPDIR"] = spec.scratch_dir
     os.chdir(spec.scratch_dir)
-
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
     for fd, name in ((1, STDOUT_FILE), (2, STDERR_FILE)):
         target = os.open(name, flags, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    # Everything but stdout and stderr (files the worker reads after) is written in
+    # the work directory: a tmpfs of spec.scratch_bytes where the machine permits.
+    work = os.path.join(spec.scratch_dir, WORK_DIR)
+    os.makedirs(work, exist_ok=True)
+    scratch_bytes = None
+    if spec.scratch_bytes is not None and pid_namespace:
+        problem = isolation.scratch_filesystem(work, spec.scratch_bytes, spec.run_as)
+        if problem:
+            notes.append(problem)
+        else:
+            scratch_bytes = spec.scratch_bytes
+    elif spec.scratch_bytes is not None:
+        notes.append("scratch size not limited: no private mount namespace")
+    if spec.run_as is not None and os.geteuid() == 0:
+        os.chown(work, *spec.run_as)
+    if spec.backend == "cpu":
+        # The interpreter compiles nothing: no Triton cache shared with other children.
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(work, "triton-cache")
+    os.environ["HOME"] = work
+    os.environ["TMPDIR"] = work
+    # The fork server may have cached /tmp as tempfile's directory.
+    tempfile.tempdir = None
+    os.chdir(work)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -122,12 +155,13 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
     landlock_abi = 0
     if spec.landlock:
         repo_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        write = [spec.scratch_dir]
-        if os.environ.get("TRITON_CACHE_DIR"):
-            write.append(os.environ["TRITON_CACHE_DIR"])
+        write = [work]
+        cache = os.environ.get("TRITON_CACHE_DIR", "")
+        if cache and not cache.startswith(work + os.sep):
+            write.append(cache)
         try:
             landlock_abi = isolation.restrict_filesystem(
-                isolation.python_paths(Path(repo_root)), write)
+                [*isolation.python_paths(Path(repo_root)), spec.scratch_dir], write)
         except OSError as exc:
             notes.append(f"files not confined (Landlock): {exc.strerror or exc}")
     seccomp = False
@@ -143,4 +177,5 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
         capabilities |= value
     return Hello(pid=os.getpid(), uid=os.getuid(), network_isolated=network_isolated,
                  address_space_bytes=address_space, notes=notes, capabilities=capabilities,
-                 landlock_abi=landlock_abi, seccomp=seccomp)
+                 landlock_abi=landlock_abi, seccomp=seccomp, pid_namespace=pid_namespace,
+                 scratch_bytes=scratch_bytes)

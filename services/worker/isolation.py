@@ -217,6 +217,78 @@ def private_mounts(visible: Iterable[str | Path]) -> list[str]:
     return notes
 
 
+# ---------------------------------------------------------------- namespaces (child)
+
+_CLONE_NEWPID = 0x20000000
+_MS_NOEXEC = 8
+
+
+def own_pid_namespace() -> str | None:
+    """Make the rest of this child process 1 of a PID namespace of its own, with a
+    private mount namespace and its own ``/proc``: whatever it starts dies with it
+    (pid_namespaces(7): when process 1 ends, the kernel kills the namespace), and
+    ``/proc`` shows no process outside it.
+
+    This process becomes a shim: it leads its process group (the fork server kills
+    the group), forks, waits for the new process 1 and ends the way it ended (the same
+    signal, or the same exit code), so the fork server's wait status is the child's.
+    Only the new process returns. Must run as root, before privileges are dropped.
+
+    Returns:
+        None when it worked, else why not (this process then goes on unchanged).
+    """
+    import signal
+
+    libc = _libc()
+    os.setsid()
+    if libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS) != 0:
+        return f"no PID namespace: unshare(CLONE_NEWPID) failed: {os.strerror(ctypes.get_errno())}"
+    pid = os.fork()
+    if pid:
+        # The shim: no file of the child's stays open here.
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the server
+        os.closerange(3, 1 << 16)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    # Process 1 of the new namespace: dies when the shim does.
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    try:
+        _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None),
+               "mount --make-rprivate /")
+        _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                          None), "mount proc")
+    except OSError as exc:
+        return f"PID namespace without its own /proc: {exc}"
+    return None
+
+
+def scratch_filesystem(path: str, size_bytes: int, owner: tuple[int, int] | None) -> str | None:
+    """Mount a tmpfs of ``size_bytes`` at ``path`` (owned by ``owner``, mode 0700): all
+    the child may write. Needs the private mount namespace of :func:`own_pid_namespace`.
+
+    Returns:
+        None when it worked, else why not.
+    """
+    options = f"size={size_bytes},mode=0700"
+    if owner is not None:
+        options += f",uid={owner[0]},gid={owner[1]}"
+    try:
+        _check(_libc().mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                             options.encode()), f"mount tmpfs on {path}")
+    except OSError as exc:
+        return f"scratch size not limited: {exc}"
+    return None
+
+
 # ---------------------------------------------------------------- privileges (child)
 
 

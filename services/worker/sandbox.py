@@ -144,6 +144,7 @@ class ChildRun:
         self._key = spec.frame_key
         self._tag = b""
         self._header = b""
+        self._send_lock = asyncio.Lock()
 
     async def _recv_exactly(self, sock: socket.socket, n: int) -> bytearray | None:
         loop = asyncio.get_running_loop()
@@ -209,6 +210,21 @@ class ChildRun:
             return None
         return data
 
+    async def raw_any(self) -> bytearray | None:
+        """The next raw frame, of whatever length up to ``max_frame_bytes`` (None at end
+        of stream).
+
+        Raises:
+            ProtocolError: it is larger than ``max_frame_bytes``.
+        """
+        size = await self._length()
+        if size is None:
+            return None
+        data = bytearray() if size == 0 else await self._recv_exactly(self._result, size)
+        if data is None or not await self._check_tag(data):
+            return None
+        return data
+
     async def _check_tag(self, payload: bytearray) -> bool:
         """Read and check the frame's tag (no-op without a key); False at end of stream.
 
@@ -236,6 +252,23 @@ class ChildRun:
             raise ProtocolError(f"the child sent a {size}-byte frame "
                                 f"(limit {self.max_frame_bytes} bytes)")
         return size
+
+    async def send(self, command: Any, raws: list[Any] = ()) -> None:
+        """Send a command (:data:`services.worker.wire.Command`) and the raw frames it
+        announces to the child, in one piece.
+
+        Raises:
+            ConnectionError: the child closed its end (it exited or died).
+        """
+        loop = asyncio.get_running_loop()
+        payload = wire.encode_frame(command)
+        async with self._send_lock:
+            await loop.sock_sendall(self._result, wire.HEADER.pack(len(payload)) + payload)
+            for raw in raws:
+                data = memoryview(raw).cast("B") if not isinstance(raw, bytes) else raw
+                await loop.sock_sendall(self._result, wire.HEADER.pack(len(data)))
+                if len(data):
+                    await loop.sock_sendall(self._result, data)
 
     def kill(self) -> None:
         """SIGKILL the child's process group (the child and what it started)."""
@@ -447,7 +480,7 @@ class SandboxPool:
 
 
 # Isolation mechanisms a Sandbox can be told to require (setting ``sandbox_require``).
-MECHANISMS = ("user", "capabilities", "network", "landlock", "seccomp")
+MECHANISMS = ("user", "capabilities", "network", "landlock", "seccomp", "pid", "scratch")
 _PROBE_TIMEOUT_S = 120.0
 _EXIT_WAIT_S = 5.0
 
@@ -480,6 +513,8 @@ class Isolation:
     capabilities: int = 0
     landlock_abi: int = 0
     seccomp: bool = False
+    pid_namespace: bool = False
+    scratch_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def in_force(self) -> dict[str, bool]:
@@ -488,7 +523,9 @@ class Isolation:
                 "capabilities": self.capabilities == 0,
                 "network": self.network_isolated,
                 "landlock": self.landlock_abi > 0,
-                "seccomp": self.seccomp}
+                "seccomp": self.seccomp,
+                "pid": self.pid_namespace,
+                "scratch": self.scratch_bytes is not None}
 
     def check(self, require: tuple[str, ...] | list[str]) -> None:
         """Raise when a mechanism in ``require`` is not in force.
@@ -510,7 +547,10 @@ class Isolation:
                  else f"capabilities {self.capabilities:#x}",
                  "network": "no network" if on["network"] else "network reachable",
                  "landlock": f"landlock v{self.landlock_abi}" if on["landlock"] else "no landlock",
-                 "seccomp": "seccomp" if on["seccomp"] else "no seccomp"}
+                 "seccomp": "seccomp" if on["seccomp"] else "no seccomp",
+                 "pid": "own pid namespace" if on["pid"] else "no pid namespace",
+                 "scratch": f"scratch tmpfs {(self.scratch_bytes or 0) >> 20} MiB"
+                 if on["scratch"] else "scratch unbounded"}
         return [words[m] for m in MECHANISMS]
 
 
@@ -540,7 +580,9 @@ class Sandbox:
 
     def __init__(self, backend: str, *, name: str, scratch_root: str | Path | None = None,
                  require: tuple[str, ...] | list[str] = (), env_allow: tuple[str, ...] = (),
-                 preload: tuple[str, ...] = ()) -> None:
+                 preload: tuple[str, ...] = (), interpret: bool | None = None,
+                 isolation: Isolation | None = None,
+                 scratch_bytes: int | None = 256 << 20) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         unknown = sorted(set(require) - set(MECHANISMS))
@@ -550,6 +592,7 @@ class Sandbox:
         self.backend = backend
         self.require = tuple(require)
         self.env_allow = tuple(env_allow)
+        self.scratch_bytes = scratch_bytes
         self.own_scratch = scratch_root is None
         # The default root is this process's own (a fresh directory): two sandboxes of
         # the same name on one machine (two ``aikg run``, two test sessions) must not
@@ -557,16 +600,25 @@ class Sandbox:
         self.scratch_root = Path(scratch_root) if scratch_root is not None else (
             Path(os.environ.get("TMPDIR", "/tmp"))
             / f"aikg-{safe_name(name)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.isolation = Isolation()
+        self.isolation = isolation or Isolation()
+        # A sandbox given its isolation (one probed already on this machine) skips the
+        # probe: the compile server's children have no device to launch on.
+        self._probed = isolation
         # Triton decides at import time whether its standard library (tl.sigmoid,
         # tl.softmax ...) is interpreted, so the fork server must import it with
         # TRITON_INTERPRET already set on the cpu backend; a child's later switch only
         # covers kernels the candidate defines itself.
+        self.interpret = backend == "cpu" if interpret is None else interpret
         server_env = dict(os.environ)
-        if backend == "cpu":
+        if self.interpret:
             server_env["TRITON_INTERPRET"] = "1"
         else:
             server_env.pop("TRITON_INTERPRET", None)
+        if backend == "cpu":
+            # A child runs on one core's worth (threads are refused once it holds
+            # inputs); BLAS pools sized for the machine would try to start threads.
+            for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+                server_env.setdefault(name, "1")
         self.pool = SandboxPool(
             env=server_env, env_allow=self.env_allow, preload=list(preload),
             # A SIGKILLed owner cannot remove its own scratch root; its fork server does.
@@ -594,7 +646,7 @@ class Sandbox:
                 os.chmod(self.scratch_root / sub, 0o711)
             self.pool.start()
             try:
-                self.isolation = self._probe()
+                self.isolation = self._probed or self._probe()
                 self.isolation.check(self.require)
             except BaseException:
                 self.pool.close()
@@ -633,6 +685,8 @@ class Sandbox:
                 return Isolation(run_as=run_as, network_isolated=hello.network_isolated,
                                  capabilities=hello.capabilities,
                                  landlock_abi=hello.landlock_abi, seccomp=hello.seccomp,
+                                 pid_namespace=hello.pid_namespace,
+                                 scratch_bytes=hello.scratch_bytes,
                                  notes=notes + hello.notes)
             notes.append(f"children keep this process's user: switching to uid {run_as[0]} "
                          f"failed: {failure}" if run_as else failure)
@@ -644,7 +698,8 @@ class Sandbox:
         env = {k: v for k, v in self.child_env("probe", run_as).items()
                if k not in ("CUDA_VISIBLE_DEVICES", "ASCEND_RT_VISIBLE_DEVICES")}
         spec = ChildSpec(role="probe", scratch_dir=str(scratch), backend=self.backend,
-                         env=env, run_as=run_as, env_allow=list(self.env_allow))
+                         env=env, run_as=run_as, env_allow=list(self.env_allow),
+                         scratch_bytes=self.scratch_bytes)
         run = await self.spawn(spec, 1 << 20)
         hello = None
         try:
@@ -688,12 +743,13 @@ class Sandbox:
             env["CUDA_VISIBLE_DEVICES"] = device
         elif self.backend == "ascend":
             env["ASCEND_RT_VISIBLE_DEVICES"] = device
-        else:
+        elif self.interpret:
             env["TRITON_INTERPRET"] = "1"
         return env
 
     def spec(self, role: str, scratch: Path, device: str, **fields: Any) -> ChildSpec:
         """A ChildSpec for ``role`` with this sandbox's user, environment and isolation."""
+        fields.setdefault("scratch_bytes", self.scratch_bytes)
         return ChildSpec(role=role, scratch_dir=str(scratch), backend=self.backend,
                          env=self.child_env(device), run_as=self.isolation.run_as,
                          isolate_network=True, env_allow=list(self.env_allow), **fields)

@@ -175,6 +175,8 @@ class Worker:
             self.backend, worker_id=self.worker_id, memory_limit_bytes=memory,
             sandbox_require=settings.sandbox_require_list,
             sandbox_env_allow=settings.sandbox_env_allow_list,
+            aot_target=settings.worker_aot_target,
+            scratch_bytes=settings.sandbox_scratch_bytes or None,
         )
         self.jobs = JobStore(bus.jobs)
         self.labels = {"backend": self.backend, "arch": self.arch}

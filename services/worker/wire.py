@@ -1,11 +1,11 @@
 """The wire format between the worker and its sandboxed children.
 
 Parent -> child: a :class:`ChildSpec` (msgpack), through the fork server
-(:mod:`services.worker._forkserver`). Child -> parent, over a private socket the fork
-server hands the child, never stdout: frames of an 8-byte big-endian length followed
-by the payload. A payload is a msgpack-encoded :data:`Frame`; a :class:`Trial` is
-followed by one raw frame per output tensor holding its bytes (row-major, native
-byte order), then one per tensor input. With a ``frame_key`` in the spec every frame
+(:mod:`services.worker._forkserver`), then, on the same private socket, commands
+(:data:`Command`) with the raw frames they announce. Child -> parent, over that socket,
+never stdout: frames of an 8-byte big-endian length followed by the payload. A
+payload is a msgpack-encoded :data:`Frame`; frames that carry tensors are followed by
+one raw frame per tensor holding its bytes (row-major, native byte order). With a ``frame_key`` in the spec every frame
 is followed by a 32-byte keyed BLAKE2b tag over the previous tag, the header and the
 payload, so bytes the candidate writes on the socket's file descriptor (it can guess
 the number) break the chain and the parent sees them
@@ -26,6 +26,8 @@ from typing import Any, Literal
 import msgspec
 import torch
 
+from services.worker.values import dtype_from_name, dtype_name  # noqa: F401 - re-exported
+
 HEADER = struct.Struct("!Q")
 TAG_BYTES = 32
 # Tensor methods captured before any candidate code runs: candidates can reassign
@@ -40,6 +42,9 @@ _numel = torch.Tensor.numel
 # Files in the child's scratch directory that receive its stdout and stderr.
 STDOUT_FILE = "stdout.txt"
 STDERR_FILE = "stderr.txt"
+# The child's working directory inside its scratch directory (a size-limited tmpfs
+# where the machine permits): HOME, TMPDIR, the cwd.
+WORK_DIR = "work"
 # The candidate child's first Progress after loading the task (the parent laps
 # ``candidate_start`` on it).
 IMPORT_PHASE = "importing the candidate"
@@ -51,27 +56,29 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     Sizes are bytes, times seconds. ``env`` is set after the secret scrub;
     ``address_space_bytes`` is added to the child's address-space size at entry
     (None: no RLIMIT_AS). ``run_as`` is ``(uid, gid)`` to switch to when the fork
-    server runs as root (None: keep the current user).
+    server runs as root (None: keep the current user). ``scratch_bytes``: the size of
+    the tmpfs the child works in (None: the scratch directory as it is).
+    ``arch``: the request's arch (the GPU the cpu backend emulates and compiles for).
     """
 
-    role: Literal["probe", "reference", "candidate", "lower"]
+    role: Literal["probe", "reference", "candidate", "replay", "compile", "lower"]
     scratch_dir: str
     backend: str = "cpu"
+    arch: str = ""
     env: dict[str, str] = {}
     task_path: str = ""
     candidate_path: str = ""
-    seeds: list[int] = []
     shape_overrides: dict[str, Any] = {}
-    want_outputs: bool = True
     profile: bool = False
-    input_limit_bytes: int | None = None
     address_space_bytes: int | None = None
     cpu_seconds: int = 600
-    file_size_bytes: int = 512 << 20
+    file_size_bytes: int = 64 << 20
     open_files: int = 1024
     processes: int = 4096
     run_as: tuple[int, int] | None = None
     isolate_network: bool = True
+    pid_namespace: bool = True
+    scratch_bytes: int | None = None
     env_allow: list[str] = []
     landlock: bool = True
     seccomp: bool = True
@@ -80,7 +87,9 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     repeats: int = 20
     flush_bytes: int = 256 << 20
     frame_key: bytes = b""
-    ghost: bool = False
+    emulate_cuda: bool = True
+    compile_target: str = ""
+    compile_specs: list[Any] = []
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -88,7 +97,9 @@ class Hello(msgspec.Struct, tag="hello"):
 
     ``capabilities``: the bitwise OR of every capability set left (0: none);
     ``landlock_abi``: the Landlock ABI confining its files (0: none); ``seccomp``:
-    whether the syscall filter is loaded.
+    whether the syscall filter is loaded; ``pid_namespace``: whether it is process 1 of
+    its own PID namespace (with its own /proc); ``scratch_bytes``: the size of the
+    tmpfs it works in (None: none).
     """
 
     pid: int
@@ -99,6 +110,8 @@ class Hello(msgspec.Struct, tag="hello"):
     capabilities: int = 0
     landlock_abi: int = 0
     seccomp: bool = False
+    pid_namespace: bool = False
+    scratch_bytes: int | None = None
 
 
 class Progress(msgspec.Struct, tag="progress"):
@@ -107,43 +120,12 @@ class Progress(msgspec.Struct, tag="progress"):
     phase: str
 
 
-class Sizes(msgspec.Struct, tag="sizes"):
-    """Total bytes of the task's ``get_inputs()`` tensors for the first seed.
-
-    ``estimated``: measured on fake tensors (nothing allocated). ``size_names``:
-    the task's module-level ints, for a shape_overrides suggestion.
-    """
-
-    input_bytes: int
-    estimated: bool
-    size_names: dict[str, int]
-
-
 class TensorMeta(msgspec.Struct):
-    """dtype (``torch.float32`` spelled ``float32``), shape, and byte count of one output."""
+    """dtype (``torch.float32`` spelled ``float32``), shape, and byte count of one tensor."""
 
     dtype: str
     shape: list[int]
     nbytes: int
-
-
-class Trial(msgspec.Struct, tag="trial"):
-    """One seed's run; the raw bytes of each output follow as separate frames.
-
-    ``inputs_before`` / ``inputs_after``: sha256 digests of each ``get_inputs()``
-    element before and after the forward call. ``aliasing``: human-readable facts
-    such as ``output 0 shares memory with input 0``. ``inputs``: per ``get_inputs()``
-    element, the metadata of the tensor whose bytes follow the outputs' (None for a
-    non-tensor; empty from the reference child, which sends no input bytes).
-    """
-
-    index: int
-    seed: int
-    inputs_before: list[str]
-    inputs_after: list[str]
-    outputs: list[TensorMeta]
-    aliasing: list[str]
-    inputs: list[TensorMeta | None] = []
 
 
 class Timing(msgspec.Struct, tag="timing"):
@@ -172,51 +154,290 @@ class Done(msgspec.Struct, tag="done"):
     """All frames were sent."""
 
 
-class Audit(msgspec.Struct, tag="audit"):
-    """What the in-child instruments saw while ``ModelNew.forward`` ran (all calls).
+class Bye(msgspec.Struct, tag="bye"):
+    """Parent -> child: no more requests; finish and send Done."""
 
-    ``ops`` / ``launcher_ops``: ATen overload name -> calls, issued by candidate code /
-    from Triton's frames. ``refused``: events the audit hook refused. ``notes``: how
-    the candidate was run (autotune choices). ``host_reads``: ``Tensor.numpy`` ... ->
-    calls by candidate code; ``host_elements``: the most tensor elements one forward
-    call handed to host code (those calls and ``.item()`` reads).
+
+# ---------------------------------------------------------------- reference child
+
+
+class RefTrialSpec(msgspec.Struct):
+    """One input set to make: ``seed`` for ``get_inputs()``, the distribution to
+    redraw floating tensors from (:data:`services.worker.inputs.DISTRIBUTIONS`),
+    ``decoy`` (inputs for the candidate's planner: no redraw), ``declared`` (index into
+    the task's ``get_inputs_dyn_list()``; None: ``get_inputs()``)."""
+
+    index: int
+    seed: int
+    distribution: str = "task"
+    decoy: bool = False
+    declared: int | None = None
+
+
+class RefRequest(msgspec.Struct, tag="ref.request"):
+    """Parent -> reference child: make inputs and outputs at one set of sizes.
+
+    ``key`` names the sizes in the answers; ``overrides`` are module-level names
+    rebound first (they must exist). ``meta_only``: shapes only (fake tensors, nothing
+    allocated) for the candidate's dry run. ``input_limit_bytes``: refuse (a RefSize
+    with ``refused``) when the inputs are larger.
     """
 
-    ops: dict[str, int]
-    launcher_ops: dict[str, int]
+    key: str
+    overrides: dict[str, Any]
+    trials: list[RefTrialSpec] = []
+    meta_only: bool = False
+    input_limit_bytes: int | None = None
+
+
+class RefProfile(msgspec.Struct, tag="ref.profile"):
+    """Parent -> reference child (GPU): time ``Model`` at sizes ``key`` on the last real
+    inputs it made there; answered with a :class:`Timing`."""
+
+    key: str
+
+
+class RefSize(msgspec.Struct, tag="ref.size"):
+    """Reference -> parent, first answer for a key: the inputs' size (``estimated`` on
+    fake tensors), the task's module-level sizes, the constructor arguments
+    (``init``: an encoded value tree, its tensors in raw frames after this one), and
+    how many shapes ``get_inputs_dyn_list()`` declares (0: none). ``refused``: the
+    inputs exceed the limit (nothing else follows for this key)."""
+
+    key: str
+    input_bytes: int
+    estimated: bool
+    size_names: dict[str, Any]
+    init: Any = None
+    declared: int = 0
+    refused: bool = False
+
+
+class RefMeta(msgspec.Struct, tag="ref.meta"):
+    """Reference -> parent (``meta_only``): constructor arguments and inputs as shapes
+    (tensor refs with storage -1), for a dry run on the meta device."""
+
+    key: str
+    init: Any
+    inputs: Any
+    input_bytes: int
+    size_names: dict[str, Any] = {}
+
+
+class RefTrial(msgspec.Struct, tag="ref.trial"):
+    """Reference -> parent: one input set (``inputs``: encoded tree, tensors as raw
+    frames), then its outputs (``outputs``: one raw frame each, after the inputs').
+    ``distribution``: the one used (after a fall back for the task's domain);
+    ``fallback``: why it is not the one asked for. ``aliasing``: outputs of ``Model``
+    that share memory with its inputs; ``inputs_after``: sha256 of each tensor input
+    after ``Model`` ran (a task may modify its inputs; the candidate must do the same)."""
+
+    key: str
+    index: int
+    decoy: bool
+    distribution: str
+    inputs: Any
+    outputs: list[TensorMeta]
+    aliasing: list[str] = []
+    inputs_after: list[str] = []
+    fallback: str | None = None
+
+
+class RefFailed(msgspec.Struct, tag="ref.failed"):
+    """Reference -> parent: the task's own code failed at the sizes ``key`` (the child
+    goes on answering other requests)."""
+
+    key: str
+    stage: str
+    message: str
+    traceback: str = ""
+
+
+class RefDone(msgspec.Struct, tag="ref.done"):
+    """Reference -> parent: every trial of ``key`` was sent."""
+
+    key: str
+
+
+# ---------------------------------------------------------------- planner (candidate) child
+
+
+class PlanBuild(msgspec.Struct, tag="plan.build"):
+    """Parent -> planner: construct ``ModelNew(*init)`` for sizes ``key`` (``meta``: on
+    the meta device, for a dry run). ``init``'s tensors follow as raw frames (none for
+    meta, whose refs have storage -1). ``optional``: a failing constructor is answered
+    (``Built.error``) instead of failing the child."""
+
+    key: str
+    init: Any
+    meta: bool = False
+    optional: bool = False
+
+
+class PlanDryRun(msgspec.Struct, tag="plan.dry"):
+    """Parent -> planner: run ``forward`` of the model built for ``key`` on meta
+    inputs of these shapes; every launch recorded, none run."""
+
+    key: str
+    inputs: Any
+
+
+class PlanCall(msgspec.Struct, tag="plan.call"):
+    """Parent -> planner: run ``forward`` of the model built for ``model`` on decoys
+    (``inputs``, raw frames follow) and send the plan of call ``key``/``index``."""
+
+    key: str
+    index: int
+    model: str
+    inputs: Any
+
+
+class PlanProfile(msgspec.Struct, tag="plan.profile"):
+    """Parent -> planner (GPU): time ``forward`` of ``model`` on its last decoys, the
+    launches really running."""
+
+    model: str
+
+
+class Built(msgspec.Struct, tag="plan.built"):
+    """Planner -> parent: the model for ``key`` exists (``error``: why not, for a meta or
+    optional build)."""
+
+    key: str
+    error: str | None = None
+
+
+class DryRun(msgspec.Struct, tag="plan.dryrun"):
+    """Planner -> parent: the launches ``forward`` made on meta inputs for ``key``
+    (launch events of :mod:`services.worker.trace`), or why it could not run."""
+
+    key: str
+    launches: list[Any] = []
+    error: str | None = None
+
+
+class Traced(msgspec.Struct, tag="plan.traced"):
+    """Planner -> parent: the plan of one call (see :mod:`services.worker.trace`).
+
+    ``inputs``: the decoys as the plan names them; ``captures``: (storage id, bytes)
+    of storages the plan did not create, whose bytes follow as raw frames, then one raw
+    frame per output (``output_metas``: what the planner's own, ghost, run returned).
+    """
+
+    key: str
+    index: int
+    inputs: Any
+    events: list[Any]
+    captures: list[tuple[int, int]]
+    outputs: Any
+    output_metas: list[TensorMeta]
+
+
+class Audit(msgspec.Struct, tag="audit"):
+    """Planner -> parent, last: what the in-child instruments saw over its whole life.
+
+    ``refused``: events the audit hook refused, threads or processes refused;
+    ``refused_ops``: ATen overload -> calls the dispatcher refused; ``namespace``:
+    attributes of torch or triton the candidate's import replaced; ``cuda``: CUDA
+    calls answered by the emulation; ``notes``: how the candidate was run.
+    """
+
     refused: list[str]
+    refused_ops: dict[str, int]
+    namespace: list[str]
     notes: list[str]
-    host_reads: dict[str, int] = {}
-    host_elements: int = 0
+    cuda: list[str] = []
 
 
-Frame = Hello | Progress | Sizes | Trial | Timing | Failure | Lowered | Done | Audit
+# ---------------------------------------------------------------- replayer child
+
+
+class ReplayRequest(msgspec.Struct, tag="replay.request"):
+    """Parent -> replayer: execute one recorded call on real inputs.
+
+    ``fresh``: start from no storage (a variant of the first call); ``captures``:
+    (storage id, bytes) raw frames that follow first; ``inputs``: the plan's input
+    refs; ``real``: the real inputs (encoded, raw frames after the captures'), tensor
+    for tensor in the same order. ``skip_launches`` / ``config``: the variant
+    (:class:`services.worker.replay.Variant`); ``label`` names it in the answer.
+    """
+
+    key: str
+    index: int
+    label: str
+    events: list[Any]
+    captures: list[tuple[int, int]]
+    inputs: Any
+    real: Any
+    outputs: Any
+    fresh: bool = False
+    skip_launches: bool = False
+    config: int | None = None
+
+
+class Replayed(msgspec.Struct, tag="replay.done"):
+    """Replayer -> parent: the outputs (raw frames), then each input tensor as it was
+    after the call (raw frames; None for a non-tensor)."""
+
+    key: str
+    index: int
+    label: str
+    outputs: list[TensorMeta]
+    inputs_after: list[TensorMeta | None]
+    launches: int = 0
+
+
+class ReplayFailed(msgspec.Struct, tag="replay.failed"):
+    """Replayer -> parent: the call could not be replayed (``kind`` as
+    :class:`services.worker.replay.ReplayError`; ``stage`` the verdict's)."""
+
+    key: str
+    index: int
+    label: str
+    kind: str
+    stage: str
+    message: str
+    traceback: str = ""
+
+
+# ---------------------------------------------------------------- compile child
+
+
+class CompileResult(msgspec.Struct):
+    """One kernel specialisation compiled ahead of time (``key`` as the spec's)."""
+
+    key: str
+    ok: bool
+    error: str = ""
+    shared_bytes: int = 0
+    num_warps: int = 0
+    seconds: float = 0.0
+
+
+class Compiled(msgspec.Struct, tag="compiled"):
+    """Compile child -> parent: a result per spec of ``ChildSpec.compile_specs``."""
+
+    results: list[CompileResult]
+
+
+Frame = (Hello | Progress | Timing | Failure | Lowered | Done | RefSize | RefMeta | RefTrial
+         | RefFailed | RefDone | Built | DryRun | Traced | Audit | Replayed | ReplayFailed | Compiled)
+Command = Bye | RefRequest | RefProfile | PlanBuild | PlanDryRun | PlanCall | PlanProfile | ReplayRequest
 
 _encoder = msgspec.msgpack.Encoder()
 FRAME_DECODER = msgspec.msgpack.Decoder(Frame)
+COMMAND_DECODER = msgspec.msgpack.Decoder(Command)
 SPEC_DECODER = msgspec.msgpack.Decoder(ChildSpec)
+
+
+def encode_frame(frame: Any) -> bytes:
+    """msgpack bytes of a frame or command."""
+    return _encoder.encode(frame)
 
 
 def encode_spec(spec: ChildSpec) -> bytes:
     """msgpack bytes of ``spec`` (sent to the fork server)."""
     return _encoder.encode(spec)
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.float32`` -> ``"float32"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    """Inverse of :func:`dtype_name`.
-
-    Raises:
-        ValueError: ``name`` is not a torch dtype (the name comes from an untrusted child).
-    """
-    dtype = getattr(torch, name, None) if name.isidentifier() else None
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def frame_tag(key: bytes, previous: bytes, header: bytes, payload: Any) -> bytes:
@@ -261,4 +482,32 @@ class Channel:
     def send(self, frame: Any, raws: list[torch.Tensor] = ()) -> None:
         self._write(_encoder.encode(frame))
         for t in raws:
-            self._write(tensor_bytes(t))
+            self._write(tensor_bytes(t) if isinstance(t, torch.Tensor) else t)
+
+    def _read_exactly(self, n: int) -> bytearray | None:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self.sock.recv_into(view[got:])
+            if k == 0:
+                return None
+            got += k
+        return buf
+
+    def recv(self) -> Any:
+        """The parent's next command (:data:`Command`); None when it closed the socket.
+
+        Raises:
+            msgspec.DecodeError: a malformed command.
+        """
+        data = self.recv_raw()
+        return None if data is None else COMMAND_DECODER.decode(data)
+
+    def recv_raw(self) -> bytearray | None:
+        """The parent's next raw frame (length-prefixed bytes); None at end of stream."""
+        header = self._read_exactly(HEADER.size)
+        if header is None:
+            return None
+        (size,) = HEADER.unpack(header)
+        return self._read_exactly(size) if size else bytearray()

@@ -1,0 +1,284 @@
+"""The reference child: the task's own code only, making every input a verification
+uses and the outputs the candidate must match.
+
+It is the one process that knows the trial seeds. For each :class:`RefRequest` (one
+set of sizes) it rebinds the task's module-level sizes, measures the inputs on fake
+tensors before allocating anything, sends the constructor arguments, builds ``Model``
+under :data:`services.worker.inputs.INIT_SEED`, then per trial makes the inputs
+(``get_inputs()`` under the trial's seed, redrawn from its distribution; or one of
+``get_inputs_dyn_list()``'s declared shapes), runs ``Model`` and sends inputs and
+outputs as raw bytes. Decoys (inputs for the candidate's planner) are made the same
+way from other seeds, with their outputs for the worker's diagnosis. ``meta_only``
+requests answer with shapes, nothing allocated (for the candidate's dry run).
+
+A failure of the task's own code is stage ``infrastructure`` with the task named: the
+candidate had no part in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from typing import Any
+
+import torch
+
+from services.worker import inputs as trial_inputs
+from services.worker import values
+from services.worker._child import JobFailure, _failure, _outputs, seed_all
+from services.worker.wire import (
+    Bye,
+    Channel,
+    ChildSpec,
+    Failure,
+    Progress,
+    RefDone,
+    RefFailed,
+    RefProfile,
+    RefMeta,
+    RefRequest,
+    RefSize,
+    RefTrial,
+    TensorMeta,
+    dtype_name,
+)
+
+
+def size_names(task: Any) -> dict[str, Any]:
+    """The task's module-level sizes: ints above 1 and tuples of such ints."""
+    names: dict[str, Any] = {}
+    for name, value in vars(task).items():
+        if name.startswith("_"):
+            continue
+        if type(value) is int and value > 1:
+            names[name] = value
+        elif type(value) is tuple and value and all(type(v) is int and v > 0 for v in value):
+            names[name] = list(value)
+    return names
+
+
+def digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes."""
+    h = hashlib.sha256()
+    t = t.detach().to("cpu").contiguous()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    if t.numel():
+        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+                      nbytes=t.numel() * t.element_size())
+
+
+def _aliasing(outputs: list[torch.Tensor], args: list[Any]) -> list[str]:
+    """Facts about outputs sharing memory with inputs (the task may return a view)."""
+    facts = []
+    for i, o in enumerate(outputs):
+        if not o.untyped_storage().nbytes():
+            continue
+        for j, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.untyped_storage().nbytes() and \
+                    a.untyped_storage().data_ptr() == o.untyped_storage().data_ptr():
+                facts.append(f"output {i} shares memory with input {j}")
+    return facts
+
+
+class _Task:
+    """The task module with its sizes rebindable per request."""
+
+    def __init__(self, module: Any, device: torch.device) -> None:
+        self.module = module
+        self.device = device
+        self.last: tuple[str, Any, list[Any]] | None = None
+        self.defaults = {k: v for k, v in vars(module).items()
+                         if not k.startswith("_") and type(v) in (int, float, bool, tuple, str)}
+
+    def rebind(self, overrides: dict[str, Any]) -> None:
+        unknown = sorted(n for n in overrides if not hasattr(self.module, n))
+        if unknown:
+            raise JobFailure(Failure(
+                stage="infrastructure",
+                message=f"shape_overrides name {', '.join(unknown)}, which the task does not "
+                        "define; use its module-level size names"))
+        for name, value in self.defaults.items():
+            setattr(self.module, name, value)
+        for name, value in overrides.items():
+            setattr(self.module, name, tuple(value) if isinstance(value, list) else value)
+
+    def call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except JobFailure:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the task's own code
+            raise JobFailure(_failure("infrastructure", f"the task's {what}", exc,
+                                      getattr(self.module, "__file__", ""))) from None
+
+    def inputs(self, seed: int, declared: int | None) -> list[Any]:
+        seed_all(seed)
+        if declared is None:
+            return list(self.call("get_inputs()", self.module.get_inputs))
+        shapes = self.call("get_inputs_dyn_list()", self.module.get_inputs_dyn_list)
+        return list(shapes[declared])
+
+    def init(self) -> list[Any]:
+        seed_all(trial_inputs.INIT_SEED)
+        return list(self.call("get_init_inputs()", self.module.get_init_inputs))
+
+    def model(self, init: list[Any]) -> Any:
+        seed_all(trial_inputs.INIT_SEED)
+        device_init = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in init]
+        model = self.call("Model(*get_init_inputs())", self.module.Model, *device_init)
+        if isinstance(model, torch.nn.Module):
+            model = model.to(self.device)
+        return model
+
+    def forward(self, model: Any, args: list[Any]) -> list[torch.Tensor]:
+        # Copies: a Model that writes to its inputs must not change the ones sent.
+        device_args = [a.to(self.device, copy=True) if isinstance(a, torch.Tensor) else a
+                       for a in args]
+        with torch.no_grad():
+            out = self.call("Model.forward", model, *device_args)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        try:
+            outputs = _outputs(out, "Model.forward")
+        except JobFailure as exc:
+            exc.failure.stage = "infrastructure"
+            raise
+        return outputs, device_args
+
+
+def _measure(task: _Task, seed: int) -> tuple[int, bool]:
+    """Input bytes at ``seed``, on fake tensors when the task allows it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            made = task.inputs(seed, None)
+            return sum(t.numel() * t.element_size() for t in made
+                       if isinstance(t, torch.Tensor)), True
+    except JobFailure:
+        raise
+    except Exception:  # noqa: BLE001 - fake tensors do not run every task
+        made = task.inputs(seed, None)
+        return sum(t.numel() * t.element_size() for t in made
+                   if isinstance(t, torch.Tensor)), False
+
+
+def _redraw(task: _Task, model: Any, made: list[Any], seed: int,
+            dist: trial_inputs.Distribution) -> tuple[list[Any], list[torch.Tensor], Any,
+                                                      str, str | None]:
+    """The trial's inputs from ``dist`` (falling back for the task's domain, see
+    :mod:`services.worker.inputs`), their outputs, and the distribution used."""
+    if dist.kind == "task" or not any(isinstance(v, torch.Tensor) and (
+            v.dtype.is_floating_point or v.dtype.is_complex) for v in made):
+        outputs, args = task.forward(model, made)
+        return made, outputs, args, "task", None
+    for keep_signs in (False, True):
+        generator = torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
+        redrawn = [trial_inputs.reshape(v, dist, generator, keep_signs)
+                   if isinstance(v, torch.Tensor) else v for v in made]
+        outputs, args = task.forward(model, redrawn)
+        if not trial_inputs.nonfinite(outputs):
+            label = dist.name if not keep_signs else f"{dist.name} (signs kept)"
+            return redrawn, outputs, args, label, None
+        own_outputs, own_args = task.forward(model, made)
+        if trial_inputs.nonfinite(own_outputs):
+            # NaN or Inf on the task's own inputs too: part of the task.
+            return redrawn, outputs, args, dist.name, None
+    outputs, args = task.forward(model, made)
+    return made, outputs, args, "task", (
+        f"{dist.name} gives NaN or Inf outputs where the task's own inputs do not; the "
+        "task's own distribution was used")
+
+
+def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
+    task.rebind(dict(request.overrides))
+    channel.send(Progress(phase=f"measuring the task's inputs at {request.key} sizes"))
+    first_seed = request.trials[0].seed if request.trials else trial_inputs.INIT_SEED
+    input_bytes, estimated = _measure(task, first_seed)
+    names = size_names(task.module)
+    declared_fn = getattr(task.module, "get_inputs_dyn_list", None)
+    declared = 0
+    if callable(declared_fn) and not request.meta_only:
+        with contextlib.suppress(Exception):
+            declared = len(list(declared_fn()))
+    limit = request.input_limit_bytes
+    if limit is not None and input_bytes > limit:
+        channel.send(RefSize(key=request.key, input_bytes=input_bytes, estimated=estimated,
+                             size_names=names, refused=True))
+        return
+    if request.meta_only:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            init = task.init()
+            made = task.inputs(first_seed, None)
+            channel.send(RefMeta(key=request.key,
+                                 init=values.encode(init, values.meta_ref),
+                                 inputs=values.encode(made, values.meta_ref),
+                                 input_bytes=input_bytes, size_names=names))
+        return
+    init = task.init()
+    model = task.model(init)
+    encoded, tensors = values.encode_raw(init)
+    channel.send(RefSize(key=request.key, input_bytes=input_bytes, estimated=estimated,
+                         size_names=names, init=encoded, declared=declared), tensors)
+    task.last = None
+    for trial in request.trials:
+        channel.send(Progress(phase=f"reference {request.key} trial {trial.index}"))
+        made = task.inputs(trial.seed, trial.declared)
+        dist = trial_inputs.BY_NAME.get(trial.distribution, trial_inputs.DISTRIBUTIONS[0])
+        if trial.decoy:
+            outputs, args = task.forward(model, made)
+            used, fallback = "task", None
+        else:
+            made, outputs, args, used, fallback = _redraw(task, model, made, trial.seed, dist)
+        if not trial.decoy:
+            task.last = (request.key, model, args)
+        encoded, tensors = values.encode_raw(made)
+        outputs = [o.detach().to("cpu").contiguous() for o in outputs]
+        frame = RefTrial(key=request.key, index=trial.index, decoy=trial.decoy,
+                         distribution=used, inputs=encoded,
+                         outputs=[_meta(o) for o in outputs],
+                         aliasing=_aliasing(outputs, args),
+                         inputs_after=[digest(a) for a in args if isinstance(a, torch.Tensor)],
+                         fallback=fallback)
+        channel.send(frame, tensors + outputs)
+    channel.send(RefDone(key=request.key))
+
+
+def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
+    """Answer the parent's :class:`RefRequest` commands until :class:`Bye`."""
+    from services.worker._child import _device
+
+    device = _device(spec.backend)
+    if spec.backend == "cuda":
+        # An fp32 reference must be fp32-accurate; TF32 would blur the comparison.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    task = _Task(module, device)
+    while True:
+        command = channel.recv()
+        if command is None or isinstance(command, Bye):
+            return
+        if isinstance(command, RefProfile):
+            from services.worker._child import _time_forward
+
+            if task.last is None:
+                raise JobFailure(Failure(stage="infrastructure",
+                                         message="harness error: nothing to time"))
+            _, model, args = task.last
+            channel.send(Progress(phase="profiling"))
+            channel.send(_time_forward(model, args, spec))
+            continue
+        if isinstance(command, RefRequest):
+            try:
+                _answer(task, channel, command)
+            except JobFailure as exc:
+                channel.send(RefFailed(key=command.key, stage=exc.failure.stage,
+                                       message=exc.failure.message,
+                                       traceback=exc.failure.traceback))

@@ -1,0 +1,144 @@
+"""The replayer child: the candidate's kernels run its recorded plan on the real inputs.
+
+It loads the module :func:`services.worker.kernel_source.kernel_module` wrote (the
+candidate's ``@triton.jit`` functions and constants, nothing else) and answers each
+:class:`~services.worker.wire.ReplayRequest` with the outputs and the inputs as they
+are after the call (:class:`~services.worker.wire.Replayed`), or why the plan could not
+run (:class:`~services.worker.wire.ReplayFailed`). See :mod:`services.worker.replay`.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from services.worker import enforce, values
+from services.worker._child import (
+    _MAX_TRACEBACK_CHARS,
+    _candidate_failure,
+    _device,
+    _load_module,
+    clip,
+)
+from services.worker.replay import Replayer, ReplayError, Variant, install_bounds_checks
+from services.worker.wire import (
+    Bye,
+    Channel,
+    ChildSpec,
+    Progress,
+    Replayed,
+    ReplayFailed,
+    ReplayRequest,
+    TensorMeta,
+    dtype_name,
+    tensor_bytes,
+)
+
+_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+                      nbytes=t.numel() * t.element_size())
+
+
+def _kernels(module: Any) -> dict[str, Any]:
+    from triton.runtime import interpreter, jit
+
+    return {name: value for name, value in vars(module).items()
+            if isinstance(value, (jit.JITFunction, interpreter.InterpretedFunction))}
+
+
+def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tuple[Any, list]:
+    captures = raws[:len(request.captures)]
+    real = values.decode_raw(request.real, raws[len(request.captures):])
+    for (storage_id, nbytes), data in zip(request.captures, captures, strict=True):
+        if len(data) != nbytes:
+            raise ReplayError("trace", "a captured storage arrived with the wrong size")
+        replayer.add_storage(storage_id, data)
+    planned = values.decode(request.inputs, lambda ref: ref)
+    planned_refs = _flat_refs(planned)
+    real_tensors = _flat_tensors(real)
+    if len(planned_refs) != len(real_tensors):
+        raise ReplayError("trace", f"the plan names {len(planned_refs)} input tensors; the "
+                          f"task has {len(real_tensors)}")
+    for ref, tensor in zip(planned_refs, real_tensors, strict=True):
+        replayer.add_input(ref, tensor)
+    replayer.run(request.events, Variant(skip_launches=request.skip_launches,
+                                         config=request.config))
+    outputs = replayer.outputs(request.outputs)
+    after = [replayer.tensor(ref).detach().to("cpu").contiguous() for ref in planned_refs]
+    return outputs, after
+
+
+def _flat_refs(tree: Any) -> list[values.TensorRef]:
+    if isinstance(tree, values.TensorRef):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [r for v in tree for r in _flat_refs(v)]
+    return []
+
+
+def _flat_tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in _flat_tensors(v)]
+    return []
+
+
+def run_replayer(spec: ChildSpec, channel: Channel) -> None:
+    """Answer :class:`ReplayRequest` commands until :class:`Bye`."""
+    device = _device(spec.backend)
+    channel.send(Progress(phase="loading the candidate's kernels"))
+    module = _load_module("aikg_candidate_kernels", spec.candidate_path)
+    kernels = _kernels(module)
+    bounds = install_bounds_checks() if spec.backend == "cpu" else None
+    enforce.refuse_threads_and_processes(spec.backend, [])
+    replayer = Replayer(kernels, device, bounds)
+    while True:
+        request = channel.recv()
+        if request is None or isinstance(request, Bye):
+            return
+        if not isinstance(request, ReplayRequest):
+            continue
+        raws = []
+        count = len(request.captures) + len(values.raw_refs(request.real))
+        for _ in range(count):
+            data = channel.recv_raw()
+            if data is None:
+                return
+            raws.append(data)
+        if request.fresh:
+            replayer = Replayer(kernels, device, bounds)
+        channel.send(Progress(phase=f"replaying {request.key} trial {request.index} "
+                                    f"({request.label})"))
+        try:
+            outputs, after = _replay(replayer, request, raws)
+        except ReplayError as exc:
+            stage = _STAGES.get(exc.kind, "runtime")
+            message = str(exc)
+            tb = ""
+            if exc.kind == "kernel" and exc.cause is not None:
+                failure = _candidate_failure("ModelNew.forward", exc.cause,
+                                             set(kernels), spec.candidate_path)
+                stage, message, tb = failure.stage, failure.message, failure.traceback
+            channel.send(ReplayFailed(key=request.key, index=request.index,
+                                      label=request.label, kind=exc.kind, stage=stage,
+                                      message=message, traceback=tb))
+            continue
+        except Exception as exc:  # noqa: BLE001 - a malformed plan from the candidate's process
+            channel.send(ReplayFailed(
+                key=request.key, index=request.index, label=request.label, kind="trace",
+                stage="audit", message=f"the plan could not be replayed: "
+                                       f"{type(exc).__name__}: {str(exc)[:300]}",
+                traceback=clip("".join(traceback.format_exception(exc)),
+                               _MAX_TRACEBACK_CHARS)))
+            continue
+        channel.send(Replayed(key=request.key, index=request.index, label=request.label,
+                              outputs=[_meta(o) for o in outputs],
+                              inputs_after=[_meta(a) for a in after],
+                              launches=replayer.launches),
+                     [tensor_bytes(t) for t in outputs + after])

@@ -1,0 +1,196 @@
+"""Which sizes a verification checks: congruent with the task's own, and awkward ones.
+
+A task's module-level sizes (``batch_size = 4096``, ``kernel_size = (3, 3)``) decide
+its inputs. A verification runs at the requested sizes (``shape_overrides``), which
+may be far smaller than the task's own. What a GPU runs at the task's own sizes is
+learned from a *dry run* there: the candidate's ``forward`` on meta tensors records
+every launch (kernel, grid, constexprs, every autotune config), nothing allocated.
+
+* :func:`congruent` says whether the launches at checked sizes exercise what the
+  launches at the task's own sizes do: the same kernels in the same order with the
+  same constexprs (so the same code paths and tile sizes), every integer argument of at
+  least one tile congruent modulo the launch's largest power-of-two constexpr (so each
+  boundary the real sizes have, a partial last tile or none, is exercised, and none is
+  imposed),
+  and a grid axis with several programs at the real sizes has several here too.
+  Congruence of each size modulo ``M`` carries over to every product and sum of
+  sizes, which is what kernels pass as extents and strides.
+* :func:`congruent_candidates` proposes smaller sizes that keep each size congruent
+  to the real one modulo the launches' block sizes.
+* :func:`awkward_sizes` proposes the shape-generality sizes: odd extents, multiples of
+  no block size, near 3/4 of the checked ones.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from services.worker import values
+
+# Module-level ints whose names say they are parameters, not extents: reductions and
+# awkward sizes leave them alone (kernels may specialise on them).
+NOT_EXTENTS = ("kernel", "stride", "pad", "dilation", "group", "class", "head", "axis",
+               "seed", "eps", "dim_reduce", "num_layers")
+# The largest block size taken as a modulus (bigger constexprs are not tile sizes).
+_MAX_MODULUS = 1 << 16
+
+
+def is_extent(name: str) -> bool:
+    """Whether a module-level size of this name may be varied."""
+    lowered = name.lower()
+    return not any(p in lowered for p in NOT_EXTENTS)
+
+
+def _pow2(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 1 and \
+        value & (value - 1) == 0
+
+
+def modulus(launch: dict[str, Any], constexpr: set[str]) -> int:
+    """The launch's largest power-of-two constexpr argument (its tile size), or 1."""
+    best = 1
+    for run in _runs(launch):
+        for name, value in (run.get("args") or {}).items():
+            if name in constexpr and _pow2(value) and value <= _MAX_MODULUS:
+                best = max(best, value)
+    return best
+
+
+def _runs(launch: dict[str, Any]) -> list[dict[str, Any]]:
+    tune = launch.get("autotune")
+    return (tune.get("variants") or [launch]) if isinstance(tune, dict) else [launch]
+
+
+def _signature(run: dict[str, Any], constexpr: set[str]) -> dict[str, Any]:
+    out = {}
+    for name, value in (run.get("args") or {}).items():
+        if name in constexpr:
+            out[name] = value
+        elif isinstance(value, dict) and value.get(values.TAG) == "T":
+            out[name] = ("tensor", value.get("d"), len(value.get("z", [])))
+    return out
+
+
+def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
+              constexprs: dict[str, set[str]]) -> str | None:
+    """None when ``checked`` (the launches at the checked sizes) exercises what
+    ``real`` (at the task's own sizes) does (see the module doc), else why not, naming
+    the first kernel or path that differs."""
+    if [e.get("launch") for e in real] != [e.get("launch") for e in checked]:
+        real_names = [str(e.get("launch")) for e in real]
+        checked_names = [str(e.get("launch")) for e in checked]
+        missing = [n for n in dict.fromkeys(real_names) if n not in checked_names]
+        if missing:
+            return (f"at the task's own sizes forward launches {', '.join(missing)}, which it "
+                    "does not launch at the checked sizes")
+        return (f"at the task's own sizes forward launches {' -> '.join(real_names)}; at the "
+                f"checked sizes {' -> '.join(checked_names)}")
+    for big, small in zip(real, checked, strict=True):
+        name = str(big.get("launch"))
+        constexpr = constexprs.get(name, set())
+        big_runs, small_runs = _runs(big), _runs(small)
+        if len(big_runs) != len(small_runs):
+            return f"{name} has {len(big_runs)} autotune configs at the task's own sizes, " \
+                   f"{len(small_runs)} at the checked sizes"
+        m = modulus(big, constexpr)
+        for a, b in zip(big_runs, small_runs, strict=True):
+            sa, sb = _signature(a, constexpr), _signature(b, constexpr)
+            if sa != sb:
+                diff = sorted(k for k in sa.keys() | sb.keys() if sa.get(k) != sb.get(k))
+                return (f"{name} is specialised differently at the task's own sizes "
+                        f"({', '.join(f'{k}={sa.get(k)}' for k in diff[:3])}) than at the "
+                        f"checked sizes ({', '.join(f'{k}={sb.get(k)}' for k in diff[:3])})")
+            for arg, value in (a.get("args") or {}).items():
+                other = (b.get("args") or {}).get(arg)
+                # An extent below one tile is a single partial tile at either size.
+                if arg in constexpr or isinstance(value, bool) or not isinstance(value, int) \
+                        or not isinstance(other, int) or m == 1 or value < m:
+                    continue
+                if value % m != other % m:
+                    return (f"{name}'s argument {arg} is {value} at the task's own sizes and "
+                            f"{other} at the checked sizes: not congruent modulo its block "
+                            f"size {m}, so its boundary tiles differ")
+            for axis, (ga, gb) in enumerate(zip(a.get("grid", []), b.get("grid", []),
+                                                strict=False)):
+                if ga > 1 and gb <= 1:
+                    return (f"{name} runs {ga} programs on grid axis {axis} at the task's own "
+                            "sizes and one at the checked sizes")
+    return None
+
+
+def launch_modulus(launches: list[dict[str, Any]], constexprs: dict[str, set[str]]) -> int:
+    """The largest tile size over ``launches`` (see :func:`modulus`)."""
+    return max((modulus(e, constexprs.get(str(e.get("launch")), set())) for e in launches),
+               default=1)
+
+
+def _shrink(value: int, m: int) -> list[int]:
+    """Values below ``value`` congruent to it modulo ``m``, smallest first (at most 4)."""
+    r = value % m
+    first = r if r else m
+    out = []
+    k = 0
+    while True:
+        v = first + k * m
+        if v >= value:
+            break
+        out.append(v)
+        k = k + 1 if len(out) < 2 else max(k + 1, (value // m) // 2)
+        if len(out) == 4:
+            break
+    return out
+
+
+def congruent_candidates(real: dict[str, Any], m: int) -> list[dict[str, Any]]:
+    """Size dicts below ``real`` (the task's own sizes), each changing one extent to a
+    smaller value congruent modulo ``m`` (``m`` 1: any smaller value), for a greedy
+    search that keeps what holds."""
+    out = []
+    for name, value in sorted(real.items(), key=lambda kv: -_volume(kv[1])):
+        if not is_extent(name):
+            continue
+        if isinstance(value, int):
+            for v in (_shrink(value, m) if m > 1 else sorted({max(1, value // d)
+                                                              for d in (8, 4, 2)})):
+                out.append({**real, name: v})
+        elif isinstance(value, list):
+            for i, part in enumerate(value):
+                for v in (_shrink(part, m) if m > 1 else sorted({max(1, part // d)
+                                                                 for d in (4, 2)})):
+                    out.append({**real, name: [*value[:i], v, *value[i + 1:]]})
+    return [c for c in out if c != real]
+
+
+def _volume(value: Any) -> int:
+    return math.prod(value) if isinstance(value, list) else int(value)
+
+
+def awkward_sizes(sizes: dict[str, Any], factor: float = 0.75) -> dict[str, Any]:
+    """The shape-generality sizes: each extent of ``sizes`` (ints and tuple parts of 8
+    or more) to an odd value near ``factor`` of it, which no power-of-two block
+    divides; parameters (see :data:`NOT_EXTENTS`) unchanged."""
+    out = dict(sizes)
+    for name, value in sizes.items():
+        if not is_extent(name):
+            continue
+        if isinstance(value, int) and value >= 8:
+            out[name] = _odd(value, factor)
+        elif isinstance(value, list):
+            out[name] = [_odd(v, factor) if v >= 8 else v for v in value]
+    return out
+
+
+def _odd(value: int, factor: float) -> int:
+    v = max(3, int(value * factor))
+    return v if v % 2 else v - 1
+
+
+def changed(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two size dicts differ in any extent."""
+    return any(a.get(k) != b.get(k) for k in a.keys() | b.keys())
+
+
+def text(sizes: dict[str, Any]) -> str:
+    """``batch_size=4, dim=1024`` (or ``the task's own sizes``)."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(sizes.items())) or "the task's own sizes"
