@@ -50,8 +50,6 @@ BUCKET_TENANT_USAGE = "tenant_usage"
 
 # Object store bucket for kernel sources, logs and checkpoints.
 OBJECT_STORE_ARTIFACTS = "artifacts"
-# Object store bucket for reference outputs shared by every worker (services/worker/cache.py).
-OBJECT_STORE_REFERENCES = "references"
 
 # One NATS subject token as AIKG uses them (job ids, backends, arches, device names):
 # no dots (they split a subject), no spaces or wildcards (they widen it).

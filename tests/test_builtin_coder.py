@@ -481,7 +481,9 @@ def test_schedule_passes_the_worker(name, verifier):
                             timeout_s=120)
     result = asyncio.run(verifier.verify(request, device="0"))
     assert result.passed, (result.stage, result.error, result.log[-2000:])
-    assert result.sizes_checked and len(result.sizes_checked) == 2  # a second size ran
+    # The lowered kernels take sizes as arguments: right at odd extents too, unless the
+    # task itself cannot take them (shape generality then not checked).
+    assert result.shape_generic is not False, result.notes
 
 
 def test_parameters_are_declared_in_the_models_order():

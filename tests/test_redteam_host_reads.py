@@ -1,21 +1,20 @@
-"""Hostile relu candidates against the op record (D002), the host-read guard (D011) and
-their static rules (S016, S022, S023), on the cpu backend.
+"""Hostile relu candidates against the dispatcher's refusal (D002), the decoys and the
+replay (D011) and their static rules (S016, S022, S023), on the cpu backend.
 
 Each test is one candidate that computes the relu outside Triton kernels (numpy,
 Python, PyTorch hidden from the op recorder, or code run after the record stops) and
 asserts it does not pass verification, with the static check on and, separately, off
 (the dynamic checks alone).
 
-Each also dodges the ghost replay (D003) without reading tensor data in bulk: a
-``scratch_kernel`` launch writes 0.0 into a ``torch.ones(1)`` flag (never NaN-filled);
-in the ghost replay launches are no-ops, the flag stays 1.0 and forward returns
-garbage. One ``.item()`` read is within D011's limit, so the ghost replay alone stops
-none of these; the control test shows it does once the dodge is gone.
+Each also tries to tell a ghost run from a real one: a ``scratch_kernel`` launch
+writes 0.0 into a ``torch.ones(1)`` flag (never NaN-filled); where launches are no-ops
+the flag stays 1.0 and forward returns an output nothing wrote. The candidate's process
+only ever runs as a ghost, on decoys, so every one of them returns that output; the
+control test drops the dodge and the host computation is seen for what it is.
 
-Some attacks reach what no in-process instrument can see or keep (torch's C tensor
-methods, which cannot be wrapped; the dispatch mode stack; the recorder's own
-counters, which live in the candidate's process). Their only line is the static check:
-with it off they pass, and are marked ``xfail(strict=True)`` saying so.
+These attacks once reached what no in-process instrument can see or keep (torch's C
+tensor methods, the dispatch mode stack, the recorder's own counters) and passed with
+the static check off; no fact the verdict rests on lives in that process any more.
 """
 
 from __future__ import annotations
@@ -51,10 +50,6 @@ def candidate(forward: str, module: str = "", init: str = "") -> str:
             + "\n\nclass ModelNew(nn.Module):\n"
             f"    def __init__(self):\n{init_body}\n\n"
             f"    def forward(self, x):\n{body}\n")
-
-
-def static_only(why: str):
-    return pytest.mark.xfail(strict=True, reason=f"passes the dynamic checks; stopped by {why}")
 
 
 # name -> (module, forward, init)
@@ -238,30 +233,6 @@ return out
 """, ""),
 }
 
-# Attacks that pass with the static check off: the static rule that stops each.
-STATIC_ONLY: dict[str, str] = {
-    "tensorbase-numpy-direct": "S023: torch._C.TensorBase.numpy cannot be wrapped",
-    "array-interface-property": "S023: an __array_interface__ over x.data_ptr() calls no "
-    "tensor method and runs no ATen op",
-    "super-methodcaller-numpy": "S022: super(torch.Tensor, x) reaches the unwrapped "
-    "TensorBase.numpy",
-    "getmro-attrgetter-numpy": "S022: inspect.getmro(torch.Tensor)[1] is TensorBase",
-    "getattr-on-a-param-named-self": "S022: computed getattr reaches TensorBase",
-    "restore-wrapped-method": "S022: computed setattr puts TensorBase.numpy back",
-    "disable-torch-dispatch": "S023: torch._C._DisableTorchDispatch hides ops from the "
-    "op recorder",
-    "disable-current-modes": "S023: _disable_current_modes pops the op recorder",
-    "clear-the-recorder": "S023: _get_current_dispatch_mode returns the recorder, whose "
-    "counts live in the candidate's process",
-    "reset-host-counter": "S023: the host-read counter lives in the candidate's process",
-}
-
-
-def _params(passing: dict[str, str]):
-    return [pytest.param(name, marks=static_only(passing[name])) if name in passing else name
-            for name in ATTACKS]
-
-
 async def _run(verifier, name):
     module, forward, init = ATTACKS[name]
     result = await verifier.verify(request(candidate(forward, module, init),
@@ -278,10 +249,16 @@ async def test_attack_static_on(shared_verifier, name):
     assert not result.passed, result
 
 
-@pytest.mark.parametrize("name", _params(STATIC_ONLY))
+@pytest.mark.parametrize("name", list(ATTACKS))
 async def test_attack_dynamic_only(shared_verifier, dynamic_only, name):
+    """Every attack fails on the dynamic checks alone: the candidate's host code only
+    ever sees decoys in a ghost run, so the dodge returns an output no kernel wrote, and
+    torch hidden from any recorder is refused at the dispatcher."""
     result = await _run(shared_verifier, name)
     assert not result.passed, result
+    assert result.stage in ("mismatch", "audit"), result
+    if result.stage == "mismatch":
+        assert "was never written" in result.error, result.error
 
 
 async def test_without_the_ghost_dodge_the_replay_catches_it(shared_verifier, dynamic_only):
@@ -297,4 +274,4 @@ return out
     result = await shared_verifier.verify(request(code, shape_overrides=SMALL), device="0")
     print(f"\n[control-no-ghost-dodge] stage={result.stage} error={(result.error or '')[:160]!r}")
     assert not result.passed, result
-    assert "do not depend on the Triton kernels" in result.error
+    assert "computed outside the Triton kernels" in result.error, result.error

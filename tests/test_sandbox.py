@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from schemas import VerifyRequest
+from services.worker.sandbox import MECHANISMS
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_KERNEL, ROOT, services_running, wait_terminal
 
@@ -181,7 +182,7 @@ def request(task: str, code: str) -> VerifyRequest:
 async def test_probe_reports_every_mechanism(verifier) -> None:
     iso = verifier.sandbox.isolation
     summary = iso.summary()
-    assert len(summary) == 5
+    assert len(summary) == len(MECHANISMS)
     if os.geteuid() == 0:
         # Root on a Linux >= 5.13 with Landlock and libseccomp: everything in force.
         assert iso.in_force() == {m: True for m in iso.in_force()}, iso.notes
@@ -338,12 +339,13 @@ async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None
             if infos and infos[0].sandbox:
                 break
             await asyncio.sleep(0.1)
-    assert len(infos[0].sandbox) == 5, infos
+    assert len(infos[0].sandbox) == len(MECHANISMS), infos
     if os.geteuid() == 0 and not infos[0].sandbox_notes:
-        user, caps, network, landlock, seccomp = infos[0].sandbox
-        assert (user, caps, network, seccomp) == (
-            "user 65534", "no capabilities", "no network", "seccomp"), infos
+        user, caps, network, landlock, seccomp, pid, scratch = infos[0].sandbox
+        assert (user, caps, network, seccomp, pid) == (
+            "user 65534", "no capabilities", "no network", "seccomp", "own pid namespace"), infos
         assert landlock.startswith("landlock v"), infos
+        assert scratch.startswith("scratch tmpfs "), infos
 
 
 def test_two_sandboxes_of_one_name_get_their_own_scratch_roots(tmp_path, monkeypatch):

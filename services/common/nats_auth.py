@@ -33,8 +33,8 @@ of nats-server's ``server/jetstream_api.go``, https://github.com/nats-io/nats-se
 
 Nothing here lets a worker write the ``jobs`` bucket, a generator publish a verdict on
 ``results.>``, or the gateway consume ``verify.>``; nor anyone but a worker write (or
-read) the workers' shared cache of reference outputs and baselines (object store
-``references``, bucket ``baselines``), whose entries a verdict is computed against. No service may update or delete a
+read) the workers' shared cache of eager baselines (bucket ``baselines``), whose entries
+a verdict's speedup is computed against. No service may update or delete a
 stream: each may create the AIKG streams and buckets that are missing (so services
 start in any order on an empty server), but changing an existing stream's
 configuration takes the ``admin`` user.
@@ -59,10 +59,9 @@ ADMIN_USER = "admin"
 _KV = {b: f"KV_{b}" for b in (subjects.BUCKET_JOBS, subjects.BUCKET_WORKERS,
                                subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE)}
 _OBJ = f"OBJ_{subjects.OBJECT_STORE_ARTIFACTS}"
-# The workers' shared cache (services/worker/cache.py): reference outputs decide
-# verdicts, so only the worker user may create, write or read these two.
+# The workers' shared cache of eager baselines (services/worker/cache.py): they decide
+# speedups, so only the worker user may create, write or read it.
 _KV_BASELINES = f"KV_{subjects.BUCKET_BASELINES}"
-_OBJ_REFERENCES = f"OBJ_{subjects.OBJECT_STORE_REFERENCES}"
 # Every stream any service may create when it is missing (services/common/bus.py and
 # the generator's artifact store).
 STREAMS = (subjects.STREAM_JOBS, subjects.STREAM_JOB_EVENTS, subjects.STREAM_VERIFY,
@@ -152,8 +151,8 @@ PERMISSIONS: dict[str, Permissions] = {
     ),
     "worker": Permissions(
         what="pulls verify.<backend>.<arch>, publishes results and job events, writes "
-             "the workers and leases buckets and the shared cache (references, "
-             "baselines), reads job records, answers nats micro",
+             "the workers and leases buckets and the shared cache of baselines, "
+             "reads job records, answers nats micro",
         publish=(
             f"{subjects.RESULTS_PREFIX}.>", f"{subjects.JOB_EVENTS_PREFIX}.>",
             f"{subjects.DLQ_PREFIX}.>", f"$KV.{subjects.BUCKET_WORKERS}.>",
@@ -164,11 +163,7 @@ PERMISSIONS: dict[str, Permissions] = {
             *_read(_KV[subjects.BUCKET_LEASES]),
             # The shared cache: created by the first worker, written and read by all.
             f"$JS.API.STREAM.CREATE.{_KV_BASELINES}",
-            f"$JS.API.STREAM.CREATE.{_OBJ_REFERENCES}",
-            f"$KV.{subjects.BUCKET_BASELINES}.>", f"$O.{subjects.OBJECT_STORE_REFERENCES}.>",
-            *_read(_KV_BASELINES), *_read(_OBJ_REFERENCES),
-            # Replacing an object (two workers ran the same reference) purges its old chunks.
-            f"$JS.API.STREAM.PURGE.{_OBJ_REFERENCES}",
+            f"$KV.{subjects.BUCKET_BASELINES}.>", *_read(_KV_BASELINES),
         ),
         subscribe=("_INBOX.>", "$SRV.>", f"{subjects.WORKER_SERVICE_PREFIX}.>",
                    # Verify lanes' subjects wake an idle worker (services/common/lanes.py).

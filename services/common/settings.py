@@ -73,14 +73,9 @@ class Settings(msgspec.Struct, kw_only=True):
             the worker contract); 0 means 4 GiB on cpu.
         worker_id: this worker's id (letters, digits, '_' or '-'); empty derives one
             from the host name and process id.
-        reference_cache_bytes: size bound of the object store ``references`` (reference
-            outputs shared by every worker), bytes; 0 turns the shared cache of
-            reference outputs and baselines off (each worker keeps its own).
-        reference_cache_entry_bytes: largest reference run (one seed's outputs) put
-            there, bytes; larger ones stay in the worker's own cache only.
-        reference_cache_ttl_s: how long a shared reference output lives, seconds.
         baseline_cache_bytes / baseline_cache_ttl_s: size bound (bytes) and life
-            (seconds) of the ``baselines`` bucket (eager timings of the reference).
+            (seconds) of the ``baselines`` bucket (eager timings of the reference,
+            shared by every worker); 0 bytes turns the shared tier off.
         generator_concurrency: jobs one generator process runs at once.
         verify_result_timeout_s: how long the generator waits for one candidate's
             verdict, queueing included, before failing the job.
@@ -169,9 +164,6 @@ class Settings(msgspec.Struct, kw_only=True):
     results_max_age_s: float = 24 * 3600.0
     memory_limit_bytes: int = 0
     worker_id: str = ""
-    reference_cache_bytes: int = 2 << 30
-    reference_cache_entry_bytes: int = 64 << 20
-    reference_cache_ttl_s: float = 7 * 24 * 3600.0
     baseline_cache_bytes: int = 16 << 20
     baseline_cache_ttl_s: float = 7 * 24 * 3600.0
     generator_concurrency: int = 4

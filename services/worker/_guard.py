@@ -9,12 +9,14 @@ way to remove one). Until :meth:`AuditHook.strict` it refuses, when the nearest 
 outside the standard library is the candidate's, the events that reach harness
 objects or the result channel. From :meth:`AuditHook.strict` on (called before the
 candidate first holds inputs) it refuses by *what is asked*, whatever frame asks:
-object-graph walks (``gc.get_objects`` / ``get_referrers`` / ``get_referents``), frame
-access (``sys._getframe``, ``sys._current_frames``, reads of ``f_back`` /
-``f_globals`` / ``f_locals`` / ``tb_frame`` / ``gi_frame`` ...), tracing and profiling
-hooks, ctypes, sockets and ``/proc``. Only the harness itself, while it formats a
-failure (:meth:`AuditHook.harness`), may read frames then. Dynamic code (``exec``,
-``compile``) stays refused by frame: dataclasses and Triton's own rewriting use it.
+object-graph walks (``gc.get_objects`` / ``get_referrers`` / ``get_referents``), other
+threads' frames (``sys._current_frames``), tracing and profiling hooks, ctypes,
+sockets and ``/proc``; the harness itself may while it formats a failure
+(:meth:`AuditHook.harness`). Reading the current stack (``sys._getframe``, frame and
+traceback attributes) and running dynamic code (``exec``, new code and function
+objects) stay refused by frame: torch reads stacks of its own (``torch.manual_seed``),
+dataclasses and Triton's rewriting run generated code. ``compile`` alone is allowed
+(formatting a traceback compiles source lines; a code object does nothing unless run).
 """
 
 from __future__ import annotations
@@ -37,18 +39,16 @@ _REFUSED_EVENTS = frozenset({
     "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._getframe",
     "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile",
     "object.__getattr__", "object.__setattr__", "object.__delattr__", "code.__new__",
-    "function.__new__", "exec", "compile", "socket.__new__", "socket.fromfd",
+    "function.__new__", "exec", "socket.__new__", "socket.fromfd",
 })
-# Refused whatever frame asks once strict() was called.
+# Refused whatever frame asks once strict() was called. Frame access by the calling
+# frame stays the rule for sys._getframe and frame attributes: torch's own code reads
+# stacks (torch.manual_seed formats one for its lazy device seeding).
 _STRICT_EVENTS = frozenset({
-    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._getframe",
-    "sys._current_frames", "sys._current_exceptions", "sys.settrace", "sys.setprofile",
-    "socket.__new__", "socket.fromfd", "socket.socketpair",
+    "gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+    "sys._current_exceptions", "sys.settrace", "sys.setprofile", "socket.__new__",
+    "socket.fromfd", "socket.socketpair",
 })
-# Attribute reads that hand out frames (raised as object.__getattr__).
-_FRAME_ATTRIBUTES = frozenset({"tb_frame", "f_back", "f_globals", "f_locals", "f_builtins",
-                               "gi_frame", "cr_frame", "ag_frame", "f_code", "tb_next",
-                               "gi_code", "cr_code"})
 
 
 def _in_stdlib(filename: str) -> bool:
@@ -104,8 +104,6 @@ class AuditHook:
         if self._harness:
             return False
         if event in _STRICT_EVENTS or event.startswith("ctypes."):
-            return True
-        if event == "object.__getattr__" and len(args) > 1 and args[1] in _FRAME_ATTRIBUTES:
             return True
         return self._proc(event, args)
 

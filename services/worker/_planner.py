@@ -52,6 +52,7 @@ from services.worker.wire import (
     ChildSpec,
     DryRun,
     Failure,
+    Imported,
     PlanBuild,
     PlanCall,
     PlanDryRun,
@@ -88,10 +89,13 @@ def exact_outputs(result: Any) -> list[torch.Tensor]:
             message=f"ModelNew.forward returned a {odd.__name__} (not exactly torch.Tensor, "
                     "tuple or list): its methods would run after the record stops; return "
                     "plain tensors that the kernels wrote"))
-    what = kind.__name__ if items is None else next(
-        type(i).__name__ for i in items if type(i) is not torch.Tensor)
+    if items is None:
+        what = f"a {kind.__name__} as output 0"
+    else:
+        index = next(i for i, item in enumerate(items) if type(item) is not torch.Tensor)
+        what = f"a {type(items[index]).__name__} as output {index}"
     raise JobFailure(Failure(stage="mismatch",
-                             message=f"ModelNew.forward returned a {what}; expected a tensor "
+                             message=f"ModelNew.forward returned {what}; expected a tensor "
                                      "or a tuple of tensors"))
 
 
@@ -118,14 +122,20 @@ class _Planner:
         with self.hook.harness():
             if isinstance(exc, JobFailure):
                 return exc
-            refused = str(exc).startswith(trace.REFUSED_PREFIX) or isinstance(
-                exc, PermissionError) and "the sandbox refused" in str(exc)
+            compute = str(exc).startswith(trace.REFUSED_PREFIX)
+            refused = compute or isinstance(exc, PermissionError) and \
+                "the sandbox refused" in str(exc)
             if refused or self.recorder.refused:
                 failure = _failure("audit", what, exc, self.spec.candidate_path)
-                if self.recorder.refused and not refused:
-                    op = next(iter(self.recorder.refused))
-                    failure.message = (f"{what} called {op}, a PyTorch compute operator, which "
-                                       f"the sandbox refused; then {failure.message}")
+                if self.recorder.refused:
+                    op = max(self.recorder.refused, key=self.recorder.refused.get)
+                    where = failure.message.rsplit(" (candidate.py", 1)
+                    line = f" (candidate.py{where[1]}" if len(where) == 2 else ""
+                    failure.message = (
+                        f"{what} called {op}, a PyTorch compute operator, which the sandbox "
+                        "refuses once the candidate holds inputs (at the dispatcher, on every "
+                        "thread); do the work in Triton kernels (allocation, views and layout "
+                        f"copies are allowed){line}")
                 return JobFailure(failure)
             if isinstance(exc, trace.TraceError):
                 return JobFailure(_failure("runtime", what, exc, self.spec.candidate_path))
@@ -215,7 +225,8 @@ class _Planner:
                                      message=f"harness error: no model {command.model!r}"))
         self.arm()
         decoys = values.decode_raw(command.inputs, raws, self.device)
-        phase = f"{command.key} trial {command.index}: ModelNew.forward"
+        where = "" if command.key == "main" else f"{command.key} "
+        phase = f"{where}trial {command.index}: ModelNew.forward"
         self.channel.send(Progress(phase=phase))
         recorder = self.recorder
         record = recorder.begin(command.key, command.index)
@@ -245,7 +256,8 @@ class _Planner:
         frame = Traced(key=command.key, index=command.index, inputs=record.inputs,
                        events=record.events,
                        captures=[(c.id, len(c.data)) for c in record.captures],
-                       outputs=record.outputs, output_metas=metas)
+                       outputs=record.outputs, output_metas=metas,
+                       refused=list(self.hook.refused), refused_ops=dict(recorder.refused))
         self.channel.send(frame, [c.data for c in record.captures] + [
             tensor_bytes(o) for o in outputs])
 
@@ -302,11 +314,14 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
         module = _load_module("aikg_candidate", spec.candidate_path)
     except Exception as exc:  # noqa: BLE001 - the candidate's module code
         with hook.harness():
-            raise JobFailure(_failure("compile", "importing the candidate", exc,
+            # A refusal of the sandbox's is what went wrong, not the code's syntax.
+            stage = "audit" if hook.refused else "compile"
+            raise JobFailure(_failure(stage, "importing the candidate", exc,
                                       spec.candidate_path)) from None
     if getattr(module, "ModelNew", None) is None:
         raise JobFailure(Failure(stage="static", message="class ModelNew is not defined"))
     changes = enforce.namespace_changes(snapshot)
+    channel.send(Imported(namespace=changes, refused=list(hook.refused)))
     planner = _Planner(spec, channel, hook, emulation, module)
     planner.active = active
     planner.notes.extend(process_notes)

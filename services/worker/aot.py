@@ -228,7 +228,7 @@ def run_compile(spec: Any, channel: Any) -> None:
 
     from services.worker._child import _load_module
     from services.worker.targets import target_for
-    from services.worker.wire import CompileResult, Compiled, Progress
+    from services.worker.wire import Compiled, CompileResult, Progress
 
     triton.knobs.runtime.interpret = False
     channel.send(Progress(phase="compiling the kernels for a GPU target"))

@@ -92,6 +92,8 @@ def _key(frame: Any) -> tuple | None:
         return ("replay", frame.key, frame.index, frame.label)
     if isinstance(frame, wire.Audit):
         return ("audit",)
+    if isinstance(frame, wire.Imported):
+        return ("imported",)
     if isinstance(frame, wire.Timing):
         return ("timing",)
     if isinstance(frame, wire.Compiled):

@@ -148,15 +148,22 @@ class CudaEmulation:
         emulation = self
         base_device = torch._C.TensorBase.device.__get__
         real_types = ("cpu", "meta")
+        # The C getter hands the access to torch-function modes, ours among them, which
+        # would read this patched property again.
+        no_modes = torch._C.DisableTorchFunction
+
+        def real_device(tensor: torch.Tensor) -> torch.device:
+            with no_modes():
+                return base_device(tensor)
 
         def device(tensor: torch.Tensor) -> torch.device:
             # Not for meta tensors: torch's meta kernels, written in Python, read it.
-            real = base_device(tensor)
+            real = real_device(tensor)
             return _CUDA if real.type == "cpu" else real
 
         def is_cuda(tensor: torch.Tensor) -> bool:
             emulation.used.add("Tensor.is_cuda")
-            return base_device(tensor).type in real_types
+            return real_device(tensor).type in real_types
 
         torch.Tensor.device = property(device)
         torch.Tensor.is_cuda = property(is_cuda)

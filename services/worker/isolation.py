@@ -223,16 +223,45 @@ _CLONE_NEWPID = 0x20000000
 _MS_NOEXEC = 8
 
 
+def _relay(pid: int, signal_self: bool) -> None:
+    """Wait for ``pid`` and end this process as it ended: by the same signal
+    (``signal_self``) or with exit code 128 + the signal's number, else its exit code."""
+    import signal
+
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if signal_self:
+            signal.signal(sig, signal.SIG_DFL)
+            os.kill(os.getpid(), sig)
+        os._exit(128 + sig)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    if signal_self and code > 128:
+        # Process 1 reports its child's signal as 128 + its number (a signal it sent
+        # itself would be ignored: process 1 of a namespace ignores its own).
+        sig = code - 128
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+    os._exit(code)
+
+
 def own_pid_namespace() -> str | None:
-    """Make the rest of this child process 1 of a PID namespace of its own, with a
-    private mount namespace and its own ``/proc``: whatever it starts dies with it
+    """Run the rest of this child in a PID namespace of its own, with a private mount
+    namespace and its own ``/proc``: whatever it starts dies with it
     (pid_namespaces(7): when process 1 ends, the kernel kills the namespace), and
     ``/proc`` shows no process outside it.
 
-    This process becomes a shim: it leads its process group (the fork server kills
-    the group), forks, waits for the new process 1 and ends the way it ended (the same
-    signal, or the same exit code), so the fork server's wait status is the child's.
-    Only the new process returns. Must run as root, before privileges are dropped.
+    Three processes: this one stays outside as a shim (it leads its process group,
+    which the fork server kills); inside, process 1 only waits; the job runs as
+    process 2, so that its signals behave as anywhere (process 1 of a namespace ignores
+    signals it sends itself). Each waits for the next and ends the way it ended, so the
+    fork server's wait status is the job's; each dies with its parent. Only the job
+    returns. Must run as root, before privileges are dropped.
 
     Returns:
         None when it worked, else why not (this process then goes on unchanged).
@@ -243,32 +272,26 @@ def own_pid_namespace() -> str | None:
     os.setsid()
     if libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS) != 0:
         return f"no PID namespace: unshare(CLONE_NEWPID) failed: {os.strerror(ctypes.get_errno())}"
-    pid = os.fork()
-    if pid:
-        # The shim: no file of the child's stays open here.
+    init = os.fork()
+    if init:
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the server
         os.closerange(3, 1 << 16)
-        while True:
-            try:
-                _, status = os.waitpid(pid, 0)
-                break
-            except InterruptedError:
-                continue
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
-    # Process 1 of the new namespace: dies when the shim does.
+        _relay(init, signal_self=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    problem = None
     try:
         _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None),
                "mount --make-rprivate /")
         _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                           None), "mount proc")
     except OSError as exc:
-        return f"PID namespace without its own /proc: {exc}"
-    return None
+        problem = f"PID namespace without its own /proc: {exc}"
+    job = os.fork()
+    if job:
+        os.closerange(3, 1 << 16)
+        _relay(job, signal_self=False)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    return problem
 
 
 def scratch_filesystem(path: str, size_bytes: int, owner: tuple[int, int] | None) -> str | None:

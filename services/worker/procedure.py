@@ -46,6 +46,7 @@ from services.worker import sizes as size_rules
 from services.worker._reference import digest
 from services.worker.children import ChildFailed, Conversation, decode_tensor
 from services.worker.correctness import compare_outputs, compared_elements, tolerance_for
+from services.worker.rules import op_packet
 from services.worker.sandbox import PoolBroken
 from services.worker.targets import target_for
 
@@ -220,9 +221,7 @@ class Procedure:
     def _child_verdict(self, exc: ChildFailed) -> Verdict:
         stage = exc.stage if exc.stage in _STAGES else "runtime"
         if exc.who == "reference":
-            message = exc.message if exc.message.startswith(("the task", "shape_overrides")) \
-                else f"reference run: {exc.message}"
-            return Verdict("infrastructure", message, log=exc.traceback)
+            return Verdict("infrastructure", f"reference run: {exc.message}", log=exc.traceback)
         return Verdict(stage, exc.message, log=exc.traceback, trials=self.compared)
 
     async def _await(self, child: str, *key: Any) -> tuple[Any, list[bytearray]]:
@@ -253,10 +252,12 @@ class Procedure:
         self._size_answer(main, frame, raws, self.v.memory_limit_bytes)
         self.clock.lap("reference_start")
         await self._spawn("candidate", address_space_bytes=self._address_space(main))
-        kernel_path = await asyncio.to_thread(self.v.write_kernel_module, request,
-                                              self.kernels.source)
         await self._spawn("replay", address_space_bytes=self._address_space(main),
-                          kernel_path=kernel_path)
+                          kernels=self.kernels.source)
+        imported, _ = await self._await("candidate", "imported")
+        problem = self._refusals(imported.refused, {}) or self._namespace(imported.namespace)
+        if problem is not None:
+            raise problem
         await self._build(main)
         self.clock.lap("candidate_start")
         extra = await self._choose_sizes(main)
@@ -571,11 +572,13 @@ class Procedure:
             try:
                 await self._judge(trial, "run")
             except Verdict as verdict:
-                where = {"second": "at the sizes congruent with the task's own",
+                sizes = self.sizes.get(trial.key)
+                where = {"second": "at the task's own sizes" if sizes is not None and not
+                         sizes.overrides else "at sizes congruent with the task's own",
                          "declared": f"at the task's declared shape {trial.index}",
                          "generic": "at the shape-generality sizes"}[trial.key]
-                sizes = self.sizes.get(trial.key)
                 label = f" ({size_rules.text(sizes.names)})" if sizes else ""
+                verdict.fields["sizes_checked"] = self._checked_sizes()
                 if trial.key == "generic":
                     self.shape_generic = False
                     self.shape_generic_error = f"{verdict.fields['error']}"
@@ -601,6 +604,10 @@ class Procedure:
         got = _outputs_of(frame, raws)
         if quick:
             return frame, got, expected
+        traced = trial.traced[0]
+        problem = self._refusals(traced.refused, traced.refused_ops)
+        if problem is not None:
+            raise problem
         self._check_inputs(trial, frame, raws, where)
         self._check_aliasing(trial, real, where)
         comparison = await asyncio.to_thread(compare_outputs, expected, got, self.v.backend)
@@ -682,6 +689,12 @@ class Procedure:
                            "(host code or PyTorch hidden from the record)", **fields)
         real = trial.real[0]
         dist = f" (inputs: {real.distribution})" if real.distribution != "task" else ""
+        unwritten = _unwritten_outputs(trial.traced[0])
+        if failed is not None and failed.index in unwritten:
+            return Verdict("mismatch", f"output {failed.index} was never written: no kernel "
+                           "launch wrote it (nor a copy), so it holds what was allocated "
+                           f"({comparison.message} in {where}); pass the output tensor to "
+                           "the kernel that computes it", **fields)
         return Verdict("mismatch", f"{comparison.message} in {where}{dist}", **fields)
 
     async def _ghost_matches(self, trial: _Trial) -> bool:
@@ -804,9 +817,12 @@ class Procedure:
                                       f"{r.error}")
                 continue
             spec, result = failed[0]
+            lines = [line.strip() for line in result.error.splitlines() if line.strip()]
+            summary = lines[0][:400] if lines else "no message"
+            if len(lines) > 1 and lines[-1] not in summary:
+                summary += f" ... {lines[-1][:300]}"
             return Verdict("compile", f"the Triton kernel {spec.kernel} does not compile for "
-                           f"{target.sm} ({target.name}) at {spec.where}: "
-                           f"{result.error.splitlines()[0][:600]}",
+                           f"{target.sm} ({target.name}) at {spec.where}: {summary}",
                            log=result.error, trials=self.compared)
         grid_notes = [n for n in getattr(self, "compile_notes", []) if "grid" in n]
         if grid_notes:
@@ -827,27 +843,10 @@ class Procedure:
             frame, _ = await planner.get("audit")
         except ChildFailed as exc:
             return self._child_verdict(exc)
-        self.audit_frame = frame
-        if frame.refused:
-            return Verdict("audit", f"the sandbox refused {frame.refused[0]} in candidate "
-                           "code: candidates may not inspect the harness, its frames or its "
-                           "file descriptors, nor start threads or processes",
-                           log="\n".join(frame.refused), trials=self.compared)
-        if frame.refused_ops:
-            name, count = max(frame.refused_ops.items(), key=lambda kv: kv[1])
-            return Verdict("audit", f"{name} called {count} time{'s' if count != 1 else ''} in "
-                           "ModelNew.forward (refused at the dispatcher): PyTorch computed in "
-                           "forward; do the work in Triton kernels (only allocation, views "
-                           "and layout copies are allowed)",
-                           log="\n".join(f"{k}: {v}" for k, v in frame.refused_ops.items()),
-                           trials=self.compared)
-        if frame.namespace:
-            return Verdict("audit", f"the candidate's import changed the libraries it is "
-                           f"judged with: {', '.join(frame.namespace[:3])}"
-                           + (f" (+{len(frame.namespace) - 3} more)"
-                              if len(frame.namespace) > 3 else "")
-                           + "; candidates must not replace torch's or triton's functions",
-                           log="\n".join(frame.namespace), trials=self.compared)
+        problem = self._refusals(frame.refused, frame.refused_ops) or self._namespace(
+            frame.namespace)
+        if problem is not None:
+            return problem
         self.notes.extend(frame.notes)
         if frame.cuda:
             self.notes.append("cpu backend: CUDA was emulated for the candidate ("
@@ -856,14 +855,43 @@ class Procedure:
                               "clock")
         return None
 
+    def _refusals(self, refused: list[str], ops: dict[str, int]) -> Verdict | None:
+        """Rules D002, D004 and D016: what the dispatcher, the audit hook and the thread
+        and process guard refused in the candidate's process."""
+        if ops:
+            name, count = max(ops.items(), key=lambda kv: kv[1])
+            return Verdict("audit", f"{name} called {count} time{'s' if count != 1 else ''} in "
+                           "ModelNew.forward (refused at the dispatcher): PyTorch computed in "
+                           "forward; do the work in Triton kernels (only allocation, views "
+                           "and layout copies are allowed)",
+                           log="\n".join(f"{k}: {v}" for k, v in ops.items()),
+                           trials=self.compared)
+        if refused:
+            return Verdict("audit", f"the sandbox refused {refused[0]} in candidate code: "
+                           "candidates may not inspect the harness, its frames or its file "
+                           "descriptors, nor start threads or processes",
+                           log="\n".join(refused), trials=self.compared)
+        return None
+
+    def _namespace(self, changes: list[str]) -> Verdict | None:
+        """Rule D017: the candidate's import replaced functions of torch or triton."""
+        if not changes:
+            return None
+        return Verdict("audit", f"the candidate's import changed the libraries it is judged "
+                       f"with: {', '.join(changes[:3])}"
+                       + (f" (+{len(changes) - 3} more)" if len(changes) > 3 else "")
+                       + "; candidates must not replace torch's or triton's functions",
+                       log="\n".join(changes), trials=self.compared)
+
     # ------------------------------------------------------------ verdict
 
+    def _checked_sizes(self) -> list[dict[str, Any]]:
+        """The requested sizes' module-level sizes, then the other sizes checked."""
+        return [dict(self.sizes[k].names) for k in ("main", "second") if k in self.sizes]
+
     def _passed_fields(self) -> dict[str, Any]:
-        main = self.sizes["main"]
-        checked = [dict(main.names)]
         second = self.sizes.get("second")
-        if second is not None:
-            checked.append(dict(second.names))
+        checked = self._checked_sizes()
         tol = self.tolerance or tolerance_for(torch.float32, self.v.backend)
         if self.distributions:
             self.notes.append("inputs: " + "; ".join(
@@ -889,6 +917,31 @@ class Procedure:
 
 _STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
            "audit"}
+# ATen ops that write a storage they were given (or return a copy of another).
+_WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
+                "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+                "new_full", "arange", "lift_fresh", "lift_fresh_copy", "scalar_tensor")
+
+
+def _unwritten_outputs(traced: Any) -> set[int]:
+    """Indexes of outputs whose storage no launch took as an argument and no writing
+    op produced or filled: what ``forward`` allocated and returned untouched."""
+    written: set[int] = set()
+    for event in traced.events:
+        if not isinstance(event, dict):
+            continue
+        if "launch" in event:
+            tune = event.get("autotune")
+            runs = (tune.get("variants") or [event]) if isinstance(tune, dict) else [event]
+            for run in runs:
+                written.update(n["s"] for n in values.tensors_in(run.get("args")))
+        elif op_packet(str(event.get("op"))) in _WRITING_OPS:
+            written.update(n["s"] for n in values.tensors_in(event.get("out")))
+            if str(event.get("op")).split(".")[1].endswith("_"):
+                written.update(n["s"] for n in values.tensors_in(event.get("args", [])[:1]))
+    inputs = {n["s"] for n in values.tensors_in(traced.inputs)}
+    return {i for i, n in enumerate(values.tensors_in(traced.outputs))
+            if n["s"] not in written and n["s"] not in inputs}
 
 
 def _format_bytes(n: float) -> str:

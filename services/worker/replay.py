@@ -37,13 +37,8 @@ import numpy as np
 import torch
 
 from services.worker import values
-from services.worker.rules import ALLOWED_OPS
-from services.worker.trace import (
-    UNDEFINED_ALLOCATIONS,
-    code_end_line,
-    fill_undefined,
-    op_packet,
-)
+from services.worker.rules import ALLOWED_OPS, op_packet
+from services.worker.trace import UNDEFINED_ALLOCATIONS, code_end_line, fill_undefined
 from services.worker.values import TensorRef
 
 

@@ -5,7 +5,7 @@ with a stable id, what it catches, the public report it comes from, and the test
 shows it working. The static rules live in :mod:`services.worker.static_check`.
 
 The parent (the worker) applies these rules to data it received from the sandboxed
-children; a child only reports what happened (ops it saw, bytes it produced).
+children (:mod:`services.worker.procedure`); a child only reports what happened.
 """
 
 from __future__ import annotations
@@ -24,57 +24,97 @@ class Rule:
 
 
 _T = "tests/test_verdict_integrity.py::"
+_C = "tests/test_corpus.py::"
 
 DYNAMIC_RULES: tuple[Rule, ...] = (
-    Rule("D001", "input modified in place: the parent digests the input bytes the candidate's "
-         "child hands back after each call and compares them with the reference process's",
+    Rule("D001", "input modified in place: the replayer hands back the inputs as its kernels "
+         "left them; this process digests them and compares with the reference's",
          "KernelBench reward-hacking reports (in-place writes to inputs)",
          _T + "test_rewriting_the_harness_does_not_hide_input_mutation"),
-    Rule("D002", "PyTorch compute operators executed in ModelNew.forward (ATen ops recorded by a "
-         "TorchDispatchMode, outside the allocation/view/copy allowlist)",
+    Rule("D002", "PyTorch compute operators in ModelNew.forward: refused at the dispatcher in "
+         "the candidate's process (every thread, every dispatch path), and not replayable (a "
+         "plan holding one fails)",
          "KernelGuard (runtime op audit); KernelBench issue #165 discussion of torch fallbacks",
          _T + "test_torch_operators_behind_a_scratch_kernel_fail_the_audit"),
-    Rule("D003", "ghost replay: outputs still match with every Triton launch a no-op and "
-         "allocations NaN-filled, so the kernels did not compute them",
+    Rule("D003", "outputs that do not depend on the kernels: the candidate's own run is a ghost "
+         "(launches no-ops, allocations NaN-filled) and its plan is replayed without launches; "
+         "expected outputs from either fail",
          "KernelGuard ghost replay; Sakana AI CUDA Engineer post-mortem (kernels that skip work)",
          _T + "test_numpy_doing_the_work_fails_the_ghost_replay"),
-    Rule("D004", "candidate code reaching the harness (gc.get_objects/referrers, frames, ctypes, "
-         "/proc, sockets, settrace, exec) is refused by an audit hook and fails the run",
+    Rule("D004", "candidate code reaching the harness: object-graph walks, tracing, ctypes, "
+         "sockets and /proc refused whatever frame asks; frame reads and dynamic code when "
+         "the candidate's code asks",
          "PEP 578 (runtime audit hooks); this project's red-team: a timing frame forged via gc",
          _T + "test_finding_the_channel_through_gc_is_refused"),
     Rule("D005", "frames on the result channel that the harness did not write (keyed BLAKE2b "
-         "chain over every frame) or that arrive outside the protocol (a Timing outside "
-         "profiling, twice, or with the wrong sample count)",
+         "chain over every frame) or that arrive outside the protocol",
          "this project's red-team: a timing frame sent by candidate code was accepted",
          _T + "test_forged_timing_frame_is_detected"),
     Rule("D006", "timings whose sum exceeds the wall time the parent observed for the phase",
-         "timings cross-checked against the parent's clock (red-team)", "tests/test_verifier.py::test_timings_larger_than_wall_time_are_"
-         "inconsistent"),
+         "timings cross-checked against the parent's clock (red-team)",
+         "tests/test_verifier.py::test_timings_larger_than_wall_time_are_inconsistent"),
     Rule("D007", "speedups implying more bytes/s than the arch's peak memory bandwidth "
          "(roofline floor over the task's input + output bytes)",
          "roofline model (Williams, Waterman, Patterson, CACM 2009); NVIDIA datasheets",
          _T + "test_roofline_floor"),
-    Rule("D008", "a second input size: the task's own sizes when they fit, else a reduced size "
-         "with non-power-of-two extents (kernels right only for the first tile)",
-         "KernelBench shape-generalisation reports (matmul/mean kernels right for one tile)",
-         _T + "test_first_tile_matmul_fails_at_the_second_size"),
-    Rule("D009", "scale-aware comparison: relative L2 error per dtype and constant outputs "
-         "against a non-constant reference",
+    Rule("D008", "sizes that exercise what the task's own sizes launch: those sizes when they "
+         "fit, else a dry run there (meta tensors) and a size launching the same kernels with "
+         "congruent extents; what no size within the budget reproduces is listed in unchecked",
+         "KernelBench shape-generalisation reports (kernels right for one tile or one size)",
+         _T + "test_first_tile_matmul_fails_at_the_task_sizes"),
+    Rule("D009", "scale-aware comparison: atol grows with the output's magnitude, relative L2 "
+         "error per dtype, constant outputs against a non-constant reference",
          "KernelBench issue #165 (outputs below atol pass with zeros)",
          _T + "test_constant_output_against_a_small_scale_reference_fails"),
     Rule("D010", "a verification that compared no elements never passes",
-         "this project's red-team: --shape batch_size=0 passed with nothing compared", _T + "test_zero_size_inputs_never_pass"),
-    Rule("D011", "tensor data handed to host code in ModelNew.forward beyond "
-         "64 elements a call (Tensor.numpy/tolist/__array__/__dlpack__/storages, "
-         ".item()/float()): numpy or Python computing where no ATen op is recorded",
-         "this project's red-team: a relu computed by numpy through a tensor's numpy view, "
-         "and by .item() reads, passed with NaN-fill detection dodging the ghost replay",
-         _T + "test_host_reads_of_tensor_data_fail_the_audit"),
+         "this project's red-team: --shape batch_size=0 passed with nothing compared",
+         _T + "test_zero_size_inputs_never_pass"),
+    Rule("D011", "inputs the candidate cannot see: its process plans on decoys (the task's "
+         "inputs at other secret seeds); the outputs judged are the replay of its plan on "
+         "the real inputs, in a process that runs only its kernels and allowlisted operators",
+         "this project's red-team: answers computed in __init__ from the fixed seeds, or by "
+         "host code hidden from every in-process instrument",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D012", "secret seeds and input distributions: seeds from the OS's cryptographic "
+         "source, known to the reference child only; trials drawn from the task's own, large "
+         "and small magnitudes, uniform, one sign, zeros and ties",
+         "KernelBench's newer harness (varied input distributions); this project's red-team "
+         "(a relu wrong above 6, a softmax without max-subtraction passed on randn)",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D013", "every kernel specialisation launched (at the checked sizes and, dry-run, at "
+         "the task's own) compiled ahead of time for a GPU target; a compile error, shared "
+         "memory or threads beyond the target, a grid beyond its limits fail at compile",
+         "Triton's compiler (triton.compile, ASTSource, GPUTarget); CUDA C++ Programming Guide, "
+         "technical specifications per compute capability",
+         _C + "test_what_a_gpu_cannot_compile_passes_once_fixed"),
+    Rule("D014", "loads, stores and atomics outside the launch's tensors (masked lanes "
+         "excluded), checked on every replayed access on the interpreter",
+         "a GPU faults or corrupts other memory on them; the interpreter reads host memory",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D015", "every @triton.autotune config run on the checked sizes, twice on the same "
+         "arguments as the GPU autotuner does (reset_to_zero and restore_value honoured)",
+         "Triton's Autotuner (benchmark runs, then the chosen config)",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D016", "threads and processes refused in the candidate's process (Python's entry "
+         "points, and a seccomp filter on clone, fork, vfork and execve on cpu); each child "
+         "is process 1 of its own PID namespace, so nothing it starts outlives it",
+         "this project's red-team: a thread hid torch compute from a thread-local recorder; "
+         "processes outlived their verification",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D017", "attributes of torch or triton the candidate's import replaced (compared "
+         "with a snapshot taken before it)",
+         "this project's red-team: torch.randn replaced so the task's get_inputs() "
+         "handed out inputs with known answers",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D018", "outputs that are not exactly torch.Tensor or a plain tuple or list of them "
+         "(a subclass's methods would run after the record)",
+         "this project's red-team: a list subclass computing in __iter__",
+         _C + "test_hostile_candidate_fails"),
+    Rule("D019", "every shape a task declares in get_inputs_dyn_list() must pass; shape "
+         "generality (one more, odd-extent size) is reported in shape_generic",
+         "the reference AIKG's dynamic-shape tasks; KernelBench shape-generalisation reports",
+         _T + "test_declared_shapes_must_all_pass"),
 )
-# D011: tensor elements one forward call may hand to host code (a few scalar parameters
-# read with .item(), say); a computation on the host reads whole inputs.
-HOST_READ_LIMIT = 64
-
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
 # ``aten.view`` for ``aten.view.default``); anything else is a compute operator.
 # Allocation: new tensors whose contents are constants or undefined.
@@ -94,55 +134,13 @@ VIEW_OPS = frozenset({
 COPY_OPS = frozenset({"clone", "copy_", "_to_copy", "contiguous", "to", "_copy_from",
                       "_copy_from_and_resize"})
 ALLOWED_OPS = ALLOCATION_OPS | VIEW_OPS | COPY_OPS
-# Issued from Triton's own frames while it launches a kernel: the interpreter copies
-# every tensor argument's storage to the host and back (``GridExecutor._init_args_hst``,
-# ``_restore_args_dev`` in triton/runtime/interpreter.py: ``new_empty``, ``set_``,
-# ``copy_``); the autotuner clears caches and restores arguments (``zero_``, ``clone``).
-LAUNCHER_OPS = ALLOWED_OPS | frozenset({"set_"})
+
 
 
 def op_packet(name: str) -> str:
     """``aten.relu.default`` -> ``relu``; ``aten.gt.Scalar`` -> ``gt``."""
     parts = name.split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == "aten" else name
-
-
-def audit_findings(ops: dict[str, int], launcher_ops: dict[str, int]) -> list[str]:
-    """Messages for recorded ops outside the allowlists, most-called first.
-
-    Args:
-        ops: ATen overload name -> calls, issued by candidate code (all forward calls).
-        launcher_ops: the same, issued from Triton's frames during launches.
-
-    Returns:
-        e.g. ``["aten.mul.Tensor called 3 times in ModelNew.forward"]``; empty when clean.
-    """
-    bad = {n: c for n, c in ops.items() if op_packet(n) not in ALLOWED_OPS}
-    bad.update({n: bad.get(n, 0) + c for n, c in launcher_ops.items()
-                if op_packet(n) not in LAUNCHER_OPS})
-    return [f"{name} called {count} time{'s' if count != 1 else ''} in ModelNew.forward"
-            for name, count in sorted(bad.items(), key=lambda kv: (-kv[1], kv[0]))]
-
-
-def host_read_finding(host_reads: dict[str, int], host_elements: int) -> str | None:
-    """Rule D011's message when one forward call read more than :data:`HOST_READ_LIMIT`
-    tensor elements into host code, else None.
-
-    Args:
-        host_reads: ``Tensor.numpy`` ... -> calls by candidate code (all forward calls).
-        host_elements: the most elements one call read (those calls and ``.item()``).
-
-    Example: ``ModelNew.forward handed 16384 tensor elements to host code in one call
-    (Tensor.numpy 2 calls); at most 64 ...``.
-    """
-    if host_elements <= HOST_READ_LIMIT:
-        return None
-    how = ", ".join(f"{name} {count} call{'s' if count != 1 else ''}"
-                    for name, count in sorted(host_reads.items())) or ".item()/float() reads"
-    return (f"ModelNew.forward handed {host_elements} tensor elements to host code in one "
-            f"call ({how}); at most {HOST_READ_LIMIT} are allowed (a few scalar parameters): "
-            "compute in Triton kernels, not in numpy or Python (pass tensors to the kernels "
-            "and tl.load them)")
 
 
 # Peak memory bandwidth per arch, bytes per second (the `arch` label of a request,

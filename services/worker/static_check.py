@@ -34,6 +34,7 @@ from __future__ import annotations
 import ast
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from schemas.events import normalize_dsl
 
@@ -207,6 +208,8 @@ ALLOWED_TORCH_CALLS = frozenset({
     # Timing and profiler markers: they measure, they do not compute.
     "cuda.Event", "npu.Event", "cuda.nvtx.range_push", "cuda.nvtx.range_pop",
     "cuda.nvtx.range",
+    # Generator state: the trial inputs do not depend on it (they come from elsewhere).
+    "manual_seed", "initial_seed", "seed", "cuda.manual_seed", "cuda.manual_seed_all",
 })
 # Tensor methods that compute (in-place variants with a trailing underscore too).
 COMPUTE_METHODS = frozenset({
@@ -773,7 +776,7 @@ class _Checker:
                               None))
         while queue:
             func, where, owner = queue.popleft()
-            for node in _walk_body(func):
+            for node in _walk_body(func, skip=_off_gpu_branches):
                 if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
                     self.add(node.lineno, f"matrix multiply operator @ used in {where} (torch "
                              "compute ops are not allowed; do the work in a Triton kernel)",
@@ -918,17 +921,64 @@ def _methods(cls: ast.ClassDef) -> dict[str, ast.AST]:
     return {n.name: n for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
-def _walk_body(func: ast.AST):
+def _walk_body(func: ast.AST, skip: Any = None):
     """Nodes of a function (or lambda) body, not descending into nested functions or
-    classes."""
+    classes; ``skip(node)`` names child statements not to descend into."""
     body = getattr(func, "body", [])
     stack = list(body) if isinstance(body, list) else [body]
     while stack:
         node = stack.pop()
         yield node
+        skipped = skip(node) if skip is not None else ()
         for child in ast.iter_child_nodes(node):
-            if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                stack.append(child)
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                continue
+            if any(child is s for s in skipped):
+                continue
+            stack.append(child)
+
+
+def _cpu_guard(test: ast.expr) -> bool | None:
+    """Whether ``if test:`` holds only off a GPU (True), only on one (False), or
+    either (None): ``not x.is_cuda``, ``x.device.type != "cuda"``, ``x.device.type ==
+    "cpu"``, ``not torch.cuda.is_available()`` and their negations."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _cpu_guard(test.operand)
+        return None if inner is None else not inner
+    if isinstance(test, ast.Attribute) and test.attr == "is_cuda":
+        return False
+    if isinstance(test, ast.Call) and isinstance(test.func, ast.Attribute) \
+            and test.func.attr == "is_available" and not test.args:
+        return False
+    if isinstance(test, ast.Compare) and len(test.ops) == 1 \
+            and isinstance(test.left, ast.Attribute) and test.left.attr == "type" \
+            and isinstance(test.comparators[0], ast.Constant):
+        value, op = test.comparators[0].value, test.ops[0]
+        if value == "cuda":
+            return isinstance(op, ast.NotEq) if isinstance(op, (ast.Eq, ast.NotEq)) else None
+        if value == "cpu":
+            return isinstance(op, ast.Eq) if isinstance(op, (ast.Eq, ast.NotEq)) else None
+    if isinstance(test, ast.BoolOp):
+        parts = [_cpu_guard(v) for v in test.values]
+        if isinstance(test.op, ast.Or) and all(p is True for p in parts):
+            return True
+        if isinstance(test.op, ast.And) and all(p is False for p in parts):
+            return False
+    return None
+
+
+def _off_gpu_branches(node: ast.AST) -> list[ast.AST]:
+    """The statements of an ``if`` that run only when the tensors are not on a GPU (a
+    fallback): S007 leaves them to the dynamic checks, which run candidates as on a
+    GPU (the cpu backend emulates CUDA for them)."""
+    if not isinstance(node, ast.If):
+        return []
+    guard = _cpu_guard(node.test)
+    if guard is True:
+        return list(node.body)
+    if guard is False:
+        return list(node.orelse)
+    return []
 
 
 def check_candidate(code: str, dsl: str = "triton") -> list[Finding]:

@@ -37,6 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from services.worker import values
+from services.worker.rules import op_packet
 from services.worker.values import TensorRef
 
 # Triton launch keyword arguments that are options, not kernel arguments
@@ -56,12 +57,6 @@ UNDEFINED_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_
 
 class TraceError(RuntimeError):
     """The plan cannot be recorded (an argument the trace cannot carry)."""
-
-
-def op_packet(name: str) -> str:
-    """``aten.relu.default`` -> ``relu``."""
-    parts = name.split(".")
-    return parts[1] if len(parts) >= 2 and parts[0] == "aten" else name
 
 
 def fill_undefined(t: torch.Tensor) -> None:

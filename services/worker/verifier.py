@@ -145,6 +145,12 @@ def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | N
             + (f" ({command}: --shape {name}={value})" if command else ""))
 
 
+def _task_key(request: VerifyRequest) -> tuple[str, str]:
+    """(sha256 of the task source, the shape_overrides as canonical JSON)."""
+    return (hashlib.sha256(request.task_desc.encode()).hexdigest(),
+            json.dumps(request.shape_overrides, sort_keys=True))
+
+
 def _join_log(*parts: str, limit: int) -> str:
     text = "\n".join(p for p in parts if p)
     data = text.encode()
@@ -304,10 +310,11 @@ class Verifier:
     # ------------------------------------------------------------ children
 
     def child_spec(self, request: VerifyRequest, role: str, device: str, *,
-                   address_space_bytes: int | None = None, kernel_path: str | None = None,
+                   address_space_bytes: int | None = None, kernels: str | None = None,
                    **fields: Any) -> ChildSpec:
         """A ChildSpec for one of a verification's children (its scratch directory made,
-        the task and the candidate, or its kernel module, written there)."""
+        the task and the candidate, or for the replayer ``kernels``, the candidate's
+        kernel module, written there)."""
         scratch = self.sandbox.scratch(request.request_id, role)
         (scratch / "task.py").write_text(request.task_desc)
         candidate = ""
@@ -315,8 +322,8 @@ class Verifier:
             (scratch / "candidate.py").write_text(request.code)
             candidate = str(scratch / "candidate.py")
             self.candidate_runs += 1
-        elif role in ("replay", "compile") and kernel_path is not None:
-            (scratch / "candidate.py").write_text(Path(kernel_path).read_text())
+        elif role == "replay" and kernels is not None:
+            (scratch / "candidate.py").write_text(kernels)
             candidate = str(scratch / "candidate.py")
         if role == "reference":
             self.reference_runs += 1
@@ -333,14 +340,6 @@ class Verifier:
             isolate_network=True, frame_key=os.urandom(32), scratch_bytes=self.scratch_bytes,
             env_allow=list(self.sandbox.env_allow), address_space_bytes=address_space_bytes,
             **fields)
-
-    def write_kernel_module(self, request: VerifyRequest, source: str) -> str:
-        """Write the candidate's kernel module (see :mod:`services.worker.kernel_source`)
-        for the replayer and compile children; returns its path."""
-        directory = self.sandbox.scratch(request.request_id, "kernels")
-        path = directory / "candidate.py"
-        path.write_text(source)
-        return str(path)
 
     def size_hint(self, need: int, limit: int, names: Mapping[str, Any]) -> str:
         return _size_hint(need, limit, names, self.client_command)
@@ -417,6 +416,8 @@ class Verifier:
                                               limit=self.output_limit_bytes)
             verdict.fields.setdefault("trials", procedure.compared)
             verdict.fields.setdefault("notes", procedure.notes)
+            if "main" in procedure.sizes:
+                verdict.fields.setdefault("sizes_checked", procedure._checked_sizes())
             raise
         finally:
             await procedure.close()
@@ -506,18 +507,9 @@ class Verifier:
                 plan, or its timing is impossible; (infrastructure) no timing came.
         """
         request = procedure.request
-        task_sha = hashlib.sha256(request.task_desc.encode()).hexdigest()
-        overrides = json.dumps(request.shape_overrides, sort_keys=True)
+        task_sha, overrides = _task_key(request)
         key = (task_sha, request.arch, overrides)
-        origin = "worker_cache"
-        base = self._base_times.get(key)
-        if base is None and self.shared_cache is not None:
-            shared = await self.shared_cache.get_baseline(
-                self._baseline_key(request, task_sha, overrides))
-            if shared is not None:
-                base = self._base_times[key] = _BaseTime(shared.median_us, shared.measured_at,
-                                                         "shared")
-                origin = "shared_cache"
+        base, origin = await self.cached_baseline(request)
         if base is None:
             ref = procedure.ref
             await ref.send(wire.RefProfile(key="main"))
@@ -560,6 +552,24 @@ class Verifier:
         fields = {"gen_time_us": timing.median_us,
                   **speedup_fields(base.median_us, timing.median_us, self.speedup_flag_bound)}
         return fields
+
+    async def cached_baseline(self, request: VerifyRequest) -> tuple[_BaseTime | None, str]:
+        """The eager baseline of ``request``'s task, arch and shapes from this process
+        (``worker_cache``) or the shared bucket (``shared_cache``, then kept here), or
+        (None, ``measured``) when it must be measured."""
+        task_sha, overrides = _task_key(request)
+        key = (task_sha, request.arch, overrides)
+        base = self._base_times.get(key)
+        if base is not None:
+            return base, "worker_cache"
+        if self.shared_cache is not None:
+            shared = await self.shared_cache.get_baseline(
+                self._baseline_key(request, task_sha, overrides))
+            if shared is not None:
+                base = self._base_times[key] = _BaseTime(shared.median_us, shared.measured_at,
+                                                         "shared")
+                return base, "shared_cache"
+        return None, "measured"
 
     def check_timing(self, timing: wire.Timing, since: float | None, who: str,
                      repeats: int | None = 20, stage: str = "infrastructure") -> None:

@@ -72,7 +72,7 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     profile: bool = False
     address_space_bytes: int | None = None
     cpu_seconds: int = 600
-    file_size_bytes: int = 64 << 20
+    file_size_bytes: int = 128 << 20
     open_files: int = 1024
     processes: int = 4096
     run_as: tuple[int, int] | None = None
@@ -316,12 +316,22 @@ class DryRun(msgspec.Struct, tag="plan.dryrun"):
     error: str | None = None
 
 
+class Imported(msgspec.Struct, tag="plan.imported"):
+    """Planner -> parent, once the candidate's module is imported: the attributes of
+    torch or triton its import replaced, and what the audit hook refused so far."""
+
+    namespace: list[str]
+    refused: list[str] = []
+
+
 class Traced(msgspec.Struct, tag="plan.traced"):
     """Planner -> parent: the plan of one call (see :mod:`services.worker.trace`).
 
     ``inputs``: the decoys as the plan names them; ``captures``: (storage id, bytes)
     of storages the plan did not create, whose bytes follow as raw frames, then one raw
     frame per output (``output_metas``: what the planner's own, ghost, run returned).
+    ``refused`` / ``refused_ops``: what the audit hook and the dispatcher refused so
+    far in the candidate's process (as in :class:`Audit`).
     """
 
     key: str
@@ -331,6 +341,8 @@ class Traced(msgspec.Struct, tag="plan.traced"):
     captures: list[tuple[int, int]]
     outputs: Any
     output_metas: list[TensorMeta]
+    refused: list[str] = []
+    refused_ops: dict[str, int] = {}
 
 
 class Audit(msgspec.Struct, tag="audit"):
@@ -421,7 +433,7 @@ class Compiled(msgspec.Struct, tag="compiled"):
 
 
 Frame = (Hello | Progress | Timing | Failure | Lowered | Done | RefSize | RefMeta | RefTrial
-         | RefFailed | RefDone | Built | DryRun | Traced | Audit | Replayed | ReplayFailed | Compiled)
+         | RefFailed | RefDone | Built | DryRun | Imported | Traced | Audit | Replayed | ReplayFailed | Compiled)
 Command = Bye | RefRequest | RefProfile | PlanBuild | PlanDryRun | PlanCall | PlanProfile | ReplayRequest
 
 _encoder = msgspec.msgpack.Encoder()

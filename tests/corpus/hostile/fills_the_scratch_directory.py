@@ -1,0 +1,25 @@
+# corpus: {"class": 5, "task": "relu", "stage": ["compile", "runtime"], "error": "No space left"}
+# Writes 600 MiB to its working directory in files under the per-file limit.
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+for _part in range(12):
+    with open(f"fill{_part}.bin", "wb") as _f:
+        for _ in range(50):
+            _f.write(b"x" * (1 << 20))
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(out_ptr + offs, tl.maximum(tl.load(x_ptr + offs, mask=m), 0.0), mask=m)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        out = torch.empty_like(x)
+        relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        return out
