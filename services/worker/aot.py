@@ -11,6 +11,8 @@ server with Triton's compiler, not its interpreter) compiles each with
 32))``, which needs no GPU, and checks the compiled kernel's shared memory and
 threads against the target's limits (:mod:`services.worker.targets`). Results are
 cached by :attr:`CompileSpec.key` (kernel source, specialisation, options, target).
+On the cpu backend the compile child comes from the same fork server as the others,
+which imported Triton for its interpreter; :func:`compile_mode` turns that back.
 """
 
 from __future__ import annotations
@@ -139,37 +141,40 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
     return list(found.values()), notes
 
 
+_WARM_KERNEL = (
+    "import triton.language as tl\n\n\n"
+    "def warm_kernel(x_ptr, n, BLOCK: tl.constexpr):\n"
+    "    offs = tl.arange(0, BLOCK)\n"
+    "    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, mask=offs < n)\n")
+
+
 def warm_up() -> None:
-    """Fork-server warm-up of the compile server: one tiny compile, so that every
-    compile child starts with LLVM initialised (measured here: 1.3 s for the first
-    compile in a process, 0.1-0.2 s for the next ones)."""
+    """Fork-server warm-up: one tiny compile, so that every compile child starts with
+    LLVM initialised (measured here: 1.3 s for the first compile in a process, 0.1-0.2 s
+    for the next ones). The kernel is wrapped as a JITFunction by hand: the server may
+    have imported Triton for its interpreter, whose ``@triton.jit`` does not compile."""
+    import importlib.util
     import os
     import tempfile
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
 
-    source = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
-              "def warm_kernel(x_ptr, n, BLOCK: tl.constexpr):\n"
-              "    offs = tl.arange(0, BLOCK)\n"
-              "    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1.0, "
-              "mask=offs < n)\n")
     with tempfile.TemporaryDirectory() as tmp:
         # The server's own cache, gone with the warm-up: children have theirs.
         previous = os.environ.get("TRITON_CACHE_DIR")
         os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "cache")
         path = os.path.join(tmp, "warm_kernel.py")
         with open(path, "w") as f:
-            f.write(source)
-        import importlib.util
-
+            f.write(_WARM_KERNEL)
         spec = importlib.util.spec_from_file_location("aikg_warm_kernel", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         try:
-            triton.compile(ASTSource(module.warm_kernel, {"x_ptr": "*fp32", "n": "i32",
-                                                          "BLOCK": "constexpr"},
+            triton.compile(ASTSource(JITFunction(module.warm_kernel),
+                                     {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                                      constexprs={"BLOCK": 16}),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
         finally:
@@ -177,6 +182,28 @@ def warm_up() -> None:
                 os.environ.pop("TRITON_CACHE_DIR", None)
             else:
                 os.environ["TRITON_CACHE_DIR"] = previous
+
+
+def compile_mode() -> int:
+    """Turn Triton's interpreter off in this (compile) child: the standard library's
+    ``@triton.jit`` functions (``tl.sigmoid``, ``tl.softmax`` ...), made interpreted when
+    the fork server imported Triton for the interpreter, become JITFunctions again so
+    kernels that call them compile. Returns how many were converted."""
+    import sys
+
+    import triton
+    from triton.runtime import interpreter, jit
+
+    triton.knobs.runtime.interpret = False
+    count = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("triton.language"):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, interpreter.InterpretedFunction):
+                setattr(module, attr, jit.JITFunction(value.fn, **value.kwargs))
+                count += 1
+    return count
 
 
 def _constant(value: Any) -> Any:
@@ -224,13 +251,11 @@ def run_compile(spec: Any, channel: Any) -> None:
     """The compile child: compile ``spec.compile_specs`` from the kernel module at
     ``spec.candidate_path`` for ``spec.compile_target`` and send
     :class:`~services.worker.wire.Compiled`."""
-    import triton
-
     from services.worker._child import _load_module
     from services.worker.targets import target_for
     from services.worker.wire import Compiled, CompileResult, Progress
 
-    triton.knobs.runtime.interpret = False
+    compile_mode()
     channel.send(Progress(phase="compiling the kernels for a GPU target"))
     module = _load_module("aikg_candidate_kernels", spec.candidate_path)
     target = target_for(spec.compile_target)

@@ -580,8 +580,7 @@ class Sandbox:
 
     def __init__(self, backend: str, *, name: str, scratch_root: str | Path | None = None,
                  require: tuple[str, ...] | list[str] = (), env_allow: tuple[str, ...] = (),
-                 preload: tuple[str, ...] = (), interpret: bool | None = None,
-                 isolation: Isolation | None = None,
+                 preload: tuple[str, ...] = (),
                  scratch_bytes: int | None = 256 << 20) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
@@ -600,17 +599,14 @@ class Sandbox:
         self.scratch_root = Path(scratch_root) if scratch_root is not None else (
             Path(os.environ.get("TMPDIR", "/tmp"))
             / f"aikg-{safe_name(name)}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self.isolation = isolation or Isolation()
-        # A sandbox given its isolation (one probed already on this machine) skips the
-        # probe: the compile server's children have no device to launch on.
-        self._probed = isolation
+        self.isolation = Isolation()
         # Triton decides at import time whether its standard library (tl.sigmoid,
         # tl.softmax ...) is interpreted, so the fork server must import it with
         # TRITON_INTERPRET already set on the cpu backend; a child's later switch only
-        # covers kernels the candidate defines itself.
-        self.interpret = backend == "cpu" if interpret is None else interpret
+        # covers kernels the candidate defines itself (a compile child switches back,
+        # services.worker.aot.compile_mode).
         server_env = dict(os.environ)
-        if self.interpret:
+        if backend == "cpu":
             server_env["TRITON_INTERPRET"] = "1"
         else:
             server_env.pop("TRITON_INTERPRET", None)
@@ -646,7 +642,7 @@ class Sandbox:
                 os.chmod(self.scratch_root / sub, 0o711)
             self.pool.start()
             try:
-                self.isolation = self._probed or self._probe()
+                self.isolation = self._probe()
                 self.isolation.check(self.require)
             except BaseException:
                 self.pool.close()
@@ -743,7 +739,7 @@ class Sandbox:
             env["CUDA_VISIBLE_DEVICES"] = device
         elif self.backend == "ascend":
             env["ASCEND_RT_VISIBLE_DEVICES"] = device
-        elif self.interpret:
+        else:
             env["TRITON_INTERPRET"] = "1"
         return env
 

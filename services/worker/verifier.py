@@ -38,7 +38,6 @@ import hashlib
 import json
 import math
 import os
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -224,11 +223,11 @@ class Verifier:
         self.candidate_runs = 0
         self.sandbox = Sandbox(backend, name=f"worker-{worker_id}", scratch_root=scratch_root,
                                require=sandbox_require, env_allow=sandbox_env_allow,
-                               preload=("services.worker.enforce:warm_up",),
+                               preload=("services.worker.enforce:warm_up",
+                                        *(("services.worker.aot:warm_up",) if self.aot_target
+                                          else ())),
                                scratch_bytes=scratch_bytes)
         self.scratch_root = self.sandbox.scratch_root
-        self._compile_sandbox: Sandbox | None = None
-        self._compile_lock = threading.Lock()
         self._compiled: dict[str, wire.CompileResult] = {}
         self._base_times: dict[tuple[str, str, str], _BaseTime] = {}
         self.shared_cache: SharedCache | None = None
@@ -275,18 +274,9 @@ class Verifier:
         if self.compare_threads is not None:
             torch.set_num_threads(self.compare_threads)
         self.sandbox.start()
-        if self.aot_target and self.backend == "cpu":
-            # Ready by the first compile check (its imports take seconds).
-            threading.Thread(target=self._start_compile_server, daemon=True,
-                             name="aikg-compile-server").start()
         log.info("verifier.started", backend=self.backend, worker_id=self.worker_id,
                  sandbox=self.sandbox.isolation.summary(), notes=self.sandbox_notes)
 
-    def _start_compile_server(self) -> None:
-        try:
-            self._compile_server()
-        except Exception as exc:  # noqa: BLE001 - retried at the first compile check
-            log.warning("compile.server_start_failed", error=f"{type(exc).__name__}: {exc}")
 
     def clear_caches(self) -> None:
         """Forget this process's baselines and compile results (what a fresh worker
@@ -301,10 +291,6 @@ class Verifier:
     def close(self) -> None:
         """Stop the fork servers (they kill every running child's process group) and
         remove a default scratch root."""
-        with self._compile_lock:
-            if self._compile_sandbox is not None:
-                self._compile_sandbox.close()
-                self._compile_sandbox = None
         self.sandbox.close()
 
     # ------------------------------------------------------------ children
@@ -332,10 +318,9 @@ class Verifier:
         if self.backend != "cpu":
             address_space_bytes = None
         cpu_seconds = math.ceil(request.timeout_s) * max(1, os.cpu_count() or 1) + 10
-        sandbox = self._compile_sandbox if role == "compile" else self.sandbox
         return ChildSpec(
             role=role, scratch_dir=str(scratch), backend=self.backend, arch=request.arch,
-            env=sandbox.child_env(device), task_path=str(scratch / "task.py"),
+            env=self.sandbox.child_env(device), task_path=str(scratch / "task.py"),
             candidate_path=candidate, cpu_seconds=cpu_seconds, run_as=self.run_as,
             isolate_network=True, frame_key=os.urandom(32), scratch_bytes=self.scratch_bytes,
             env_allow=list(self.sandbox.env_allow), address_space_bytes=address_space_bytes,
@@ -435,23 +420,6 @@ class Verifier:
 
     # ------------------------------------------------------------ compile check
 
-    def _compile_server(self) -> Sandbox:
-        """The fork server compile children come from: this sandbox's on GPU backends,
-        on cpu one without Triton's interpreter (started at first use)."""
-        if self.backend != "cpu":
-            return self.sandbox
-        with self._compile_lock:
-            if self._compile_sandbox is None:
-                sandbox = Sandbox(self.backend, name=f"compile-{self.worker_id}",
-                                  scratch_root=self.scratch_root / "compile",
-                                  env_allow=self.sandbox.env_allow, interpret=False,
-                                  isolation=self.sandbox.isolation,
-                                  preload=("services.worker.aot:warm_up",),
-                                  scratch_bytes=self.scratch_bytes)
-                sandbox.start()
-                self._compile_sandbox = sandbox
-            return self._compile_sandbox
-
     async def compile(self, request: VerifyRequest, specs: list[aot.CompileSpec],
                       target: GpuTarget, source: str) -> tuple[dict[str, wire.CompileResult],
                                                                 list[aot.CompileSpec]]:
@@ -460,11 +428,7 @@ class Verifier:
         a result (noted by the caller, never a failed verification)."""
         missing = [s for s in specs if s.key not in self._compiled]
         if missing:
-            try:
-                server = await asyncio.to_thread(self._compile_server)
-            except PoolBroken as exc:
-                log.warning("compile.unavailable", error=str(exc))
-                return {}, specs
+            server = self.sandbox
             scratch = server.scratch(request.request_id, "compile")
             (scratch / "candidate.py").write_text(source)
             spec = server.spec("compile", scratch, "compile",
@@ -472,7 +436,11 @@ class Verifier:
                                arch=request.arch, compile_target=target.name,
                                compile_specs=[s.wire() for s in missing],
                                frame_key=os.urandom(32), cpu_seconds=600)
-            run = await server.spawn(spec, 64 << 20)
+            try:
+                run = await server.spawn(spec, 64 << 20)
+            except PoolBroken as exc:
+                log.warning("compile.unavailable", error=str(exc))
+                return {}, specs
             try:
                 async with asyncio.timeout(300):
                     while True:
