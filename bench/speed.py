@@ -1,4 +1,4 @@
-"""Issue 16's three figures, side by side in one run, on the ``cpu`` backend.
+"""The service's speed figures, side by side in one run, on the ``cpu`` backend.
 
 ``python -m bench.speed`` prints:
 
@@ -13,6 +13,10 @@
   p95 of each and the difference of the p50s (what the bus costs).
 * **(c) small-job latency**: submit to verdict of ``tasks/relu.py`` as single jobs on
   an idle ``aikg up`` (:func:`bench.job_latency.measure`), p50 of ``--jobs``.
+* **(d) what the checks cost**: ``--checks`` three-trial verifications in this process
+  (a :class:`~services.worker.verifier.Verifier`, no bus) with every check, and beside
+  them without the GPU compile check, against the candidate's own three forward calls
+  in a warm process (three times the median of its own run).
 
 Each part also prints the median of every verification phase the worker reported
 (``VerifyResult.phases``) when it reports them. The load average is printed at the
@@ -183,6 +187,39 @@ def own_run(workdir: Path, code: str) -> float:
     return float(out.stdout.split()[-1])
 
 
+async def checks(task: str, code: str, n: int) -> dict[str, tuple[list[float], list[Any]]]:
+    """``n`` three-trial verifications in this process, one at a time, with every check
+    and then without the GPU compile check (``aot_target="none"``), interleaved."""
+    from schemas import VerifyRequest
+    from services.worker.verifier import Verifier
+
+    verifiers = {"every check": Verifier("cpu", worker_id="bench-checks",
+                                         memory_limit_bytes=1 << 30),
+                 "no compile check": Verifier("cpu", worker_id="bench-nocompile",
+                                              memory_limit_bytes=1 << 30, aot_target="none")}
+    out: dict[str, tuple[list[float], list[Any]]] = {k: ([], []) for k in verifiers}
+    try:
+        for v in verifiers.values():
+            await asyncio.to_thread(v.start)
+        for i in range(n + 1):  # the first round warms up (compile cache)
+            for name, v in verifiers.items():
+                request = VerifyRequest(request_id=f"checks-{name[:2]}-{i}", job_id="bench",
+                                        candidate_id="c", op_name="relu", task_desc=task,
+                                        code=code, backend="cpu", arch=ARCH,
+                                        shape_overrides=SHAPES, trials=3)
+                started = time.perf_counter()
+                result = await v.verify(request, device="0")
+                if not result.passed:
+                    raise RuntimeError(f"{name}: {result.stage}: {result.error}")
+                if i:
+                    out[name][0].append(time.perf_counter() - started)
+                    out[name][1].append(result)
+    finally:
+        for v in verifiers.values():
+            v.close()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speed",
                                      description=__doc__.split("\n\n")[0])
@@ -193,7 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=20,
                         help="sequential three-trial verifications per worker (default 20)")
     parser.add_argument("--jobs", type=int, default=10, help="small jobs (default 10)")
-    parser.add_argument("--parts", nargs="+", default=["a", "b", "c"], choices=["a", "b", "c"])
+    parser.add_argument("--checks", type=int, default=10,
+                        help="in-process three-trial verifications for (d) (default 10)")
+    parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"],
+                        choices=["a", "b", "c", "d"])
     parser.add_argument("--block-size", type=int, default=None,
                         help="block_size of the candidate for (a) and (b) (default: what the "
                              "built-in coder uses on cpu, services.generator.coders.base."
@@ -215,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     met: dict[str, tuple[str, str, bool]] = {}
     with tempfile.TemporaryDirectory(prefix="aikg-speed-") as tmp:
         workdir = Path(tmp)
-        if {"a", "b"} & set(args.parts):
+        if {"a", "b", "d"} & set(args.parts):
             own = own_run(workdir, code)
             lines.append(f"candidate: built-in coder, block_size {params['block_size']}; its own "
                          f"forward at 64 x 4096, interpreted in one warm process: {own:.3f} s "
@@ -253,6 +293,20 @@ def main(argv: list[str] | None = None) -> int:
                         f"{p50['RemoteWorker']:.3f} s", "<= 0.6 s", p50["RemoteWorker"] <= 0.6)
                     met["(b) bus overhead"] = (f"{bus_ms:+.0f} ms", "<= 20 ms", bus_ms <= 20)
                     print("\n".join(lines[-5:]), flush=True)
+        if "d" in args.parts:
+            runs = asyncio.run(checks(task, code, args.checks))
+            p50 = {name: statistics.median(times) for name, (times, _) in runs.items()}
+            ratio = p50["every check"] / (3 * own)
+            for name, (times, results) in runs.items():
+                lines += [f"(d) {name:<16} three-trial verification in this process: p50 "
+                          f"{p50[name]:.3f} s, p95 {p95(times):.3f} s",
+                          f"    phases (median s): {phase_medians(results)}"]
+            lines.append(f"(d) the candidate's own three calls: {3 * own:.3f} s; every check "
+                         f"costs {ratio:.2f}x that, the compile check (cached) "
+                         f"{(p50['every check'] - p50['no compile check']) * 1000:+.0f} ms")
+            met["(d) three-trial verification / the candidate's own three calls"] = (
+                f"{ratio:.2f}x", "<= 1.5x", ratio <= 1.5)
+            print("\n".join(lines[-5:]), flush=True)
         if "c" in args.parts:
             job_phases: dict[str, list[float]] = {}
             times = job_latencies(ROOT, workdir, task, args.jobs, job_phases)

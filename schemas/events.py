@@ -224,14 +224,17 @@ VERIFY_PHASES: dict[str, str] = {
     "profile": "the timing runs (mode profile on a GPU): the reference's, the candidate's",
     "reference": "the reference child, start to end (makes every input and output)",
     "candidate": "the candidate's planner child, start to end",
-    "replay": "the replayer child (the candidate's kernels on the real inputs), start to end",
+    "replay": "the replayer child of the trials (the candidate's kernels on the real "
+              "inputs), start to end",
+    "replay_side": "the replayer child of the other sizes and the variants of the first "
+                   "call, beside it, start to end",
     "verdict": "what is left: audits of the results, the timing floor, building the "
                "verdict",
     "publish": "publishing the result and acking the request (metrics only: the result "
                "cannot carry the time of its own publish)",
 }
 # Phases of children run beside the consecutive spans (they overlap them).
-VERIFY_PHASES_BESIDE = ("reference", "candidate", "replay")
+VERIFY_PHASES_BESIDE = ("reference", "candidate", "replay", "replay_side")
 
 
 def phase_label(name: str) -> str:

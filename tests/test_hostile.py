@@ -225,9 +225,10 @@ async def test_ctypes_past_the_static_check_is_refused(verifier, no_static_check
 
 
 async def test_segfault_past_the_static_check_is_a_crash(verifier, no_static_check):
+    # A real bad memory access (a signal the candidate sends itself would not do:
+    # the child is process 1 of its own PID namespace, which ignores those).
     code = candidate("""
-        sys_os = getattr(torch, "o" + "s")
-        sys_os.kill(sys_os.getpid(), 11)
+        __import__("faulthandler")._read_null()
         return relu(x)
     """)
     result = await verifier.verify(request(code), device="0")
@@ -274,7 +275,7 @@ async def test_a_candidate_may_not_fork(verifier, escape, no_static_check):
 
 
 async def test_what_a_child_starts_dies_with_it(lowering_sandbox):
-    """A child is process 2 of a PID namespace of its own: it sees only its own
+    """A child is process 1 of a PID namespace of its own: it sees only its own
     processes in /proc, and what it starts (here the task's own code, in the built-in
     coder's child, where forking is allowed) is killed with it."""
     from services.worker.sandbox import LoweringFailed
@@ -294,7 +295,7 @@ raise RuntimeError("pids " + " ".join(sorted(p for p in os.listdir("/proc") if p
         await lowering_sandbox.lower(task, timeout_s=60)
     if "PID namespace" in " ".join(lowering_sandbox.isolation.notes):
         pytest.skip("this machine gives children no PID namespace")
-    assert "pids 1 2 3" in str(info.value), info.value
+    assert "pids 1 2" in str(info.value), info.value
 
     def alive() -> bool:
         for entry in os.listdir("/proc"):

@@ -466,6 +466,30 @@ async def test_first_tile_matmul_fails_at_the_task_sizes(verifier):
     assert result.sizes_checked == [{"N": 64}, {"N": 96}]
 
 
+DECLARED_RELU_TASK = RELU_TASK + """
+
+def get_inputs_dyn_list():
+    return [[torch.randn(batch_size, dim)], [torch.randn(2, 3, 1000)]]
+"""
+
+
+async def test_declared_shapes_must_all_pass(verifier):
+    # Right at every 2-D size, zeros for anything else: the declared 3-D shape fails it.
+    only_2d = relu_candidate("""
+        if x.dim() != 2:
+            return torch.zeros_like(x)
+        return relu(x.contiguous())
+    """)
+    result = await verifier.verify(request(only_2d, task=DECLARED_RELU_TASK, trials=1),
+                                   device="0")
+    assert not result.passed, result
+    assert result.stage == "mismatch", result
+    assert result.error.startswith("at the task's declared shape 1"), result.error
+    honest = await verifier.verify(request(HONEST_RELU, task=DECLARED_RELU_TASK, trials=1),
+                                   device="0")
+    assert honest.passed, honest
+
+
 async def test_constant_output_against_a_small_scale_reference_fails(verifier, dynamic_only):
     code = HEADER + RELU_KERNEL + """
 

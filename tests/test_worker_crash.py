@@ -52,18 +52,20 @@ ROUNDS = 20
 ACK_WAIT_S = 4.0
 HEARTBEAT_S = 1.0  # the `settings` fixture's; the bus it creates sets the buckets' TTLs
 LEASE_TTL_S = 10 * HEARTBEAT_S
-# The candidate sleeps this long in forward, so the kill lands mid-verification.
+# The candidate sleeps this long in its first forward, so the kill lands mid-verification.
 SLEEP_S = 2.0
 START_TIMEOUT_S = 120.0
 
 
 def sleepy_candidate() -> str:
+    """The built-in coder's relu, whose first forward call in a process sleeps (the
+    verification's later calls, other sizes, run at once)."""
     code = lower_task(RELU_TASK, SHAPES)
-    code = code.replace("import torch\n", "import time\nimport torch\n", 1)
+    code = code.replace("import torch\n", "import time\nimport torch\n\nSLEPT = []\n", 1)
     return code.replace(
         "    def forward(self, x):\n",
-        f"    def forward(self, x):\n        for _ in range({round(SLEEP_S / 0.1)}):\n"
-        "            time.sleep(0.1)\n", 1)
+        f"    def forward(self, x):\n        for _ in range(0 if SLEPT else {round(SLEEP_S / 0.1)}):\n"
+        "            time.sleep(0.1)\n        SLEPT.append(1)\n", 1)
 
 
 def process_state(pid: int) -> str | None:

@@ -125,6 +125,19 @@ def _kill_orphans(me: int, children: dict[int, socket.socket]) -> None:
                 os.kill(int(entry), signal.SIGKILL)
 
 
+def _fork(spec: object, own_namespace: int) -> int:
+    """Fork a job's child: process 1 of a PID namespace of its own when it asks for one
+    and this server may make one (root), else a plain fork."""
+    if getattr(spec, "pid_namespace", False) and own_namespace >= 0:
+        from services.worker import isolation
+
+        try:
+            return isolation.fork_in_own_pid_namespace(own_namespace)
+        except OSError:
+            pass
+    return os.fork()
+
+
 def serve(control: socket.socket) -> bool:
     """Fork a child per control message until the control socket closes.
 
@@ -134,6 +147,7 @@ def serve(control: socket.socket) -> bool:
     from services.worker import _child, wire
 
     me = os.getpid()
+    own_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY) if os.geteuid() == 0 else -1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     wake_r, wake_w = os.pipe()
@@ -194,9 +208,11 @@ def serve(control: socket.socket) -> bool:
                 continue
             result_fd, status_fd = fds
             spec = wire.SPEC_DECODER.decode(message)
-            pid = os.fork()
+            pid = _fork(spec, own_namespace)
             if pid == 0:
                 # The child keeps only its result socket (and stdio).
+                if own_namespace >= 0:
+                    os.close(own_namespace)
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 selector.close()

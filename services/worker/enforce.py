@@ -137,6 +137,12 @@ def refuse_threads_and_processes(backend: str, refused: list[str]) -> list[str]:
     import os
     import threading
 
+    # Before the patches below: finding libseccomp runs ldconfig in a subprocess.
+    try:
+        import pyseccomp as seccomp
+    except (ImportError, OSError, RuntimeError) as exc:  # RuntimeError: no libseccomp
+        seccomp, missing = None, exc
+
     def refusing(what: str) -> Any:
         def refuse(*args: Any, **kwargs: Any) -> Any:
             refused.append(f"{what} (the candidate's process may not start threads or "
@@ -163,10 +169,9 @@ def refuse_threads_and_processes(backend: str, refused: list[str]) -> list[str]:
         # confine them there.
         return ["threads and processes are refused in Python only on GPU backends (the "
                 "CUDA runtime and ptxas need them)"]
-    try:
-        import pyseccomp as seccomp
-    except (ImportError, OSError) as exc:
-        return [f"threads and processes refused in Python only: libseccomp missing ({exc})"]
+    if seccomp is None:
+        return [f"threads and processes refused in Python only: libseccomp missing "
+                f"({missing})"]
     try:
         flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)
         for name in ("clone", "fork", "vfork", "execve", "execveat"):

@@ -52,8 +52,8 @@ def _set_limit(which: int, value: int, hard_extra: int = 0) -> None:
 def enter_sandbox(spec: ChildSpec) -> Hello:
     """Isolate this (freshly forked) process before any task or candidate code runs.
 
-    Steps, in order: process 1 of a PID namespace of its own with its own ``/proc``
-    (:func:`services.worker.isolation.own_pid_namespace`, as root); own session and
+    Steps, in order: in the PID namespace of its own the fork server made for it, its
+    own ``/proc`` (:func:`services.worker.isolation.own_proc`, as root); own session and
     process group (the parent kills the group); die with the fork server; a private
     network namespace (loopback only, down); the environment reduced to an allowlist
     (:func:`services.worker.isolation.allowed_environment`) plus ``spec.env``;
@@ -77,14 +77,15 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
 
     notes: list[str] = []
     server = os.getppid()
-    pid_namespace = False
-    if spec.pid_namespace and os.geteuid() == 0:
-        problem = isolation.own_pid_namespace()
-        pid_namespace = problem is None or "without its own /proc" in problem
+    # The fork server forked this process as process 1 of its own PID namespace
+    # (services.worker.isolation.fork_in_own_pid_namespace) where the machine permits.
+    pid_namespace = os.getpid() == 1
+    if pid_namespace:
+        problem = isolation.own_proc()
         if problem:
             notes.append(problem)
     elif spec.pid_namespace:
-        notes.append("no PID namespace: the worker does not run as root")
+        notes.append("no PID namespace: the fork server could not create one (it needs root)")
     os.setsid()
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if not pid_namespace and os.getppid() != server:

@@ -223,80 +223,50 @@ _CLONE_NEWPID = 0x20000000
 _MS_NOEXEC = 8
 
 
-def _relay(pid: int, signal_self: bool) -> None:
-    """Wait for ``pid`` and end this process as it ended: by the same signal
-    (``signal_self``) or with exit code 128 + the signal's number, else its exit code."""
-    import signal
-
-    while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        if signal_self:
-            signal.signal(sig, signal.SIG_DFL)
-            os.kill(os.getpid(), sig)
-        os._exit(128 + sig)
-    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
-    if signal_self and code > 128:
-        # Process 1 reports its child's signal as 128 + its number (a signal it sent
-        # itself would be ignored: process 1 of a namespace ignores its own).
-        sig = code - 128
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-    os._exit(code)
+_SETNS_PID = _CLONE_NEWPID
 
 
-def own_pid_namespace() -> str | None:
-    """Run the rest of this child in a PID namespace of its own, with a private mount
-    namespace and its own ``/proc``: whatever it starts dies with it
-    (pid_namespaces(7): when process 1 ends, the kernel kills the namespace), and
-    ``/proc`` shows no process outside it.
+def fork_in_own_pid_namespace(own_namespace: int) -> int:
+    """``os.fork()``, the child being process 1 of a new PID namespace
+    (pid_namespaces(7): whatever it starts dies when it ends). Run by the fork server
+    (root): ``unshare(CLONE_NEWPID)`` puts its next child in a new namespace, then
+    ``setns`` back to ``own_namespace`` (an fd of ``/proc/self/ns/pid``), so the next
+    fork may have one of its own.
 
-    Three processes: this one stays outside as a shim (it leads its process group,
-    which the fork server kills); inside, process 1 only waits; the job runs as
-    process 2, so that its signals behave as anywhere (process 1 of a namespace ignores
-    signals it sends itself). Each waits for the next and ends the way it ended, so the
-    fork server's wait status is the job's; each dies with its parent. Only the job
-    returns. Must run as root, before privileges are dropped.
+    Raises:
+        OSError: the machine refused (not root, no namespaces); nothing was forked.
+    """
+    libc = _libc()
+    _check(libc.unshare(_CLONE_NEWPID), "unshare(CLONE_NEWPID)")
+    pid = os.fork()
+    if pid:
+        _check(libc.setns(own_namespace, _SETNS_PID), "setns back to the server's PID namespace")
+    return pid
+
+
+def own_proc() -> str | None:
+    """In a child that is process 1 of its own PID namespace: a private mount namespace
+    with a ``/proc`` of that namespace, so ``/proc`` shows no process outside it. Must
+    run as root, before privileges are dropped.
 
     Returns:
-        None when it worked, else why not (this process then goes on unchanged).
+        None when it worked, else why not.
     """
-    import signal
-
     libc = _libc()
-    os.setsid()
-    if libc.unshare(_CLONE_NEWPID | _CLONE_NEWNS) != 0:
-        return f"no PID namespace: unshare(CLONE_NEWPID) failed: {os.strerror(ctypes.get_errno())}"
-    init = os.fork()
-    if init:
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the server
-        os.closerange(3, 1 << 16)
-        _relay(init, signal_self=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
-    problem = None
     try:
+        _check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
         _check(libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None),
                "mount --make-rprivate /")
         _check(libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                           None), "mount proc")
     except OSError as exc:
-        problem = f"PID namespace without its own /proc: {exc}"
-    job = os.fork()
-    if job:
-        os.closerange(3, 1 << 16)
-        _relay(job, signal_self=False)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
-    return problem
+        return f"PID namespace without its own /proc: {exc}"
+    return None
 
 
 def scratch_filesystem(path: str, size_bytes: int, owner: tuple[int, int] | None) -> str | None:
     """Mount a tmpfs of ``size_bytes`` at ``path`` (owned by ``owner``, mode 0700): all
-    the child may write. Needs the private mount namespace of :func:`own_pid_namespace`.
+    the child may write. Needs the private mount namespace of :func:`own_proc`.
 
     Returns:
         None when it worked, else why not.
@@ -475,7 +445,7 @@ def restrict_syscalls() -> int:
     """
     try:
         import pyseccomp as seccomp  # noqa: PLC0415
-    except (ImportError, OSError) as exc:
+    except (ImportError, OSError, RuntimeError) as exc:  # RuntimeError: no libseccomp
         raise OSError(errno.ENOSYS, f"libseccomp is not available: {exc}") from None
     try:
         flt = seccomp.SyscallFilter(defaction=seccomp.ALLOW)

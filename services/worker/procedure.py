@@ -144,7 +144,7 @@ class Procedure:
 
     # ------------------------------------------------------------ children
 
-    async def _spawn(self, role: str, **kwargs: Any) -> Conversation:
+    async def _spawn(self, role: str, name: str | None = None, **kwargs: Any) -> Conversation:
         spec = self.v.child_spec(self.request, role, self.device, **kwargs)
         try:
             run = await self.v.sandbox.spawn(spec, max_frame_bytes=self.v.max_frame_bytes)
@@ -153,7 +153,7 @@ class Procedure:
         conversation = Conversation({"candidate": "candidate", "replay": "candidate's kernels",
                                      "reference": "reference"}[role], run,
                                     "infrastructure" if role == "reference" else "crash")
-        self.children[role] = conversation
+        self.children[name or role] = conversation
         return conversation
 
     @property
@@ -164,9 +164,11 @@ class Procedure:
     def planner(self) -> Conversation:
         return self.children["candidate"]
 
-    @property
-    def replayer(self) -> Conversation:
-        return self.children["replay"]
+    def replayer_of(self, trial: _Trial) -> str:
+        """The replayer of a trial: one for the trials and the declared shapes (they
+        share the requested model's state), another, running beside it, for the other
+        sizes and the variants of the first call (each from a fresh state)."""
+        return "replay" if trial.key in ("main", "declared") else "replay:side"
 
     async def close(self) -> None:
         for task in self.tasks:
@@ -178,7 +180,7 @@ class Procedure:
 
     def output_log(self) -> str:
         parts = []
-        for name in ("candidate", "replay"):
+        for name in ("candidate", "replay", "replay:side"):
             child = self.children.get(name)
             if child is not None:
                 text = child.run.output(self.v.output_limit_bytes // 2)
@@ -252,8 +254,9 @@ class Procedure:
         self._size_answer(main, frame, raws, self.v.memory_limit_bytes)
         self.clock.lap("reference_start")
         await self._spawn("candidate", address_space_bytes=self._address_space(main))
-        await self._spawn("replay", address_space_bytes=self._address_space(main),
-                          kernels=self.kernels.source)
+        for name in ("replay", "replay:side"):
+            await self._spawn("replay", name, address_space_bytes=self._address_space(main),
+                              kernels=self.kernels.source)
         imported, _ = await self._await("candidate", "imported")
         problem = self._refusals(imported.refused, {}) or self._namespace(imported.namespace)
         if problem is not None:
@@ -556,7 +559,9 @@ class Procedure:
         real, real_raws = trial.real
         count = len(values.raw_refs(real.inputs))
         captures = traced_raws[:len(traced.captures)]
-        await self.replayer.send(wire.ReplayRequest(
+        # A variant of the first call runs beside the trials, from a fresh state.
+        replayer = "replay:side" if fresh else self.replayer_of(trial)
+        await self.children[replayer].send(wire.ReplayRequest(
             key=trial.key, index=trial.index, label=label, events=traced.events,
             captures=traced.captures, inputs=traced.inputs, real=real.inputs,
             outputs=traced.outputs, fresh=fresh, skip_launches=skip_launches, config=config),
@@ -591,7 +596,8 @@ class Procedure:
     async def _judge(self, trial: _Trial, label: str, *, quick: bool = False
                      ) -> wire.Replayed:
         # The replay was asked for once the plan and the real inputs were in.
-        frame, raws = await self._await("replay", "replay", trial.key, trial.index, label)
+        replayer = "replay:side" if label != "run" else self.replayer_of(trial)
+        frame, raws = await self._await(replayer, "replay", trial.key, trial.index, label)
         real, real_raws = trial.real
         count = len(values.raw_refs(real.inputs))
         expected = _outputs_of(real, real_raws, skip=count)

@@ -89,10 +89,18 @@ class _Bounds:
     def _check(self, ptrs: np.ndarray, mask: np.ndarray | None, itemsize: int, what: str) -> None:
         addresses = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
         if mask is not None:
-            addresses = addresses[np.broadcast_to(np.asarray(mask, dtype=bool),
-                                                  np.shape(ptrs)).reshape(-1)]
+            keep = np.asarray(mask, dtype=bool)
+            if not keep.all():
+                addresses = addresses[np.broadcast_to(keep, np.shape(ptrs)).reshape(-1)]
         if addresses.size == 0:
             return
+        if self.ranges:
+            # Most accesses fall in one argument: its bounds against the lowest and the
+            # highest address decide at once.
+            low, high = int(addresses.min()), int(addresses.max())
+            position = bisect.bisect_right(self._starts, low) - 1
+            if position >= 0 and high + itemsize <= self.ranges[position][1]:
+                return
         if not self.ranges:
             raise ReplayError("bounds", f"kernel {self.kernel} {what} memory but was given "
                               "no tensor", kernel=self.kernel)

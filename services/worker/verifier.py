@@ -407,8 +407,7 @@ class Verifier:
         finally:
             await procedure.close()
             for name, child in procedure.children.items():
-                clock.add({"reference": "reference", "candidate": "candidate",
-                           "replay": "replay"}.get(name, name), child.seconds)
+                clock.add(name.replace(":", "_"), child.seconds)
             await settle_children()
         provenance.update(getattr(procedure, "provenance", {}))
         if request.mode == "profile" and self.backend == "cpu":

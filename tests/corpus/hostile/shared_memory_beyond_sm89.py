@@ -1,6 +1,6 @@
 # corpus: {"class": 4, "task": "matmul", "stage": ["compile"], "error": "shared memory", "arch": "4090", "trials": 1}
-# Block sizes whose tiles need more shared memory than an RTX 4090 (sm_89, 99 KB per
-# block) has; the interpreter has no such limit.
+# Block sizes and stages whose tiles need more shared memory (144 KB) than an RTX 4090
+# (sm_89, 99 KB per block) has; the interpreter has no such limit.
 import torch
 import torch.nn as nn
 import triton
@@ -29,7 +29,7 @@ class ModelNew(nn.Module):
         M, K = A.shape
         N = B.shape[1]
         C = torch.empty((M, N), device=A.device, dtype=torch.float32)
-        grid = (triton.cdiv(M, 128), triton.cdiv(N, 128))
-        matmul_kernel[grid](A, B, C, M, N, K, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
-                            num_stages=3)
+        grid = (triton.cdiv(M, 128), triton.cdiv(N, 64))
+        matmul_kernel[grid](A, B, C, M, N, K, BLOCK_M=128, BLOCK_N=64, BLOCK_K=64,
+                            num_stages=4)
         return C
