@@ -20,6 +20,13 @@ the fork server and sandbox a worker uses) checks, in order:
 3. the correct kernel again on the same Verifier: it must pass, showing that the
    device and the pool survived the faulting candidate.
 
+Part ``corpus``: every candidate of ``tests/corpus`` on the same backend, with the
+static check off (the dynamic checks alone, as ``tests/test_corpus.py`` runs them on
+``cpu``): each hostile one must fail (its stage and message are printed beside the
+stage it gets on ``cpu``), each honest one must pass. Files written for one compile
+target (an ``arch`` field, e.g. shared memory beyond sm_89) are run with that arch's
+compile check as on ``cpu``; the figure is how many of each held.
+
 Part ``evolve``: the whole product path. An embedded stack (``aikg up``: NATS,
 gateway, generator, one ``cuda`` worker on ``--device``) runs an evolve job over
 HTTP on ``tasks/swish_chain.py`` (six eager PyTorch kernels that the built-in coder
@@ -167,6 +174,52 @@ async def worker_checks(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
+async def corpus_checks(args: argparse.Namespace, backend: str = "cuda",
+                        only: list[str] | None = None) -> list[Check]:
+    """Part ``corpus``: the hostile candidates fail, the honest ones pass (``only``: these
+    file stems); two checks, with the counts as what came."""
+    from schemas import VerifyRequest
+    from services.worker import verifier as verifier_module
+    from services.worker.verifier import Verifier
+    from tests.corpus import TASKS, files, load
+
+    verifier = Verifier(backend, worker_id="gpu-check-corpus", memory_limit_bytes=8 << 30)
+    print(f"\npart corpus: tests/corpus on {backend} device {args.device}, static check off",
+          flush=True)
+    verifier.start()
+    static = verifier_module.check_candidate
+    verifier_module.check_candidate = lambda code, dsl="triton": []
+    held = {"hostile": [0, 0], "honest": [0, 0]}
+    try:
+        for kind in ("hostile", "honest"):
+            for path in files(kind):
+                if only is not None and path.stem not in only:
+                    continue
+                code, meta = load(path)
+                request = VerifyRequest(
+                    request_id=f"gpu-check-corpus-{path.stem}", job_id="gpu-check",
+                    candidate_id=path.stem, op_name=path.stem, task_desc=TASKS[meta["task"]],
+                    code=code, backend=backend, arch=meta.get("arch", args.arch or "h200"),
+                    timeout_s=args.timeout, trials=meta.get("trials", 3),
+                    shape_overrides=meta.get("shape_overrides", {}))
+                result = await verifier.verify(request, device=args.device)
+                ok = (not result.passed if kind == "hostile" else result.passed) or (
+                    kind == "hostile" and bool(meta.get("unchecked_or_fail"))
+                    and bool(result.unchecked))
+                held[kind][0] += ok
+                held[kind][1] += 1
+                print(f"  [{'ok' if ok else 'FAIL'}] {kind} {path.stem}: passed={result.passed}"
+                      f" stage={result.stage} (cpu: {'/'.join(meta.get('stage', ['pass']))}) "
+                      f"{(result.error or '')[:160]!r}", flush=True)
+    finally:
+        verifier_module.check_candidate = static
+        verifier.close()
+    return [("hostile corpus candidates fail", "all", held["hostile"][0] == held["hostile"][1],
+             f"{held['hostile'][0]} of {held['hostile'][1]}"),
+            ("honest corpus candidates pass", "all", held["honest"][0] == held["honest"][1],
+             f"{held['honest'][0]} of {held['honest'][1]}")]
+
+
 def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check]:
     """Part ``evolve``: an evolve job through ``aikg up``'s stack with one worker.
 
@@ -252,6 +305,9 @@ def run_checks(args: argparse.Namespace) -> int:
     if "worker" in args.parts:
         expected += 3
         checks += asyncio.run(worker_checks(args))
+    if "corpus" in args.parts:
+        expected += 2
+        checks += asyncio.run(corpus_checks(args))
     if "evolve" in args.parts:
         expected += 2
         try:
@@ -273,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run AIKG's CUDA path on this machine's GPU. Part worker: a correct "
                     "kernel (profiled), an out-of-bounds store, the correct one again, on "
-                    "one Verifier. Part evolve: an evolve job through a local stack whose "
+                    "one Verifier. Part corpus: tests/corpus's hostile candidates must fail, "
+                    "its honest ones pass. Part evolve: an evolve job through a local stack whose "
                     "best candidate must beat eager PyTorch.",
         epilog="needs: an NVIDIA GPU, a CUDA build of torch and triton in this Python, the\n"
                "project's other dependencies; GPU memory: a few tensors of batch x dim float32\n"
@@ -282,8 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                "timed repeats; the evolve part verifies rounds x parallel candidates one after\n"
                "another on one device and is cancelled after --evolve-timeout seconds.\n"
                "exit status: 0 every expectation holds, 1 one does not, 2 no usable GPU here.")
-    parser.add_argument("--parts", nargs="+", choices=("worker", "evolve"),
-                        default=["worker", "evolve"], help="parts to run (default both)")
+    parser.add_argument("--parts", nargs="+", choices=("worker", "corpus", "evolve"),
+                        default=["worker", "corpus", "evolve"],
+                        help="parts to run (default all three)")
     parser.add_argument("--device", default="0", help="CUDA device ordinal to use (default 0)")
     parser.add_argument("--arch", default="h200",
                         help="arch label of the worker and the requests, not a compile target "

@@ -22,30 +22,7 @@ TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parent / "data"
 
 # A small KernelBench-format task: torch.relu on a 16 x 1024 float32 tensor.
-RELU_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        return torch.relu(x)
-
-
-batch_size = 16
-dim = 1024
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
+RELU_TASK = (ROOT / "tests" / "corpus" / "tasks" / "relu.py").read_text()
 # The bundled tasks/relu.py (16 x 4096), as `aikg run` and the README use it.
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 

@@ -1,4 +1,4 @@
-"""``python -m bench.speed`` runs end to end with tiny counts and prints its three figures.
+"""``python -m bench.speed`` runs end to end with tiny counts and prints its four figures.
 
 A benchmark never gates on its numbers, but one that crashes measures nothing; this
 runs the real thing (an embedded nats-server, an ``aikg worker`` process, cold python
@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(600)
-def test_bench_speed_prints_all_three_figures_with_their_phases() -> None:
+def test_bench_speed_prints_every_figure_with_its_phases() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.speed", "--burst", "2", "--cold", "1", "--seq", "1",
-         "--jobs", "2"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+         "--jobs", "2", "--checks", "1"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=540)
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
@@ -45,8 +45,14 @@ def test_bench_speed_prints_all_three_figures_with_their_phases() -> None:
     for figure in (r"\(a\) ratio to one cold python per candidate: [\d.]+x \(target >= 10x\)",
                    r"\(b\) RemoteWorker three-trial p50: [\d.]+ s \(target <= 0\.6 s\)",
                    r"\(b\) bus overhead: [+-]\d+ ms \(target <= 20 ms\)",
-                   r"\(c\) small job p50: [\d.]+ s \(target <= 1\.5 s\)"):
+                   r"\(c\) small job p50: [\d.]+ s \(target <= 1\.5 s\)",
+                   r"\(d\) three-trial verification / the candidate's own three calls: "
+                   r"[\d.]+x \(target <= 1\.5x\)"):
         assert re.search(r"^  " + figure + r": (met|missed)$", out, re.M), (figure, out)
+    assert re.search(r"^\(d\) every check +three-trial verification in this process: p50 "
+                     r"[\d.]+ s", out, re.M), out
+    assert re.search(r"^\(d\) the candidate's own three calls: [\d.]+ s; every check costs "
+                     r"[\d.]+x that, the compile check \(cached\) [+-]\d+ ms$", out, re.M), out
     # Each figure carries its phase breakdown (the verify request's, then the job's).
     assert re.search(r"worker phases \(median s\): .*candidate_start [\d.]+", out), out
     assert re.search(r"job phases \(median s\): .*verify_wait [\d.]+", out), out

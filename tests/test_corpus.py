@@ -9,90 +9,18 @@ static check off (the dynamic defences alone), and the worker must serve an hone
 candidate next. ``tests/corpus/honest/``: candidates that must pass, with what their
 result says about shape generality.
 
-A file's first line is ``# corpus: {json}``: ``task`` (a key of :data:`TASKS`),
-``class``, ``stage`` (allowed stages), ``error`` (a substring of the error),
-``shape_overrides``, ``trials``, ``arch``, ``shape_generic``, ``note`` (a substring of
-a note), ``unchecked_or_fail`` (passes only with an ``unchecked`` entry naming a
-kernel). A new defence comes with the file that beat the old one.
+A file's first line says what it must come to (``tests/corpus/__init__.py``). A new defence comes with the file that beat the old one.
 """
 
 from __future__ import annotations
 
-import json
 import uuid
-from pathlib import Path
 
 import pytest
 
 from schemas.events import VerifyRequest
-from tests.helpers import RELU_KERNEL, RELU_TASK
-from tests.test_verdict_integrity import MATMUL_TASK, SOFTMAX_TASK
-
-CORPUS = Path(__file__).parent / "corpus"
-
-ROWSUM_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return x.sum(dim=1)
-
-
-rows = 8
-cols = 1000
-
-
-def get_inputs():
-    return [torch.randn(rows, cols)]
-
-
-def get_init_inputs():
-    return []
-"""
-
-# The task's own sizes (64 MiB of inputs) are far beyond the cpu worker's check budget:
-# checked at shape_overrides, dry-run at its own sizes.
-BIG_RELU_TASK = RELU_TASK.replace("batch_size = 16", "batch_size = 4096").replace(
-    "dim = 1024", "dim = 4096")
-
-LINEAR_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self, in_features, out_features):
-        super().__init__()
-        self.fc = nn.Linear(in_features, out_features)
-
-    def forward(self, x):
-        return self.fc(x)
-
-
-batch_size = 8
-in_features = 64
-out_features = 48
-
-
-def get_inputs():
-    return [torch.randn(batch_size, in_features)]
-
-
-def get_init_inputs():
-    return [in_features, out_features]
-"""
-
-TASKS = {"relu": RELU_TASK, "softmax": SOFTMAX_TASK, "matmul": MATMUL_TASK,
-         "rowsum": ROWSUM_TASK, "big_relu": BIG_RELU_TASK, "linear": LINEAR_TASK}
-
-
-def load(path: Path) -> tuple[str, dict]:
-    code = path.read_text()
-    first = code.splitlines()[0]
-    assert first.startswith("# corpus: "), f"{path.name}: no '# corpus:' first line"
-    return code, json.loads(first.removeprefix("# corpus: "))
+from tests.corpus import CORPUS, TASKS, files, load
+from tests.helpers import RELU_KERNEL
 
 
 def request(code: str, meta: dict) -> VerifyRequest:
@@ -101,10 +29,6 @@ def request(code: str, meta: dict) -> VerifyRequest:
         candidate_id="cand-corpus", op_name="op", task_desc=TASKS[meta["task"]], code=code,
         backend="cpu", arch=meta.get("arch", "x86_64"), timeout_s=120.0,
         trials=meta.get("trials", 3), shape_overrides=meta.get("shape_overrides", {}))
-
-
-def files(kind: str) -> list[Path]:
-    return sorted((CORPUS / kind).glob("*.py"))
 
 
 @pytest.fixture

@@ -56,3 +56,16 @@ def test_evolve_part_runs_end_to_end_on_a_cpu_stack(tmp_path, capsys) -> None:
     assert "verify_result" in printed
     assert (tmp_path / "record.json").read_text().count('"candidate_id"') >= 4
     assert (tmp_path / "logs" / "worker.log").exists()
+
+
+async def test_corpus_part_runs_on_the_cpu_backend(capsys) -> None:
+    args = argparse.Namespace(device="0", arch=None, timeout=120.0)
+    checks = await gpu_check.corpus_checks(
+        args, backend="cpu", only=["relu_wrong_above_six", "elementwise_relu"])
+    assert [(name, held, got) for name, _, held, got in checks] == [
+        ("hostile corpus candidates fail", True, "1 of 1"),
+        ("honest corpus candidates pass", True, "1 of 1")]
+    printed = capsys.readouterr().out
+    assert "[ok] hostile relu_wrong_above_six: passed=False stage=mismatch (cpu: mismatch)" \
+        in printed
+    assert "[ok] honest elementwise_relu: passed=True" in printed

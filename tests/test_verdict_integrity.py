@@ -21,55 +21,15 @@ from schemas.events import VerifyRequest
 from services.worker import _child, correctness, rules, wire
 from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
+from tests.corpus import TASKS
 from tests.helpers import RELU_TASK
 
-SOFTMAX_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return torch.softmax(x, dim=1)
-
-
-batch_size = 4
-dim = 1024
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-"""
-
+SOFTMAX_TASK = TASKS["softmax"]
 # Wide rows of small inputs: every softmax output is below float32's atol (1e-4).
 WIDE_SOFTMAX_TASK = SOFTMAX_TASK.replace("dim = 1024", "dim = 16384").replace(
     "torch.randn(batch_size, dim)", "0.1 * torch.randn(batch_size, dim)")
 
-MATMUL_TASK = """\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, A, B):
-        return torch.matmul(A, B)
-
-
-N = 96
-
-
-def get_inputs():
-    return [torch.randn(N, N), torch.randn(N, N)]
-
-
-def get_init_inputs():
-    return []
-"""
-
+MATMUL_TASK = TASKS["matmul"]
 HEADER = """\
 import torch
 import torch.nn as nn

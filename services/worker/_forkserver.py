@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -246,6 +247,9 @@ def main() -> None:
             [*map(str, isolation.python_paths(Path(__file__).resolve().parents[2])),
              *options.get("visible", [])])
     _preload(options.get("preload", []))
+    # What is imported now lives as long as the server: out of the collector's sight,
+    # a child's collections do not touch (and so copy) the pages torch's objects sit on.
+    gc.freeze()
     if notes:
         print("\n".join(notes), file=sys.stderr, flush=True)
     if not serve(control) and orphan_cleanup:
