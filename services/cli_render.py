@@ -121,6 +121,14 @@ def verdict_table(v: VerifyResult) -> Table:
         t.add_row("atol / rtol", f"{_fmt_float(v.atol)} / {_fmt_float(v.rtol)}")
     if v.trials:
         t.add_row("trials", str(v.trials))
+    if v.sizes_checked:
+        t.add_row("sizes checked", "; ".join(
+            ", ".join(f"{k}={val}" for k, val in sizes.items()) or "the task's own"
+            for sizes in v.sizes_checked))
+    if v.shape_generic is not None or v.passed:
+        t.add_row("shape generic", _shape_generic(v))
+    for what in v.unchecked:
+        t.add_row("unchecked", Text(what, style="yellow"))
     t.add_row("worker", f"{v.worker_id} (device {v.device})")
     t.add_row("duration", f"{v.duration_s:.2f} s")
     if v.interpreted:
@@ -131,6 +139,20 @@ def verdict_table(v: VerifyResult) -> Table:
             t.add_row("time (reference / kernel)",
                       f"{_fmt_float(v.base_time_us, ' us')} / {_fmt_float(v.gen_time_us, ' us')}")
     return t
+
+
+def _shape_generic(v: VerifyResult) -> Text:
+    """``yes``; ``no``, with the note saying where and why; or ``not checked``."""
+    if v.shape_generic:
+        return Text("yes")
+    if v.shape_generic is None:
+        why = next((n.split(": ", 1)[1] for n in v.notes
+                    if n.startswith("shape generality not checked: ")), "")
+        return Text("not checked" + (f" ({why})" if why else ""))
+    note = next((n for n in v.notes if n.startswith("shape generality: ")), "")
+    return Text("no: " + (note.removeprefix("shape generality: ") or "wrong at "
+                          + ", ".join(f"{k}={val}" for k, val in v.shape_generic_sizes.items())),
+                style="yellow")
 
 
 def queue_text(position: int, eta: dt.datetime | str | None) -> str:

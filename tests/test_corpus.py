@@ -97,3 +97,12 @@ async def test_what_a_gpu_cannot_compile_passes_once_fixed(verifier, name):
     result = await verifier.verify(request(code, meta), device="0")
     assert result.passed, (name, result.stage, result.error)
     assert any("compiled for sm_" in n for n in result.notes), result.notes
+
+
+async def test_a_trial_names_the_autotune_config_it_ran(verifier, dynamic_only):
+    # Trial i replays config i: the bad second config fails trial 1, which names it.
+    code, meta = load(CORPUS / "hostile" / "autotune_config_skips_work.py")
+    result = await verifier.verify(request(code, {**meta, "trials": 3}), device="0")
+    assert result.stage == "mismatch", result
+    assert "in trial 1" in result.error and "with autotune config 1 of " in result.error, \
+        result.error

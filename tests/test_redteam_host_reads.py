@@ -256,6 +256,10 @@ async def test_attack_dynamic_only(shared_verifier, dynamic_only, name):
     torch hidden from any recorder is refused at the dispatcher."""
     result = await _run(shared_verifier, name)
     assert not result.passed, result
+    if name == "kernel-body-python":
+        # The kernel module keeps no host helper: the kernel naming one is refused.
+        assert result.stage == "compile" and "uses the name 'cheat'" in result.error, result
+        return
     assert result.stage in ("mismatch", "audit"), result
     if result.stage == "mismatch":
         assert "was never written" in result.error, result.error

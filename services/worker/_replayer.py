@@ -17,16 +17,24 @@ import torch
 from services.worker import enforce, values
 from services.worker._child import (
     _MAX_TRACEBACK_CHARS,
+    JobFailure,
     _candidate_failure,
     _device,
     _load_module,
     clip,
 )
-from services.worker.replay import Replayer, ReplayError, Variant, install_bounds_checks
+from services.worker.replay import (
+    Replayer,
+    ReplayError,
+    Variant,
+    install_bounds_checks,
+    resolve_ops,
+)
 from services.worker.wire import (
     Bye,
     Channel,
     ChildSpec,
+    Failure,
     Progress,
     Replayed,
     ReplayFailed,
@@ -92,12 +100,21 @@ def _flat_tensors(tree: Any) -> list[torch.Tensor]:
 def run_replayer(spec: ChildSpec, channel: Channel) -> None:
     """Answer :class:`ReplayRequest` commands until :class:`Bye`."""
     device = _device(spec.backend)
+    # What a plan may run and the checks on it, fixed before any candidate-derived
+    # code (the kernel module's decorators and constants) runs.
+    ops = resolve_ops()
+    bounds = install_bounds_checks() if spec.backend == "cpu" else None
+    snapshot = enforce.namespace_snapshot()
     channel.send(Progress(phase="loading the candidate's kernels"))
     module = _load_module("aikg_candidate_kernels", spec.candidate_path)
+    changes = enforce.namespace_changes(snapshot)
+    if changes:
+        raise JobFailure(Failure(stage="audit", message=(
+            "loading the candidate's kernels changed " + ", ".join(changes[:5])
+            + ": a kernel module holds kernels and constants only")))
     kernels = _kernels(module)
-    bounds = install_bounds_checks() if spec.backend == "cpu" else None
     enforce.refuse_threads_and_processes(spec.backend, [])
-    replayer = Replayer(kernels, device, bounds)
+    replayer = Replayer(kernels, device, bounds, ops)
     while True:
         request = channel.recv()
         if request is None or isinstance(request, Bye):
@@ -112,7 +129,7 @@ def run_replayer(spec: ChildSpec, channel: Channel) -> None:
                 return
             raws.append(data)
         if request.fresh:
-            replayer = Replayer(kernels, device, bounds)
+            replayer = Replayer(kernels, device, bounds, ops)
         channel.send(Progress(phase=f"replaying {request.key} trial {request.index} "
                                     f"({request.label})"))
         try:

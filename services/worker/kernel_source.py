@@ -3,22 +3,48 @@ compile check load.
 
 :func:`kernel_module` keeps, from the candidate's source, its module-level
 ``@triton.jit`` functions (``@triton.autotune`` / ``@triton.heuristics`` dropped: the
-plan records what they chose), imports of ``triton`` and ``math``, and module-level
-constants whose values are plain expressions (literals, ``tl.constexpr(...)``,
-``math`` calls, arithmetic on other kept names). Every other line is blanked, so line
-numbers (and the file name, ``candidate.py``) stay those of the candidate: a kernel's
-error points at the line the coder wrote. Loading the result runs no candidate code
-but decorators and constants.
+plan records what they chose), imports of ``triton``, ``triton.language`` (and its
+``extra`` libraries) and ``math``, and module-level constants whose values are plain
+expressions (literals, arithmetic, ``tl.constexpr(...)``, ``triton.cdiv``,
+``math`` functions, other kept names). Every other line is blanked, so line numbers
+(and the file name, ``candidate.py``) stay those of the candidate: a kernel's error
+points at the line the coder wrote. Loading the result runs no candidate code but
+decorators and those constants.
+
+The replayer runs kernels in Triton's interpreter, where a kernel body is Python; the
+GPU compile check compiles the same source. So that both see the same code, each
+kept kernel (body, defaults and annotations) may name only its parameters and
+locals, other kept names (kernels, constants, the allowed imports), a few builtins
+the Triton compiler knows (:data:`KERNEL_BUILTINS`), and may not reach, through any
+attribute, the runtime's state or the interpreter's internals
+(:data:`FORBIDDEN_ATTRIBUTES`, anything starting with ``_``): a kernel that reads
+``triton.knobs.runtime.interpret`` could branch to host code that only the
+interpreter runs. What breaks this is in :attr:`KernelModule.refused` (stage
+``compile``, rule D013).
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass, field
 
-# Modules a kernel module may import (kernel bodies use triton.language; constants
-# may use math).
-_IMPORT_ROOTS = ("triton", "math")
+# What ``from triton import ...`` may bring into a kernel module.
+_FROM_TRITON = frozenset({"jit", "language", "cdiv", "next_power_of_2", "constexpr"})
+# Attributes no kernel or constant may reach: the runtime's state (whose values differ
+# between the interpreter and the GPU compiler), the interpreter's tensors
+# (``tensor.handle`` holds its numpy array), triton.language's internals, Python's
+# builtins module, and the target queries whose answers differ between the two.
+FORBIDDEN_ATTRIBUTES = frozenset({
+    "knobs", "runtime", "interpreter", "compiler", "backends", "tools", "testing",
+    "handle", "core", "semantic", "builtins", "target_info", "driver", "os", "sys",
+    "importlib"})
+# Builtins a kernel body may call (what Triton's code generator accepts).
+KERNEL_BUILTINS = frozenset({"range", "min", "max", "len", "int", "float", "bool", "abs",
+                             "print", "isinstance", "tuple", "zip", "enumerate", "True",
+                             "False", "None"})
+# Builtins a module-level constant may call.
+_CONSTANT_BUILTINS = frozenset({"int", "float", "bool", "min", "max", "abs", "round"})
 # The decorator written in place of a kernel's own (PEP 614 expression): it does not
 # depend on how the candidate imported triton.
 _JIT = '@__import__("triton").jit'
@@ -27,13 +53,27 @@ _JIT = '@__import__("triton").jit'
 @dataclass
 class KernelModule:
     """``source`` (same line count as the candidate's), the kernel names kept, the
-    names of functions that look like kernels but were dropped, with why, and each
-    kernel's ``tl.constexpr`` parameters."""
+    names of functions that look like kernels but were dropped, with why, each
+    kernel's ``tl.constexpr`` parameters, and ``refused``: why a kept kernel may not
+    run (it names what the GPU compiler and the interpreter see differently), one
+    message per finding."""
 
     source: str
     kernels: list[str] = field(default_factory=list)
     dropped: dict[str, str] = field(default_factory=dict)
     constexpr_params: dict[str, set[str]] = field(default_factory=dict)
+    refused: list[str] = field(default_factory=list)
+    def_lines: dict[str, int] = field(default_factory=dict)
+
+    def file_line(self, kernel: str, message: str) -> str:
+        """``message`` (a Triton compile error) with its ``at L:C:`` position, which
+        counts from the kernel's ``def`` line, as ``at candidate.py line N:``."""
+        first = self.def_lines.get(kernel)
+        if first is None:
+            return message
+        return re.sub(r"\bat (\d+):(\d+):",
+                      lambda m: f"at candidate.py line {first + int(m.group(1)) - 1}:",
+                      message, count=1)
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -88,34 +128,148 @@ def _literal_kwargs(decorator: ast.expr) -> str:
     return f"({', '.join(kept)})" if kept else ""
 
 
-def _plain(node: ast.AST, known: set[str], modules: set[str]) -> bool:
-    """Whether a constant's value is a plain expression (no candidate function)."""
+def _chain_ok(chain: str, roots: dict[str, str]) -> bool:
+    """Whether a dotted name (``tl.float16``, ``triton.cdiv``, ``math.pi``) reaches only
+    what a kernel may: ``roots`` maps each kept module-level import name to what it
+    imports (``"triton"``, ``"triton.language"``, ``"math"``, a triton.language name)."""
+    parts = chain.split(".")
+    if any(p.startswith("_") or p in FORBIDDEN_ATTRIBUTES for p in parts):
+        return False
+    origin = roots.get(parts[0])
+    if origin is None:
+        return False
+    if origin == "triton" and len(parts) > 1:
+        return parts[1] in _FROM_TRITON
+    return True
+
+
+def _plain(node: ast.AST, known: set[str], roots: dict[str, str]) -> bool:
+    """Whether a constant's value is a plain expression: literals, arithmetic, kept
+    names, allowed attribute reads and calls of ``tl.constexpr``, ``triton.cdiv`` /
+    ``next_power_of_2``, ``math`` functions and a few numeric builtins."""
+    def plain(n: ast.AST) -> bool:
+        return _plain(n, known, roots)
+
     if isinstance(node, ast.Constant):
         return True
     if isinstance(node, ast.Name):
-        return node.id in known or node.id in modules
+        return node.id in known or node.id in roots
     if isinstance(node, ast.Attribute):
-        root = _dotted(node)
-        return root is not None and root.split(".")[0] in modules
+        chain = _dotted(node)
+        return chain is not None and _chain_ok(chain, roots)
     if isinstance(node, (ast.Tuple, ast.List)):
-        return all(_plain(e, known, modules) for e in node.elts)
+        return all(plain(e) for e in node.elts)
     if isinstance(node, ast.UnaryOp):
-        return _plain(node.operand, known, modules)
+        return plain(node.operand)
     if isinstance(node, ast.BinOp):
-        return _plain(node.left, known, modules) and _plain(node.right, known, modules)
+        return plain(node.left) and plain(node.right)
     if isinstance(node, ast.BoolOp):
-        return all(_plain(v, known, modules) for v in node.values)
+        return all(plain(v) for v in node.values)
     if isinstance(node, ast.Compare):
-        return _plain(node.left, known, modules) and all(
-            _plain(c, known, modules) for c in node.comparators)
+        return plain(node.left) and all(plain(c) for c in node.comparators)
     if isinstance(node, ast.IfExp):
-        return all(_plain(n, known, modules) for n in (node.test, node.body, node.orelse))
+        return all(plain(n) for n in (node.test, node.body, node.orelse))
     if isinstance(node, ast.Call):
         target = _dotted(node.func)
-        return (target is not None and target.split(".")[0] in modules
-                and not node.keywords
-                and all(_plain(a, known, modules) for a in node.args))
+        if target is None or node.keywords or not all(plain(a) for a in node.args):
+            return False
+        if target in _CONSTANT_BUILTINS:
+            return True
+        if not _chain_ok(target, roots):
+            return False
+        origin = roots[target.split(".")[0]]
+        last = target.rsplit(".", 1)[-1]
+        return (origin == "math" or last in ("constexpr", "cdiv", "next_power_of_2")
+                or (origin in ("triton", "triton.language") and last == "constexpr"))
     return False
+
+
+def _import_origins(node: ast.stmt) -> dict[str, str] | None:
+    """The names a module-level import brings into a kernel module, each with what it
+    imports, or None when it imports anything else."""
+    names: dict[str, str] = {}
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            if alias.name == "math":
+                names[alias.asname or "math"] = "math"
+            elif alias.name == "triton" or alias.name == "triton.language" \
+                    or alias.name.startswith("triton.language.extra"):
+                if alias.asname:
+                    names[alias.asname] = alias.name
+                else:
+                    names["triton"] = "triton"
+            else:
+                return None
+        return names
+    if not isinstance(node, ast.ImportFrom) or node.level != 0 or not node.module:
+        return None
+    for alias in node.names:
+        name = alias.name
+        if name == "*" or name.startswith("_") or name in FORBIDDEN_ATTRIBUTES:
+            return None
+        if node.module == "math":
+            names[alias.asname or name] = "math"
+        elif node.module == "triton" and name in _FROM_TRITON:
+            names[alias.asname or name] = "triton.language" if name == "language" \
+                else f"triton.{name}"
+        elif node.module == "triton.language" or node.module.startswith(
+                "triton.language.extra"):
+            names[alias.asname or name] = f"{node.module}.{name}"
+        else:
+            return None
+    return names
+
+
+def _kernel_refusals(fn: ast.FunctionDef, kept: set[str], roots: dict[str, str],
+                     not_plain: dict[str, str]) -> list[str]:
+    """What kernel ``fn`` names that the interpreter and the GPU compiler would see
+    differently (see the module doc), one message each; ``not_plain``: module-level
+    names whose values were not kept, with their source."""
+    local = {a.arg for a in fn.args.args + fn.args.kwonlyargs + fn.args.posonlyargs}
+    for extra in (fn.args.vararg, fn.args.kwarg):
+        if extra is not None:
+            local.add(extra.arg)
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            local.add(node.id)
+    found: list[str] = []
+
+    def refuse(node: ast.AST, what: str) -> None:
+        message = (f"the Triton kernel {fn.name} {what} (candidate.py line "
+                   f"{getattr(node, 'lineno', fn.lineno)}): a kernel may use only "
+                   "triton.language, math, its parameters and locals, other @triton.jit "
+                   "functions and plain module-level constants, so that the GPU compiles "
+                   "the code the interpreter runs")
+        if message not in found:
+            found.append(message)
+
+    nodes = [*fn.body, *fn.args.defaults, *(d for d in fn.args.kw_defaults if d is not None),
+             *(a.annotation for a in fn.args.args + fn.args.kwonlyargs if a.annotation)]
+    for top in nodes:
+        for node in ast.walk(top):
+            if isinstance(node, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef,
+                                 ast.ClassDef, ast.Import, ast.ImportFrom, ast.Global,
+                                 ast.Nonlocal)):
+                refuse(node, f"contains a {type(node).__name__} statement")
+            elif isinstance(node, ast.Attribute):
+                if node.attr.startswith("_") or node.attr in FORBIDDEN_ATTRIBUTES:
+                    refuse(node, f"reads the attribute {node.attr!r}")
+                chain = _dotted(node)
+                root = chain.split(".")[0] if chain else None
+                if root is not None and root not in local and root in roots \
+                        and not _chain_ok(chain, roots):
+                    refuse(node, f"reaches {chain}")
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+                if node.id in local or node.id in kept or node.id in roots \
+                        or node.id in KERNEL_BUILTINS:
+                    continue
+                if node.id in not_plain:
+                    refuse(node, f"uses the module-level name {node.id!r}, whose value "
+                           f"({not_plain[node.id]}) is not a plain constant")
+                else:
+                    refuse(node, f"uses the name {node.id!r}, which is not a parameter, a "
+                           "local, a kept module-level name or a builtin Triton compiles")
+    return found
 
 
 def kernel_module(source: str) -> KernelModule:
@@ -128,8 +282,10 @@ def kernel_module(source: str) -> KernelModule:
     lines = source.splitlines()
     out = [""] * len(lines)
     names = _Names(tree)
-    modules: set[str] = set()
+    roots: dict[str, str] = {}
     known: set[str] = set()
+    not_plain: dict[str, str] = {}
+    kernels: list[ast.FunctionDef] = []
     result = KernelModule(source="")
 
     def keep(node: ast.stmt, first: int | None = None) -> None:
@@ -138,17 +294,11 @@ def kernel_module(source: str) -> KernelModule:
             out[i] = lines[i]
 
     for node in tree.body:
-        if isinstance(node, ast.Import):
-            if all(a.name.split(".")[0] in _IMPORT_ROOTS for a in node.names):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            origins = _import_origins(node)
+            if origins is not None:
                 keep(node)
-                for alias in node.names:
-                    modules.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, ast.ImportFrom):
-            if node.level == 0 and node.module and node.module.split(".")[0] in _IMPORT_ROOTS \
-                    and not any(a.name == "*" for a in node.names):
-                keep(node)
-                for alias in node.names:
-                    modules.add(alias.asname or alias.name)
+                roots.update(origins)
         elif isinstance(node, ast.FunctionDef):
             jit = [d for d in node.decorator_list if names.is_jit(d)]
             if not jit:
@@ -158,7 +308,9 @@ def kernel_module(source: str) -> KernelModule:
                 continue
             keep(node)
             out[node.lineno - 2] = _JIT + _literal_kwargs(jit[0])
+            kernels.append(node)
             result.kernels.append(node.name)
+            result.def_lines[node.name] = node.lineno
             result.constexpr_params[node.name] = {
                 a.arg for a in node.args.args + node.args.kwonlyargs
                 if a.annotation is not None and "constexpr" in ast.unparse(a.annotation)}
@@ -168,8 +320,17 @@ def kernel_module(source: str) -> KernelModule:
             value = node.value
             if value is None or not all(isinstance(t, ast.Name) for t in targets):
                 continue
-            if _plain(value, known, modules):
+            if _plain(value, known, roots):
                 keep(node)
                 known.update(t.id for t in targets)
+                for t in targets:
+                    not_plain.pop(t.id, None)
+            else:
+                text = ast.unparse(value)
+                for t in targets:
+                    not_plain[t.id] = text if len(text) <= 80 else text[:77] + "..."
+                    known.discard(t.id)
+    for fn in kernels:
+        result.refused += _kernel_refusals(fn, known, roots, not_plain)
     result.source = "\n".join(out) + ("\n" if source.endswith("\n") else "")
     return result

@@ -235,6 +235,10 @@ class Procedure:
 
     async def _run(self) -> dict[str, Any]:
         request = self.request
+        if self.kernels.refused:
+            # Rule D013: the interpreter and the GPU compiler would run different code.
+            raise Verdict("compile", self.kernels.refused[0],
+                          log="\n".join(self.kernels.refused))
         ref = await self._spawn("reference")
         main = _Size("main", dict(request.shape_overrides))
         self.sizes["main"] = main
@@ -701,7 +705,13 @@ class Procedure:
                            "launch wrote it (nor a copy), so it holds what was allocated "
                            f"({comparison.message} in {where}); pass the output tensor to "
                            "the kernel that computes it", **fields)
-        return Verdict("mismatch", f"{comparison.message} in {where}{dist}", **fields)
+        tuned = ""
+        if trial.key == "main" and _autotune_configs(trial.traced[0]) > 1:
+            # Trial i ran config i of each autotuned launch (as its replay was asked).
+            tuned = (f" with autotune config {trial.index} of "
+                     f"{self._config_text(trial, trial.index)} (each config must compute the "
+                     "same outputs; a GPU may pick any)")
+        return Verdict("mismatch", f"{comparison.message} in {where}{dist}{tuned}", **fields)
 
     async def _ghost_matches(self, trial: _Trial) -> bool:
         """Whether the planner's own outputs (launches no-ops, allocations NaN) equal the
@@ -758,10 +768,7 @@ class Procedure:
                               "them in the kernels", ghost_replay="outputs matched without "
                               "the kernels", trials=self.compared)
             self.ghost_replay = "outputs depend on the Triton kernels"
-        configs = max((len(e["autotune"].get("variants") or [])
-                       for e in trial.traced[0].events
-                       if isinstance(e, dict) and isinstance(e.get("autotune"), dict)),
-                      default=0)
+        configs = _autotune_configs(trial.traced[0])
         for config in range(self.trials, configs):
             label = f"config {config}"
             await self._replay(trial, label, fresh=True, config=config)
@@ -823,7 +830,8 @@ class Procedure:
                                       f"{r.error}")
                 continue
             spec, result = failed[0]
-            lines = [line.strip() for line in result.error.splitlines() if line.strip()]
+            error = self.kernels.file_line(spec.kernel, result.error)
+            lines = [line.strip() for line in error.splitlines() if line.strip()]
             summary = lines[0][:400] if lines else "no message"
             if len(lines) > 1 and lines[-1] not in summary:
                 summary += f" ... {lines[-1][:300]}"
@@ -927,6 +935,12 @@ _STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infr
 _WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
                 "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
                 "new_full", "arange", "lift_fresh", "lift_fresh_copy", "scalar_tensor")
+
+
+def _autotune_configs(traced: Any) -> int:
+    """The most configs any autotuned launch of a traced call has (0: none)."""
+    return max((len(e["autotune"].get("variants") or []) for e in traced.events
+                if isinstance(e, dict) and isinstance(e.get("autotune"), dict)), default=0)
 
 
 def _unwritten_outputs(traced: Any) -> set[int]:

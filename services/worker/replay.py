@@ -155,6 +155,21 @@ def install_bounds_checks() -> _Bounds:
 # ---------------------------------------------------------------- the replayer
 
 
+def resolve_ops() -> dict[str, Any]:
+    """Every overload of every allowlisted ATen operator, by full name
+    (``aten.view.default`` -> its ``OpOverload``), resolved now: taken before the
+    candidate's kernel module is loaded, so a later change to ``torch.ops.aten`` (or to
+    the allowlist) does not change what a plan's operator names run."""
+    table: dict[str, Any] = {}
+    for packet_name in sorted(ALLOWED_OPS):
+        packet = getattr(torch.ops.aten, packet_name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            table[f"aten.{packet_name}.{overload}"] = getattr(packet, overload)
+    return table
+
+
 class Replayer:
     """Executes recorded calls, keeping storages from one call to the next (a candidate
     may keep buffers between calls), as the planner's process did.
@@ -164,13 +179,15 @@ class Replayer:
             :func:`services.worker.kernel_source.kernel_module` wrote).
         device: where to replay (``cpu`` on the interpreter, ``cuda:0`` ...).
         bounds: the interpreter's bounds checker (None: unchecked, e.g. on a GPU).
+        ops: the operators a plan may name (:func:`resolve_ops`; default: resolved now).
     """
 
     def __init__(self, kernels: dict[str, Any], device: torch.device,
-                 bounds: _Bounds | None = None) -> None:
+                 bounds: _Bounds | None = None, ops: dict[str, Any] | None = None) -> None:
         self.kernels = kernels
         self.device = device
         self.bounds = bounds
+        self.ops = ops if ops is not None else resolve_ops()
         self.storages: dict[int, Any] = {}
         self.launches = 0
 
@@ -249,16 +266,15 @@ class Replayer:
 
     def _op(self, event: dict[str, Any]) -> None:
         name = str(event.get("op"))
-        packet = op_packet(name)
-        if packet not in ALLOWED_OPS:
-            raise ReplayError("compute", f"{name} (PyTorch compute) ran in ModelNew.forward")
         parts = name.split(".")
         if len(parts) != 3 or parts[0] != "aten":
             raise ReplayError("trace", f"an operator name the plan cannot hold: {name!r}")
-        try:
-            op = getattr(getattr(torch.ops.aten, parts[1]), parts[2])
-        except AttributeError:
-            raise ReplayError("trace", f"no ATen operator {name}") from None
+        op = self.ops.get(name)
+        if op is None:
+            if op_packet(name) not in ALLOWED_OPS:
+                raise ReplayError("compute", f"{name} (PyTorch compute) ran in "
+                                  "ModelNew.forward")
+            raise ReplayError("trace", f"no ATen operator {name}")
         args = self.decode(event.get("args", []))
         kwargs = self.decode(event.get("kwargs", {}))
         if not isinstance(args, list) or not isinstance(kwargs, dict):
@@ -269,7 +285,7 @@ class Replayer:
             raise ReplayError("trace", f"{name} failed on the plan's arguments: "
                               f"{type(exc).__name__}: {str(exc)[:300]}") from None
         self._bind_outputs(name, out, event.get("out"))
-        if packet in UNDEFINED_ALLOCATIONS:
+        if parts[1] in UNDEFINED_ALLOCATIONS:
             for t in _tensors(out):
                 fill_undefined(t)
 

@@ -83,9 +83,14 @@ DYNAMIC_RULES: tuple[Rule, ...] = (
          _C + "test_hostile_candidate_fails"),
     Rule("D013", "every kernel specialisation launched (at the checked sizes and, dry-run, at "
          "the task's own) compiled ahead of time for a GPU target; a compile error, shared "
-         "memory or threads beyond the target, a grid beyond its limits fail at compile",
+         "memory or threads beyond the target, a grid beyond its limits fail at compile; so "
+         "do kernels that name anything but triton.language, math, their parameters and "
+         "locals, other kernels and plain constants (the runtime's state, the interpreter's "
+         "tensors), which the interpreter and the compiler would see differently",
          "Triton's compiler (triton.compile, ASTSource, GPUTarget); CUDA C++ Programming Guide, "
-         "technical specifications per compute capability",
+         "technical specifications per compute capability; this project's red-team: a kernel "
+         "branching on triton.knobs.runtime.interpret computed on the host in the interpreter "
+         "and compiled to an empty kernel",
          _C + "test_what_a_gpu_cannot_compile_passes_once_fixed"),
     Rule("D014", "loads, stores and atomics outside the launch's tensors (masked lanes "
          "excluded), checked on every replayed access on the interpreter",
