@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import os
 import random
 import statistics
@@ -90,6 +91,13 @@ def _location(exc: BaseException, path: str) -> str:
 
 
 _reserve: list[bytearray] = []
+# The roles whose runner lives in a module of its own: role -> "module:function",
+# called with (spec, channel) once the child is in the sandbox.
+_ROLE_RUNNERS = {
+    "candidate": "services.worker._planner:run_planner",
+    "replay": "services.worker._replayer:run_replayer",
+    "compile": "services.worker.aot:run_compile",
+}
 
 
 def _failure(stage: str, what: str, exc: BaseException, path: str = "") -> Failure:
@@ -386,20 +394,10 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
     if spec.role == "lower":
         _run_lower(spec, channel)
         return
-    if spec.role == "candidate":
-        from services.worker._planner import run_planner
-
-        run_planner(spec, channel)
-        return
-    if spec.role == "replay":
-        from services.worker._replayer import run_replayer
-
-        run_replayer(spec, channel)
-        return
-    if spec.role == "compile":
-        from services.worker.aot import run_compile
-
-        run_compile(spec, channel)
+    runner = _ROLE_RUNNERS.get(spec.role)
+    if runner is not None:
+        module, _, name = runner.partition(":")
+        getattr(importlib.import_module(module), name)(spec, channel)
         return
     channel.send(Progress(phase="loading the task"))
     try:

@@ -68,7 +68,7 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
         replayer.add_storage(storage_id, data)
     planned = values.decode(request.inputs, lambda ref: ref)
     planned_refs = _flat_refs(planned)
-    real_tensors = _flat_tensors(real)
+    real_tensors = values.flat_tensors(real)
     if len(planned_refs) != len(real_tensors):
         raise ReplayError("trace", f"the plan names {len(planned_refs)} input tensors; the "
                           f"task has {len(real_tensors)}")
@@ -86,14 +86,6 @@ def _flat_refs(tree: Any) -> list[values.TensorRef]:
         return [tree]
     if isinstance(tree, (list, tuple)):
         return [r for v in tree for r in _flat_refs(v)]
-    return []
-
-
-def _flat_tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _flat_tensors(v)]
     return []
 
 

@@ -286,7 +286,7 @@ class Replayer:
                               f"{type(exc).__name__}: {str(exc)[:300]}") from None
         self._bind_outputs(name, out, event.get("out"))
         if parts[1] in UNDEFINED_ALLOCATIONS:
-            for t in _tensors(out):
+            for t in values.flat_tensors(out):
                 fill_undefined(t)
 
     def _bind_outputs(self, name: str, got: Any, recorded: Any) -> None:
@@ -390,7 +390,7 @@ class Replayer:
             return
         ranges = []
         for arg, value in args.items():
-            for t in _tensors(value):
+            for t in values.flat_tensors(value):
                 storage = t.untyped_storage()
                 if storage.nbytes():
                     ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(),
@@ -400,14 +400,6 @@ class Replayer:
             yield
         finally:
             self.bounds.set_ranges([], "")
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -194,7 +194,7 @@ class TraceRecorder(TorchDispatchMode):
             if _refused(exc):
                 self.refused[name] += 1
             raise
-        fresh = [t for t in _tensors(out) if self._key(t.untyped_storage()) not in self._storages]
+        fresh = [t for t in values.flat_tensors(out) if self._key(t.untyped_storage()) not in self._storages]
         for t in fresh:
             self._new(t.untyped_storage())
         if self.ghost and op_packet(name) in UNDEFINED_ALLOCATIONS:
@@ -319,14 +319,6 @@ def _refused(exc: RuntimeError) -> bool:
 # The message prefix of an ATen compute operator refused at the dispatcher
 # (services.worker.enforce); the recorder counts those.
 REFUSED_PREFIX = "aikg: "
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in _tensors(v)]
-    return []
 
 
 def _storage_bytes(storage: Any) -> bytes:

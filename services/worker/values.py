@@ -200,6 +200,15 @@ _TL_NAMES = {"fp8e4nv": "float8e4nv", "fp8e5": "float8e5", "fp8e4b15": "float8e4
              "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64"}
 
 
+def flat_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a value tree of nested lists and tuples, in order."""
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, (list, tuple)):
+        return [t for v in tree for t in flat_tensors(v)]
+    return []
+
+
 def tensors_in(tree: Any) -> list[dict[str, Any]]:
     """The tensor nodes of an encoded tree, in order."""
     found: list[dict[str, Any]] = []
