@@ -70,23 +70,19 @@ async def test_generator_coder_declines_without_a_sandboxed_child():
     # Never started: a lowering would fail with "not started", not with the refusal.
     coder = BuiltinCoder(lowering_sandbox("refusal-test"))
     submit = JobSubmit(op_name="conv", task_desc=conv_task(), job_id="refusal-1")
-    started = time.monotonic()
     with pytest.raises(CoderError) as info:
         await coder.generate(submit)
-    assert time.monotonic() - started < 0.5
     message = str(info.value)
     assert "aten.convolution.default" in message and "convolution" in message
     assert "coder 'llm'" in message and "AIKG_LLM_BASE_URL" in message
     assert coder.lowerings == 0
 
 
-async def test_sdk_task_declines_in_well_under_a_second_and_starts_no_sandbox():
+async def test_sdk_task_declines_and_starts_no_sandbox():
     manager = WorkerManager()
     worker = LocalWorker([0], backend="cpu")
     manager.add(worker, "cpu", worker.arch, 1)
-    started = time.monotonic()
     _, passed, info = await Task("conv", conv_task(), worker_manager=manager).run()
-    assert time.monotonic() - started < 0.5
     assert not passed and info["attempts"] == 0
     assert "aten.convolution.default" in info["error"] and "`aikg submit --coder llm`" in info["error"]
     assert worker._verifier is None  # no verification sandbox was started for nothing
@@ -122,17 +118,21 @@ def test_abort_start_cuts_a_starting_sandbox_short(tmp_path):
 
 
 @pytest.mark.slow
-async def test_aikg_run_declines_a_convolution_in_well_under_a_second(tmp_path):
+async def test_aikg_run_declines_a_convolution_without_importing_torch(tmp_path):
+    """The refusal comes from the task's source alone: with a ``torch`` on the path
+    whose import fails, ``aikg run`` still declines the convolution (and says why), so
+    the answer takes Python's start and the CLI's imports, not torch's seconds."""
     task = tmp_path / "conv.py"
     task.write_text(conv_task())
-    started = time.monotonic()
-    code, out, err = await aikg("run", str(task), "--json")
-    elapsed = time.monotonic() - started
+    poisoned = tmp_path / "poison"
+    (poisoned / "torch").mkdir(parents=True)
+    (poisoned / "torch" / "__init__.py").write_text(
+        "raise ImportError('torch imported by a refusal that needs only the source')\n")
+    code, out, err = await aikg("run", str(task), "--json", env={"PYTHONPATH": str(poisoned)})
     assert code == 1, err
-    assert "aten.convolution.default" in out and "convolution operators" in out
+    assert "aten.convolution.default" in out and "convolution operators" in out, out + err
     assert "aikg submit --coder llm" in out
-    # Python's own start and the CLI's imports included; torch is never imported.
-    assert elapsed < 3.0, elapsed
+    assert "torch imported" not in out + err
 
 
 BIG_TASK = RELU_TASK.replace("batch_size = 16", "batch_size = 4096").replace(
