@@ -237,3 +237,17 @@ async def test_jobs_that_cannot_run_fail_once_with_the_real_reason(
         stop.set()
         await asyncio.wait_for(generator, 60)
         await cancel_and_wait(generator)
+
+
+def test_the_sdk_refuses_an_unknown_shape_name_before_sending() -> None:
+    from services.sdk.workers import build_request
+    from tests.helpers import RELU_KERNEL, RELU_TASK
+
+    with pytest.raises(ValueError, match="'batch'.*it assigns: batch_size, dim"):
+        build_request(RELU_TASK, RELU_KERNEL, "relu", backend="cpu", arch="x86_64",
+                      shape_overrides={"batch": 4})
+    with pytest.raises(ValueError, match="shape_overrides"):
+        build_request(RELU_TASK, RELU_KERNEL, "relu", backend="cpu", arch="x86_64",
+                      shape_overrides={"batch_size": 10**30})
+    assert build_request(RELU_TASK, RELU_KERNEL, "relu", backend="cpu", arch="x86_64",
+                         shape_overrides={"batch_size": 4}).shape_overrides == {"batch_size": 4}
