@@ -70,8 +70,8 @@ from services.cli_common import (
     say,
     sdk_errors,
     show_record,
-    task_module_names,
 )
+from services.common.records import task_module_names
 from services.common.runtime import free_port
 from services.common.settings import Settings
 from services.stack import LocalStack, StackError, local_stack

@@ -19,6 +19,8 @@ import typer
 from rich.console import Console
 
 from schemas import TERMINAL_STATUSES, JobRecord
+from schemas.events import ShapeValue
+from services.common.records import unknown_shape_names
 from services.common.settings import Settings, load_settings
 
 
@@ -166,11 +168,12 @@ def parse_shape(item: str) -> tuple[str, ShapeOverride]:
     float (``1e-5``), a bool (``True``; ``true``/``false`` also accepted), a quoted
     string, or a tuple or list of ints (``(64,)``, ``[8, 8]``), returned as a tuple;
     text that is not a literal is kept as a string (``mode=fast``). These are the
-    values a job's ``shape_overrides`` carries (``schemas.events.ShapeValue``).
+    values a job's ``shape_overrides`` carries, within the same bounds
+    (``schemas.events.ShapeValue``: ints in [0, 2**31), ...).
 
     Raises:
-        typer.BadParameter: no ``=``, an empty name, or a literal of another kind
-            (a tuple of floats, a dict, None, ...).
+        typer.BadParameter: no ``=``, an empty name, a literal of another kind
+            (a tuple of floats, a dict, None, ...), or a value out of bounds.
     """
     name, sep, text = item.partition("=")
     name = name.strip()
@@ -183,71 +186,27 @@ def parse_shape(item: str) -> tuple[str, ShapeOverride]:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return name, text  # not a Python literal: a bare word such as mode=fast
-    if isinstance(value, int | float | bool | str):
-        return name, value
-    if isinstance(value, tuple | list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return name, tuple(value)
+    if isinstance(value, int | float | bool | str) or (isinstance(value, tuple | list) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        try:
+            msgspec.convert(list(value) if isinstance(value, tuple | list) else value,
+                            ShapeValue, strict=True)
+        except msgspec.ValidationError as exc:
+            raise typer.BadParameter(f"{item!r}: {exc}") from None
+        return name, tuple(value) if isinstance(value, tuple | list) else value
     raise typer.BadParameter(
         f"{item!r}: VALUE must be an int, a float, true/false, a string or a tuple of "
         f"ints such as (64,), not {type(value).__name__} {text}")
-
-
-def task_module_names(task_desc: str) -> list[str]:
-    """Names a task's module binds by assignment at top level, in source order.
-
-    Found with :mod:`ast`, without running the task (whose code is not trusted here):
-    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
-    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
-
-    Raises:
-        SyntaxError: the task is not valid Python.
-    """
-    names: dict[str, None] = {}
-
-    def targets(node: ast.AST) -> None:
-        if isinstance(node, ast.Name):
-            names[node.id] = None
-        elif isinstance(node, ast.Tuple | ast.List):
-            for element in node.elts:
-                targets(element)
-        elif isinstance(node, ast.Starred):
-            targets(node.value)
-
-    def visit(body: list[ast.stmt]) -> None:
-        for stmt in body:
-            if isinstance(stmt, ast.Assign):
-                for target in stmt.targets:
-                    targets(target)
-            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.For | ast.AsyncFor):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.With | ast.AsyncWith):
-                for withitem in stmt.items:
-                    if withitem.optional_vars is not None:
-                        targets(withitem.optional_vars)
-            for field_name in ("body", "orelse", "finalbody"):
-                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    visit(getattr(stmt, field_name, []) or [])
-            for handler in getattr(stmt, "handlers", []):
-                visit(handler.body)
-
-    visit(ast.parse(task_desc).body)
-    return list(names)
 
 
 def shape_overrides(file: Path, task_desc: str, shapes: list[str] | None) -> dict[str, Any]:
     """The ``--shape`` items as a dict, each checked against the names the task
     defines at top level; an unknown name or a task that is not Python exits 2."""
     overrides = dict(parse_shape(s) for s in shapes or [])
-    if not overrides:
-        return overrides
     try:
-        defined = task_module_names(task_desc)
+        unknown, defined = unknown_shape_names(task_desc, overrides)
     except SyntaxError as exc:
         fail(ExitCode.USAGE, f"{file}: not valid Python (line {exc.lineno}: {exc.msg})")
-    unknown = [name for name in overrides if name not in defined]
     if unknown:
         fail(ExitCode.USAGE,
              f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "

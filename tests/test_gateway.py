@@ -143,7 +143,7 @@ async def test_client_job_id_resubmit_is_idempotent(
     assert (await bus.js.stream_info(subjects.STREAM_JOBS)).state.messages == 1
     other = await client.post("/api/v1/jobs/submit", json=job(job_id="my-job-1", max_rounds=3))
     assert other.status_code == 409
-    assert "already exists" in other.json()["detail"]
+    assert "is taken" in other.json()["detail"] and "status" not in other.json()["detail"]
 
 
 async def test_body_over_limit_is_413(client: httpx.AsyncClient, job) -> None:

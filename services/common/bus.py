@@ -89,8 +89,13 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         StreamConfig(
             name=subjects.STREAM_JOBS,
             # jobs.submit (default tenant, normal priority) and the tenant lanes
-            # jobs.submit.<tenant>.<priority> (services/common/lanes.py).
-            subjects=[subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*"],
+            # jobs.submit.<tenant>.<priority> (services/common/lanes.py): a publish with
+            # another priority token, or more tokens, is refused (no stream takes it).
+            # NATS subjects cannot say which characters a token holds, so a message on
+            # a lane whose tenant token is no tenant name is stored and moved to the
+            # DLQ by the generator (LanePull.sweep_strays).
+            subjects=[subjects.JOBS_SUBMIT,
+                      *(f"{subjects.JOBS_SUBMIT}.*.{p}" for p in subjects.PRIORITIES)],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=DUPLICATE_WINDOW_S,

@@ -102,6 +102,10 @@ class LanePull:
         # Set when the default lane's consumer answered an error status (409, 503): the
         # caller binds it again.
         self.default_failed = False
+        # Subjects under ``base`` holding messages that name no lane (a tenant token
+        # that is no tenant name): moved to the DLQ by :meth:`sweep_strays`.
+        self.strays: set[str] = set()
+        self.swept = 0
 
     async def start(self) -> None:
         """Subscribe the reply inbox and the wake-up subjects."""
@@ -137,6 +141,8 @@ class LanePull:
                 parsed = subjects.parse_lane(self.base, subject)
                 if parsed is not None and count:
                     found.add(parsed)
+                elif parsed is None and count:
+                    self.strays.add(subject)
         except Exception as exc:  # noqa: BLE001 - the default lane still works
             log.warning("lane_listing_failed", stream=self.stream,
                         error=f"{type(exc).__name__}: {exc}")
@@ -169,7 +175,10 @@ class LanePull:
             got += 1
         if got >= want:
             return got
-        for group in self.order(await self.lanes()):
+        lanes = await self.lanes()
+        if self.strays:
+            await self.sweep_strays()
+        for group in self.order(lanes):
             active = list(group)
             while active and got < want:
                 for lane in list(active):
@@ -185,6 +194,48 @@ class LanePull:
             if got >= want:
                 break
         return got
+
+    async def sweep_strays(self) -> int:
+        """Move the messages of :attr:`strays` to ``dlq.<subject>``, each with the
+        reason in ``Aikg-Dlq-Reason``, and delete them from the stream: no consumer
+        would ever take them (the stream's subjects fix the priority token; NATS
+        subjects cannot say which characters a tenant token may hold).
+
+        Each message is copied first (``Nats-Msg-Id`` ``dlq-<stream>-<seq>``, so a
+        retry is not stored twice), then deleted by sequence; a failure leaves it for
+        the next sweep. Returns how many were moved.
+        """
+        moved = 0
+        for subject in sorted(self.strays):
+            self.strays.discard(subject)
+            token = subject[len(self.base) + 1:].split(".")[0]
+            reason = (f"{subject} names no lane: {token!r} is no tenant name (1 to 32 "
+                      "letters, digits or _); publish on "
+                      f"{self.base} or {self.base}.<tenant>.<priority>")
+            for _ in range(1000):
+                try:
+                    msg = await self.js.get_msg(self.stream, seq=1, subject=subject,
+                                                next=True)
+                except nats.js.errors.NotFoundError:
+                    break
+                except Exception as exc:  # noqa: BLE001 - swept again on a later fetch
+                    log.warning("stray_sweep_failed", subject=subject,
+                                error=f"{type(exc).__name__}: {exc}")
+                    break
+                try:
+                    await self.js.publish(subjects.dlq(subject), msg.data or b"", headers={
+                        "Aikg-Dlq-Reason": reason, "Aikg-Original-Subject": subject,
+                        "Aikg-Deliveries": "0", "Nats-Msg-Id": f"dlq-{self.stream}-{msg.seq}"})
+                    await self.js.delete_msg(self.stream, msg.seq)
+                except Exception as exc:  # noqa: BLE001 - swept again on a later fetch
+                    log.warning("stray_sweep_failed", subject=subject,
+                                error=f"{type(exc).__name__}: {exc}")
+                    break
+                moved += 1
+                log.warning("stray_message_dead_lettered", subject=subject, seq=msg.seq,
+                            reason=reason)
+        self.swept += moved
+        return moved
 
     async def wait(self) -> None:
         """Sleep until a message is published on a lane, or ``idle_poll_s`` passes."""

@@ -93,6 +93,11 @@ def _consume(stream: str, durable: str) -> list[str]:
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.>"]
 
 
+def _sweep(stream: str) -> list[str]:
+    """Read and delete single messages of ``stream`` (by subject and sequence)."""
+    return [f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.STREAM.MSG.DELETE.{stream}"]
+
+
 @dataclass(frozen=True)
 class Permissions:
     """One user's rights: subjects it may publish to and subscribe on.
@@ -141,6 +146,8 @@ PERMISSIONS: dict[str, Permissions] = {
             *_common(),
             # ``generator`` and the lanes' ``generator-<tenant>-<priority>``.
             *_consume(subjects.STREAM_JOBS, "*"),
+            # Messages on a lane no consumer takes go to the DLQ (LanePull.sweep_strays).
+            *_sweep(subjects.STREAM_JOBS),
             *_read(subjects.STREAM_RESULTS), *_read(_KV[subjects.BUCKET_JOBS]),
             *_read(_KV[subjects.BUCKET_WORKERS]), *_read(_OBJ),
             # Replacing an object purges its old chunks.
@@ -159,6 +166,7 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$KV.{subjects.BUCKET_LEASES}.>",
             *_common(),
             *_consume(subjects.STREAM_VERIFY, "*"),
+            *_sweep(subjects.STREAM_VERIFY),
             *_read(_KV[subjects.BUCKET_JOBS]), *_read(_KV[subjects.BUCKET_WORKERS]),
             *_read(_KV[subjects.BUCKET_LEASES]),
             # The shared cache: created by the first worker, written and read by all.

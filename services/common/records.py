@@ -158,3 +158,60 @@ def request_id_of(candidate_id: str) -> str:
     if not sep or not number.isdigit():
         raise ValueError(f"{candidate_id!r} is not an attempt's candidate id (<job>-c<n>)")
     return f"{base}-a{number}"
+
+
+def task_module_names(task_desc: str) -> list[str]:
+    """Names a task's module binds by assignment at top level, in source order.
+
+    Found with :mod:`ast`, without running the task (whose code is not trusted here):
+    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
+    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
+
+    Raises:
+        SyntaxError: the task is not valid Python.
+    """
+    names: dict[str, None] = {}
+
+    def targets(node: ast.AST) -> None:
+        if isinstance(node, ast.Name):
+            names[node.id] = None
+        elif isinstance(node, ast.Tuple | ast.List):
+            for element in node.elts:
+                targets(element)
+        elif isinstance(node, ast.Starred):
+            targets(node.value)
+
+    def visit(body: list[ast.stmt]) -> None:
+        for stmt in body:
+            if isinstance(stmt, ast.Assign):
+                for target in stmt.targets:
+                    targets(target)
+            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.For | ast.AsyncFor):
+                targets(stmt.target)
+            elif isinstance(stmt, ast.With | ast.AsyncWith):
+                for withitem in stmt.items:
+                    if withitem.optional_vars is not None:
+                        targets(withitem.optional_vars)
+            for field_name in ("body", "orelse", "finalbody"):
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                    visit(getattr(stmt, field_name, []) or [])
+            for handler in getattr(stmt, "handlers", []):
+                visit(handler.body)
+
+    visit(ast.parse(task_desc).body)
+    return list(names)
+
+
+def unknown_shape_names(task_desc: str, overrides: dict[str, object]) -> tuple[list[str], list[str]]:
+    """``(names in overrides the task does not assign at top level, names it assigns)``
+    (:func:`task_module_names`): a ``shape_overrides`` name must be one of the latter.
+
+    Raises:
+        SyntaxError: the task is not valid Python.
+    """
+    if not overrides:
+        return [], []
+    defined = task_module_names(task_desc)
+    return [name for name in overrides if name not in defined], defined

@@ -23,6 +23,7 @@ import time
 from typing import Annotated, NoReturn
 
 import msgspec
+import numpy as np
 import structlog
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
@@ -38,9 +39,11 @@ from litestar.response import ServerSentEvent
 from prometheus_client import Counter, Histogram
 
 from schemas import TERMINAL_STATUSES, JobEvent, JobRecord, JobSubmit, decode, subjects, utcnow
+from schemas.events import ShapeValue
 from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound, publish_json
 from services.common.jobs import (
     CheckedJobStore,
+    JobRecordCorrupt,
     TaskError,
     cancel_job,
     check_task_source,
@@ -49,16 +52,12 @@ from services.common.jobs import (
     new_record,
     publish_event,
 )
+from services.common.records import unknown_shape_names
 from services.common.tenants import Tenant, tenant_label
 from services.gateway import events as job_events
 from services.gateway.deps import load_record, provide_tenant
 from services.gateway.errors import unknown_job
-from services.gateway.limits import (
-    check_job_limits,
-    count_submission,
-    create_within_limits,
-    tenant_lock,
-)
+from services.gateway.limits import Claim, check_job_limits, claim, tenant_lock
 from services.gateway.queue import QueueView
 from services.gateway.views import JobPage, ListStatus, list_jobs
 
@@ -91,6 +90,63 @@ class SubmitResponse(msgspec.Struct, kw_only=True):
     message: str = ""
 
 
+# Deepest nesting of arrays and objects a submission may have: a JobSubmit is at most
+# three deep (body, shape_overrides, a shape list); 32 leaves room for clients that wrap
+# and is far below the depth at which decoding would exhaust Python's stack.
+MAX_JSON_DEPTH = 32
+# A JSON string literal (escapes included), written as an unrolled loop so that a long
+# string is matched at C speed.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_BRACKET_STEP = np.zeros(256, dtype=np.int8)
+_BRACKET_STEP[[ord("["), ord("{")]] = 1
+_BRACKET_STEP[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` in a JSON text, brackets inside strings not
+    counted; found without decoding it (a decoder recurses once per level). Linear
+    time at C speed (a regular expression, then a running sum in numpy): a 2 MiB body
+    takes milliseconds."""
+    steps = _BRACKET_STEP[np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)]
+    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
+
+
+async def check_submit_body(request: Request) -> None:
+    """``before_request`` of the submit route, so that it runs before Litestar decodes
+    the body its own (lax) way: 400 when the body nests deeper than
+    :data:`MAX_JSON_DEPTH` (a decoder would fail with ``RecursionError``), then the
+    strict decode (:func:`_strict_submit`), kept in ``request.state.submit``. The
+    body's size is bounded by the app (``REQUEST_MAX_BODY_BYTES``, 413).
+
+    Raises:
+        ValidationException: answered 400, naming the field at fault.
+    """
+    depth = json_depth(await request.body())
+    if depth > MAX_JSON_DEPTH:
+        detail = (f"request body nests arrays/objects {depth} levels deep; at most "
+                  f"{MAX_JSON_DEPTH} are accepted")
+        raise ValidationException(detail=detail, extra=[
+            {"message": detail, "key": "data", "source": "body"}])
+    request.state.submit = await _strict_submit(request)
+
+
+def _name_shape_entry(body: bytes, text: str) -> str:
+    """msgspec's error text with ``shape_overrides[...]`` (its path for a dict value)
+    replaced by the entry at fault, e.g. ``shape_overrides.batch_size`` or
+    ``shape_overrides.dim[1]``."""
+    if "at `$.shape_overrides[...]" not in text:
+        return text
+    with contextlib.suppress(Exception):
+        overrides = msgspec.json.decode(body).get("shape_overrides") or {}
+        for name, value in overrides.items():
+            try:
+                msgspec.convert(value, ShapeValue, strict=True)
+            except msgspec.ValidationError as exc:
+                message, _, inner = str(exc).partition(" - at `$")
+                return f"{message} - at `$.shape_overrides.{name}{inner.rstrip('`')}`"
+    return text
+
+
 async def _strict_submit(request: Request) -> JobSubmit:
     """The body decoded as :class:`JobSubmit` with msgspec's strict rules.
 
@@ -105,20 +161,24 @@ async def _strict_submit(request: Request) -> JobSubmit:
         ValidationException: answered 400, the message naming the field
             (``Expected `int`, got `str` - at `$.max_rounds```).
     """
+    body = await request.body()
     try:
-        return decode(await request.body(), JobSubmit)
+        return decode(body, JobSubmit)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        text = str(exc)
+        text = _name_shape_entry(body, str(exc))
         match = _FIELD_PATH_RE.match(text)
         error = ({"message": match["message"], "key": match["key"] or "data", "source": "body"}
                  if match else {"message": text, "key": "data", "source": "body"})
         raise ValidationException(detail=text, extra=[error]) from exc
 
 
-def _check_task(task_desc: str) -> None:
-    """400 unless ``task_desc`` is a KernelBench-format task (static check, no run)."""
+def _check_task(task_desc: str, shape_overrides: dict[str, object] | None = None) -> None:
+    """400 unless ``task_desc`` is a KernelBench-format task (static check, no run) and
+    every ``shape_overrides`` name is one the task assigns at top level (the check
+    ``aikg run --shape`` makes)."""
     try:
         check_task_source(task_desc)
+        unknown, defined = unknown_shape_names(task_desc, shape_overrides or {})
     except TaskError as exc:
         raise ClientException(detail=str(exc)) from exc
     except (ValueError, RecursionError, MemoryError) as exc:
@@ -126,18 +186,66 @@ def _check_task(task_desc: str) -> None:
         # with RecursionError: the task is unusable either way.
         raise ClientException(detail=f"task_desc cannot be parsed as Python: "
                                      f"{exc.__class__.__name__}: {exc}") from exc
+    if unknown:
+        detail = (f"shape_overrides names {', '.join(map(repr, unknown))}, which the task "
+                  f"does not assign at top level; it assigns: {', '.join(defined) or '(none)'}")
+        raise ValidationException(detail=detail, extra=[
+            {"message": detail, "key": "shape_overrides", "source": "body"}])
 
 
-async def _withdraw(bus: Bus, job_id: str, exc: Exception,
-                    subject: str = subjects.JOBS_SUBMIT) -> NoReturn:
+async def _withdraw(bus: Bus, job_id: str, exc: Exception, subject: str,
+                    held: Claim) -> NoReturn:
     """The record is written but its submit message could not be published: remove the
-    record (so nothing waits on a job no generator will see) and answer 503, so the
-    client retries; the same ``job_id`` is free again."""
+    record (so nothing waits on a job no generator will see), give the tenant's slot
+    back and answer 503, so the client retries; the same ``job_id`` is free again."""
     reason = f"could not queue the job on {subject}: {exc.__class__.__name__} {exc}"
     log.error("job_publish_failed", error=reason)
     with contextlib.suppress(Exception):
         await bus.jobs.delete(job_id)
+    await held.withdraw()
     raise HTTPException(status_code=503, detail=f"{reason}; NATS may be down, retry shortly")
+
+
+async def _existing(store: CheckedJobStore, job_id: str) -> JobRecord | None:
+    """The record of ``job_id``, or None when there is none (a record that does not
+    decode counts as taken: its id is not free)."""
+    try:
+        return (await store.get(job_id))[0]
+    except JobNotFound:
+        return None
+    except JobRecordCorrupt as exc:
+        raise HTTPException(status_code=409, detail=f"job id {job_id!r} is taken; choose "
+                            "another job_id or omit it to get a fresh one") from exc
+
+
+async def _resubmitted(bus: Bus, tenant: Tenant, record: JobRecord,
+                       existing: JobRecord) -> SubmitResponse:
+    """Answer a submission whose ``job_id`` has a record already.
+
+    The very same request of the same tenant is idempotent: the answer carries the
+    job's status, and a job still ``pending`` within the stream's duplicate window is
+    published again (recovering a gateway that died between the record and the
+    publish; the stream drops the copy when the first one made it; outside the window
+    a copy would run the job twice, so it is not sent). Anything else, and any other
+    tenant's job whatever its request, is 409 with nothing about that job: another
+    tenant learns neither its status nor that the request matched.
+
+    Raises:
+        HTTPException: 409.
+    """
+    if existing.tenant != tenant.name or existing.request != record.request:
+        raise HTTPException(
+            status_code=409,
+            detail=f"job id {record.job_id!r} is taken; choose another job_id or omit it "
+            "to get a fresh one")
+    age_s = (utcnow() - existing.submit_time).total_seconds()
+    if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S:
+        await publish_json(bus.js, subjects.job_submit(existing.tenant, existing.priority),
+                           existing.request, msg_id=record.job_id)
+    log.info("job_resubmitted", status=existing.status)
+    return SubmitResponse(job_id=record.job_id, status=existing.status,
+                          backend=existing.backend, arch=existing.arch,
+                          message="job already submitted")
 
 
 async def _estimate(queue: QueueView | None,
@@ -154,7 +262,8 @@ async def _estimate(queue: QueueView | None,
 
 
 @post(["/submit", "/"], status_code=200, summary="Submit a job",
-      dependencies={"tenant": Provide(provide_tenant, sync_to_thread=False)})
+      dependencies={"tenant": Provide(provide_tenant, sync_to_thread=False)},
+      before_request=check_submit_body)
 async def submit_job(
     data: JSONBody[JobSubmit],
     request: Request,
@@ -165,20 +274,23 @@ async def submit_job(
 ) -> SubmitResponse:
     """Validate a job, record it as ``pending`` and publish it on ``jobs.submit``.
 
-    The body is decoded strictly (:func:`_strict_submit`): ``"max_rounds": "3"`` is a
+    The body is decoded strictly (:func:`check_submit_body`): ``"max_rounds": "3"`` is a
     400 naming ``$.max_rounds``, as it is for a raw ``nats pub`` on ``jobs.submit``.
     Answers 400 when the task is not a KernelBench-format task, 409 when no live
     worker offers ``backend``/``arch`` (the body lists the live pairs) or when the
-    client-chosen ``job_id`` is already taken by a different job, 503 when the job
+    client-chosen ``job_id`` is already taken by a different job, 429 over a tenant
+    limit (services/gateway/limits.py), 503 when the job
     could not be queued (its record is withdrawn). Resubmitting the very same job with
-    the same ``job_id`` is idempotent: the answer carries the existing job's status.
+    the same ``job_id`` is idempotent: the answer carries the existing job's status
+    (:func:`_resubmitted`); another tenant's ``job_id`` is 409 and says nothing of its
+    job.
     """
     started = time.perf_counter()
-    # ``data`` (Litestar's lax conversion) documents the body in the OpenAPI schema
-    # and has already refused what even lax rules refuse; the strict decode decides.
-    data = await _strict_submit(request)
+    # ``data`` (Litestar's lax conversion) documents the body in the OpenAPI schema;
+    # the strict decode of check_submit_body, which ran first, decides.
+    data = request.state.submit
     check_job_limits(tenant, data)
-    _check_task(data.task_desc)
+    _check_task(data.task_desc, data.shape_overrides)
 
     arch, workers = await live_arch(bus, data.backend, data.arch)
     if arch is None:
@@ -197,41 +309,35 @@ async def submit_job(
     job_id = record.job_id
     subject = subjects.job_submit(tenant.name, record.priority)
     with structlog.contextvars.bound_contextvars(job_id=job_id, tenant=tenant.name):
+        if data.job_id:
+            existing = await _existing(store, job_id)
+            if existing is not None:
+                return await _resubmitted(bus, tenant, record, existing)
         async with tenant_lock(state, tenant.name):
-            created = await create_within_limits(bus, store, tenant, record)
-        if not created:
-            existing, _ = await store.get(job_id)
-            if existing.request != record.request:
-                raise HTTPException(
-                    status_code=409,
-                    detail=f"job id {job_id!r} already exists with a different request; "
-                    "choose another job_id or omit it to get a fresh one",
-                )
-            age_s = (utcnow() - existing.submit_time).total_seconds()
-            if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S:
-                # Recovers a gateway that died between the record and the publish;
-                # the stream drops the copy when the first one made it. Outside the
-                # dedupe window a copy would run the job twice, so it is not sent.
-                await publish_json(bus.js,
-                                   subjects.job_submit(existing.tenant, existing.priority),
-                                   existing.request, msg_id=job_id)
-            log.info("job_resubmitted", status=existing.status)
-            return SubmitResponse(job_id=job_id, status=existing.status,
-                                  backend=existing.backend, arch=existing.arch,
-                                  message="job already submitted")
-        # The event goes first so that a job's history starts with it: a generator
-        # may pick the job up and report "started" before this handler runs on.
-        await publish_event(bus, JobEvent(job_id=job_id, event="submitted",
-                                          status="pending",
-                                          message=f"{record.backend}/{arch}"))
+            held = await claim(bus, store, tenant, job_id)
         try:
+            created = await store.create(record)
+        except Exception:
+            await held.withdraw()
+            raise
+        if not created:
+            # Another submission with this job id won the race since the look above.
+            await held.withdraw()
+            return await _resubmitted(bus, tenant, record, (await store.get(job_id))[0])
+        try:
+            # The event goes first so that a job's history starts with it: a generator
+            # may pick the job up and report "started" before this handler runs on.
+            await publish_event(bus, JobEvent(job_id=job_id, event="submitted",
+                                              status="pending",
+                                              message=f"{record.backend}/{arch}"))
             await publish_json(bus.js, subject, record.request, msg_id=job_id)
         except Exception as exc:
-            await publish_event(bus, JobEvent(job_id=job_id, event="error",
-                                              status="pending",
-                                              message=f"submission withdrawn: {exc}"))
-            await _withdraw(bus, job_id, exc, subject)
-        await count_submission(bus, tenant)
+            with contextlib.suppress(Exception):
+                await publish_event(bus, JobEvent(job_id=job_id, event="error",
+                                                  status="pending",
+                                                  message=f"submission withdrawn: {exc}"))
+            await _withdraw(bus, job_id, exc, subject, held)
+        await held.commit()
         JOBS_SUBMITTED.labels(tenant=tenant_label(tenant.name),
                               priority=record.priority).inc()
         log.info("job_submitted", op_name=record.op_name, backend=record.backend,

@@ -71,13 +71,15 @@ class Lease(msgspec.Struct, kw_only=True):
     """A device held by a worker: value of ``<worker_id>.<device>`` in bucket ``leases``.
 
     ``since`` is when the current run took the device; ``job_id`` / ``request_id`` the
-    verify request running there.
+    verify request running there and ``tenant`` its job's tenant (absent in leases
+    written before workers recorded it: then the job's record says).
     """
 
     worker_id: str = ""
     device: str = ""
     job_id: str | None = None
     request_id: str | None = None
+    tenant: str | None = None
     since: dt.datetime | None = None
 
 
@@ -170,10 +172,26 @@ def _decode_lease(value: bytes) -> Lease | None:
     return None
 
 
-async def list_workers(bus: Bus) -> WorkerList:
+async def _lease_tenant(bus: Bus, lease: Lease, known: dict[str, str | None]) -> str | None:
+    """The tenant of the job a lease serves: the lease's own ``tenant``, else the job's
+    record (None when neither says, e.g. an idle lease or a job gone)."""
+    if lease.tenant or not lease.job_id:
+        return lease.tenant
+    if lease.job_id not in known:
+        known[lease.job_id] = None
+        with contextlib.suppress(Exception):
+            entry = await bus.jobs.get(lease.job_id)
+            known[lease.job_id] = decode_record(lease.job_id, entry.value or b"").tenant
+    return known[lease.job_id]
+
+
+async def list_workers(bus: Bus, viewer: str | None = None) -> WorkerList:
     """Live workers sorted by backend, arch, id, each with load and leases.
 
     A lease's owner is the key's part before the first dot (``<worker_id>.<device>``).
+    ``viewer``: a tenant sees only the leases serving its own jobs (the rest of a
+    worker, its load included, is the fleet's and shown to all); None, the operator,
+    sees every lease.
     """
     workers = await read_bucket(bus.js, subjects.BUCKET_WORKERS)
     try:
@@ -181,11 +199,14 @@ async def list_workers(bus: Bus) -> WorkerList:
     except nats.errors.TimeoutError:
         leases = {}
     held: dict[str, list[Lease]] = {}
+    known: dict[str, str | None] = {}
     for key, value in leases.items():
         lease = _decode_lease(value)
         if lease is None:
             continue
         owner, _, device = key.partition(".")
+        if viewer is not None and await _lease_tenant(bus, lease, known) != viewer:
+            continue
         lease.worker_id = lease.worker_id or owner
         lease.device = lease.device or device
         held.setdefault(owner, []).append(lease)

@@ -15,10 +15,12 @@ from services.gateway.views import WorkerList, list_workers
 
 
 @get(["/status", "/"], summary="Live workers")
-async def workers_status(bus: NamedDependency[Bus]) -> WorkerList:
+async def workers_status(bus: NamedDependency[Bus],
+                         viewer: NamedDependency[str | None]) -> WorkerList:
     """Workers whose heartbeat is live: backend, arch, devices, capacity, in-flight,
-    load (in_flight / capacity) and the device leases each holds."""
-    return await list_workers(bus)
+    load (in_flight / capacity) and the device leases each holds; a tenant's token
+    sees only the leases of its own jobs, the operator's every lease."""
+    return await list_workers(bus, viewer)
 
 
 # Workers: ``/api/v1/workers`` (the ``/api/v1`` router adds the prefix).

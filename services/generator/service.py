@@ -49,6 +49,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 import msgspec
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
@@ -88,7 +89,7 @@ from services.common.jobs import (
 )
 from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
-from services.common.records import attempt_ids
+from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.tenants import tenant_label
@@ -293,8 +294,8 @@ class Generator:
             JobRecordCorrupt: the job's record does not decode (met at any point).
         """
         if deliveries(msg) > JOB_MAX_DELIVER:
-            reason = (f"job delivered {deliveries(msg)} times without finishing "
-                      "(its generator died each time)")
+            reason = (f"job delivered {deliveries(msg)} times without finishing (its "
+                      "generator died or lost NATS each time)")
             await dead_letter(self.bus.js, msg, reason)
             await self._finish(job_id, "failed", error=reason)
             return
@@ -303,7 +304,18 @@ class Generator:
             await msg.ack()
             return
         started = time.monotonic()
-        outcome = await self._run_job(record)
+        try:
+            outcome = await self._run_job(record)
+        except (JobRecordCorrupt, nats.errors.Error, OSError, TimeoutError):
+            raise  # the bus or the record, not the job: handed back for redelivery
+        except Exception as exc:
+            # Something in this job's own handling raised: running it again would
+            # raise again, so it fails once, with the real exception.
+            reason = (f"the generator could not run this job: {type(exc).__name__}: "
+                      f"{exc}"[:2000])
+            log.exception("job_raised", error=reason)
+            await self._finish(job_id, "failed", error=reason)
+            outcome = "failed"
         JOBS_FINISHED.labels(outcome=outcome, tenant=tenant_label(record.tenant)).inc()
         JOB_SECONDS.labels(job_type=record.job_type).observe(time.monotonic() - started)
         await msg.ack()
@@ -352,8 +364,15 @@ class Generator:
         error = None
         try:
             check_task_source(submit.task_desc)
+            unknown, defined = unknown_shape_names(submit.task_desc, submit.shape_overrides)
+            if unknown:
+                error = (f"shape_overrides names {', '.join(map(repr, unknown))}, which the "
+                         f"task does not assign at top level; it assigns: "
+                         f"{', '.join(defined) or '(none)'}")
         except TaskError as exc:
             error = str(exc)
+        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+            error = f"task_desc cannot be parsed as Python: {type(exc).__name__}: {exc}"
         if error is None and arch is None:
             arch, workers = await live_arch(self.bus, submit.backend, None)
             if arch is None:

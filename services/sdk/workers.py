@@ -30,6 +30,7 @@ import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
 from services.common.jobs import heartbeats
+from services.common.records import unknown_shape_names
 from services.common.settings import Settings, load_settings, machine_arch
 from services.common.verdicts import VerdictWaiter
 
@@ -72,8 +73,17 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
 
     Raises:
         ValueError: a field breaks the wire schema; the message names it (e.g.
-            ``Expected `float` > 0 - at `$.timeout_s```).
+            ``Expected `float` > 0 - at `$.timeout_s```); or a ``shape_overrides`` name
+            the task does not assign at top level (the message lists those it does).
     """
+    try:
+        unknown, defined = unknown_shape_names(task_desc, dict(shape_overrides or {}))
+    except SyntaxError:
+        unknown = []  # the worker's verdict says what is wrong with the task
+    if unknown:
+        raise ValueError(f"shape_overrides names {', '.join(map(repr, unknown))}, which the "
+                         f"task does not assign at top level; it assigns: "
+                         f"{', '.join(defined) or '(none)'}")
     request = VerifyRequest(
         request_id=new_id("req-"), job_id=job_id or new_id("sdk-"),
         candidate_id=candidate_id or new_id("cand-"), op_name=op_name, task_desc=task_desc,
