@@ -10,8 +10,9 @@ Delivery rules: while it holds a request the worker sends
 ``in_progress()`` every fifth of ack_wait (``verify_ack_wait_s``, 5 s), so a long run
 is not handed to another worker; a worker that dies stops doing so, and JetStream
 redelivers its request after ack_wait, a few seconds after the death. Verify
-consumers created with a longer ack wait are shortened to the setting at start. The consumer allows ``verify_max_deliver + 1`` deliveries: the last
-one only dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
+consumers created with a longer ack wait are shortened to the setting at start.
+The consumer allows ``verify_max_deliver + 1`` deliveries: the last one only
+dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
 failed ``infrastructure`` result and an ``error`` job event. A message that is not
 a VerifyRequest is dead-lettered at once; requests of cancelled jobs are acked
 unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a
