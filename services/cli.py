@@ -218,16 +218,34 @@ def up(
     nats_auth: Annotated[bool, typer.Option(
         help="Embedded NATS: per-run credentials, one user per service with only its "
         "subjects, no anonymous client. --no-nats-auth lets any local client in.")] = True,
+    metrics_port: Annotated[int | None, typer.Option(
+        envvar="AIKG_UP_METRICS_PORT",
+        help="Port of this supervisor's Prometheus /metrics (aikg_service_restarts_total); "
+        "0 a free port (printed), -1 off.")] = None,
 ) -> None:
     """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
 
     NATS is an embedded nats-server unless AIKG_NATS_URL is set. It refuses clients
     without credentials: each service gets its own per-run user, and the admin's (for
     the `nats` CLI) are written to a 0600 file whose path is printed. Each service is
-    a child process in its own process group; Ctrl-C or SIGTERM stops them all. Exits
-    1 when a service dies or does not come up in time (its log is named).
+    a child process in its own process group; Ctrl-C or SIGTERM stops them all. A
+    service (or the embedded NATS) that dies once the stack is up is restarted, after
+    a wait that doubles with each restart; exits 1 when a service dies more than
+    AIKG_UP_RESTART_MAX times within AIKG_UP_RESTART_WINDOW_S, dies before the stack
+    is up, or the stack does not come up in time (its log is named).
     """
-    settings = cli_settings()
+    from services.common.metrics import start_metrics_server
+
+    settings = cli_settings(up_metrics_port=metrics_port)
+    try:
+        served = start_metrics_server(settings.up_metrics_port)
+    except OSError as exc:
+        fail(ExitCode.USAGE, f"aikg up: cannot serve /metrics on port "
+             f"{settings.up_metrics_port}: {exc}")
+    if served is not None:
+        from services.common.metrics import metrics_host
+
+        say(f"supervisor metrics: http://{metrics_host()}:{served}/metrics")
     stopping = threading.Event()
     stack: LocalStack | None = None
 

@@ -2,6 +2,20 @@
 (embedded unless configured), gateway, generator and one worker as child processes of
 this one, started, watched and stopped together (:func:`local_stack`).
 
+Once the stack is up, a :class:`Supervisor` thread restarts a service that dies (the
+embedded NATS server on its port and store, so the others reconnect), after a wait
+that doubles with each restart of that service (tenacity's exponential wait, capped
+at ``up_restart_backoff_max_s``); each restart is said and counted in
+``aikg_service_restarts_total{service}``. Only a service that dies more than
+``up_restart_max`` times within ``up_restart_window_s`` ends the stack, named with its
+log. A service that dies before the stack is up ends it at once (a port in use, a
+bad setting: restarting would not help).
+
+Per-run files (the embedded server's credentials and configuration, a temporary
+JetStream store) live in ``<up_run_dir or the temp dir>/aikg-up-<pid>-*``, removed at
+exit; a start removes the directories of ``aikg up`` processes that are gone (killed
+with SIGKILL, which leaves no chance to clean up).
+
 It raises :class:`StackError` rather than exiting, so a caller decides what a stack
 that did not come up means (the CLI: exit 1; ``bench/gpu_check.py``: a failed check).
 """
@@ -24,8 +38,24 @@ from typing import Any
 
 import httpx
 import msgspec
+import tenacity
+from prometheus_client import Counter
 
 from services.common.settings import Settings
+
+RESTARTS = Counter(
+    "aikg_service_restarts_total",
+    "Services of the local stack (`aikg up`) restarted after they died, by service "
+    "(nats, gateway, generator, worker).",
+    ["service"],
+)
+# Name prefix of a per-run directory: aikg-up-<pid of aikg up>-<random>.
+RUN_DIR_PREFIX = "aikg-up-"
+# In a run directory: "<pid> <start time>" of its owner (start time: /proc/<pid>/stat
+# field 22, clock ticks after boot), so a reused pid is not taken for the owner.
+OWNER_FILE = "owner"
+# First wait before a restart, seconds; it doubles with each restart in the window.
+RESTART_FIRST_WAIT_S = 0.5
 
 
 class StackError(RuntimeError):
@@ -66,25 +96,22 @@ class LocalStack:
     logs: dict[str, Path]
     # The embedded server's admin credentials (NATS_URL/NATS_USER/NATS_PASSWORD, 0600).
     admin_env: Path | None = None
+    # Restarts the services that die once the stack is up (None: nobody does).
+    supervisor: Supervisor | None = None
+    # This run's directory (credentials, temporary store), removed at exit.
+    run_dir: Path | None = None
 
     def dead_child(self) -> str | None:
-        """``"<service> exited with code N; log: PATH"`` for the first dead child, else None."""
+        """Why the stack cannot go on, else None: with a supervisor, the service that
+        died too often (``"worker exited with code -9 after 5 restarts in 300 s; log:
+        PATH"``); without one, ``"<service> exited with code N; log: PATH"`` for the
+        first dead child."""
+        if self.supervisor is not None:
+            return self.supervisor.failure
         for name, proc in self.children.items():
             if proc.poll() is not None:
-                where = f"; log: {self.logs[name]}" if name in self.logs else ""
-                return f"{name} exited with code {proc.returncode}{where}{self._cause(name)}"
+                return f"{name} exited with code {proc.returncode}{_where(self.logs, name)}"
         return None
-
-    def _cause(self, name: str) -> str:
-        """The last error the service logged (e.g. the port in use), for the message."""
-        path = self.logs.get(name)
-        if path is None:
-            return ""
-        with contextlib.suppress(OSError):
-            lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-            if lines:
-                return f"\n  {lines[-1][:500]}"
-        return ""
 
     def describe(self) -> str:
         """``"gateway URL, NATS URL, worker backend/arch (N devices)"``, for a ready line."""
@@ -96,29 +123,239 @@ class LocalStack:
                 f"{w['backend']}/{w['arch']} ({n} device{'s' if n != 1 else ''})")
 
 
+def _where(logs: dict[str, Path], name: str) -> str:
+    """``"; log: PATH"`` and the last line the service logged (e.g. the port in use)."""
+    path = logs.get(name)
+    if path is None:
+        return ""
+    where = f"; log: {path}"
+    with contextlib.suppress(OSError):
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+        if lines:
+            return f"{where}\n  {lines[-1][:500]}"
+    return where
+
+
+class Supervisor:
+    """Restart the processes of a stack that die, with backoff, in a background thread.
+
+    Args:
+        procs: service name -> its running process (``nats``, ``gateway`` ...); kept
+            up to date here.
+        spawn: starts the named service again and returns its process; it may raise
+            (e.g. :class:`RuntimeError`: NATS did not start), which counts as a death.
+        logs: service name -> its log file, named in messages.
+        restart_max / window_s: at most ``restart_max`` restarts of one service within
+            ``window_s`` seconds; its next death sets :attr:`failure` and restarts
+            nothing more (the caller stops the stack).
+        backoff_max_s: the longest wait before a restart, seconds; the wait is
+            ``RESTART_FIRST_WAIT_S`` doubled for each restart of the service within
+            the window (``tenacity.wait_exponential``).
+        say: reports each death and restart (one line each).
+        poll_s: how often the processes are looked at, seconds.
+    """
+
+    def __init__(self, procs: dict[str, subprocess.Popen[Any]],
+                 spawn: Callable[[str], subprocess.Popen[Any]], *, logs: dict[str, Path],
+                 restart_max: int, window_s: float, backoff_max_s: float,
+                 say: Callable[[str], None] = _say, poll_s: float = 0.25) -> None:
+        self.procs = dict(procs)
+        self.spawn = spawn
+        self.logs = logs
+        self.restart_max = restart_max
+        self.window_s = window_s
+        self.say = say
+        self.poll_s = poll_s
+        self.wait = tenacity.wait_exponential(multiplier=RESTART_FIRST_WAIT_S,
+                                              max=max(RESTART_FIRST_WAIT_S, backoff_max_s))
+        # Set when a service died too often: "<name> exited with code N after ...".
+        self.failure: str | None = None
+        # Per service: monotonic times of its restarts (attempts included).
+        self.restarts: dict[str, list[float]] = {}
+        self._due: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="aikg-supervisor", daemon=True)
+
+    def start(self) -> Supervisor:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Restart nothing from now on (returns once a restart under way is done)."""
+        with self._lock:
+            self._closed.set()
+
+    def join(self, timeout_s: float = 10.0) -> None:
+        """Wait for the thread to end (after :meth:`close`). Children that the thread
+        started get SIGTERM when it ends (``die_with_parent``): stop them first."""
+        self.close()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def backoff_s(self, restart_no: int) -> float:
+        """The wait before the ``restart_no``-th restart (1-based) in the window, seconds."""
+        state = tenacity.RetryCallState(None, None, (), {})  # type: ignore[arg-type]
+        state.attempt_number = restart_no
+        return float(self.wait(state))
+
+    def _run(self) -> None:
+        # The thread lives until closed even after a failure: what it started dies with it.
+        while not self._closed.wait(self.poll_s):
+            with self._lock:
+                if not self._closed.is_set() and self.failure is None:
+                    self.check(time.monotonic())
+
+    def check(self, now: float) -> None:
+        """One look at every process: schedule a restart of a dead one, start those due."""
+        for name, proc in list(self.procs.items()):
+            if name in self._due:
+                if now >= self._due[name]:
+                    self._restart(name, now)
+            elif proc.poll() is not None:
+                # A group outliving its leader (a sandboxed child) goes before a new one.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                self._schedule(name, f"{name} exited with code {proc.returncode}", now)
+            if self.failure is not None:
+                return
+
+    def _recent(self, name: str, now: float) -> list[float]:
+        times = [t for t in self.restarts.get(name, []) if now - t < self.window_s]
+        self.restarts[name] = times
+        return times
+
+    def _schedule(self, name: str, what: str, now: float) -> None:
+        recent = self._recent(name, now)
+        if len(recent) >= self.restart_max:
+            self.failure = (f"{what} after {len(recent)} restart{'s' if len(recent) != 1 else ''}"
+                            f" in {self.window_s:.0f} s{_where(self.logs, name)}")
+            self.say(f"{name} keeps dying; not restarting it again")
+            return
+        delay = self.backoff_s(len(recent) + 1)
+        self._due[name] = now + delay
+        log = f" (log: {self.logs[name]})" if name in self.logs else ""
+        self.say(f"{what}{log}; restarting it in {delay:.1f} s (restart {len(recent) + 1} "
+                 f"of at most {self.restart_max} in {self.window_s:.0f} s)")
+
+    def _restart(self, name: str, now: float) -> None:
+        del self._due[name]
+        self.restarts.setdefault(name, []).append(now)
+        try:
+            proc = self.spawn(name)
+        except Exception as exc:  # noqa: BLE001 - a failed start is one more death
+            self._schedule(name, f"{name} did not start again ({exc})", now)
+            return
+        self.procs[name] = proc
+        RESTARTS.labels(service=name).inc()
+        self.say(f"{name} restarted (pid {proc.pid})")
+
+
+def _process_start(pid: int) -> str | None:
+    """When ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks after boot);
+    None when it is gone or a zombie. Where /proc is missing: ``""`` while it exists."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except FileNotFoundError:
+        if Path("/proc/self/stat").exists():
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    if not fields or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def remove_stale_run_dirs(base: Path) -> list[Path]:
+    """Remove this user's ``aikg-up-<pid>-*`` directories under ``base`` whose ``aikg up``
+    (the pid, started when its owner file says) no longer runs.
+
+    Returns:
+        The directories removed.
+    """
+    removed = []
+    for path in base.glob(f"{RUN_DIR_PREFIX}*-*"):
+        pid_part = path.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if not pid_part.isdigit() or not path.is_dir() or path.is_symlink() \
+                or info.st_uid != os.getuid():
+            continue
+        started = _process_start(int(pid_part))
+        if started is not None:
+            with contextlib.suppress(OSError, IndexError):
+                owner = (path / OWNER_FILE).read_text().split()
+                if owner[0] == pid_part and len(owner) > 1 and started and owner[1] != started:
+                    started = None  # the pid now belongs to another process
+        if started is None:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def claim_run_dir(base: Path) -> tuple[Path, list[Path]]:
+    """A new private (0700) run directory under ``base`` owned by this process, after
+    removing stale ones (:func:`remove_stale_run_dirs`).
+
+    Returns:
+        The new directory and the stale ones removed.
+
+    Raises:
+        OSError: ``base`` cannot be created or written.
+    """
+    base.mkdir(parents=True, exist_ok=True)
+    removed = remove_stale_run_dirs(base)
+    path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
+    (path / OWNER_FILE).write_text(f"{os.getpid()} {_process_start(os.getpid()) or ''}\n")
+    return path, removed
+
+
+def run_dir_base(settings: Settings) -> Path:
+    """Where run directories go: ``up_run_dir``, else the system temp dir."""
+    return Path(settings.up_run_dir) if settings.up_run_dir else Path(tempfile.gettempdir())
+
+
 @contextlib.contextmanager
 def local_stack(
     settings: Settings, *, host: str, port: int, backend: str, arch: str | None, devices: str,
     store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
     stopping: threading.Event | None = None, nats_auth: bool = True,
-    say: Callable[[str], None] = _say,
+    say: Callable[[str], None] = _say, supervise: bool = True,
 ) -> Iterator[LocalStack]:
     """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
     as child processes, each in its own process group; wait until the gateway is ready
     and lists a worker of ``backend``; on exit stop them all (no stray processes).
 
+    With ``supervise`` (the default), once the stack is up a :class:`Supervisor`
+    restarts what dies (settings ``up_restart_max``, ``up_restart_window_s``,
+    ``up_restart_backoff_max_s``); :meth:`LocalStack.dead_child` then says when a
+    service died too often and the caller should stop.
+
     With ``nats_auth`` the embedded server gets per-run random passwords for an admin
     and each service, with each service's permissions (services/common/nats_auth.py),
-    in a configuration file in a private (0700) temporary directory removed at exit;
-    each service gets only its own user. An external server (``settings.nats_url``)
-    is left as configured: the services read their ``AIKG_NATS_*`` credentials.
+    in a configuration file in this run's private (0700) directory
+    (:func:`claim_run_dir`), removed at exit; each service gets only its own user. An
+    external server (``settings.nats_url``) is left as configured: the services read
+    their ``AIKG_NATS_*`` credentials. Without ``store_dir`` the embedded server's
+    JetStream store is in the run directory too.
 
     ``stopping`` set (a signal handler's doing) ends the wait for readiness early;
-    ``say`` reports where the logs and the admin credentials are, and the stop.
+    ``say`` reports where the logs and the admin credentials are, restarts, and the stop.
 
     Raises:
-        StackError: NATS cannot start, a service dies, or the stack is not up within
-            ``ready_timeout`` s (gateway ready and a ``backend`` worker listed).
+        StackError: the run directory or NATS cannot be had, a service dies before the
+            stack is up, or the stack is not up within ``ready_timeout`` s (gateway
+            ready and a ``backend`` worker listed).
     """
     stopping = stopping or threading.Event()
     from services.common.embedded import EmbeddedNatsServer, die_with_parent
@@ -128,23 +365,30 @@ def local_stack(
     children: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
     credentials: BusCredentials | None = None
-    auth_dir: Path | None = None
+    run_dir: Path | None = None
     admin_env: Path | None = None
+    supervisor: Supervisor | None = None
     try:
         nats_url = settings.nats_url
         if not nats_url:
+            try:
+                run_dir, stale = claim_run_dir(run_dir_base(settings))
+            except OSError as exc:
+                raise StackError(f"cannot create a run directory: {exc}") from exc
+            for path in stale:
+                say(f"removed {path}, left by an aikg up that is gone")
             config = None
             if nats_auth:
                 credentials = BusCredentials()
-                auth_dir = Path(tempfile.mkdtemp(prefix="aikg-nats-auth-"))
-                config = credentials.write_server_config(auth_dir / "nats-server.conf")
-            nats = EmbeddedNatsServer(store_dir, die_with_parent=True, config_file=config)
+                config = credentials.write_server_config(run_dir / "nats-server.conf")
+            nats = EmbeddedNatsServer(store_dir or run_dir / "jetstream", die_with_parent=True,
+                                      config_file=config)
             try:
                 nats_url = nats.start()
             except (RuntimeError, FileNotFoundError) as exc:
                 raise StackError(str(exc)) from exc
-            if credentials is not None and auth_dir is not None:
-                admin_env = credentials.write_admin_env(auth_dir / "nats-admin.env", nats_url)
+            if credentials is not None:
+                admin_env = credentials.write_admin_env(run_dir / "nats-admin.env", nats_url)
                 say(f"NATS admin credentials (nats CLI): {admin_env} "
                     f"(`set -a; . {admin_env}; set +a`)")
         if not verbose:
@@ -166,7 +410,13 @@ def local_stack(
             "worker": ["worker", "--backend", backend, "--devices", devices,
                        *(["--arch", arch] if arch else [])],
         }
-        for name, args in commands.items():
+
+        def start_service(name: str) -> subprocess.Popen[bytes]:
+            if name == "nats":
+                assert nats is not None
+                nats.restart()
+                assert nats.proc is not None
+                return nats.proc  # type: ignore[return-value]
             stream: Any = None
             if log_dir is not None and not verbose:
                 logs[name] = log_dir / f"{name}.log"
@@ -174,15 +424,19 @@ def local_stack(
             try:
                 own = credentials.service_env(name) if credentials is not None else {}
                 children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *args],
+                    [sys.executable, "-m", "services.cli", *commands[name]],
                     env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
                     start_new_session=True, preexec_fn=die_with_parent,
                 )
             finally:
                 if stream is not None:
                     stream.close()
+            return children[name]
+
+        for name in commands:
+            start_service(name)
         stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
-                           children=children, logs=logs, admin_env=admin_env)
+                           children=children, logs=logs, admin_env=admin_env, run_dir=run_dir)
         headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
         deadline = time.monotonic() + ready_timeout
         with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
@@ -207,15 +461,27 @@ def local_stack(
                                      f"(gateway ready and a {backend} worker listed); see "
                                      "the logs" + (f" in {log_dir}" if logs else ""))
                 stopping.wait(0.25)
+        if supervise:
+            procs: dict[str, subprocess.Popen[Any]] = dict(children)
+            if nats is not None and nats.proc is not None:
+                procs = {"nats": nats.proc, **procs}
+            supervisor = stack.supervisor = Supervisor(
+                procs, start_service, logs=logs, restart_max=settings.up_restart_max,
+                window_s=settings.up_restart_window_s,
+                backoff_max_s=settings.up_restart_backoff_max_s, say=say).start()
         yield stack
     finally:
+        if supervisor is not None:
+            supervisor.close()
         if children:
             say("stopping services ...")
         stop_children(children)
         if nats is not None:
             nats.stop()
-        if auth_dir is not None:
-            shutil.rmtree(auth_dir, ignore_errors=True)
+        if supervisor is not None:
+            supervisor.join()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _admin_login(settings: Settings, credentials: Any) -> tuple[str | None, str | None]:

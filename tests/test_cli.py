@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -277,9 +278,33 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _state(pid: int) -> str | None:
+    """The one-letter state of ``pid``, None when it is gone (it may go between any two
+    reads, so there is one read and a vanished process is simply gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def _alive(pids: set[int]) -> set[int]:
-    return {p for p in pids if Path(f"/proc/{p}").exists()
-            and "Z" not in Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0]}
+    return {p for p in pids if _state(p) not in (None, "Z", "X")}
+
+
+def _cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    return []
+
+
+async def _said(stream: asyncio.StreamReader, needle: bytes, timeout: float = 120) -> bytes:
+    """The first line of ``stream`` holding ``needle``."""
+    async def find() -> bytes:
+        while needle not in (line := await stream.readline()):
+            assert line, f"the stream ended before {needle!r}"
+        return line
+
+    return await asyncio.wait_for(find(), timeout)
 
 
 @pytest.mark.slow
@@ -383,27 +408,98 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
     assert "gateway exited with code 1" in err.decode()
     assert str(tmp_path / "logs" / "gateway.log") in err.decode()
     assert "cannot listen" in (tmp_path / "logs" / "gateway.log").read_text()
-    assert not _alive(family)
+    # The worker's fork server (its own session) exits when its control socket closes,
+    # a moment after the worker.
+    deadline = asyncio.get_running_loop().time() + 30
+    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+    assert not _alive(family), f"still running: {sorted(_alive(family))}"
 
 
 @pytest.mark.slow
 async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port) -> None:
-    """SIGKILL gives `aikg up` no chance to clean up: its children must go by themselves."""
+    """SIGKILL gives `aikg up` no chance to clean up: its children must go by themselves,
+    and the next `aikg up` removes the run directory (credentials, temporary store) the
+    killed one left."""
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    env = {**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run"),
+           "AIKG_UP_METRICS_PORT": "-1"}
     proc = await asyncio.create_subprocess_exec(
         *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-        # A killed `aikg up` cannot remove a temporary store; this one is the test's.
-        "--store-dir", str(tmp_path / "nats"),
-        env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     line = await asyncio.wait_for(proc.stdout.readline(), 120)
     assert b"AIKG is up" in line, line
+    said = await _said(proc.stderr, b"NATS admin credentials", 10)
+    run_dir = Path(said.decode().split("(nats CLI): ")[1].split()[0]).parent
+    assert run_dir.parent == tmp_path / "run" and (run_dir / "jetstream").is_dir()
     family = _descendants(proc.pid)
     assert len(family) >= 4  # nats-server, gateway, generator, worker
     proc.kill()
     await proc.wait()
+    deadline = asyncio.get_running_loop().time() + 30
+    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.2)
+    assert not _alive(family), f"still running: {sorted(_alive(family))}"
+    assert run_dir.exists()
+
+    again = await asyncio.create_subprocess_exec(
+        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        said = await _said(again.stderr, b"NATS admin credentials", 60)
+        assert not run_dir.exists(), "the killed aikg up's run directory is still there"
+        assert Path(said.decode().split("(nats CLI): ")[1].split()[0]).parent.exists()
+    finally:
+        again.terminate()
+        code = await asyncio.wait_for(again.wait(), 60)
+    assert code == 0
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_port,
+                                                          relu_task: str) -> None:
+    """SIGKILL of the worker under `aikg up`: the stack stays up, the worker is started
+    again, a job submitted after the kill completes, and the restart is counted in the
+    supervisor's metrics; SIGTERM then stops everything (the restarted worker too)."""
+    port, metrics_port = free_port(), free_port()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    proc = await asyncio.create_subprocess_exec(
+        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
+        "--metrics-port", str(metrics_port),
+        env={**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run")},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    family: set[int] = set()
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 180)
+        assert b"AIKG is up" in line, line
+        family = _descendants(proc.pid)
+        (worker,) = [p for p in family
+                     if _cmdline(p)[1:4] == ["-m", "services.cli", "worker"]]
+        os.kill(worker, signal.SIGKILL)
+        said = await _said(proc.stderr, b"worker exited with code -9", 30)
+        assert b"worker.log" in said and b"restarting it in" in said, said
+        await _said(proc.stderr, b"worker restarted", 30)
+
+        task = tmp_path / "relu.py"
+        task.write_text(relu_task)
+        code, out, err = await aikg("submit", str(task), "--wait", "--timeout", "400",
+                                    "--gateway", f"http://127.0.0.1:{port}", timeout=450)
+        assert code == 0, out + err
+        assert proc.returncode is None, "aikg up stopped"
+        async with httpx.AsyncClient() as client:
+            text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'aikg_service_restarts_total{service="worker"} 1.0' in text, text
+        family |= _descendants(proc.pid)
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        code = await asyncio.wait_for(proc.wait(), 60)
+    assert code == 0, (await proc.stderr.read()).decode()
     deadline = asyncio.get_running_loop().time() + 30
     while _alive(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)

@@ -408,3 +408,71 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
         return not alive(below)
 
     await wait_for(reaped, 20, "fork servers and children exit", 0.1)
+
+
+@pytest.mark.timeout(300)
+async def test_dead_workers_request_is_redelivered_within_seconds(
+        settings: Settings, bus: Bus, tmp_path: Path) -> None:
+    """With the default ack wait, a request whose worker was SIGKILLed mid-verify
+    completes on the other worker within 15 s of the kill, even where the shared
+    consumer was created with the old 60 s ack wait (the workers shorten it)."""
+    default_ack_wait = Settings().verify_ack_wait_s
+    assert default_ack_wait <= 6.0
+    subject = subjects.verify("cpu", settings.arch)
+    durable = subjects.verify_consumer("cpu", settings.arch)
+    old = await durable_pull(bus.js, stream=subjects.STREAM_VERIFY, subject=subject,
+                             durable=durable, ack_wait_s=60.0, max_deliver=4)
+    await old.unsubscribe()
+    results: dict[str, list[VerifyResult]] = {}
+
+    async def on_result(msg) -> None:
+        result = decode(msg.data, VerifyResult)
+        results.setdefault(result.job_id, []).append(result)
+
+    await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
+    await bus.nc.flush()
+    workers = [WorkerProcess(settings, f"prompt-{n}-{uuid.uuid4().hex[:4]}", tmp_path,
+                             default_ack_wait) for n in range(2)]
+    below: set[int] = set()
+    try:
+        async def both_beating() -> bool:
+            for w in workers:
+                assert w.proc.poll() is None, f"{w.worker_id} exited:\n{w.log_tail()}"
+            with contextlib.suppress(nats.js.errors.NoKeysError):
+                return {w.worker_id for w in workers} <= set(await bus.workers.keys())
+            return False
+
+        await wait_for(both_beating, START_TIMEOUT_S, "both workers' heartbeats", 0.2)
+        info = await bus.js.consumer_info(subjects.STREAM_VERIFY, durable)
+        assert info.config.ack_wait == pytest.approx(default_ack_wait)
+
+        request_id = "req-prompt"
+        body = {"request_id": request_id, "job_id": "job-prompt", "candidate_id": "cand",
+                "op_name": "relu", "task_desc": RELU_TASK, "code": sleepy_candidate(),
+                "backend": "cpu", "arch": settings.arch, "shape_overrides": SHAPES,
+                "trials": 1, "timeout_s": 120.0}
+        await bus.js.publish(subject, json.dumps(body).encode(),
+                             headers={"Nats-Msg-Id": request_id})
+        key = await wait_for(functools.partial(holder_of, bus, request_id), 60, "a lease")
+        victim = next(w for w in workers if key.startswith(f"{w.worker_id}."))
+        await asyncio.sleep(0.5)
+        below |= victim.kill()
+        killed_at = time.monotonic()
+        assert "job-prompt" not in results, "the candidate finished before the kill"
+
+        async def answered() -> list[VerifyResult] | None:
+            return results.get("job-prompt")
+
+        (result,) = await wait_for(answered, 60, "the redelivered request's result")
+        took = time.monotonic() - killed_at
+        assert result.passed and result.worker_id != victim.worker_id, result
+        assert took <= 15.0, f"completed {took:.1f} s after the kill"
+        print(f"completed on the other worker {took:.1f} s after the kill")
+    finally:
+        for w in workers:
+            below |= w.terminate()
+
+    async def reaped() -> bool:
+        return not alive(below)
+
+    await wait_for(reaped, 20, "fork servers and children exit", 0.1)

@@ -120,3 +120,38 @@ async def run_with_progress(msg: Msg, every_s: float, work: Callable[[], Awaitab
         await work()
     finally:
         await cancel_and_wait(beat)
+
+
+async def shorten_ack_wait(js: JetStreamContext, stream: str, durable: str,
+                           ack_wait_s: float) -> float | None:
+    """Set an existing durable consumer's ack wait to ``ack_wait_s`` seconds when its
+    own is longer (created under an older, longer default).
+
+    Binding a durable keeps its configuration, so a consumer made with a 60 s ack
+    wait would hold a dead worker's request that long. A consumer with a shorter or
+    equal ack wait is left alone. Where this user may not update consumers (they are
+    provisioned by an admin), the consumer keeps its value and a warning says so.
+
+    Returns:
+        The consumer's ack wait afterwards, seconds; None when it cannot be read.
+        Never raises.
+    """
+    try:
+        config = (await js.consumer_info(stream, durable)).config
+    except Exception as exc:  # noqa: BLE001 - the caller keeps what it has
+        log.warning("consumer_info_failed", stream=stream, consumer=durable, error=str(exc))
+        return None
+    old = config.ack_wait
+    if not old or old <= ack_wait_s + 1e-3:
+        return old
+    config.ack_wait = ack_wait_s
+    try:
+        await js.add_consumer(stream, config)
+    except Exception as exc:  # noqa: BLE001 - the old ack wait still works, only slower
+        log.warning("consumer_ack_wait_update_failed", stream=stream, consumer=durable,
+                    ack_wait_s=old, wanted_s=ack_wait_s, error=str(exc),
+                    hint="whoever provisions the consumers must set the shorter ack wait")
+        return old
+    log.info("consumer_ack_wait_shortened", stream=stream, consumer=durable,
+             from_s=old, to_s=ack_wait_s)
+    return ack_wait_s

@@ -144,6 +144,26 @@ class EmbeddedNatsServer:
                 raise RuntimeError(f"nats-server did not start:\n{tail}")
         return self.url
 
+    def restart(self, timeout_s: float = 15.0) -> str:
+        """Start a server that died again, on the same port, store and configuration, so
+        clients reconnect to the URL they have (a running one is left alone).
+
+        Returns:
+            The client URL.
+
+        Raises:
+            RuntimeError: as :meth:`start` (e.g. another process took the port).
+        """
+        if self.proc is not None and self.proc.poll() is None:
+            return self.url
+        self._log = []
+        # A failed start stops the server; the store it had must stay for the next try.
+        own, self._own_dir = self._own_dir, False
+        try:
+            return self.start(timeout_s)
+        finally:
+            self._own_dir = own
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None

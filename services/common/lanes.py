@@ -44,6 +44,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.common.consumer import shorten_ack_wait
 
 log = structlog.get_logger("aikg.lanes")
 
@@ -263,11 +264,15 @@ class LanePull:
 
     async def _ensure(self, lane: Lane) -> bool:
         """Create the lane's consumer when it does not exist (an existing one keeps its
-        configuration, as a bound durable does). False when it cannot be had."""
+        configuration, as a bound durable does, but a longer ack wait is shortened to
+        ``config_of``'s). False when it cannot be had."""
         if lane.consumer in self.known:
             return True
         try:
             await self.js.consumer_info(self.stream, lane.consumer)
+            # One created with a longer ack wait (an older default) gets this one's.
+            await shorten_ack_wait(self.js, self.stream, lane.consumer,
+                                   self.config_of(lane.subject, lane.consumer).ack_wait)
         except nats.js.errors.NotFoundError:
             try:
                 await self.js.add_consumer(self.stream, self.config_of(lane.subject,

@@ -64,8 +64,11 @@ class Settings(msgspec.Struct, kw_only=True):
             ``cpu`` backend a device is a concurrent slot. Empty arch: this machine's.
         worker_heartbeat_s: period of the worker's ``workers`` bucket put; the
             bucket's TTL is three periods, so a dead worker disappears after ~3 s x 3.
-        verify_ack_wait_s: JetStream ack wait of verify requests; a worker sends
-            ``in_progress()`` well inside it while a run is long.
+        verify_ack_wait_s: JetStream ack wait of verify requests, seconds; a worker
+            sends ``in_progress()`` every fifth of it while it holds a request, so a
+            request whose worker died is redelivered about this long after the death.
+            A worker shortens the verify consumers' ack wait to it when theirs is
+            longer (consumers created with an older, longer default).
         verify_max_deliver: deliveries of a verify request before it is dead-lettered.
         job_events_max_age_s / results_max_age_s: how long JOB_EVENTS and RESULTS
             keep messages (7 days / 1 day).
@@ -76,6 +79,18 @@ class Settings(msgspec.Struct, kw_only=True):
         baseline_cache_bytes / baseline_cache_ttl_s: size bound (bytes) and life
             (seconds) of the ``baselines`` bucket (eager timings of the reference,
             shared by every worker); 0 bytes turns the shared tier off.
+        up_metrics_port: Prometheus ``/metrics`` port of the ``aikg up`` supervisor
+            (``aikg_service_restarts_total``); 0 picks a free port (printed at start),
+            -1 turns it off.
+        up_restart_max / up_restart_window_s: ``aikg up`` restarts a service that
+            died (NATS included) at most ``up_restart_max`` times within
+            ``up_restart_window_s`` seconds; one more death stops the stack.
+        up_restart_backoff_max_s: the longest wait before a restart, seconds; the
+            waits double from 0.5 s with each restart of that service in the window.
+        up_run_dir: where ``aikg up`` keeps its per-run directories
+            (``aikg-up-<pid>-*``: NATS credentials, a temporary JetStream store);
+            empty means the system temp dir. Each start removes those whose
+            ``aikg up`` is no longer running.
         generator_concurrency: jobs one generator process runs at once.
         verify_result_timeout_s: how long the generator waits for one candidate's
             verdict, queueing included, before failing the job.
@@ -158,7 +173,7 @@ class Settings(msgspec.Struct, kw_only=True):
     worker_arch: str = ""
     worker_devices: str = "0"
     worker_heartbeat_s: float = 3.0
-    verify_ack_wait_s: float = 60.0
+    verify_ack_wait_s: float = 5.0
     verify_max_deliver: int = 3
     job_events_max_age_s: float = 7 * 24 * 3600.0
     results_max_age_s: float = 24 * 3600.0
@@ -166,6 +181,11 @@ class Settings(msgspec.Struct, kw_only=True):
     worker_id: str = ""
     baseline_cache_bytes: int = 16 << 20
     baseline_cache_ttl_s: float = 7 * 24 * 3600.0
+    up_metrics_port: int = 0
+    up_restart_max: int = 5
+    up_restart_window_s: float = 300.0
+    up_restart_backoff_max_s: float = 30.0
+    up_run_dir: str = ""
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
     lowering_timeout_s: float = 120.0

@@ -6,11 +6,13 @@ has free devices, leases the device in the ``leases`` bucket, runs the candidate
 the sandbox (:class:`services.worker.verifier.Verifier`), publishes the
 :class:`VerifyResult` on ``results.<job_id>``, acks, and releases the lease.
 
-Delivery rules: while a run lasts the worker sends
-``in_progress()`` every third of ack_wait, so a long run is not handed to another
-worker; a worker that dies stops doing so, and JetStream redelivers its request
-after ack_wait. The consumer allows ``verify_max_deliver + 1`` deliveries: the last
-one only dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
+Delivery rules: while it holds a request the worker sends
+``in_progress()`` every fifth of ack_wait (``verify_ack_wait_s``, 5 s), so a long run
+is not handed to another worker; a worker that dies stops doing so, and JetStream
+redelivers its request after ack_wait, a few seconds after the death. Verify
+consumers created with a longer ack wait are shortened to the setting at start.
+The consumer allows ``verify_max_deliver + 1`` deliveries: the last one only
+dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
 failed ``infrastructure`` result and an ``error`` job event. A message that is not
 a VerifyRequest is dead-lettered at once; requests of cancelled jobs are acked
 unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a
@@ -59,6 +61,7 @@ from services.common.consumer import (
     durable_pull,
     keep_in_progress,
     run_with_progress,
+    shorten_ack_wait,
 )
 from services.common.jobs import publish_event
 from services.common.lanes import LanePull, lane_config
@@ -188,8 +191,10 @@ class Worker:
 
     @property
     def progress_every_s(self) -> float:
-        """Period of ``in_progress()`` while a request runs: a third of ack_wait, seconds."""
-        return max(0.1, self.ack_wait_s / 3)
+        """Period of ``in_progress()`` while a request runs: a fifth of ack_wait, seconds
+        (four beats may be late or lost before JetStream hands the request to another
+        worker)."""
+        return max(0.1, self.ack_wait_s / 5)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -364,7 +369,11 @@ class Worker:
         JetStream keeps a durable consumer's configuration when a worker binds with
         other values, and enforces its own: a worker that sent ``in_progress()`` by
         its own, longer ack_wait would see its runs redelivered to other workers.
+        A consumer whose ack_wait is longer than the setting is shortened first.
         """
+        await shorten_ack_wait(self.bus.js, subjects.STREAM_VERIFY,
+                               subjects.verify_consumer(self.backend, self.arch),
+                               self.settings.verify_ack_wait_s)
         try:
             config = (await psub.consumer_info()).config
         except Exception as exc:  # noqa: BLE001 - keep the settings' values
