@@ -71,7 +71,8 @@ class Lease(msgspec.Struct, kw_only=True):
     """A device held by a worker: value of ``<worker_id>.<device>`` in bucket ``leases``.
 
     ``since`` is when the current run took the device; ``job_id`` / ``request_id`` the
-    verify request running there.
+    verify request running there; ``tenant``, ``backend`` and ``arch`` whose request and
+    which device pool (each worker's tenant shares count them, services/common/shares.py).
     """
 
     worker_id: str = ""
@@ -79,6 +80,9 @@ class Lease(msgspec.Struct, kw_only=True):
     job_id: str | None = None
     request_id: str | None = None
     since: dt.datetime | None = None
+    tenant: str | None = None
+    backend: str | None = None
+    arch: str | None = None
 
 
 class WorkerStatus(WorkerInfo, kw_only=True):
