@@ -192,3 +192,136 @@ async def test_a_hang_while_lowering_is_named_after_the_task(lowering) -> None:
         "the task's Model(*get_init_inputs()) did not finish in 3 s (setting "
         "AIKG_LOWERING_TIMEOUT_S)"), failed.value
     assert "shape_overrides" not in str(failed.value)
+
+
+# ------------------------------------------------------------------ through the gateway
+
+
+def builtin_job(task: str, **fields) -> dict:
+    return {"op_name": "relu", "task_desc": task, "backend": "cpu", "coder": "builtin",
+            "max_attempts": 1, "trials": 1, **fields}
+
+
+async def test_timeout_above_the_tenants_cap_is_refused(tmp_path: Path, settings: Settings,
+                                                        start_gateway, fake_worker_heartbeat,
+                                                        bus: Bus) -> None:
+    settings = msgspec.structs.replace(
+        settings, tenants_file=tenants_toml(tmp_path, team_a={"max_timeout_s": 120}))
+    await fake_worker_heartbeat(bus)
+    url = await start_gateway(settings)
+    async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+        r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
+                              json=builtin_job(RELU_TASK, timeout_s=300))
+        assert r.status_code == 403, r.text
+        assert r.json()["limit"] == "max_timeout_s"
+        assert "timeout_s up to 120 s (max_timeout_s); this one asks for 300 s" in \
+            r.json()["detail"]
+        # team_b has the default cap (AIKG_TENANT_MAX_TIMEOUT_S, 600 s).
+        r = await client.post("/api/v1/jobs/submit", headers=auth("team_b"),
+                              json=builtin_job(RELU_TASK, timeout_s=601))
+        assert r.status_code == 403 and "up to 600 s" in r.json()["detail"], r.text
+        r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
+                              json=builtin_job(RELU_TASK, timeout_s=120))
+        assert r.status_code in (200, 201), r.text
+
+
+@pytest.mark.slow
+async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
+        tmp_path: Path, settings: Settings, start_gateway, bus: Bus) -> None:
+    """Four jobs of team_a whose Model hangs (in the generator's lowering child) hold
+    at most half of the generator's slots: team_b's relu, measured alone and then
+    behind them, stays within 2x its idle time (plus slack for a loaded machine);
+    team_a's jobs end naming the task's code."""
+    hang_s = 20.0
+    settings = msgspec.structs.replace(settings, tenants_file=tenants_toml(tmp_path),
+                                       lowering_timeout_s=hang_s)
+    url = await start_gateway(settings)
+    async with services_running(settings, bus), \
+            httpx.AsyncClient(base_url=url, timeout=15) as client:
+
+        async def run_b(task: str) -> tuple[dict, float]:
+            started = time.monotonic()
+            r = await client.post("/api/v1/jobs/submit", headers=auth("team_b"),
+                                  json=builtin_job(task))
+            assert r.status_code in (200, 201), r.text
+            client.headers["authorization"] = auth("team_b")["Authorization"]
+            record = await wait_terminal(client, r.json()["job_id"], timeout_s=120)
+            return record, time.monotonic() - started
+
+        record, idle = await run_b(RELU_TASK)
+        assert record["status"] == "completed", record
+        hung = []
+        for i in range(4):
+            r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
+                                  json=builtin_job(HANG_IN_MODEL + f"\n# job {i}\n"))
+            assert r.status_code in (200, 201), r.text
+            hung.append(r.json()["job_id"])
+        # team_a's jobs are running (lowering, hung) before team_b's second relu.
+        for _ in range(200):
+            states = [(await client.get(f"/api/v1/jobs/{j}", headers=auth("team_a"))
+                       ).json()["status"] for j in hung]
+            if states.count("running") >= 2:
+                break
+            await asyncio.sleep(0.1)
+        assert states.count("running") == 2, states  # its share: 2 of the 4 job slots
+        # Another source, so the built-in coder's cache does not skip the lowering.
+        record, loaded = await run_b(RELU_TASK + "\n# behind team_a\n")
+        assert record["status"] == "completed", record
+        assert loaded < 2 * idle + 5.0, (idle, loaded)
+        assert loaded < hang_s, (idle, loaded)
+        client.headers["authorization"] = auth("team_a")["Authorization"]
+        for job_id in hung:
+            ended = await wait_terminal(client, job_id, timeout_s=4 * hang_s + 60)
+            assert ended["status"] == "failed", ended
+            assert f"the task's Model(*get_init_inputs()) did not finish in {hang_s:g} s" \
+                in ended["error"], ended["error"]
+            assert "infrastructure" not in ended["error"]
+
+
+@pytest.mark.slow
+async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request(
+        settings: Settings, bus: Bus) -> None:
+    """Two one-device workers of one backend/arch. team_a's first request hangs in its
+    reference on worker 1 (half the devices: its share); then team_a and team_b each
+    publish one more. Worker 2, started after, takes team_b's, though team_a's lane
+    comes first in turn; team_a's hung request ends naming the task."""
+    hang_s = 30.0
+    base = msgspec.structs.replace(settings, task_timeout_s=hang_s, worker_devices="0")
+    stop = asyncio.Event()
+
+    async def publish(req: VerifyRequest) -> None:
+        await bus.js.publish(subjects.verify_lane("cpu", "x86_64", req.tenant, "normal"),
+                             encode(req), headers={"Nats-Msg-Id": req.request_id})
+
+    workers = [asyncio.create_task(run_worker(msgspec.structs.replace(
+        base, worker_id="w1", worker_arch="x86_64"), stop))]
+    try:
+        async with VerdictWaiter(bus.js, "fair") as waiter:
+            for rid in ("a-hang", "a-next", "b-relu"):
+                waiter.expect(rid)
+            await publish(request(HANG_IN_MODEL, "a-hang", tenant="team_a"))
+            for _ in range(600):  # worker 1 leases its device for team_a
+                keys = []
+                with contextlib.suppress(Exception):
+                    keys = await bus.leases.keys()
+                if keys:
+                    break
+                await asyncio.sleep(0.1)
+            lease = msgspec.json.decode((await bus.leases.get(keys[0])).value)
+            assert (lease["tenant"], lease["backend"], lease["arch"]) == \
+                ("team_a", "cpu", "x86_64")
+            await publish(request(HANG_IN_MODEL, "a-next", tenant="team_a"))
+            await publish(request(RELU_TASK, "b-relu", tenant="team_b"))
+            workers.append(asyncio.create_task(run_worker(msgspec.structs.replace(
+                base, worker_id="w2", worker_arch="x86_64"), stop)))
+            result = await waiter.wait("b-relu", 120)
+            assert result.passed, result
+            assert result.worker_id == "w2"
+            # team_b did not wait for a device team_a's hang held.
+            assert not waiter.futures["a-hang"].done(), "team_b waited for team_a's hang"
+            hung = await waiter.wait("a-hang", 120)
+            assert hung.stage == "task" and hung.error.startswith(
+                "the task's Model(*get_init_inputs()) did not finish in 30 s"), hung
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 60)

@@ -127,6 +127,8 @@ FINAL_PUBLISH_ATTEMPTS = 3
 # A lease or heartbeat not renewed for this many periods no longer counts toward a
 # tenant's device share (leases are renewed every period, heartbeats too).
 SHARE_STALE_PERIODS = 3
+# How long a starting worker waits for the current leases and heartbeats, seconds.
+SHARE_WATCH_START_S = 5.0
 # Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
 # token of at most this many characters.
 _DEVICE_NAME_CHARS = 32
@@ -177,15 +179,22 @@ class DeviceShares:
                    and not key.startswith(f"{self.worker_id}."))
 
     async def start(self, bus: Bus) -> None:
-        """Start watching both buckets (a failure leaves this worker's own view)."""
+        """Start watching both buckets and wait (at most :data:`SHARE_WATCH_START_S`)
+        for their current entries; a failure leaves this worker's own view."""
+        loaded = []
         for kv, on_entry in ((bus.leases, self._on_lease), (bus.workers, self._on_worker)):
             try:
                 watcher = await kv.watchall()
             except Exception as exc:  # noqa: BLE001 - shares then count this worker only
                 log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
                 continue
+            ready = asyncio.Event()
+            loaded.append(ready)
             self.watchers.append(watcher)
-            self.watches.append(asyncio.create_task(self._follow(watcher, on_entry)))
+            self.watches.append(asyncio.create_task(self._follow(watcher, on_entry, ready)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in loaded)),
+                                   SHARE_WATCH_START_S)
 
     async def stop(self) -> None:
         await cancel_and_wait(*self.watches)
@@ -195,10 +204,12 @@ class DeviceShares:
         self.watches.clear()
         self.watchers.clear()
 
-    async def _follow(self, watcher, on_entry: Callable[[Any], None]) -> None:
+    async def _follow(self, watcher, on_entry: Callable[[Any], None],
+                      ready: asyncio.Event) -> None:
         async for entry in watcher:
             if entry is None:
-                continue  # the end of the initial values
+                ready.set()  # the end of the initial values
+                continue
             with contextlib.suppress(Exception):
                 on_entry(entry)
 
