@@ -14,7 +14,7 @@ holds only the SHA-256 of each token (hex), never the token::
     max_rounds = 20           # largest max_rounds of one job; 0: no limit
     max_priority = "normal"   # highest priority it may ask for (low | normal | high)
     max_timeout_s = 600       # largest timeout_s of one job, seconds; 0: no limit
-    max_generator_share = 0.5 # of a generator's job and lowering slots held at once
+    max_generator_share = 0.75 # of a generator's job and lowering slots held at once
     max_device_share = 0.5    # of a backend/arch's devices held while others wait
 
 ``python -m services.common.tenants <token>`` prints a token's SHA-256 for the file.
