@@ -96,6 +96,32 @@ async def test_tenant_slots_hold_a_tenant_at_its_share_while_others_get_in() -> 
     assert entered.count("a") == 4 and slots.in_use() == 0
 
 
+async def test_lane_pull_excludes_and_defers_tenants_at_their_share(bus: Bus) -> None:
+    for tenant, n in (("team_a", 3), ("team_b", 1)):
+        for i in range(n):
+            await bus.js.publish(subjects.job_submit(tenant, "normal"), b"{}",
+                                 headers={"Nats-Msg-Id": f"{tenant}-{i}"})
+    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
+        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))
+    pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
+                    consumer_of=subjects.generator_consumer,
+                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
+    await pull.start()
+    taken: list = []
+    try:
+        # Excluded: never asked, even with nothing else to take.
+        assert await pull.fetch(2, taken.append, exclude=lambda t: t == "team_a") == 1
+        assert [m.headers["Nats-Msg-Id"] for m in taken] == ["team_b-0"]
+        assert await pull.fetch(2, taken.append, exclude=lambda t: t == "team_a") == 0
+        # Deferred: asked once the other lanes came up empty.
+        assert await pull.fetch(2, taken.append, defer=lambda t: t == "team_a") == 2
+        assert [m.headers["Nats-Msg-Id"] for m in taken[1:]] == ["team_a-0", "team_a-1"]
+    finally:
+        for msg in taken:
+            await msg.ack()
+        await pull.stop()
+
+
 def test_tenant_share_and_timeout_keys_are_checked(tmp_path: Path, settings: Settings) -> None:
     path = tenants_toml(tmp_path, team_a={"max_generator_share": 0.25, "max_timeout_s": 30})
     table = load_tenants(msgspec.structs.replace(settings, tenants_file=path))

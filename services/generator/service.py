@@ -185,6 +185,7 @@ class Generator:
                                     slots=self.lowering_slots,
                                     limits=child_limits_from(settings))
         self.tasks: set[asyncio.Task] = set()
+        self.lanes: LanePull | None = None
         self.llm: LLMClient | None = None
         # A broken LLM configuration fails the jobs that need the LLM, with this text,
         # instead of the whole generator.
@@ -210,6 +211,7 @@ class Generator:
             config_of=lambda subject, durable: lane_config(
                 subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1))
         await lanes.start()
+        self.lanes = lanes
         # Before the first job: every lowering runs the task's code in this sandbox.
         await asyncio.to_thread(self.sandbox.start)
         log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
@@ -225,7 +227,6 @@ class Generator:
                     await asyncio.sleep(0.05)
                     continue
                 # A tenant at its share of the job slots is not asked for more.
-                self.lanes = lanes
                 await lanes.fetch_or_wait(free, self._take, exclude=self.job_slots.at_share)
                 if lanes.default_failed:
                     lanes.default_failed = False
@@ -256,9 +257,8 @@ class Generator:
         def done(finished: asyncio.Task) -> None:
             self.tasks.discard(finished)
             self.job_slots.give_back(tenant)
-            lanes = getattr(self, "lanes", None)
-            if lanes is not None:
-                lanes.woken.set()  # a tenant held back may be asked again now
+            if self.lanes is not None:
+                self.lanes.woken.set()  # a tenant held back may be asked again now
 
         task.add_done_callback(done)
 

@@ -634,6 +634,13 @@ class Worker:
             bound.info("skipped_cancelled_job")
             await msg.ack()
             return
+        cap = self.tenants.get(request.tenant).max_timeout_s
+        if cap and request.timeout_s > cap:
+            # The gateway refuses such jobs; a request sent another way (nats pub,
+            # RemoteWorker) runs within its tenant's limit all the same.
+            bound.warning("timeout_clamped", tenant=request.tenant, asked_s=request.timeout_s,
+                          max_timeout_s=cap)
+            request.timeout_s = cap
         QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
             _age_s(request.created_at))
         bound.info("verify_started", deliveries=delivered)
