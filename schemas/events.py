@@ -63,7 +63,7 @@ VerifyMode = Literal["verify", "profile"]
 # kernel compile, first call, wall-clock limit, numerical comparison, process death,
 # and failures of the worker itself (not the candidate's fault).
 Stage = Literal["static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
-                "audit"]
+                "audit", "task"]
 
 
 def utcnow() -> dt.datetime:

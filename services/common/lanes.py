@@ -163,8 +163,17 @@ class LanePull:
             groups.append(group)
         return groups
 
-    async def fetch(self, want: int, take: Callable[[Any], None]) -> int:
+    async def fetch(self, want: int, take: Callable[[Any], None], *,
+                    exclude: Callable[[str], bool] | None = None,
+                    defer: Callable[[str], bool] | None = None) -> int:
         """Take up to ``want`` messages in fair order, passing each to ``take``.
+
+        Args:
+            exclude: tenant -> True while its lanes must not be asked at all (a tenant
+                at its share of the caller's slots, services/common/shares.py).
+            defer: tenant -> True while its lanes are asked only after every other
+                lane came up empty (a tenant at its share of the devices). Both are
+                asked again before each message.
 
         Returns:
             How many were taken (0 when every lane is empty or all its messages are
@@ -179,21 +188,28 @@ class LanePull:
         lanes = await self.lanes()
         if self.strays:
             await self.sweep_strays()
-        for group in self.order(lanes):
-            active = list(group)
-            while active and got < want:
-                for lane in list(active):
-                    if got >= want:
-                        break
-                    msg = await self._next(lane)
-                    if msg is None:
-                        active.remove(lane)
-                        continue
-                    self.last_served[lane.priority] = lane.tenant
-                    take(msg)
-                    got += 1
-            if got >= want:
-                break
+        passes = [True, False] if defer is not None else [False]
+        for deferring in passes:
+            for group in self.order(lanes):
+                active = list(group)
+                while active and got < want:
+                    for lane in list(active):
+                        if got >= want:
+                            break
+                        if (exclude is not None and exclude(lane.tenant)) or (
+                                deferring and defer(lane.tenant)):
+                            active.remove(lane)
+                            continue
+                        msg = await self._next(lane)
+                        if msg is None:
+                            active.remove(lane)
+                            lanes = [ln for ln in lanes if ln != lane]
+                            continue
+                        self.last_served[lane.priority] = lane.tenant
+                        take(msg)
+                        got += 1
+                if got >= want:
+                    return got
         return got
 
     async def sweep_strays(self) -> int:
@@ -246,17 +262,19 @@ class LanePull:
         if self.woken.is_set():
             await asyncio.sleep(WAKE_RETRY_S[0])
 
-    async def fetch_or_wait(self, want: int, take: Callable[[Any], None]) -> int:
-        """:meth:`fetch`; when it takes nothing, :meth:`wait` and ask again a few times
-        (a wake-up can precede the message's store by a moment)."""
-        got = await self.fetch(want, take)
+    async def fetch_or_wait(self, want: int, take: Callable[[Any], None],
+                            **choose: Callable[[str], bool] | None) -> int:
+        """:meth:`fetch` (``choose``: its ``exclude`` / ``defer``); when it takes
+        nothing, :meth:`wait` and ask again a few times (a wake-up can precede the
+        message's store by a moment)."""
+        got = await self.fetch(want, take, **choose)
         if got:
             return got
         await self.wait()
         if not self.woken.is_set():
-            return await self.fetch(want, take)
+            return await self.fetch(want, take, **choose)
         for pause in WAKE_RETRY_S:
-            got = await self.fetch(want, take)
+            got = await self.fetch(want, take, **choose)
             if got:
                 return got
             await asyncio.sleep(pause)

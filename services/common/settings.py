@@ -120,6 +120,11 @@ class Settings(msgspec.Struct, kw_only=True):
             largest ``parallel_num`` / ``max_rounds`` of a job.
         tenant_max_priority: the highest ``priority`` (``low`` | ``normal`` |
             ``high``) a tenant whose entry does not say may submit with.
+        tenant_max_timeout_s: the largest ``timeout_s`` of a job a tenant whose entry
+            does not say may submit, seconds (0: no limit beyond the schema's 3600).
+        tenant_max_generator_share / tenant_max_device_share: the fraction (0 to 1]
+            of a generator's job and lowering slots, and of a backend/arch's devices,
+            one tenant may hold at once (services/common/shares.py); 1: no cap.
         llm_base_url: OpenAI-compatible endpoint of the LLM agents
             (``https://api.openai.com/v1``, ``http://gpu-box:8000/v1`` for vLLM,
             ``http://127.0.0.1:11434/v1`` for Ollama). Empty: no LLM; jobs use the
@@ -189,6 +194,13 @@ class Settings(msgspec.Struct, kw_only=True):
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
     lowering_timeout_s: float = 120.0
+    task_timeout_s: float = 60.0
+    sandbox_lower_address_space_bytes: int = 4 << 30
+    sandbox_lower_cpu_s: int = 0
+    sandbox_reference_address_space_bytes: int = 8 << 30
+    sandbox_reference_cpu_s: int = 0
+    sandbox_candidate_address_space_bytes: int = 0
+    sandbox_candidate_cpu_s: int = 0
     sandbox_require: str = ""
     sandbox_env_allow: str = ""
     sandbox_scratch_bytes: int = 256 << 20
@@ -200,6 +212,9 @@ class Settings(msgspec.Struct, kw_only=True):
     tenant_max_parallel_num: int = 0
     tenant_max_rounds: int = 0
     tenant_max_priority: str = "normal"
+    tenant_max_timeout_s: float = 600.0
+    tenant_max_generator_share: float = 0.75
+    tenant_max_device_share: float = 0.5
     llm_base_url: str = ""
     llm_api_key: str = ""
     llm_model: str = ""

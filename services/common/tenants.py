@@ -13,6 +13,9 @@ holds only the SHA-256 of each token (hex), never the token::
     max_parallel_num = 8      # largest parallel_num of one job; 0: no limit
     max_rounds = 20           # largest max_rounds of one job; 0: no limit
     max_priority = "normal"   # highest priority it may ask for (low | normal | high)
+    max_timeout_s = 600       # largest timeout_s of one job, seconds; 0: no limit
+    max_generator_share = 0.75 # of a generator's job and lowering slots held at once
+    max_device_share = 0.5    # of a backend/arch's devices held while others wait
 
 ``python -m services.common.tenants <token>`` prints a token's SHA-256 for the file.
 A token is compared by its SHA-256 against every tenant's, each comparison with
@@ -42,6 +45,10 @@ _labels: set[str] = set()
 _labels_lock = threading.Lock()
 
 _LIMIT_KEYS = ("max_in_flight", "max_jobs_per_hour", "max_parallel_num", "max_rounds")
+# Limits that are numbers of seconds (0: no limit) and fractions in (0, 1] (1: no cap).
+_SECONDS_KEYS = ("max_timeout_s",)
+_SHARE_KEYS = ("max_generator_share", "max_device_share")
+_KNOWN_KEYS = ("token_sha256", "max_priority", *_LIMIT_KEYS, *_SECONDS_KEYS, *_SHARE_KEYS)
 
 
 def tenant_label(name: str) -> str:
@@ -74,6 +81,12 @@ class Tenant:
         max_jobs_per_hour: submissions per clock hour (UTC).
         max_parallel_num / max_rounds: largest ``parallel_num`` / ``max_rounds`` of one job.
         max_priority: highest ``priority`` it may submit with.
+        max_timeout_s: largest ``timeout_s`` of one job, seconds.
+        max_generator_share: fraction of one generator's job slots and lowering slots
+            (``generator_concurrency``) its jobs may hold at once; at least one slot
+            (services/common/shares.py).
+        max_device_share: fraction of a backend/arch's devices (all live workers') its
+            verify requests may hold while another tenant's wait; at least one device.
     """
 
     name: str
@@ -83,6 +96,9 @@ class Tenant:
     max_parallel_num: int = 0
     max_rounds: int = 0
     max_priority: str = "normal"
+    max_timeout_s: float = 0.0
+    max_generator_share: float = 1.0
+    max_device_share: float = 1.0
 
     def allows_priority(self, priority: str) -> bool:
         """Whether ``priority`` is at or below :attr:`max_priority`."""
@@ -135,7 +151,10 @@ def _defaults(settings: Settings) -> dict[str, object]:
             "max_jobs_per_hour": settings.tenant_max_jobs_per_hour,
             "max_parallel_num": settings.tenant_max_parallel_num,
             "max_rounds": settings.tenant_max_rounds,
-            "max_priority": settings.tenant_max_priority}
+            "max_priority": settings.tenant_max_priority,
+            "max_timeout_s": settings.tenant_max_timeout_s,
+            "max_generator_share": settings.tenant_max_generator_share,
+            "max_device_share": settings.tenant_max_device_share}
 
 
 def _check_limits(where: str, values: dict[str, object]) -> None:
@@ -144,6 +163,17 @@ def _check_limits(where: str, values: dict[str, object]) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{where}: {key} = {value!r} must be a whole number >= 0 "
                              "(0: no limit)")
+    for key in _SECONDS_KEYS:
+        value = values.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{where}: {key} = {value!r} must be a number of seconds >= 0 "
+                             "(0: no limit)")
+    for key in _SHARE_KEYS:
+        value = values.get(key)
+        if not isinstance(value, int | float) or isinstance(value, bool) \
+                or not 0 < value <= 1:
+            raise ValueError(f"{where}: {key} = {value!r} must be a fraction in (0, 1] "
+                             "(1: no cap; a tenant always gets at least one slot)")
     if values.get("max_priority") not in subjects.PRIORITIES:
         raise ValueError(f"{where}: max_priority = {values.get('max_priority')!r} must be one "
                          f"of {', '.join(subjects.PRIORITIES)}")
@@ -191,10 +221,10 @@ def load_tenants(settings: Settings) -> TenantTable:
                 raise ValueError(f"{where}: {exc}") from None
             if not isinstance(entry, dict):
                 raise ValueError(f"{where} must be a table")
-            unknown = set(entry) - {"token_sha256", "max_priority", *_LIMIT_KEYS}
+            unknown = set(entry) - set(_KNOWN_KEYS)
             if unknown:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; "
-                                 f"known: token_sha256, max_priority, {', '.join(_LIMIT_KEYS)}")
+                                 f"known: {', '.join(_KNOWN_KEYS)}")
             token_hash = str(entry.get("token_sha256", "")).lower()
             if token_hash and (len(token_hash) != 64
                                or any(c not in "0123456789abcdef" for c in token_hash)):

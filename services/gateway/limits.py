@@ -3,7 +3,7 @@
 Checked by ``POST /api/v1/jobs/submit`` (services/gateway/jobs.py), in this order:
 
 - :func:`check_job_limits`: the job is no larger than the tenant may submit
-  (``max_parallel_num``, ``max_rounds``, ``max_priority``), else 403
+  (``max_parallel_num``, ``max_rounds``, ``max_timeout_s``, ``max_priority``), else 403
   naming the limit; retrying cannot help, so no ``Retry-After``;
 - :func:`claim`: a *claim* on one of the tenant's slots, taken by compare-and-swap on
   the tenant's admission entry in the ``tenant_usage`` bucket (key
@@ -109,6 +109,11 @@ def check_job_limits(tenant: Tenant, data: JobSubmit) -> None:
             raise _refuse(tenant, limit, 403, f"tenant {tenant.name!r} may submit jobs with "
                           f"{limit.removeprefix('max_')} up to {bound} ({limit}); this one "
                           f"asks for {value}: lower it, or ask an operator to raise the limit")
+    if tenant.max_timeout_s and data.timeout_s > tenant.max_timeout_s:
+        raise _refuse(tenant, "max_timeout_s", 403, f"tenant {tenant.name!r} may submit jobs "
+                      f"with timeout_s up to {tenant.max_timeout_s:g} s (max_timeout_s); this "
+                      f"one asks for {data.timeout_s:g} s: lower it, or ask an operator to "
+                      "raise the limit")
     if not tenant.allows_priority(data.priority):
         raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
                       f"priority up to {tenant.max_priority!r} (max_priority); this job asks "

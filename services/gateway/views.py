@@ -71,16 +71,19 @@ class Lease(msgspec.Struct, kw_only=True):
     """A device held by a worker: value of ``<worker_id>.<device>`` in bucket ``leases``.
 
     ``since`` is when the current run took the device; ``job_id`` / ``request_id`` the
-    verify request running there and ``tenant`` its job's tenant (absent in leases
-    written before workers recorded it: then the job's record says).
+    verify request running there; ``tenant``, ``backend`` and ``arch`` whose request and
+    which device pool (each worker's tenant shares count them, services/common/shares.py;
+    a lease written before workers recorded the tenant: the job's record says).
     """
 
     worker_id: str = ""
     device: str = ""
     job_id: str | None = None
     request_id: str | None = None
-    tenant: str | None = None
     since: dt.datetime | None = None
+    tenant: str | None = None
+    backend: str | None = None
+    arch: str | None = None
 
 
 class WorkerStatus(WorkerInfo, kw_only=True):

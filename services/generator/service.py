@@ -92,10 +92,17 @@ from services.common.metrics import start_metrics_server
 from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
-from services.common.tenants import tenant_label
+from services.common.shares import TenantSlots
+from services.common.tenants import load_tenants, tenant_label
 from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
-from services.generator.coders.base import Attempt, BuiltinCoder, Candidate, lowering_sandbox
+from services.generator.coders.base import (
+    JOB_TENANT,
+    Attempt,
+    BuiltinCoder,
+    Candidate,
+    lowering_sandbox,
+)
 from services.generator.evolve_run import EvolveJob
 from services.generator.llm import Completion, LLMClient, LLMConfigError, Message
 from services.generator.workflows import (
@@ -105,6 +112,7 @@ from services.generator.workflows import (
     add_phase,
     describe_failure,
 )
+from services.worker.child_limits import child_limits_from
 
 log = structlog.get_logger("aikg.generator")
 
@@ -165,9 +173,20 @@ class Generator:
         self.sandbox = lowering_sandbox(
             f"generator-{os.getpid()}", require=settings.sandbox_require_list,
             env_allow=settings.sandbox_env_allow_list)
-        self.builtin = BuiltinCoder(self.sandbox, timeout_s=settings.lowering_timeout_s)
-        self.slots = asyncio.Semaphore(settings.generator_concurrency)
+        # Fair shares (services/common/shares.py): of this process's job slots and of
+        # its lowering slots, a tenant holds at most max_generator_share.
+        tenants = load_tenants(settings)
+
+        def share(name: str) -> float:
+            return tenants.get(name).max_generator_share
+
+        self.job_slots = TenantSlots(settings.generator_concurrency, share, "job")
+        self.lowering_slots = TenantSlots(settings.generator_concurrency, share, "lowering")
+        self.builtin = BuiltinCoder(self.sandbox, timeout_s=settings.lowering_timeout_s,
+                                    slots=self.lowering_slots,
+                                    limits=child_limits_from(settings))
         self.tasks: set[asyncio.Task] = set()
+        self.lanes: LanePull | None = None
         self.llm: LLMClient | None = None
         # A broken LLM configuration fails the jobs that need the LLM, with this text,
         # instead of the whole generator.
@@ -193,6 +212,7 @@ class Generator:
             config_of=lambda subject, durable: lane_config(
                 subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1))
         await lanes.start()
+        self.lanes = lanes
         # Before the first job: every lowering runs the task's code in this sandbox.
         await asyncio.to_thread(self.sandbox.start)
         log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
@@ -207,7 +227,8 @@ class Generator:
                 if free <= 0:
                     await asyncio.sleep(0.05)
                     continue
-                await lanes.fetch_or_wait(free, self._take)
+                # A tenant at its share of the job slots is not asked for more.
+                await lanes.fetch_or_wait(free, self._take, exclude=self.job_slots.at_share)
                 if lanes.default_failed:
                     lanes.default_failed = False
                     await asyncio.sleep(1.0)
@@ -228,9 +249,19 @@ class Generator:
             log.info("generator_stopped")
 
     def _take(self, msg: Msg) -> None:
+        tenant, _ = (subjects.parse_lane(subjects.JOBS_SUBMIT, msg.subject or "")
+                     or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
+        self.job_slots.take(tenant)
         task = asyncio.create_task(self.handle(msg))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+
+        def done(finished: asyncio.Task) -> None:
+            self.tasks.discard(finished)
+            self.job_slots.give_back(tenant)
+            if self.lanes is not None:
+                self.lanes.woken.set()  # a tenant held back may be asked again now
+
+        task.add_done_callback(done)
 
     async def _align_ack_wait(self) -> None:
         """Bring a JOBS consumer created by an older generator (another ack wait) to
@@ -279,6 +310,7 @@ class Generator:
         # the default tenant).
         tenant, priority = (subjects.parse_lane(subjects.JOBS_SUBMIT, msg.subject or "")
                             or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
+        JOB_TENANT.set(tenant)  # whose lowerings these are (BuiltinCoder's slots)
         with structlog.contextvars.bound_contextvars(job_id=job_id, tenant=tenant):
             try:
                 await self._serve(msg, job_id, submit, tenant, priority)

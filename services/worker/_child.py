@@ -39,6 +39,7 @@ import torch
 
 from services.worker.hardening import enter_sandbox
 from services.worker.wire import (
+    TASK_PHASE,
     Channel,
     ChildSpec,
     Done,
@@ -91,6 +92,8 @@ def _location(exc: BaseException, path: str) -> str:
 
 
 _reserve: list[bytearray] = []
+# The spec's limit_notes (services.worker.child_limits), for failures that hit a limit.
+_limit_notes: dict[str, str] = {}
 # The roles whose runner lives in a module of its own: role -> "module:function",
 # called with (spec, channel) once the child is in the sandbox.
 _ROLE_RUNNERS = {
@@ -100,16 +103,40 @@ _ROLE_RUNNERS = {
 }
 
 
+def out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) is an allocation refused:
+    ``MemoryError`` (Python, numpy) or torch's ``DefaultCPUAllocator: can't allocate
+    memory`` RuntimeError."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, MemoryError) or (
+                isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def memory_note() -> str:
+    """What a failure that ran out of address space adds: the limit's setting and value."""
+    limit = _limit_notes.get("address_space")
+    if limit:
+        return (f" (the sandbox's address-space limit {limit} was reached: allocate less "
+                "memory, or raise the setting)")
+    return " (the sandbox's address-space limit was reached; allocate less memory)"
+
+
 def _failure(stage: str, what: str, exc: BaseException, path: str = "") -> Failure:
-    if isinstance(exc, MemoryError):
+    memory = out_of_memory(exc)
+    if memory:
         _reserve.clear()
         gc.collect()
     text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     text = clip(text, _MAX_MESSAGE_CHARS)
     where = _location(exc, path) if path else ""
     message = f"{what} raised {text}" + (f" ({where})" if where else "")
-    if isinstance(exc, MemoryError):
-        message += " (the sandbox's address-space limit was reached; allocate less memory)"
+    if memory:
+        message += memory_note()
     tb = clip("".join(traceback.format_exception(exc)), _MAX_TRACEBACK_CHARS)
     return Failure(stage=stage, message=message, traceback=tb)
 
@@ -361,10 +388,17 @@ def _run_lower(spec: ChildSpec, channel: Channel) -> None:
     channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
     with open(spec.task_path, encoding="utf-8") as f:
         task_desc = f.read()
+    def progress(phase: str) -> None:
+        channel.send(Progress(phase=phase))
+
     try:
-        code = lower_task(task_desc, dict(spec.shape_overrides), **spec.lower_params)
+        code = lower_task(task_desc, dict(spec.shape_overrides), progress=progress,
+                          **spec.lower_params)
     except LoweringError as exc:
-        raise JobFailure(Failure(stage="lower", message=str(exc))) from None
+        message = str(exc)
+        if out_of_memory(exc):
+            message += memory_note()
+        raise JobFailure(Failure(stage="lower", message=message)) from None
     except Exception as exc:  # noqa: BLE001 - the task's own code may raise anything
         failure = _failure("lower", "the built-in coder", exc, spec.task_path)
         failure.message = "built-in coder failed: " + failure.message
@@ -399,7 +433,7 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
         module, _, name = runner.partition(":")
         getattr(importlib.import_module(module), name)(spec, channel)
         return
-    channel.send(Progress(phase="loading the task"))
+    channel.send(Progress(phase=TASK_PHASE + "module code"))
     try:
         task = _load_module("aikg_task", spec.task_path)
     except Exception as exc:
@@ -422,6 +456,7 @@ def main(spec: ChildSpec, result_fd: int) -> NoReturn:
     parent learns how from the fork server's wait status.
     """
     channel = Channel(result_fd, spec.frame_key)
+    _limit_notes.update(spec.limit_notes)
     try:
         hello = enter_sandbox(spec)
     except BaseException as exc:

@@ -12,7 +12,10 @@ way from other seeds, with their outputs for the worker's diagnosis. ``meta_only
 requests answer with shapes, nothing allocated (for the candidate's dry run).
 
 A failure of the task's own code is stage ``infrastructure`` with the task named: the
-candidate had no part in it.
+candidate had no part in it; one that ran out of the child's address space is stage
+``task``, naming the limit. Each call into the task's code is announced with a
+:data:`~services.worker.wire.TASK_PHASE` progress frame (and the end of it with
+another), so the worker can bound it and name the call that hangs.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ import torch
 
 from services.worker import inputs as trial_inputs
 from services.worker import values
-from services.worker._child import JobFailure, _failure, _outputs, seed_all
+from services.worker._child import JobFailure, _failure, _outputs, out_of_memory, seed_all
 from services.worker.wire import (
+    TASK_PHASE,
     Bye,
     Channel,
     ChildSpec,
@@ -88,9 +92,11 @@ def _aliasing(outputs: list[torch.Tensor], args: list[Any]) -> list[str]:
 class _Task:
     """The task module with its sizes rebindable per request."""
 
-    def __init__(self, module: Any, device: torch.device) -> None:
+    def __init__(self, module: Any, device: torch.device,
+                 channel: Channel | None = None) -> None:
         self.module = module
         self.device = device
+        self.channel = channel
         self.last: tuple[str, Any, list[Any]] | None = None
         self.defaults = {k: v for k, v in vars(module).items()
                          if not k.startswith("_") and type(v) in (int, float, bool, tuple, str)}
@@ -108,13 +114,20 @@ class _Task:
             setattr(self.module, name, tuple(value) if isinstance(value, list) else value)
 
     def call(self, what: str, fn: Any, *args: Any) -> Any:
+        if self.channel is not None:
+            self.channel.send(Progress(phase=TASK_PHASE + what))
         try:
             return fn(*args)
         except JobFailure:
             raise
         except Exception as exc:  # noqa: BLE001 - the task's own code
-            raise JobFailure(_failure("infrastructure", f"the task's {what}", exc,
+            stage = "task" if out_of_memory(exc) else "infrastructure"
+            raise JobFailure(_failure(stage, f"the task's {what}", exc,
                                       getattr(self.module, "__file__", ""))) from None
+        finally:
+            if self.channel is not None:
+                self.channel.send(Progress(phase=f"reference harness (after the task's "
+                                                 f"{what})"))
 
     def inputs(self, seed: int, declared: int | None) -> list[Any]:
         seed_all(seed)
@@ -260,7 +273,7 @@ def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
         # An fp32 reference must be fp32-accurate; TF32 would blur the comparison.
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    task = _Task(module, device)
+    task = _Task(module, device, channel)
     while True:
         command = channel.recv()
         if command is None or isinstance(command, Bye):

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import math
 import os
+import signal
 import time
 from typing import Any
 
@@ -193,6 +194,9 @@ class Conversation:
             return ChildFailed(self.who, "infrastructure",
                                f"the sandbox server went away during {self.phase}")
         what = describe_exit(status)
+        cpu = self.run.spec.limit_notes.get("cpu")
+        if cpu and os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGXCPU:
+            what += f" (the CPU time limit {cpu})"
         if what.startswith("killed"):
             what = f"was {what}"
         if os.WIFEXITED(status):

@@ -62,6 +62,9 @@ _SEARCH_ROUNDS = 6
 # 128 MiB grew the address space by 1.6x its inputs + outputs; 8x leaves room).
 ADDRESS_SPACE_SLACK = 2 << 30
 ADDRESS_SPACE_FACTOR = 8
+# A call into the task's code that hangs is blamed on its sizes (with a shape_overrides
+# hint) only when its inputs exceed this many bytes; below, the code itself is named.
+TASK_LARGE_INPUT_BYTES = 256 << 20
 
 
 class Verdict(Exception):
@@ -196,13 +199,53 @@ class Procedure:
         Raises:
             Verdict: the candidate failed.
         """
+        watchdog = asyncio.ensure_future(self._watch_task_code())
+        running = asyncio.ensure_future(self._run())
         try:
             async with asyncio.timeout(self.request.timeout_s):
-                return await self._run()
+                done, _ = await asyncio.wait({running, watchdog},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if running in done:
+                    return running.result()
+                watchdog.result()  # raises the Verdict naming the task's call
+                raise AssertionError("the task-code watchdog ended without a verdict")
         except TimeoutError:
             raise self._timeout() from None
         except ChildFailed as exc:
             raise self._child_verdict(exc) from None
+        finally:
+            for task in (running, watchdog):
+                task.cancel()
+            await asyncio.gather(running, watchdog, return_exceptions=True)
+
+    async def _watch_task_code(self) -> None:
+        """Raise a ``task`` Verdict once one call into the task's own code in the
+        reference child (its phase starts with :data:`services.worker.wire.TASK_PHASE`)
+        has lasted ``task_timeout_s`` (the verifier's setting); never returns otherwise."""
+        limit = self.v.task_timeout_s
+        if not limit:
+            await asyncio.Event().wait()
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(0.5, limit / 4))
+            ref = self.children.get("reference")
+            if ref is None or ref.failure is not None or not ref.phase.startswith(
+                    wire.TASK_PHASE):
+                continue
+            if loop.time() - ref.phase_since >= limit:
+                raise self._task_hang(ref.phase, limit, "AIKG_TASK_TIMEOUT_S")
+
+    def _task_hang(self, phase: str, limit: float, setting: str) -> Verdict:
+        """The verdict of a call into the task's code that did not finish (``phase``
+        names it): stage ``task``; smaller shapes are suggested only when the task's
+        inputs are large enough to be the cause."""
+        size = self.sizes.get("main")
+        hint = "; the task's own code hangs or is far too slow: fix the task"
+        if size is not None and size.input_bytes > TASK_LARGE_INPUT_BYTES:
+            hint = (f"; its inputs are {_format_bytes(size.input_bytes)}: "
+                    f"{self.v.size_hint(size.input_bytes, TASK_LARGE_INPUT_BYTES, size.names)}")
+        return Verdict("task", f"{phase} did not finish in {limit:g} s (setting {setting}); "
+                       f"the reference process was killed{hint}")
 
     def _timeout(self) -> Verdict:
         """Blame the child with work outstanding that has been in its phase longest (the
@@ -211,6 +254,8 @@ class Procedure:
         child = min(busy, key=lambda c: c.phase_since) if busy else (
             self.children.get("candidate") or self.children.get("reference"))
         phase = child.phase if child is not None else "starting"
+        if child is not None and child.who == "reference" and phase.startswith(wire.TASK_PHASE):
+            return self._task_hang(phase, self.request.timeout_s, "the request's timeout_s")
         if child is not None and child.who == "reference":
             return Verdict("infrastructure",
                            f"the reference Model did not finish within "
@@ -223,7 +268,8 @@ class Procedure:
     def _child_verdict(self, exc: ChildFailed) -> Verdict:
         stage = exc.stage if exc.stage in _STAGES else "runtime"
         if exc.who == "reference":
-            return Verdict("infrastructure", f"reference run: {exc.message}", log=exc.traceback)
+            return Verdict("task" if exc.stage == "task" else "infrastructure",
+                           f"reference run: {exc.message}", log=exc.traceback)
         return Verdict(stage, exc.message, log=exc.traceback, trials=self.compared)
 
     async def _await(self, child: str, *key: Any) -> tuple[Any, list[bytearray]]:
@@ -930,7 +976,7 @@ class Procedure:
 
 
 _STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
-           "audit"}
+           "audit", "task"}
 # ATen ops that write a storage they were given (or return a copy of another).
 _WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
                 "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",

@@ -24,7 +24,6 @@ import contextlib
 import functools
 import hmac
 import json
-import math
 import os
 import pwd
 import re
@@ -783,39 +782,54 @@ class Sandbox:
 
     async def lower(self, task_desc: str, shape_overrides: Mapping[str, Any] | None = None,
                     params: Mapping[str, int] | None = None, *, timeout_s: float = 120.0,
-                    label: str = "lower") -> str:
+                    label: str = "lower", limits: Any = None) -> str:
         """The built-in coder's candidate for ``task_desc``, lowered in a sandboxed child.
 
         The task's module code, ``Model`` construction and ``torch.export`` run only
-        there: as the sandbox user, without network, in a fresh process killed with its
-        process group after ``timeout_s`` seconds.
+        there: as the sandbox user, without network, within the ``lower`` row of
+        :mod:`services.worker.child_limits` (address space, CPU time), in a fresh
+        process killed with its process group after ``timeout_s`` seconds.
 
         Args:
             params: launch parameters of ``lower_task`` (``block_size``, ``num_warps``,
                 ``num_stages``).
+            limits: a :class:`services.worker.child_limits.ChildLimits` (default: the
+                settings' defaults).
 
         Returns:
             The candidate's source.
 
         Raises:
             LoweringFailed: the task cannot be lowered (the message names the op), its
-                code raised, killed the child, or outlived ``timeout_s``.
+                code raised, killed the child, hit a limit (named), or outlived
+                ``timeout_s`` (the message names the part of the task's code that was
+                running).
             PoolBroken: the sandbox is not started or its server is gone.
         """
+        from services.worker.child_limits import ChildLimits
+
         if not self.started:
             raise PoolBroken("the sandbox is not started")
+        limits = limits or ChildLimits()
+        # The lowering child runs on one core (torch threads 1 on cpu).
+        address_space, cpu_seconds, notes = limits.notes("lower", "cpu", timeout_s, cores=1)
         scratch = self.scratch(label, "lower")
         task_path = scratch / "task.py"
         task_path.write_text(task_desc, encoding="utf-8")
         spec = self.spec("lower", scratch, "lower", task_path=str(task_path),
                          shape_overrides=dict(shape_overrides or {}),
                          lower_params=dict(params or {}),
-                         cpu_seconds=math.ceil(timeout_s) + 10)
+                         cpu_seconds=cpu_seconds, address_space_bytes=address_space,
+                         limit_notes=notes)
         run = await self.spawn(spec, 64 << 20)
+        phase = ""
         try:
             async with asyncio.timeout(timeout_s):
                 while True:
                     frame = await run.frame()
+                    if isinstance(frame, wire.Progress):
+                        phase = frame.phase
+                        continue
                     if isinstance(frame, wire.Lowered):
                         return frame.code
                     if isinstance(frame, wire.Failure):
@@ -823,13 +837,25 @@ class Sandbox:
                     if frame is None or isinstance(frame, wire.Done):
                         status = await run.wait(_EXIT_WAIT_S)
                         tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
+                        what = describe_exit(status)
+                        if status is not None and os.WIFSIGNALED(status) and \
+                                os.WTERMSIG(status) == signal.SIGXCPU:
+                            what += f" (the CPU time limit {notes['cpu']})"
                         raise LoweringFailed(
-                            f"built-in coder's process {describe_exit(status)} while running "
+                            f"built-in coder's process {what} while running "
                             f"the task's code" + (f": {tail}" if tail else ""))
         except TimeoutError:
+            if phase.startswith(wire.TASK_PHASE):
+                raise LoweringFailed(
+                    f"{phase} did not finish in {timeout_s:g} s (setting "
+                    "AIKG_LOWERING_TIMEOUT_S) while the built-in coder lowered the task; "
+                    "its process was killed: the task's own code hangs or is far too "
+                    "slow, fix the task") from None
             raise LoweringFailed(
-                f"built-in coder gave up after {timeout_s:.0f} s: the task's code did not "
-                "finish (check get_inputs()/forward, or shrink it with shape_overrides)") from None
+                f"built-in coder gave up after {timeout_s:g} s (setting "
+                f"AIKG_LOWERING_TIMEOUT_S) during {phase or 'its start'}: the task's code did "
+                "not finish (check get_inputs()/forward, or shrink it with "
+                "shape_overrides)") from None
         except ProtocolError as exc:
             raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
         finally:

@@ -27,6 +27,7 @@ them together.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import datetime as dt
 import os
@@ -68,7 +69,9 @@ from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
 from services.common.runtime import cancel_and_wait, retry_async
 from services.common.settings import Settings
-from services.common.tenants import tenant_label
+from services.common.shares import share_slots
+from services.common.tenants import load_tenants, tenant_label
+from services.worker.child_limits import child_limits_from
 
 log = structlog.get_logger("aikg.worker")
 
@@ -124,9 +127,111 @@ HEARTBEAT_RETRY_S = 0.5
 # Attempts at each publish that ends a request (its result, its DLQ copy) before the
 # handler gives up and leaves the message to JetStream's redelivery.
 FINAL_PUBLISH_ATTEMPTS = 3
+# A lease or heartbeat not renewed for this many periods no longer counts toward a
+# tenant's device share (leases are renewed every period, heartbeats too).
+SHARE_STALE_PERIODS = 3
+# How long a starting worker waits for the current leases and heartbeats, seconds.
+SHARE_WATCH_START_S = 5.0
 # Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
 # token of at most this many characters.
 _DEVICE_NAME_CHARS = 32
+
+
+class DeviceShares:
+    """The fleet's devices of one backend/arch and who holds them, as every worker sees
+    them: watches of the ``leases`` bucket (each lease names its tenant, backend and
+    arch) and of the ``workers`` bucket (each worker's capacity).
+
+    An entry not renewed for :data:`SHARE_STALE_PERIODS` heartbeat periods counts as
+    gone (a bucket's TTL expiry sends watchers nothing). Until the watches answer, only
+    this worker's own devices and runs are known.
+
+    Args:
+        worker_id / backend / arch: this worker (its own leases are counted by the
+            caller, from its runs, not from the watch).
+        own_devices: this worker's device count.
+        period_s: the heartbeat period, seconds.
+    """
+
+    def __init__(self, worker_id: str, backend: str, arch: str, own_devices: int,
+                 period_s: float = 3.0) -> None:
+        self.worker_id = worker_id
+        self.backend = backend
+        self.arch = arch
+        self.own_devices = own_devices
+        self.period_s = period_s
+        # key -> (tenant, seen at) / worker id -> (capacity, seen at)
+        self.leases: dict[str, tuple[str, float]] = {}
+        self.capacity: dict[str, tuple[int, float]] = {}
+        self.watches: list[asyncio.Task] = []
+        self.watchers: list[Any] = []
+
+    def _fresh(self, seen: float) -> bool:
+        return time.monotonic() - seen < SHARE_STALE_PERIODS * self.period_s
+
+    def devices(self) -> int:
+        """Devices of this backend/arch on every live worker (this one's included)."""
+        others = sum(c for w, (c, seen) in self.capacity.items()
+                     if w != self.worker_id and self._fresh(seen))
+        return self.own_devices + others
+
+    def held_elsewhere(self, tenant: str) -> int:
+        """Leases of ``tenant`` on this backend/arch held by other workers."""
+        return sum(1 for key, (t, seen) in self.leases.items()
+                   if t == tenant and self._fresh(seen)
+                   and not key.startswith(f"{self.worker_id}."))
+
+    async def start(self, bus: Bus) -> None:
+        """Start watching both buckets and wait (at most :data:`SHARE_WATCH_START_S`)
+        for their current entries; a failure leaves this worker's own view."""
+        loaded = []
+        for kv, on_entry in ((bus.leases, self._on_lease), (bus.workers, self._on_worker)):
+            try:
+                watcher = await kv.watchall()
+            except Exception as exc:  # noqa: BLE001 - shares then count this worker only
+                log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
+                continue
+            ready = asyncio.Event()
+            loaded.append(ready)
+            self.watchers.append(watcher)
+            self.watches.append(asyncio.create_task(self._follow(watcher, on_entry, ready)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in loaded)),
+                                   SHARE_WATCH_START_S)
+
+    async def stop(self) -> None:
+        await cancel_and_wait(*self.watches)
+        for watcher in self.watchers:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+        self.watches.clear()
+        self.watchers.clear()
+
+    async def _follow(self, watcher, on_entry: Callable[[Any], None],
+                      ready: asyncio.Event) -> None:
+        async for entry in watcher:
+            if entry is None:
+                ready.set()  # the end of the initial values
+                continue
+            with contextlib.suppress(Exception):
+                on_entry(entry)
+
+    def _on_lease(self, entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.leases.pop(entry.key, None)
+            return
+        value = msgspec.json.decode(entry.value)
+        if value.get("backend") == self.backend and value.get("arch") == self.arch:
+            self.leases[entry.key] = (str(value.get("tenant") or subjects.DEFAULT_TENANT),
+                                      time.monotonic())
+
+    def _on_worker(self, entry) -> None:
+        if entry.operation in ("DEL", "PURGE") or not entry.value:
+            self.capacity.pop(entry.key, None)
+            return
+        value = msgspec.json.decode(entry.value)
+        if value.get("backend") == self.backend and value.get("arch") == self.arch:
+            self.capacity[entry.key] = (int(value.get("capacity") or 0), time.monotonic())
 
 
 class Worker:
@@ -180,7 +285,14 @@ class Worker:
             sandbox_env_allow=settings.sandbox_env_allow_list,
             aot_target=settings.worker_aot_target,
             scratch_bytes=settings.sandbox_scratch_bytes or None,
+            task_timeout_s=settings.task_timeout_s,
+            child_limits=child_limits_from(settings),
         )
+        # Fair shares of this backend/arch's devices (services/common/shares.py).
+        self.tenants = load_tenants(settings)
+        self.fleet = DeviceShares(self.worker_id, self.backend, self.arch, len(self.devices),
+                                  settings.worker_heartbeat_s)
+        self.tenant_in_flight: collections.Counter[str] = collections.Counter()
         self.jobs = JobStore(bus.jobs)
         self.labels = {"backend": self.backend, "arch": self.arch}
         self.log = log.bind(worker_id=self.worker_id, backend=self.backend, arch=self.arch)
@@ -267,6 +379,7 @@ class Worker:
                 idle_poll_s=PULL_EXPIRES_S)
             await pull.start()
             beat = asyncio.create_task(self.heartbeat())
+            await self.fleet.start(self.bus)
             service = await self.control_service()
             self.log.info("worker_started", subject=subject, devices=self.devices,
                           ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver)
@@ -281,6 +394,7 @@ class Worker:
                 await cancel_and_wait(beat)
                 with contextlib.suppress(Exception):
                     await self.bus.workers.delete(self.worker_id)
+            await self.fleet.stop()
             if pull is not None:
                 await pull.stop()
             if psub is not None:
@@ -317,7 +431,9 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.freed.wait(), PULL_EXPIRES_S)
                 continue
-            await pull.fetch_or_wait(self.free.qsize(), self._take)
+            # A tenant at its share of this backend/arch's devices waits behind the
+            # other tenants' lanes (it still gets a device nobody else wants).
+            await pull.fetch_or_wait(self.free.qsize(), self._take, defer=self.at_share)
             if pull.default_failed:
                 # The consumer or JetStream is gone (409 Consumer Deleted, 503 No
                 # Responders ...): re-create the consumer rather than spin on errors.
@@ -330,9 +446,26 @@ class Worker:
         """Start handling a fetched message now, on a free device taken here (before the
         next fetch counts them), or waiting for one if none is free."""
         device = None if self.free.empty() else self.free.get_nowait()
+        tenant, _ = (subjects.parse_lane(subjects.verify(self.backend, self.arch),
+                                         msg.subject or "")
+                     or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
+        self.tenant_in_flight[tenant] += 1
         task = asyncio.create_task(self.handle(msg, device, received=time.monotonic()))
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+
+        def done(finished: asyncio.Task) -> None:
+            self.tasks.discard(finished)
+            self.tenant_in_flight[tenant] -= 1
+            if self.tenant_in_flight[tenant] <= 0:
+                del self.tenant_in_flight[tenant]
+
+        task.add_done_callback(done)
+
+    def at_share(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds its ``max_device_share`` of this backend/arch's
+        devices: this worker's runs of it, plus the other workers' leases of it."""
+        cap = share_slots(self.tenants.get(tenant).max_device_share, self.fleet.devices())
+        return self.tenant_in_flight[tenant] + self.fleet.held_elsewhere(tenant) >= cap
 
     async def _bind_consumer(self):
         """Bind to (creating when missing) the durable consumer shared by every worker of
@@ -510,6 +643,13 @@ class Worker:
             bound.info("skipped_cancelled_job")
             await msg.ack()
             return
+        cap = self.tenants.get(request.tenant).max_timeout_s
+        if cap and request.timeout_s > cap:
+            # The gateway refuses such jobs; a request sent another way (nats pub,
+            # RemoteWorker) runs within its tenant's limit all the same.
+            bound.warning("timeout_clamped", tenant=request.tenant, asked_s=request.timeout_s,
+                          max_timeout_s=cap)
+            request.timeout_s = cap
         QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
             _age_s(request.created_at))
         bound.info("verify_started", deliveries=delivered)
@@ -589,7 +729,8 @@ class Worker:
         """
         key = f"{self.worker_id}.{device}"
         value = encode({"worker_id": self.worker_id, "device": device, "job_id": request.job_id,
-                        "request_id": request.request_id, "since": utcnow()})
+                        "request_id": request.request_id, "since": utcnow(),
+                        "tenant": request.tenant, "backend": self.backend, "arch": self.arch})
 
         async def put() -> None:
             try:

@@ -57,6 +57,7 @@ from services.worker.cache import (
     Versions,
     baseline_key,
 )
+from services.worker.child_limits import ChildLimits
 from services.worker.procedure import Procedure, Verdict
 from services.worker.rules import impossible_timing
 from services.worker.sandbox import PoolBroken, Sandbox
@@ -78,6 +79,9 @@ _COMPILE_CACHE_ENTRIES = 4096
 DEFAULT_AOT_TARGET = "h100"
 # The tmpfs every child works in, bytes (setting sandbox_scratch_bytes).
 DEFAULT_SCRATCH_BYTES = 256 << 20
+# Limit on one call into the task's code in the reference child, seconds (setting
+# task_timeout_s).
+DEFAULT_TASK_TIMEOUT_S = 60.0
 
 # Kept for callers that catch it by this name.
 _Verdict = Verdict
@@ -168,9 +172,8 @@ class Verifier:
             default ``<tmp>/aikg-worker-<worker_id>``.
         memory_limit_bytes: largest total size of a task's ``get_inputs()`` tensors,
             bytes (None: no bound). Larger tasks fail as ``infrastructure`` with a
-            shape_overrides hint. On cpu it also sizes the reference child's
-            RLIMIT_AS (4x this plus 2 GiB); a candidate child's RLIMIT_AS on cpu is
-            16x its task's input bytes (at least 1 MiB) plus 2 GiB.
+            shape_overrides hint. The children's RLIMIT_AS comes from
+            ``child_limits``.
         output_limit_bytes: cap on the captured stdout/stderr/traceback in
             ``VerifyResult.log``, bytes.
         speedup_flag_bound: speedups above this are flagged for review (``error``
@@ -185,6 +188,12 @@ class Verifier:
             compiled for ahead of time when the request's arch names none; ``""`` or
             ``"none"`` turns the compile check off.
         scratch_bytes: the size of the tmpfs each child works in (None: no tmpfs).
+        task_timeout_s: limit on one call into the task's own code in the reference
+            child, seconds (setting ``task_timeout_s``; 0: only the request's
+            ``timeout_s``); past it the verdict is stage ``task`` naming the call.
+        child_limits: address space and CPU time of the reference and candidate
+            children (:class:`services.worker.child_limits.ChildLimits`; default: the
+            settings' defaults).
 
     Attributes:
         shared_cache: the eager baselines every worker shares
@@ -201,7 +210,9 @@ class Verifier:
                  compare_threads: int | None | str = "auto",
                  client_command: str | None = "aikg submit",
                  aot_target: str = DEFAULT_AOT_TARGET,
-                 scratch_bytes: int | None = DEFAULT_SCRATCH_BYTES) -> None:
+                 scratch_bytes: int | None = DEFAULT_SCRATCH_BYTES,
+                 task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
+                 child_limits: ChildLimits | None = None) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         from services.worker.targets import TARGETS
@@ -217,6 +228,8 @@ class Verifier:
         self.speedup_flag_bound = speedup_flag_bound
         self.aot_target = "" if not aot_target or aot_target.lower() == "none" else aot_target
         self.scratch_bytes = scratch_bytes
+        self.task_timeout_s = task_timeout_s
+        self.child_limits = child_limits or ChildLimits()
         self.compare_threads = (1 if backend == "cpu" else None) if compare_threads == "auto" \
             else compare_threads
         self.reference_runs = 0
@@ -313,18 +326,17 @@ class Verifier:
             candidate = str(scratch / "candidate.py")
         if role == "reference":
             self.reference_runs += 1
-            if self.backend == "cpu" and self.memory_limit_bytes is not None:
-                address_space_bytes = 4 * self.memory_limit_bytes + (2 << 30)
-        if self.backend != "cpu":
-            address_space_bytes = None
-        cpu_seconds = math.ceil(request.timeout_s) * max(1, os.cpu_count() or 1) + 10
+        # One table for every child's limits (services/worker/child_limits.py); the
+        # candidate's derived address space comes from its task's sizes.
+        address_space_bytes, cpu_seconds, notes = self.child_limits.notes(
+            role, self.backend, request.timeout_s, derived_as=address_space_bytes)
         return ChildSpec(
             role=role, scratch_dir=str(scratch), backend=self.backend, arch=request.arch,
             env=self.sandbox.child_env(device), task_path=str(scratch / "task.py"),
             candidate_path=candidate, cpu_seconds=cpu_seconds, run_as=self.run_as,
             isolate_network=True, frame_key=os.urandom(32), scratch_bytes=self.scratch_bytes,
             env_allow=list(self.sandbox.env_allow), address_space_bytes=address_space_bytes,
-            **fields)
+            limit_notes=notes, **fields)
 
     def size_hint(self, need: int, limit: int, names: Mapping[str, Any]) -> str:
         return _size_hint(need, limit, names, self.client_command)

@@ -50,6 +50,13 @@ WORK_DIR = "work"
 IMPORT_PHASE = "importing the candidate"
 
 
+# A Progress phase that starts so names a call into the task's own code (its module
+# code, get_init_inputs(), Model(...), get_inputs(), Model.forward) in the reference or
+# lowering child; the parent bounds each such call (setting task_timeout_s, or
+# lowering_timeout_s for a lowering) and names it when it does not finish.
+TASK_PHASE = "the task's "
+
+
 class ChildSpec(msgspec.Struct, kw_only=True):
     """One job for a sandboxed child (parent -> fork server -> child).
 
@@ -59,6 +66,9 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     server runs as root (None: keep the current user). ``scratch_bytes``: the size of
     the tmpfs the child works in (None: the scratch directory as it is).
     ``arch``: the request's arch (the GPU the cpu backend emulates and compiles for).
+    ``limit_notes``: ``address_space`` / ``cpu`` -> the words naming that limit's
+    setting and value (:mod:`services.worker.child_limits`), quoted in a failure
+    that hit it.
     """
 
     role: Literal["probe", "reference", "candidate", "replay", "compile", "lower"]
@@ -90,6 +100,7 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     emulate_cuda: bool = True
     compile_target: str = ""
     compile_specs: list[Any] = []
+    limit_notes: dict[str, str] = {}
 
 
 class Hello(msgspec.Struct, tag="hello"):

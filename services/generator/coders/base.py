@@ -9,14 +9,23 @@ generator itself.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import json
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from schemas import JobSubmit, VerifyResult
+from services.common.shares import TenantSlots
 from services.generator.coders.screen import decline
+from services.worker.child_limits import ChildLimits
 from services.worker.sandbox import LoweringFailed, PoolBroken, Sandbox
+
+# The tenant whose job the running code serves (set per job task by the generator): a
+# lowering takes one of that tenant's lowering slots (services/common/shares.py).
+JOB_TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("aikg_job_tenant",
+                                                                 default="default")
 
 # torch.export of a KernelBench element-wise task takes ~1-2 s on a laptop CPU; a task
 # whose module-level code or forward hangs is cut off after this many seconds.
@@ -83,6 +92,10 @@ class BuiltinCoder:
         sandbox: a started :class:`~services.worker.sandbox.Sandbox` the lowering runs
             in (the task's code runs there, never here).
         timeout_s: limit on one lowering, seconds (setting ``lowering_timeout_s``).
+        slots: the lowering slots shared by this process's jobs, of which the job's
+            tenant (:data:`JOB_TENANT`) holds at most its share; None: no bound.
+        limits: the lowering child's address space and CPU time (default: the
+            settings' defaults, services/worker/child_limits.py).
 
     Attributes:
         lowerings: sandboxed lowerings run so far (cache misses).
@@ -90,9 +103,12 @@ class BuiltinCoder:
 
     name = "builtin"
 
-    def __init__(self, sandbox: Sandbox, timeout_s: float = LOWERING_TIMEOUT_S) -> None:
+    def __init__(self, sandbox: Sandbox, timeout_s: float = LOWERING_TIMEOUT_S, *,
+                 slots: TenantSlots | None = None, limits: ChildLimits | None = None) -> None:
         self.sandbox = sandbox
         self.timeout_s = timeout_s
+        self.slots = slots
+        self.limits = limits or ChildLimits()
         self.lowerings = 0
         self._lowered: OrderedDict[tuple[str, str, str], str] = OrderedDict()
 
@@ -120,10 +136,14 @@ class BuiltinCoder:
             self._lowered.move_to_end(key)
             return Candidate(code=code, coder=self.name, meta=params)
         self.lowerings += 1
+        hold = self.slots.hold(JOB_TENANT.get()) if self.slots is not None \
+            else contextlib.nullcontext()
         try:
-            code = await self.sandbox.lower(
-                submit.task_desc, dict(submit.shape_overrides), params,
-                timeout_s=self.timeout_s, label=submit.job_id or "lower")
+            async with hold:
+                code = await self.sandbox.lower(
+                    submit.task_desc, dict(submit.shape_overrides), params,
+                    timeout_s=self.timeout_s, label=submit.job_id or "lower",
+                    limits=self.limits)
         except LoweringFailed as exc:
             raise CoderError(_llm_hint(str(exc))) from None
         except PoolBroken as exc:

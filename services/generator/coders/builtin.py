@@ -441,18 +441,27 @@ class _Task:
     module: types.ModuleType
 
 
-def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None) -> _Task:
+def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
+               progress: Any = None) -> _Task:
     """Run the task source and build its model and example inputs.
 
     Inputs and model are built on the meta device first, so a KernelBench problem sized
     for an 80 GB GPU costs no memory; a task whose code refuses meta is built on CPU.
+    ``progress(phase)`` is told each call into the task's code before it starts
+    (``the task's Model(*get_init_inputs())`` ...), so that a lowering that hangs can
+    name it.
     """
+    def phase(what: str) -> None:
+        if progress is not None:
+            progress(f"the task's {what}")
+
     try:
         code = compile(task_desc, "<task>", "exec")
     except SyntaxError as exc:
         raise LoweringError("task", f"task source does not compile: {exc.msg} "
                             f"(line {exc.lineno}); fix the task") from exc
     module = types.ModuleType("aikg_task")
+    phase("module code")
     try:
         exec(code, module.__dict__)
     except Exception as exc:
@@ -482,6 +491,7 @@ def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None) -> _Task:
     def build() -> tuple[torch.nn.Module, list[Any], list[Any]]:
         registered.clear()
         top.clear()
+        phase("get_init_inputs()")
         init_inputs = list(module.get_init_inputs())
         original = torch.nn.Module.__init__
 
@@ -495,11 +505,13 @@ def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None) -> _Task:
                  torch.nn.modules.module.register_module_parameter_registration_hook(
                      on_parameter)]
         try:
+            phase("Model(*get_init_inputs())")
             model = module.Model(*init_inputs)
         finally:
             torch.nn.Module.__init__ = original
             for hook in hooks:
                 hook.remove()
+        phase("get_inputs()")
         return model, list(module.get_inputs()), init_inputs
 
     try:
@@ -2074,6 +2086,7 @@ def lower_task(
     block_m: int = 32,
     block_n: int = 32,
     block_k: int = 32,
+    progress: Any = None,
 ) -> str:
     """Return candidate source (a Python module defining ``class ModelNew``) for a task.
 
@@ -2104,6 +2117,9 @@ def lower_task(
         num_stages: ``num_stages`` of every launch; at least 1.
         block_m, block_n, block_k: matmul tile sizes; powers of two, at least 16
             (``tl.dot``'s smallest tile on NVIDIA GPUs).
+        progress: called with a phase (``the task's get_inputs()``, ``the task's
+            Model.forward ...``) as each call into the task's code starts, for a caller
+            that must name what hangs.
 
     Returns:
         The candidate module's source.
@@ -2122,7 +2138,9 @@ def lower_task(
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
-    task = _load_task(task_desc, shape_overrides)
+    task = _load_task(task_desc, shape_overrides, progress)
+    if progress is not None:
+        progress("the task's Model.forward (traced by torch.export)")
     params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
               "precision": "ieee"}
