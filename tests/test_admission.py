@@ -229,7 +229,12 @@ async def test_jobs_that_cannot_run_fail_once_with_the_real_reason(
             await bus.js.publish("jobs.submit.team-a.normal", json.dumps(job("bad")).encode())
             moved = await dlq.next_msg(timeout=30)
             assert "no tenant name" in moved.headers["Aikg-Dlq-Reason"]
-            info = await bus.js.stream_info(subjects.STREAM_JOBS, subjects_filter=">")
+            # The copy goes first, then the original is deleted from JOBS.
+            for _ in range(100):
+                info = await bus.js.stream_info(subjects.STREAM_JOBS, subjects_filter=">")
+                if not info.state.subjects:
+                    break
+                await asyncio.sleep(0.1)
             assert not info.state.subjects
         finally:
             await dlq.unsubscribe()
