@@ -110,8 +110,11 @@ def local_stack(
     With ``nats_auth`` the embedded server gets per-run random passwords for an admin
     and each service, with each service's permissions (services/common/nats_auth.py),
     in a configuration file in a private (0700) temporary directory removed at exit;
-    each service gets only its own user. An external server (``settings.nats_url``)
-    is left as configured: the services read their ``AIKG_NATS_*`` credentials.
+    each service gets only its own user (the worker ``worker-<its id>``), and
+    ``aikg nats-setup --serve`` runs beside them as the admin, making the durable
+    consumers the services may only bind (services/common/provision.py). An external
+    server (``settings.nats_url``) is left as configured: the services read their
+    ``AIKG_NATS_*`` credentials, and its operator runs ``aikg nats-setup``.
 
     ``stopping`` set (a signal handler's doing) ends the wait for readiness early;
     ``say`` reports where the logs and the admin credentials are, and the stop.
@@ -135,7 +138,11 @@ def local_stack(
         if not nats_url:
             config = None
             if nats_auth:
-                credentials = BusCredentials()
+                from services.worker.service import default_worker_id
+
+                # The worker's own NATS user may write only this id's heartbeat and leases.
+                credentials = BusCredentials(
+                    worker_ids=(settings.worker_id or default_worker_id(),))
                 auth_dir = Path(tempfile.mkdtemp(prefix="aikg-nats-auth-"))
                 config = credentials.write_server_config(auth_dir / "nats-server.conf")
             nats = EmbeddedNatsServer(store_dir, die_with_parent=True, config_file=config)
@@ -161,6 +168,8 @@ def local_stack(
                    if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
                                                               "AIKG_NATS_STORE_DIR")}
         commands = {
+            # As the admin: makes the JOBS/VERIFY consumers no service may create.
+            **({"nats-setup": ["nats-setup", "--serve"]} if credentials is not None else {}),
             "gateway": ["gateway", "--host", host, "--port", str(port)],
             "generator": ["generator"],
             "worker": ["worker", "--backend", backend, "--devices", devices,
@@ -172,7 +181,8 @@ def local_stack(
                 logs[name] = log_dir / f"{name}.log"
                 stream = logs[name].open("ab")
             try:
-                own = credentials.service_env(name) if credentials is not None else {}
+                own = credentials.service_env(
+                    "admin" if name == "nats-setup" else name) if credentials is not None else {}
                 children[name] = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", *args],
                     env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,

@@ -280,7 +280,8 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     """Connect to ``settings.nats_url`` and make sure streams and buckets exist.
 
     Reconnects forever after the first connection (a cluster node restart must not
-    end a worker); the first connection is tried for ~10 s.
+    end a worker); the first connection is tried for ~10 s. Replies come on the
+    inbox prefix ``settings.nats_inbox_prefix``, by default ``_INBOX_<user>``.
 
     Args:
         settings: URL and credentials (:func:`nats_credentials`).
@@ -298,6 +299,9 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
     credentials = nats_credentials(settings, role)
+    user = credentials.get("user", "")
+    inbox = settings.nats_inbox_prefix or (
+        f"_INBOX_{user}" if subjects.is_token(user, 200) else "_INBOX")
 
     last_error: list[str] = []
     refused = asyncio.Event()
@@ -328,6 +332,9 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        # Replies to this process only: its user may subscribe to no other inbox
+        # (services/common/nats_auth.py, inbox_prefix).
+        inbox_prefix=inbox,
         **credentials,
     ))
     watching = asyncio.create_task(refused.wait())

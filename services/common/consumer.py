@@ -21,9 +21,13 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.common.provision import ProvisionError, ensure_consumer
 from services.common.runtime import cancel_and_wait, retry_async
 
 log = structlog.get_logger("aikg.consumer")
+
+# How long durable_pull keeps asking for a missing consumer, seconds.
+PROVISION_WAIT_S = 30.0
 
 
 async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
@@ -43,11 +47,20 @@ async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
 
 async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durable: str,
                        ack_wait_s: float, max_deliver: int,
-                       max_ack_pending: int = 1000) -> JetStreamContext.PullSubscription:
-    """Bind to (creating if missing) a durable pull consumer shared by every instance.
+                       max_ack_pending: int = 1000,
+                       wait_s: float = PROVISION_WAIT_S) -> JetStreamContext.PullSubscription:
+    """Bind to a durable pull consumer shared by every instance; a missing one is asked
+    of the admin-side provisioner (:func:`services.common.provision.ensure_consumer`),
+    whose configuration wins over the arguments here (they serve a server without
+    permissions, where this process creates the consumer itself).
 
     All processes that bind the same ``durable`` share its messages: each message
     goes to one of them (JetStream's queue semantics for pull consumers).
+
+    Raises:
+        services.common.provision.ProvisionError: the consumer still could not be had
+            after ``wait_s`` seconds of asking (once a second: the provisioner may be
+            starting alongside).
     """
     config = ConsumerConfig(
         durable_name=durable,
@@ -58,7 +71,18 @@ async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durab
         max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
     )
-    return await js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            await ensure_consumer(js, js._nc, stream, subject, config)
+            break
+        except ProvisionError as exc:
+            if loop.time() >= deadline:
+                raise
+            log.warning("consumer_unavailable", consumer=durable, error=str(exc))
+            await asyncio.sleep(1.0)
+    return await js.pull_subscribe_bind(durable=durable, stream=stream)
 
 
 def deliveries(msg: Msg) -> int:

@@ -121,6 +121,26 @@ HEARTBEAT_RETRY_S = 0.5
 # Attempts at each publish that ends a request (its result, its DLQ copy) before the
 # handler gives up and leaves the message to JetStream's redelivery.
 FINAL_PUBLISH_ATTEMPTS = 3
+def _check_worker_user(settings: Settings, worker_id: str) -> None:
+    """Refuse a worker id its NATS user may not write the keys of.
+
+    A worker's user ``worker-<id>`` may write only the heartbeat and leases of worker
+    ``<id>`` (services/common/nats_auth.py); any other id would beat into refusals.
+
+    Raises:
+        ValueError: the user is ``worker-<other id>``; the message names both.
+    """
+    from services.common.nats_auth import worker_user
+
+    user = settings.nats_worker_user or settings.nats_user
+    if user.startswith("worker-") and user != worker_user(worker_id):
+        raise ValueError(
+            f"worker id {worker_id!r} does not match its NATS user {user!r}, which may write "
+            f"only the heartbeat and leases of worker {user.removeprefix('worker-')!r}: set "
+            f"AIKG_WORKER_ID={user.removeprefix('worker-')} (or connect as "
+            f"{worker_user(worker_id)})")
+
+
 # Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
 # token of at most this many characters.
 _DEVICE_NAME_CHARS = 32
@@ -157,6 +177,7 @@ class Worker:
         self.worker_id = settings.worker_id or default_worker_id()
         # It names the control subjects and lease keys: fail before the slow start.
         subjects.worker_service(self.worker_id)
+        _check_worker_user(settings, self.worker_id)
         self.started_at = utcnow()
         self.free: asyncio.Queue[str] = asyncio.Queue()
         for d in self.devices:
