@@ -465,8 +465,10 @@ async def test_consumer_deleted_under_a_running_worker_is_recreated(
         await publish_request(bus, settings, body)
         (result,) = await results.wait("job-after-delete", timeout_s=60)
         assert result.passed, (result.stage, result.error)
+        # Made again by the provisioner, with its configuration (not the worker's 3 s:
+        # a worker chooses nothing about a shared consumer).
         info = await consumer_info(bus, settings)
-        assert info.config.ack_wait == pytest.approx(3.0)
+        assert info.config.ack_wait == pytest.approx(settings.verify_ack_wait_s)
 
 
 async def test_heartbeat_is_back_promptly_after_nats_restarts(

@@ -268,6 +268,15 @@ def nats_credentials(settings: Settings, role: str | None = None) -> dict[str, A
     return out
 
 
+def inbox_prefix_of(settings: Settings, credentials: dict[str, Any]) -> str:
+    """The inbox prefix a client with ``credentials`` (:func:`nats_credentials`) takes:
+    ``settings.nats_inbox_prefix``, else ``_INBOX_<user>`` for a user name (the only
+    inbox a user of services/common/nats_auth.py may subscribe to), else ``_INBOX``."""
+    user = credentials.get("user", "")
+    return settings.nats_inbox_prefix or (
+        f"_INBOX_{user}" if subjects.is_token(user, 200) else "_INBOX")
+
+
 def _credentials_hint(settings: Settings, role: str | None) -> str:
     which = (f"AIKG_NATS_{role.upper()}_USER/_PASSWORD or " if role else "")
     given = ", ".join(k for k in nats_credentials(settings, role) if k != "tls") or "none"
@@ -299,9 +308,7 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
     credentials = nats_credentials(settings, role)
-    user = credentials.get("user", "")
-    inbox = settings.nats_inbox_prefix or (
-        f"_INBOX_{user}" if subjects.is_token(user, 200) else "_INBOX")
+    inbox = inbox_prefix_of(settings, credentials)
 
     last_error: list[str] = []
     refused = asyncio.Event()
