@@ -17,6 +17,10 @@ RESULTS_PREFIX = "results"
 DLQ_PREFIX = "dlq"
 # Request/reply (no stream captures these: a stream would answer with its PubAck).
 WORKER_SERVICE_PREFIX = "aikg.worker"
+# Asked by a generator or worker for a lane's durable consumer, answered by the
+# admin-side provisioner (services/common/provision.py): services may not create
+# consumers on JOBS and VERIFY themselves.
+PROVISION_CONSUMER = "aikg.provision.consumer"
 
 # Streams.
 STREAM_JOBS = "JOBS"

@@ -1,7 +1,7 @@
 """``aikg``: run the services, submit and follow jobs, or verify a kernel locally.
 
 This module holds the Typer app and registers every command. Service commands
-(``gateway``, ``generator``, ``worker``, ``up``, ``demo``) are here and read their
+(``gateway``, ``generator``, ``worker``, ``nats-setup``, ``up``, ``demo``) are here and read their
 configuration from ``AIKG_*`` environment variables (services/common/settings.py);
 flags override them; ``up`` and ``demo`` run the local stack of
 :mod:`services.stack`. Client commands (``submit``, ``status``, ``list``, ``cancel``,
@@ -193,6 +193,44 @@ def generator(
 
     settings = cli_settings(metrics_port=metrics_port)
     _run_service("generator", settings, run_generator(settings))
+
+
+@app.command("nats-setup")
+def nats_setup(
+    verify: Annotated[list[str] | None, typer.Option(
+        "--verify", metavar="BACKEND/ARCH",
+        help="Also make the default verify consumer of this backend/arch now "
+             "(e.g. cpu/x86_64); repeat for each. Others are made when a worker asks.")] = None,
+    serve: Annotated[bool, typer.Option(
+        "--serve/--once",
+        help="Stay and make the consumers of lanes that appear later (a new tenant, "
+             "priority or backend/arch), as the services ask; --once sets up and exits.")] = True,
+) -> None:
+    """Provision JetStream as the NATS admin: streams, buckets and the durable consumers
+    of JOBS and VERIFY, which no service may create or change.
+
+    The gateway, generator and workers connect with least-privilege users
+    (deploy/nats/auth.conf): they may bind and pull their shared durable consumers
+    (`generator`, `generator-<tenant>-<priority>`, `verify-<backend>-<arch>[-<priority>-<tenant>]`)
+    but not create, update or delete them; a worker that could create one could
+    rewrite it (max_deliver, ack wait) for every worker. This command, run once with
+    the admin's credentials (AIKG_NATS_USER=admin, AIKG_NATS_PASSWORD), creates the
+    streams and buckets, creates or updates the `generator` consumer and each
+    --verify default consumer to the settings (AIKG_VERIFY_ACK_WAIT_S,
+    AIKG_VERIFY_MAX_DELIVER), and updates the lane consumers that exist. With
+    --serve (the default) it then answers the services' requests on
+    `aikg.provision.consumer` for lanes that appear later: it names and configures
+    each consumer itself, and makes one for a tenant lane only while the lane holds
+    messages. `aikg up` runs it for you. Needs AIKG_NATS_URL.
+    """
+    from services.common.provision import parse_verify_lanes, run_nats_setup
+
+    settings = cli_settings()
+    try:
+        lanes = parse_verify_lanes(verify or [])
+    except ValueError as exc:
+        fail(ExitCode.USAGE, str(exc))
+    _run_service("nats-setup", settings, run_nats_setup(settings, lanes, serve=serve))
 
 
 @app.command()

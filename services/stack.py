@@ -344,9 +344,12 @@ def local_stack(
     With ``nats_auth`` the embedded server gets per-run random passwords for an admin
     and each service, with each service's permissions (services/common/nats_auth.py),
     in a configuration file in this run's private (0700) directory
-    (:func:`claim_run_dir`), removed at exit; each service gets only its own user. An
-    external server (``settings.nats_url``) is left as configured: the services read
-    their ``AIKG_NATS_*`` credentials. Without ``store_dir`` the embedded server's
+    (:func:`claim_run_dir`), removed at exit; each service gets only its own user (the
+    worker ``worker-<its id>``), and ``aikg nats-setup --serve`` runs beside them as the
+    admin, making the durable consumers the services may only bind
+    (services/common/provision.py). An external server (``settings.nats_url``) is left
+    as configured: the services read their ``AIKG_NATS_*`` credentials, and its
+    operator runs ``aikg nats-setup``. Without ``store_dir`` the embedded server's
     JetStream store is in the run directory too.
 
     ``stopping`` set (a signal handler's doing) ends the wait for readiness early;
@@ -379,7 +382,11 @@ def local_stack(
                 say(f"removed {path}, left by an aikg up that is gone")
             config = None
             if nats_auth:
-                credentials = BusCredentials()
+                from services.worker.service import default_worker_id
+
+                # The worker's own NATS user may write only this id's heartbeat and leases.
+                credentials = BusCredentials(
+                    worker_ids=(settings.worker_id or default_worker_id(),))
                 config = credentials.write_server_config(run_dir / "nats-server.conf")
             nats = EmbeddedNatsServer(store_dir or run_dir / "jetstream", die_with_parent=True,
                                       config_file=config)
@@ -405,6 +412,8 @@ def local_stack(
                    if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
                                                               "AIKG_NATS_STORE_DIR")}
         commands = {
+            # As the admin: makes the JOBS/VERIFY consumers no service may create.
+            **({"nats-setup": ["nats-setup", "--serve"]} if credentials is not None else {}),
             "gateway": ["gateway", "--host", host, "--port", str(port)],
             "generator": ["generator"],
             "worker": ["worker", "--backend", backend, "--devices", devices,
@@ -422,7 +431,8 @@ def local_stack(
                 logs[name] = log_dir / f"{name}.log"
                 stream = logs[name].open("ab")
             try:
-                own = credentials.service_env(name) if credentials is not None else {}
+                own = credentials.service_env(
+                    "admin" if name == "nats-setup" else name) if credentials is not None else {}
                 children[name] = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", *commands[name]],
                     env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,

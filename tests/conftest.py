@@ -3,9 +3,10 @@
 Each test gets its own JetStream server (and so its own streams and buckets), as in
 nats.py's own test suites: ``nats_server -> nats_url -> settings -> bus``. The server
 runs with the configuration ``aikg up`` uses (services/common/nats_auth.py): no
-anonymous client, one user per service with only its own subjects. ``settings``
-names each service's credentials (``nats_<role>_user`` / ``nats_<role>_password``), so
-the gateway, generator and worker a test starts each connect as themselves; the
+anonymous client, one user per service with only its own subjects (a user per worker
+id of :data:`TEST_WORKER_IDS`). ``settings`` names each service's credentials
+(``nats_<role>_user`` / ``nats_<role>_password``, ``worker_id`` the first worker's),
+so the gateway, generator and worker a test starts each connect as themselves; the
 plain ``nats_user`` / ``nats_password`` are the admin's, used by the ``bus`` fixture
 (a test's hands on the bus: fake heartbeats, garbage records, stream reads).
 """
@@ -201,10 +202,17 @@ def role_env(settings: Settings, role: str) -> dict[str, str]:
             "AIKG_NATS_PASSWORD": getattr(settings, f"nats_{role}_password")}
 
 
+# Workers with a NATS user on the test servers: ``settings`` is the first one's; a test
+# running more workers takes the others (``bus_credentials.worker_settings(id)``), or
+# overrides ``bus_credentials`` with ids of its own.
+TEST_WORKER_IDS = ("test-worker", "test-worker-2")
+
+
 @pytest.fixture
 def bus_credentials() -> BusCredentials:
-    """Random passwords of this test's NATS users (admin, gateway, generator, worker)."""
-    return BusCredentials()
+    """Random passwords of this test's NATS users (admin, gateway, generator and one
+    user per worker of :data:`TEST_WORKER_IDS`)."""
+    return BusCredentials(worker_ids=TEST_WORKER_IDS)
 
 
 @pytest.fixture
@@ -252,11 +260,20 @@ def settings(nats_url: str, bus_credentials: BusCredentials) -> Settings:
 
 @pytest.fixture
 async def bus(settings: Settings) -> AsyncIterator[Bus]:
-    """A connected bus (streams and buckets created), closed after the test."""
+    """A connected admin bus (streams and buckets created), closed after the test.
+
+    It also serves the consumer provisioner of ``aikg nats-setup --serve``
+    (services/common/provision.py), which makes the JOBS/VERIFY consumers the
+    generators and workers may only bind."""
+    from services.common.provision import Provisioner
+
     b = await connect_bus(settings, "test")
+    provisioner = Provisioner(b.nc, b.js, settings)
+    await provisioner.start()
     try:
         yield b
     finally:
+        await provisioner.stop()
         await b.close()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -28,8 +29,23 @@ from nats.js.api import ConsumerConfig
 
 from schemas import subjects
 from services.common.bus import Bus, connect_bus, nats_credentials
+from services.common.consumer import durable_pull
 from services.common.embedded import EmbeddedNatsServer
-from services.common.nats_auth import PERMISSIONS, BusCredentials, authorization_block
+from services.common.lanes import lane_config
+from services.common.nats_auth import (
+    ROLES,
+    BusCredentials,
+    authorization_block,
+    inbox_prefix,
+    user_permissions,
+    worker_user,
+)
+from services.common.provision import (
+    ProvisionError,
+    create_consumer,
+    ensure_consumer,
+    run_nats_setup,
+)
 from services.common.settings import Settings, load_settings
 
 # How long a denied JetStream request waits for the reply that never comes, seconds.
@@ -68,8 +84,12 @@ class Client:
 
 
 async def as_user(settings: Settings, role: str) -> Client:
-    return await Client().connect(settings.nats_url, user=getattr(settings, f"nats_{role}_user"),
-                                  password=getattr(settings, f"nats_{role}_password"))
+    """A raw client with ``role``'s credentials and inbox prefix (the only inbox its user
+    may subscribe to)."""
+    user = getattr(settings, f"nats_{role}_user")
+    return await Client().connect(settings.nats_url, user=user,
+                                  password=getattr(settings, f"nats_{role}_password"),
+                                  inbox_prefix=inbox_prefix(user))
 
 
 async def test_a_client_without_credentials_is_refused(settings: Settings) -> None:
@@ -98,10 +118,10 @@ async def test_a_worker_cannot_write_the_jobs_bucket(settings: Settings, bus: Bu
         with pytest.raises(nats.errors.TimeoutError):
             await jobs.delete("forged")
         # It may still read records (a cancelled job stops its runs) and write its own
-        # buckets.
+        # heartbeat.
         await bus.jobs.put("real", b"{}")
         assert (await jobs.get("real")).value == b"{}"
-        await (await js.key_value(subjects.BUCKET_WORKERS)).put("w1", b"{}")
+        await (await js.key_value(subjects.BUCKET_WORKERS)).put(settings.worker_id, b"{}")
     finally:
         await worker.close()
     with pytest.raises(nats.js.errors.KeyNotFoundError):
@@ -155,7 +175,7 @@ async def test_the_gateway_cannot_consume_verify_requests(settings: Settings, bu
 
 
 async def test_no_service_may_change_a_stream(settings: Settings, bus: Bus) -> None:
-    for role in PERMISSIONS:
+    for role in ROLES:
         client = await as_user(settings, role)
         try:
             js = client.nc.jetstream(timeout=DENIED_TIMEOUT_S)
@@ -206,7 +226,7 @@ def test_server_configuration_is_private_and_valid(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr + done.stdout
     assert len(set(credentials.passwords.values())) == 4
     with pytest.raises(ValueError, match="quotes"):
-        authorization_block({u: 'a"b' for u in ("admin", *PERMISSIONS)})
+        authorization_block({u: 'a"b' for u in ("admin", *user_permissions(["w"]))}, ["w"])
 
 
 async def _serve(tmp_path: Path, conf_text: str) -> EmbeddedNatsServer:
@@ -298,3 +318,222 @@ async def test_a_service_starts_on_a_stream_it_may_not_update(settings: Settings
         assert kept.config.max_age == 3600.0
     finally:
         await worker.close()
+
+
+# --- private replies, provisioned consumers, each worker's own keys ------------------
+
+
+def _users(settings: Settings) -> dict[str, str]:
+    return {role: getattr(settings, f"nats_{role}_user") for role in ROLES}
+
+
+async def test_each_service_gets_replies_only_on_its_own_inbox(settings: Settings,
+                                                              bus: Bus) -> None:
+    users = _users(settings)
+    assert users["worker"] == worker_user(settings.worker_id)
+    await bus.jobs.put("job-1", b'{"task": "secret source"}')
+    # Each service connects with its own prefix, and its JetStream replies (requests,
+    # key reads, a watch's ordered push consumer) come through it.
+    services = {role: await connect_bus(settings, role, role=role) for role in users}
+    spies: list[Client] = []
+    seen: list[str] = []
+
+    async def spied(msg: Any) -> None:
+        seen.append(msg.subject)
+
+    try:
+        for role, service in services.items():
+            assert service.nc._inbox_prefix.decode() == inbox_prefix(users[role])
+        # With each service's credentials, nobody else's replies can be subscribed to:
+        # not the default _INBOX.>, not another service's prefix, not a wider wildcard.
+        for role, user in users.items():
+            spy = await as_user(settings, role)
+            spies.append(spy)
+            others = [inbox_prefix(u) for u in users.values() if u != user]
+            for subject in ("_INBOX.>", *(f"{p}.>" for p in others), ">", "*.>"):
+                await spy.nc.subscribe(subject, cb=spied)
+                await spy.violation(subject)
+        for role in ("gateway", "generator", "worker"):
+            entry = await services[role].jobs.get("job-1")
+            assert entry.value == b'{"task": "secret source"}'
+        watcher = await services["gateway"].jobs.watch("job-1")
+        try:
+            update = await watcher.updates(timeout=10)
+            assert update is not None and update.value == b'{"task": "secret source"}'
+        finally:
+            await watcher.stop()
+        for spy in spies:
+            await spy.nc.flush()
+        assert seen == []
+    finally:
+        for spy in spies:
+            await spy.close()
+        for service in services.values():
+            await service.close()
+
+
+async def test_a_worker_binds_the_provisioned_consumer_but_cannot_change_it(
+        settings: Settings, bus: Bus) -> None:
+    subject = subjects.verify("cpu", settings.arch)
+    durable = subjects.verify_consumer("cpu", settings.arch)
+    worker = await connect_bus(settings, "worker", role="worker")
+    try:
+        # Missing: the worker asks the provisioner (the ``bus`` fixture serves it), which
+        # makes it with the provisioner's configuration, not the one the worker brings.
+        psub = await durable_pull(worker.js, stream=subjects.STREAM_VERIFY, subject=subject,
+                                  durable=durable, ack_wait_s=1.0, max_deliver=1)
+        made = (await bus.js.consumer_info(subjects.STREAM_VERIFY, durable)).config
+        assert made.max_deliver == settings.verify_max_deliver + 1
+        assert made.ack_wait == pytest.approx(settings.verify_ack_wait_s)
+        await bus.js.publish(subject, b"{}", headers={"Nats-Msg-Id": "v-1"})
+        (msg,) = await psub.fetch(1, timeout=10)
+        await msg.ack()
+        await psub.unsubscribe()
+    finally:
+        await worker.close()
+
+    client = await as_user(settings, "worker")
+    try:
+        js = client.nc.jetstream(timeout=DENIED_TIMEOUT_S)
+        forged = lane_config(subject, durable, ack_wait_s=1.0, max_deliver=1)
+        # A create of an existing consumer is an update: refused in every subject form.
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.add_consumer(subjects.STREAM_VERIFY, forged)
+        # (nats-py sends a config without a name to the legacy DURABLE.CREATE subject.)
+        await client.violation(
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.STREAM_VERIFY}.{durable}")
+        body = json.dumps({"stream_name": subjects.STREAM_VERIFY, "config": forged.as_dict(),
+                           "action": "update"}).encode()
+        for api in (f"$JS.API.CONSUMER.DURABLE.CREATE.{subjects.STREAM_VERIFY}.{durable}",
+                    f"$JS.API.CONSUMER.CREATE.{subjects.STREAM_VERIFY}.{durable}",
+                    f"$JS.API.CONSUMER.CREATE.{subjects.STREAM_VERIFY}",
+                    f"$JS.API.CONSUMER.DELETE.{subjects.STREAM_VERIFY}.{durable}",
+                    f"$JS.API.CONSUMER.CREATE.{subjects.STREAM_JOBS}.generator.jobs.submit"):
+            await client.nc.publish(api, body)
+            await client.violation(api)
+        # The provisioner takes no configuration from the asker and leaves an existing
+        # consumer as it is; it makes no consumer for a lane without messages, nor for
+        # anything that is no lane.
+        ask = {"stream": subjects.STREAM_VERIFY, "subject": subject, "config": forged.as_dict()}
+        reply = await client.nc.request(subjects.PROVISION_CONSUMER, json.dumps(ask).encode(),
+                                        timeout=10)
+        assert json.loads(reply.data) == {"consumer": durable}
+        for stream, lane in ((subjects.STREAM_VERIFY, f"{subject}.acme.high"),
+                             (subjects.STREAM_VERIFY, "verify.cpu"),
+                             (f"KV_{subjects.BUCKET_JOBS}", "$KV.jobs.>")):
+            reply = await client.nc.request(
+                subjects.PROVISION_CONSUMER,
+                json.dumps({"stream": stream, "subject": lane}).encode(), timeout=10)
+            assert "error" in json.loads(reply.data), lane
+    finally:
+        await client.close()
+    kept = (await bus.js.consumer_info(subjects.STREAM_VERIFY, durable)).config
+    assert (kept.max_deliver, kept.ack_wait) == (made.max_deliver, made.ack_wait)
+    assert [c.name for c in await bus.js.consumers_info(subjects.STREAM_VERIFY)] == [durable]
+
+
+async def test_without_a_provisioner_a_service_may_not_make_its_consumer(
+        settings: Settings, nats_url: str) -> None:
+    admin = await connect_bus(settings, "admin")  # no provisioner on this bus
+    worker = await connect_bus(settings, "worker", role="worker")
+    try:
+        subject = subjects.verify("cpu", settings.arch)
+        config = lane_config(subject, subjects.verify_consumer("cpu", settings.arch),
+                             ack_wait_s=1.0, max_deliver=1)
+        with pytest.raises(ProvisionError, match="aikg nats-setup --serve"):
+            await ensure_consumer(worker.js, worker.nc, subjects.STREAM_VERIFY, subject, config)
+        assert await admin.js.consumers_info(subjects.STREAM_VERIFY) == []
+    finally:
+        await worker.close()
+        await admin.close()
+
+
+async def test_a_worker_writes_only_its_own_heartbeat_and_leases(settings: Settings,
+                                                                bus: Bus) -> None:
+    me, other = settings.worker_id, "test-worker-2"
+    # Every write that reaches the buckets, as the server routes it (a denied publish is
+    # dropped before it).
+    landed: list[str] = []
+
+    async def on_write(msg: Any) -> None:
+        landed.append(msg.subject)
+
+    tap = await bus.nc.subscribe(f"$KV.{subjects.BUCKET_WORKERS}.>", cb=on_write)
+    tap_leases = await bus.nc.subscribe(f"$KV.{subjects.BUCKET_LEASES}.>", cb=on_write)
+    await bus.nc.flush()
+    client = await as_user(settings, "worker")
+    try:
+        js = client.nc.jetstream(timeout=DENIED_TIMEOUT_S)
+        workers = await js.key_value(subjects.BUCKET_WORKERS)
+        leases = await js.key_value(subjects.BUCKET_LEASES)
+        for write in (lambda: workers.put(other, b'{"forged": true}'),
+                      lambda: workers.delete(other),
+                      lambda: leases.put(f"{other}.0", b'{"forged": true}'),
+                      lambda: leases.delete(f"{other}.0"),
+                      lambda: leases.put(f"{other}.1", b"{}")):
+            with pytest.raises(nats.errors.TimeoutError):
+                await write()
+        await client.violation(f"$KV.{subjects.BUCKET_WORKERS}.{other}")
+        await client.violation(f"$KV.{subjects.BUCKET_LEASES}.{other}.0")
+        await client.violation(f"$KV.{subjects.BUCKET_LEASES}.{other}.1")
+        # Nor listen on (and answer) another worker's control subjects.
+        await client.nc.subscribe(f"{subjects.worker_service(other)}.>")
+        await client.violation(f"{subjects.worker_service(other)}.>")
+        # Its own keys it writes.
+        await workers.put(me, b"{}")
+        await leases.put(f"{me}.0", b"{}")
+        await leases.delete(f"{me}.0")
+        await client.nc.flush()
+        await bus.nc.flush()
+        for _ in range(200):  # the tap's callbacks run after the flush returns
+            if len(landed) >= 3:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        await client.close()
+        await tap.unsubscribe()
+        await tap_leases.unsubscribe()
+    assert landed == [f"$KV.{subjects.BUCKET_WORKERS}.{me}", f"$KV.{subjects.BUCKET_LEASES}.{me}.0",
+                      f"$KV.{subjects.BUCKET_LEASES}.{me}.0"]
+
+
+async def test_a_worker_id_its_user_may_not_write_is_refused(settings: Settings,
+                                                             bus: Bus) -> None:
+    from services.worker.service import Worker
+
+    wrong = msgspec.structs.replace(settings, worker_id="test-worker-2")
+    with pytest.raises(ValueError, match="does not match its NATS user 'worker-test-worker'.*"
+                                         "AIKG_WORKER_ID=test-worker"):
+        Worker(bus, wrong)
+
+
+async def test_nats_setup_makes_and_updates_the_consumers(settings: Settings, bus: Bus) -> None:
+    tuned = msgspec.structs.replace(settings, verify_ack_wait_s=7.0, verify_max_deliver=2)
+    verify = subjects.verify_consumer("cpu", settings.arch)
+    done = await run_nats_setup(tuned, [("cpu", settings.arch)], serve=False)
+    assert done == [subjects.CONSUMER_GENERATOR, verify]
+    config = (await bus.js.consumer_info(subjects.STREAM_VERIFY, verify)).config
+    assert (config.ack_wait, config.max_deliver) == (pytest.approx(7.0), 3)
+    # A lane consumer the provisioner made earlier is brought to the settings too.
+    lane = subjects.verify_lane("cpu", settings.arch, "acme", "high")
+    await bus.js.publish(lane, b"{}", headers={"Nats-Msg-Id": "lane-1"})
+    await create_consumer(bus.js, subjects.STREAM_VERIFY, lane, settings)
+    again = msgspec.structs.replace(tuned, verify_ack_wait_s=9.0)
+    done = await run_nats_setup(again, [("cpu", settings.arch)], serve=False)
+    lane_consumer = subjects.verify_lane_consumer("cpu", settings.arch, "acme", "high")
+    assert lane_consumer in done
+    for name in (verify, lane_consumer):
+        config = (await bus.js.consumer_info(subjects.STREAM_VERIFY, name)).config
+        assert config.ack_wait == pytest.approx(9.0), name
+
+
+def test_nats_setup_help_says_what_it_is_for() -> None:
+    from typer.testing import CliRunner
+
+    from services.cli import app
+
+    result = CliRunner().invoke(app, ["nats-setup", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for words in ("admin", "durable consumers", "--serve", "--verify", "aikg up"):
+        assert words in result.output, words
+

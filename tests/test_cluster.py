@@ -105,7 +105,12 @@ def cluster(tmp_path: Path, bus_credentials: BusCredentials) -> Iterator[Cluster
 async def services(settings: Settings, bus: Bus) -> AsyncIterator[tuple[str, Callable[[], None]]]:
     """Gateway, generator and a cpu worker until the block ends; yields the gateway URL
     and a function that raises when the worker or generator has stopped."""
+    from services.common.provision import Provisioner
+
     stop = asyncio.Event()
+    # What `aikg nats-setup --serve` does: makes the consumers the services may only bind.
+    provisioner = Provisioner(bus.nc, bus.js, settings)
+    await provisioner.start()
     tasks = [asyncio.create_task(run_worker(settings, stop), name="worker"),
              asyncio.create_task(run_generator(settings, stop), name="generator")]
     try:
@@ -132,6 +137,7 @@ async def services(settings: Settings, bus: Bus) -> AsyncIterator[tuple[str, Cal
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 60)
+        await provisioner.stop()
 
 
 async def submit(client: httpx.AsyncClient, job_id: str, retries: collections.Counter) -> None:

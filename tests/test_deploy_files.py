@@ -26,7 +26,14 @@ import yaml
 from services.cli import app
 from services.common.embedded import nats_server_binary
 from services.common.metrics import METRICS_HOST_ENV
-from services.common.nats_auth import ADMIN_USER, PERMISSIONS, deploy_auth_conf
+from services.common.nats_auth import (
+    ADMIN_USER,
+    DEPLOY_WORKERS,
+    deploy_auth_conf,
+    password_variable,
+    user_permissions,
+    worker_user,
+)
 from services.common.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -172,11 +179,11 @@ def container_port(mapping: str) -> int:
 
 def test_compose_parses_and_names_every_part() -> None:
     services = compose()["services"]
-    for name in ("nats-1", "nats-2", "nats-3", "gateway", "generator", "worker-cpu",
-                 "worker-cuda", "prometheus", "grafana"):
+    for name in ("nats-1", "nats-2", "nats-3", "nats-setup", "gateway", "generator",
+                 "worker-cpu", "worker-cuda", "prometheus", "grafana"):
         assert name in services, name
     commands = {svc["command"][0] for svc in aikg_services().values()}
-    assert commands == {"gateway", "generator", "worker"}
+    assert commands == {"nats-setup", "gateway", "generator", "worker"}
 
 
 def test_aikg_commands_parse_with_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,7 +212,7 @@ def test_variables_are_settings_and_load(monkeypatch: pytest.MonkeyPatch) -> Non
         assert settings.stream_replicas == len(nats_nodes) == 3
         urls = settings.nats_url.split(",")
         assert urls == [f"nats://{node}:4222" for node in nats_nodes], urls
-        if name != "gateway":
+        if name not in ("gateway", "nats-setup"):
             # In a container /metrics must listen beyond loopback for Prometheus.
             assert env.get(METRICS_HOST_ENV) == "0.0.0.0", name
 
@@ -234,6 +241,8 @@ def test_prometheus_scrapes_every_metrics_endpoint(monkeypatch: pytest.MonkeyPat
             targets |= {(name, int(dns["port"])) for name in dns["names"]}
     expected = set()
     for name, service in aikg_services().items():
+        if service["command"][0] == "nats-setup":
+            continue  # the provisioner serves no /metrics
         port = metrics_port(service, parse_command(service, monkeypatch))
         expected.add((name, port))
     assert targets == expected
@@ -333,22 +342,30 @@ def test_nats_users_are_the_generated_ones_and_each_service_has_its_own() -> Non
     assert AUTH_CONF.read_text() == deploy_auth_conf(), \
         "deploy/nats/auth.conf is stale: python -m services.common.nats_auth > deploy/nats/auth.conf"
     assert re.search(r"^include \./auth\.conf$", NATS_CONF.read_text(), re.M)
-    users = {ADMIN_USER, *PERMISSIONS}
-    referenced = set(re.findall(r"password: \$(AIKG_NATS_[A-Z]+_PASSWORD)", AUTH_CONF.read_text()))
-    assert referenced == {f"AIKG_NATS_{u.upper()}_PASSWORD" for u in users}
+    users = {ADMIN_USER, *user_permissions(DEPLOY_WORKERS)}
+    referenced = set(re.findall(r"password: \$(AIKG_NATS_[A-Z_]+_PASSWORD)",
+                                AUTH_CONF.read_text()))
+    assert referenced == {password_variable(u) for u in users}
     services = compose()["services"]
     for node in ("nats-1", "nats-2", "nats-3"):
         mounts = {src: dst for src, dst, *_ in (v.split(":") for v in services[node]["volumes"])}
         assert mounts["./nats/auth.conf"] == str(Path(mounts["./nats/nats.conf"]).parent / "auth.conf")
         # Passwords are required (compose stops with a message when one is unset).
         assert set(required_variables(services[node])) >= referenced, node
-    role_of = {"gateway": "gateway", "generator": "generator", "worker": "worker"}
+    workers = set()
     for name, service in aikg_services().items():
-        role = role_of[service["command"][0]]
         env = service["environment"]
-        assert env["AIKG_NATS_USER"] == role, name
-        assert required_variables(service).get(f"AIKG_NATS_{role.upper()}_PASSWORD") == \
+        command = service["command"][0]
+        if command == "worker":
+            # Each worker its own id and the user that may write only that id's keys.
+            user = worker_user(env["AIKG_WORKER_ID"])
+            workers.add(env["AIKG_WORKER_ID"])
+        else:
+            user = {"nats-setup": ADMIN_USER}.get(command, command)
+        assert env["AIKG_NATS_USER"] == user, name
+        assert required_variables(service).get(password_variable(user)) == \
             "AIKG_NATS_PASSWORD", name
+    assert workers == set(DEPLOY_WORKERS)
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None,

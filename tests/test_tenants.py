@@ -260,8 +260,8 @@ async def test_worker_serves_verify_lanes_in_turn(bus: Bus, settings: Settings,
         finished.append(decode(msg.data, VerifyResult))
 
     sub = await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
-    settings = msgspec.structs.replace(settings, worker_devices="0", worker_id="fair-w")
-    worker = Worker(bus, settings, verifier=lend_verifier(shared_verifier, "fair-w"))
+    settings = msgspec.structs.replace(settings, worker_devices="0")
+    worker = Worker(bus, settings, verifier=lend_verifier(shared_verifier, settings.worker_id))
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
     try:

@@ -26,15 +26,17 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
+import msgspec
 import nats.js.errors
 import pytest
 
 from schemas import VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.consumer import durable_pull
+from services.common.nats_auth import BusCredentials
+from services.common.provision import create_consumer
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
@@ -55,6 +57,28 @@ LEASE_TTL_S = 10 * HEARTBEAT_S
 # The candidate sleeps this long in its first forward, so the kill lands mid-verification.
 SLEEP_S = 2.0
 START_TIMEOUT_S = 120.0
+# Every worker process these tests start has its own NATS user (its heartbeat and
+# leases only): slot a/b, generation 1 .. ROUNDS + 1, and the two SIGTERM workers.
+WORKER_IDS = (*(f"crash-{slot}{n}" for slot in "ab" for n in range(1, ROUNDS + 2)),
+              "term-graceful", "term-abandon", "prompt-0", "prompt-1")
+
+
+@pytest.fixture
+def bus_credentials() -> BusCredentials:
+    return BusCredentials(worker_ids=WORKER_IDS)
+
+
+def as_worker(settings: Settings, credentials: BusCredentials, worker_id: str) -> Settings:
+    """``settings`` with ``worker_id``'s own NATS user."""
+    return msgspec.structs.replace(settings, **credentials.worker_settings(worker_id))
+
+
+async def provision_verify(bus: Bus, settings: Settings, ack_wait_s: float) -> None:
+    """The verify consumer with ``ack_wait_s``, made by the admin (as ``aikg nats-setup``
+    would with AIKG_VERIFY_ACK_WAIT_S): a worker may not create or change it."""
+    await create_consumer(bus.js, subjects.STREAM_VERIFY, subjects.verify("cpu", settings.arch),
+                          msgspec.structs.replace(settings, verify_ack_wait_s=ack_wait_s),
+                          update=True)
 
 
 def sleepy_candidate() -> str:
@@ -188,8 +212,8 @@ async def lease_gone(bus: Bus, key: str) -> bool:
 
 
 @pytest.mark.timeout(900)
-async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
-                                                 tmp_path: Path) -> None:
+async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, tmp_path: Path,
+                                                 bus_credentials: BusCredentials) -> None:
     assert settings.worker_heartbeat_s == HEARTBEAT_S
     results: dict[str, list[VerifyResult]] = {}
 
@@ -210,8 +234,9 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
 
     def start(slot: str) -> WorkerProcess:
         generation[slot] += 1
-        worker = WorkerProcess(settings, f"crash-{slot}{generation[slot]}-"
-                               f"{uuid.uuid4().hex[:4]}", tmp_path)
+        worker_id = f"crash-{slot}{generation[slot]}"
+        worker = WorkerProcess(as_worker(settings, bus_credentials, worker_id), worker_id,
+                               tmp_path)
         workers[slot] = worker
         every.append(worker)
         return worker
@@ -233,6 +258,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
                 os.kill(pid, signal.SIGKILL)
         strays.update(left)
 
+    await provision_verify(bus, settings, ACK_WAIT_S)
     started = time.monotonic()
     start("a")
     start("b")
@@ -317,7 +343,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus,
 
 @pytest.mark.timeout(300)
 async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
-        settings: Settings, bus: Bus, tmp_path: Path) -> None:
+        settings: Settings, bus: Bus, tmp_path: Path, bus_credentials: BusCredentials) -> None:
     """First SIGTERM: the running verification finishes, its result is published and
     the worker leaves. Second SIGTERM while draining: the run is given up and its
     message nak'ed, so it is back in the queue at once, not after ack_wait (long here)."""
@@ -353,7 +379,9 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
         await wait_for(beating, START_TIMEOUT_S, f"{worker.worker_id} heartbeat", 0.2)
 
     below: set[int] = set()
-    graceful = WorkerProcess(settings, "term-graceful", tmp_path, ack_wait)
+    await provision_verify(bus, settings, ack_wait)
+    graceful = WorkerProcess(as_worker(settings, bus_credentials, "term-graceful"),
+                             "term-graceful", tmp_path, ack_wait)
     try:
         await started(graceful)
         request_id = await publish("job-term-1", code)
@@ -370,7 +398,8 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
 
     # A run far longer than the test waits.
     long_code = code.replace(f"range({round(SLEEP_S / 0.1)})", "range(600)")
-    abandoning = WorkerProcess(settings, "term-abandon", tmp_path, ack_wait)
+    abandoning = WorkerProcess(as_worker(settings, bus_credentials, "term-abandon"),
+                               "term-abandon", tmp_path, ack_wait)
     try:
         await started(abandoning)
         request_id = await publish("job-term-2", long_code)
@@ -412,17 +441,22 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
 
 @pytest.mark.timeout(300)
 async def test_dead_workers_request_is_redelivered_within_seconds(
-        settings: Settings, bus: Bus, tmp_path: Path) -> None:
+        settings: Settings, bus: Bus, tmp_path: Path,
+        bus_credentials: BusCredentials) -> None:
     """With the default ack wait, a request whose worker was SIGKILLed mid-verify
     completes on the other worker within 15 s of the kill, even where the shared
-    consumer was created with the old 60 s ack wait (the workers shorten it)."""
+    consumer was created with the old 60 s ack wait (``aikg nats-setup`` as the admin
+    brings it to the setting)."""
     default_ack_wait = Settings().verify_ack_wait_s
     assert default_ack_wait <= 6.0
     subject = subjects.verify("cpu", settings.arch)
+    old = msgspec.structs.replace(settings, verify_ack_wait_s=60.0)
+    await create_consumer(bus.js, subjects.STREAM_VERIFY, subject, old)
     durable = subjects.verify_consumer("cpu", settings.arch)
-    old = await durable_pull(bus.js, stream=subjects.STREAM_VERIFY, subject=subject,
-                             durable=durable, ack_wait_s=60.0, max_deliver=4)
-    await old.unsubscribe()
+    assert (await bus.js.consumer_info(subjects.STREAM_VERIFY, durable)).config.ack_wait == 60
+    await create_consumer(bus.js, subjects.STREAM_VERIFY, subject,
+                          msgspec.structs.replace(settings, verify_ack_wait_s=default_ack_wait),
+                          update=True)
     results: dict[str, list[VerifyResult]] = {}
 
     async def on_result(msg) -> None:
@@ -431,8 +465,8 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
 
     await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
     await bus.nc.flush()
-    workers = [WorkerProcess(settings, f"prompt-{n}-{uuid.uuid4().hex[:4]}", tmp_path,
-                             default_ack_wait) for n in range(2)]
+    workers = [WorkerProcess(as_worker(settings, bus_credentials, f"prompt-{n}"),
+                             f"prompt-{n}", tmp_path, default_ack_wait) for n in range(2)]
     below: set[int] = set()
     try:
         async def both_beating() -> bool:

@@ -31,7 +31,8 @@ import pytest
 
 from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, subjects, utcnow
 from services.common.bus import Bus, JobStore, connect_bus
-from services.common.consumer import durable_pull
+from services.common.lanes import lane_config
+from services.common.provision import create_consumer
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
 from services.worker.service import Worker, run_worker
@@ -158,11 +159,15 @@ async def running_worker(settings: Settings, bus: Bus, *, verifier: Verifier | N
     Without ``verifier`` it is the real :func:`run_worker` (its own fork server, a few
     seconds to start); with one (the session's ``shared_verifier``) it is
     :func:`serve_with`. ``overrides`` replace settings fields (``worker_devices``,
-    ``verify_ack_wait_s`` ...); the worker id is fresh unless given.
+    ``verify_ack_wait_s`` ...). The verify consumer is first made (or updated) as the
+    admin with the worker's settings, as ``aikg nats-setup --verify cpu/<arch>`` would:
+    a worker's user may not create or change it.
     """
-    overrides.setdefault("worker_id", f"w-{uuid.uuid4().hex[:8]}")
     overrides.setdefault("verify_ack_wait_s", 3.0)
     worker_settings = msgspec.structs.replace(settings, **overrides)
+    await create_consumer(bus.js, subjects.STREAM_VERIFY,
+                          subjects.verify(worker_settings.worker_backend, worker_settings.arch),
+                          worker_settings, update=True)
     stop = asyncio.Event()
     serving = (run_worker(worker_settings, stop) if verifier is None
                else serve_with(worker_settings, stop, verifier))
@@ -372,11 +377,13 @@ async def test_request_past_max_deliver_is_dead_lettered_with_failed_result(
         shared_verifier: Verifier) -> None:
     max_deliver = 2
     subject = subjects.verify("cpu", settings.arch)
-    # The consumer as a worker creates it, then max_deliver deliveries that each end
-    # without a verdict, as if the worker holding the request died each time.
-    psub = await durable_pull(bus.js, stream=subjects.STREAM_VERIFY, subject=subject,
-                              durable=subjects.verify_consumer("cpu", settings.arch),
-                              ack_wait_s=3.0, max_deliver=max_deliver + 1)
+    # The consumer as the provisioner makes it for these settings, then max_deliver
+    # deliveries that each end without a verdict, as if the worker holding the request
+    # died each time.
+    durable = subjects.verify_consumer("cpu", settings.arch)
+    await bus.js.add_consumer(subjects.STREAM_VERIFY, lane_config(
+        subject, durable, ack_wait_s=3.0, max_deliver=max_deliver + 1))
+    psub = await bus.js.pull_subscribe_bind(durable=durable, stream=subjects.STREAM_VERIFY)
     body = request_body(settings, "job-poison")
     await publish_request(bus, settings, body)
     for n in range(1, max_deliver + 1):
@@ -458,8 +465,10 @@ async def test_consumer_deleted_under_a_running_worker_is_recreated(
         await publish_request(bus, settings, body)
         (result,) = await results.wait("job-after-delete", timeout_s=60)
         assert result.passed, (result.stage, result.error)
+        # Made again by the provisioner, with its configuration (not the worker's 3 s:
+        # a worker chooses nothing about a shared consumer).
         info = await consumer_info(bus, settings)
-        assert info.config.ack_wait == pytest.approx(3.0)
+        assert info.config.ack_wait == pytest.approx(settings.verify_ack_wait_s)
 
 
 async def test_heartbeat_is_back_promptly_after_nats_restarts(

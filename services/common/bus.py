@@ -273,6 +273,15 @@ def nats_credentials(settings: Settings, role: str | None = None) -> dict[str, A
     return out
 
 
+def inbox_prefix_of(settings: Settings, credentials: dict[str, Any]) -> str:
+    """The inbox prefix a client with ``credentials`` (:func:`nats_credentials`) takes:
+    ``settings.nats_inbox_prefix``, else ``_INBOX_<user>`` for a user name (the only
+    inbox a user of services/common/nats_auth.py may subscribe to), else ``_INBOX``."""
+    user = credentials.get("user", "")
+    return settings.nats_inbox_prefix or (
+        f"_INBOX_{user}" if subjects.is_token(user, 200) else "_INBOX")
+
+
 def _credentials_hint(settings: Settings, role: str | None) -> str:
     which = (f"AIKG_NATS_{role.upper()}_USER/_PASSWORD or " if role else "")
     given = ", ".join(k for k in nats_credentials(settings, role) if k != "tls") or "none"
@@ -285,7 +294,8 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     """Connect to ``settings.nats_url`` and make sure streams and buckets exist.
 
     Reconnects forever after the first connection (a cluster node restart must not
-    end a worker); the first connection is tried for ~10 s.
+    end a worker); the first connection is tried for ~10 s. Replies come on the
+    inbox prefix ``settings.nats_inbox_prefix``, by default ``_INBOX_<user>``.
 
     Args:
         settings: URL and credentials (:func:`nats_credentials`).
@@ -303,6 +313,7 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
     credentials = nats_credentials(settings, role)
+    inbox = inbox_prefix_of(settings, credentials)
 
     last_error: list[str] = []
     refused = asyncio.Event()
@@ -333,6 +344,9 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        # Replies to this process only: its user may subscribe to no other inbox
+        # (services/common/nats_auth.py, inbox_prefix).
+        inbox_prefix=inbox,
         **credentials,
     ))
     watching = asyncio.create_task(refused.wait())

@@ -21,9 +21,13 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
+from services.common.provision import ProvisionError, ensure_consumer
 from services.common.runtime import cancel_and_wait, retry_async
 
 log = structlog.get_logger("aikg.consumer")
+
+# How long durable_pull keeps asking for a missing consumer, seconds.
+PROVISION_WAIT_S = 30.0
 
 
 async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
@@ -43,11 +47,20 @@ async def fetch_some(psub: JetStreamContext.PullSubscription, batch: int,
 
 async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durable: str,
                        ack_wait_s: float, max_deliver: int,
-                       max_ack_pending: int = 1000) -> JetStreamContext.PullSubscription:
-    """Bind to (creating if missing) a durable pull consumer shared by every instance.
+                       max_ack_pending: int = 1000,
+                       wait_s: float = PROVISION_WAIT_S) -> JetStreamContext.PullSubscription:
+    """Bind to a durable pull consumer shared by every instance; a missing one is asked
+    of the admin-side provisioner (:func:`services.common.provision.ensure_consumer`),
+    whose configuration wins over the arguments here (they serve a server without
+    permissions, where this process creates the consumer itself).
 
     All processes that bind the same ``durable`` share its messages: each message
     goes to one of them (JetStream's queue semantics for pull consumers).
+
+    Raises:
+        services.common.provision.ProvisionError: the consumer still could not be had
+            after ``wait_s`` seconds of asking (once a second: the provisioner may be
+            starting alongside).
     """
     config = ConsumerConfig(
         durable_name=durable,
@@ -58,7 +71,18 @@ async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durab
         max_deliver=max_deliver,
         max_ack_pending=max_ack_pending,
     )
-    return await js.pull_subscribe(subject, durable=durable, stream=stream, config=config)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            await ensure_consumer(js, js._nc, stream, subject, config)
+            break
+        except ProvisionError as exc:
+            if loop.time() >= deadline:
+                raise
+            log.warning("consumer_unavailable", consumer=durable, error=str(exc))
+            await asyncio.sleep(1.0)
+    return await js.pull_subscribe_bind(durable=durable, stream=stream)
 
 
 def deliveries(msg: Msg) -> int:
@@ -121,37 +145,3 @@ async def run_with_progress(msg: Msg, every_s: float, work: Callable[[], Awaitab
     finally:
         await cancel_and_wait(beat)
 
-
-async def shorten_ack_wait(js: JetStreamContext, stream: str, durable: str,
-                           ack_wait_s: float) -> float | None:
-    """Set an existing durable consumer's ack wait to ``ack_wait_s`` seconds when its
-    own is longer (created under an older, longer default).
-
-    Binding a durable keeps its configuration, so a consumer made with a 60 s ack
-    wait would hold a dead worker's request that long. A consumer with a shorter or
-    equal ack wait is left alone. Where this user may not update consumers (they are
-    provisioned by an admin), the consumer keeps its value and a warning says so.
-
-    Returns:
-        The consumer's ack wait afterwards, seconds; None when it cannot be read.
-        Never raises.
-    """
-    try:
-        config = (await js.consumer_info(stream, durable)).config
-    except Exception as exc:  # noqa: BLE001 - the caller keeps what it has
-        log.warning("consumer_info_failed", stream=stream, consumer=durable, error=str(exc))
-        return None
-    old = config.ack_wait
-    if not old or old <= ack_wait_s + 1e-3:
-        return old
-    config.ack_wait = ack_wait_s
-    try:
-        await js.add_consumer(stream, config)
-    except Exception as exc:  # noqa: BLE001 - the old ack wait still works, only slower
-        log.warning("consumer_ack_wait_update_failed", stream=stream, consumer=durable,
-                    ack_wait_s=old, wanted_s=ack_wait_s, error=str(exc),
-                    hint="whoever provisions the consumers must set the shorter ack wait")
-        return old
-    log.info("consumer_ack_wait_shortened", stream=stream, consumer=durable,
-             from_s=old, to_s=ack_wait_s)
-    return ack_wait_s

@@ -44,7 +44,6 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
-from services.common.consumer import shorten_ack_wait
 
 log = structlog.get_logger("aikg.lanes")
 
@@ -76,7 +75,8 @@ class LanePull:
             lanes are ``<base>.<tenant>.<priority>``.
         consumer_of: ``(tenant, priority) -> durable consumer name`` of a lane.
         config_of: ``(subject, durable) -> ConsumerConfig`` for a lane consumer that
-            does not exist yet (the caller creates the default lane's own).
+            does not exist yet, used only where no provisioner answers (a server
+            without permissions; the caller binds the default lane's own).
         idle_poll_s: longest sleep of :meth:`wait`, seconds.
     """
 
@@ -281,27 +281,17 @@ class LanePull:
         return 0
 
     async def _ensure(self, lane: Lane) -> bool:
-        """Create the lane's consumer when it does not exist (an existing one keeps its
-        configuration, as a bound durable does, but a longer ack wait is shortened to
-        ``config_of``'s). False when it cannot be had."""
+        """Have the lane's consumer made when it does not exist, by the admin-side
+        provisioner (:func:`services.common.provision.ensure_consumer`; an existing one
+        keeps its configuration, as a bound durable does). False when it cannot be had."""
+        from services.common.provision import ensure_consumer
+
         if lane.consumer in self.known:
             return True
         try:
-            await self.js.consumer_info(self.stream, lane.consumer)
-            # One created with a longer ack wait (an older default) gets this one's.
-            await shorten_ack_wait(self.js, self.stream, lane.consumer,
-                                   self.config_of(lane.subject, lane.consumer).ack_wait)
-        except nats.js.errors.NotFoundError:
-            try:
-                await self.js.add_consumer(self.stream, self.config_of(lane.subject,
-                                                                       lane.consumer))
-            except nats.js.errors.BadRequestError as exc:
-                # Created meanwhile by another instance with another configuration.
-                log.info("lane_consumer_exists", consumer=lane.consumer, error=str(exc))
-            except Exception as exc:  # noqa: BLE001 - try again on the next fetch
-                log.warning("lane_consumer_failed", consumer=lane.consumer, error=str(exc))
-                return False
-        except Exception as exc:  # noqa: BLE001
+            await ensure_consumer(self.js, self.nc, self.stream, lane.subject,
+                                  self.config_of(lane.subject, lane.consumer))
+        except Exception as exc:  # noqa: BLE001 - try again on the next fetch
             log.warning("lane_consumer_failed", consumer=lane.consumer, error=str(exc))
             return False
         self.known.add(lane.consumer)

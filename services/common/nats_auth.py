@@ -1,12 +1,14 @@
 """Who may do what on the bus: one NATS user per service, with least privilege.
 
-Each service connects as its own user (``gateway``, ``generator``, ``worker``); the
-server refuses anonymous clients, and a fourth user, ``admin``, has every right (the
-``nats`` CLI of an operator). :data:`PERMISSIONS` is the one source of each service's
-rights: :func:`authorization_block` renders it into nats-server's configuration
-syntax for ``aikg up``'s embedded server, the tests' servers and
-``deploy/nats/auth.conf`` (regenerate that with ``python -m services.common.nats_auth``;
-``tests/test_deploy_files.py`` checks that it matches).
+Each service connects as its own user (``gateway``, ``generator``, and one user per
+worker, ``worker-<worker_id>``); the server refuses anonymous clients, and a further
+user, ``admin``, has every right (the ``nats`` CLI of an operator, and the consumer
+provisioner ``aikg nats-setup``). :data:`PERMISSIONS` and :func:`worker_permissions`
+are the one source of each service's rights: :func:`authorization_block` renders them
+into nats-server's configuration syntax for ``aikg up``'s embedded server, the tests'
+servers and ``deploy/nats/auth.conf`` (regenerate that with ``python -m
+services.common.nats_auth [--worker ID ...]``; ``tests/test_deploy_files.py`` checks
+that it matches).
 
 The rights are subjects a user may publish to and subscribe on, in nats-server's
 ``authorization { users = [ {user, password, permissions} ] }`` form
@@ -24,12 +26,30 @@ of nats-server's ``server/jetstream_api.go``, https://github.com/nats-io/nats-se
   ``$JS.FC.<stream>.>``: answer an ordered consumer's flow control;
 - ``$KV.<bucket>.<key>``: put, update (with ``Nats-Expected-Last-Subject-Sequence``)
   and delete a key (a delete is a put with a ``KV-Operation`` header), so write access
-  to a bucket is publish access to ``$KV.<bucket>.>``;
+  to a key is publish access to ``$KV.<bucket>.<key>``;
 - ``$JS.API.DIRECT.GET.<stream>.>`` / ``$JS.API.STREAM.MSG.GET.<stream>``: read a key;
   a watch or key listing is a consumer on ``KV_<bucket>`` (a listing pulls from it);
 - ``$O.<store>.>``: object store chunks and metadata;
-- ``_INBOX.>``: replies to the client's requests (JetStream API answers, PubAcks) and
-  its push consumers' deliveries; ``$SRV.>``: ``nats micro`` discovery.
+- ``<inbox prefix>.>``: replies to the client's requests (JetStream API answers,
+  PubAcks, pulled messages) and its push consumers' deliveries; ``$SRV.>``: ``nats
+  micro`` discovery.
+
+Private replies. Each user subscribes only to its own inbox prefix, ``_INBOX_<user>``
+(:func:`inbox_prefix`; nats-py's ``inbox_prefix``, which its request, JetStream,
+pull, key-value watch and object store replies all use), and nobody but the admin to
+``_INBOX.>``: the gateway's user cannot read the job submissions and verify requests a
+generator pulls, nor one worker the reference-cache reads of another.
+
+Consumers. No service may create, update or delete a consumer of JOBS or VERIFY: a
+create of an existing consumer is an update (the request body's ``action``, which no
+subject permission sees), so the right to create a shared durable would be the right
+to rewrite it. The services look their consumers up and pull from them; the admin-side
+provisioner makes them (services/common/provision.py).
+
+Workers' keys. A worker writes only its own heartbeat, ``$KV.workers.<worker_id>``, and
+its own leases, ``$KV.leases.<worker_id>.>``, and answers only its own control subjects
+``aikg.worker.<worker_id>.>``: nats-server's permission templates (``{{name()}}``) exist
+only for JWT users, so the configuration lists one user per worker id.
 
 Nothing here lets a worker write the ``jobs`` bucket, a generator publish a verdict on
 ``results.>``, or the gateway consume ``verify.>``; nor anyone but a worker write (or
@@ -42,6 +62,7 @@ configuration takes the ``admin`` user.
 
 from __future__ import annotations
 
+import argparse
 import os
 import secrets
 import sys
@@ -55,6 +76,8 @@ from services.common.settings import NATS_ROLES
 # The service users and the operator's user, as named in a deployed configuration.
 ROLES = NATS_ROLES
 ADMIN_USER = "admin"
+# The workers of deploy/docker-compose.yml (their AIKG_WORKER_ID), each with its own user.
+DEPLOY_WORKERS = ("cpu", "cuda")
 
 _KV = {b: f"KV_{b}" for b in (subjects.BUCKET_JOBS, subjects.BUCKET_WORKERS,
                                subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE)}
@@ -84,13 +107,26 @@ def _read(stream: str) -> list[str]:
             f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.FC.{stream}.>"]
 
 
-def _consume(stream: str, durable: str) -> list[str]:
-    """Pull from (and create, look up) the durable consumer(s) ``durable`` of ``stream``."""
-    return [f"$JS.API.CONSUMER.CREATE.{stream}.{durable}",
-            f"$JS.API.CONSUMER.CREATE.{stream}.{durable}.>",
-            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.{durable}",
-            f"$JS.API.CONSUMER.INFO.{stream}.{durable}",
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}", f"$JS.ACK.{stream}.>"]
+def _pull(stream: str) -> list[str]:
+    """Look up and pull from the durable consumers of ``stream`` (made by the
+    provisioner: no create, update or delete), and ask the provisioner for a missing one."""
+    return [f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
+            f"$JS.ACK.{stream}.>", subjects.PROVISION_CONSUMER]
+
+
+def inbox_prefix(user: str) -> str:
+    """The inbox prefix of ``user``'s replies, ``_INBOX_<user>``: the only inbox subjects
+    it may subscribe to (``_INBOX_<user>.>``)."""
+    return f"_INBOX_{user}"
+
+
+def worker_user(worker_id: str) -> str:
+    """The NATS user of the worker ``worker_id``: ``worker-<worker_id>``.
+
+    Raises:
+        ValueError: ``worker_id`` is not one subject token (letters, digits, ``_``, ``-``).
+    """
+    return f"worker-{subjects.worker_service(worker_id).rsplit('.', 1)[1]}"
 
 
 def _sweep(stream: str) -> list[str]:
@@ -132,7 +168,7 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$JS.API.CONSUMER.INFO.{subjects.STREAM_JOBS}.*",
             f"$JS.API.STREAM.MSG.GET.{subjects.STREAM_JOBS}",
         ),
-        subscribe=("_INBOX.>",),
+        subscribe=(f"{inbox_prefix('gateway')}.>",),
     ),
     "generator": Permissions(
         what="pulls jobs.submit, writes job records, publishes verify requests and job "
@@ -145,7 +181,7 @@ PERMISSIONS: dict[str, Permissions] = {
             f"{subjects.WORKER_SERVICE_PREFIX}.*.status",
             *_common(),
             # ``generator`` and the lanes' ``generator-<tenant>-<priority>``.
-            *_consume(subjects.STREAM_JOBS, "*"),
+            *_pull(subjects.STREAM_JOBS),
             # Messages on a lane no consumer takes go to the DLQ (LanePull.sweep_strays).
             *_sweep(subjects.STREAM_JOBS),
             *_read(subjects.STREAM_RESULTS), *_read(_KV[subjects.BUCKET_JOBS]),
@@ -154,18 +190,31 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$JS.API.STREAM.PURGE.{_OBJ}",
         ),
         # The lanes' subjects wake an idle generator (services/common/lanes.py).
-        subscribe=("_INBOX.>", subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*"),
+        subscribe=(f"{inbox_prefix('generator')}.>", subjects.JOBS_SUBMIT,
+                   f"{subjects.JOBS_SUBMIT}.*.*"),
     ),
-    "worker": Permissions(
-        what="pulls verify.<backend>.<arch>, publishes results and job events, writes "
-             "the workers and leases buckets and the shared cache of baselines, "
-             "reads job records, answers nats micro",
+}
+
+
+def worker_permissions(worker_id: str) -> Permissions:
+    """The rights of the worker ``worker_id``'s user (:func:`worker_user`).
+
+    Raises:
+        ValueError: ``worker_id`` is not one subject token.
+    """
+    prefix = subjects.worker_service(worker_id)
+    return Permissions(
+        what=f"worker {worker_id}: pulls verify.<backend>.<arch>, publishes results and "
+             "job events, writes its own heartbeat and leases and the shared cache of "
+             "baselines, reads job records, answers nats micro on its own subjects",
         publish=(
             f"{subjects.RESULTS_PREFIX}.>", f"{subjects.JOB_EVENTS_PREFIX}.>",
-            f"{subjects.DLQ_PREFIX}.>", f"$KV.{subjects.BUCKET_WORKERS}.>",
-            f"$KV.{subjects.BUCKET_LEASES}.>",
+            f"{subjects.DLQ_PREFIX}.>",
+            # Its heartbeat key and its leases (``<worker_id>.<device>``) only.
+            f"$KV.{subjects.BUCKET_WORKERS}.{worker_id}",
+            f"$KV.{subjects.BUCKET_LEASES}.{worker_id}.>",
             *_common(),
-            *_consume(subjects.STREAM_VERIFY, "*"),
+            *_pull(subjects.STREAM_VERIFY),
             *_sweep(subjects.STREAM_VERIFY),
             *_read(_KV[subjects.BUCKET_JOBS]), *_read(_KV[subjects.BUCKET_WORKERS]),
             *_read(_KV[subjects.BUCKET_LEASES]),
@@ -173,12 +222,24 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$JS.API.STREAM.CREATE.{_KV_BASELINES}",
             f"$KV.{subjects.BUCKET_BASELINES}.>", *_read(_KV_BASELINES),
         ),
-        subscribe=("_INBOX.>", "$SRV.>", f"{subjects.WORKER_SERVICE_PREFIX}.>",
+        subscribe=(f"{inbox_prefix(worker_user(worker_id))}.>", "$SRV.>", f"{prefix}.>",
                    # Verify lanes' subjects wake an idle worker (services/common/lanes.py).
                    f"{subjects.VERIFY_PREFIX}.>"),
         allow_responses=True,
-    ),
-}
+    )
+
+
+def user_permissions(worker_ids: Iterable[str]) -> dict[str, Permissions]:
+    """Every service user's rights: the gateway's, the generator's and one
+    ``worker-<id>`` per worker id, by user name.
+
+    Raises:
+        ValueError: a worker id is not one subject token, or is listed twice.
+    """
+    ids = list(worker_ids)
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"worker ids listed twice: {ids}")
+    return {**PERMISSIONS, **{worker_user(w): worker_permissions(w) for w in ids}}
 
 
 def _list(items: Iterable[str], indent: str) -> str:
@@ -197,25 +258,27 @@ def _secret(value: str) -> str:
     return f'"{value}"'
 
 
-def authorization_block(passwords: Mapping[str, str]) -> str:
-    """nats-server configuration: an ``authorization`` block with one user per role
-    of :data:`PERMISSIONS` and the ``admin`` user (no restriction).
+def authorization_block(passwords: Mapping[str, str], worker_ids: Iterable[str]) -> str:
+    """nats-server configuration: an ``authorization`` block with the ``admin`` user (no
+    restriction) and one user per entry of :func:`user_permissions`.
 
     Args:
-        passwords: user name (``admin``, ``gateway``, ``generator``, ``worker``) ->
+        passwords: user name (``admin``, ``gateway``, ``generator``, ``worker-<id>``) ->
             password, or ``$VARIABLE`` for nats-server to read from its environment.
+        worker_ids: the workers that get a user.
 
     Raises:
         KeyError: a user has no password.
+        ValueError: a bad worker id, or a password with quotes, backslashes or newlines.
     """
     lines = ["# Generated by services/common/nats_auth.py (python -m services.common.nats_auth);",
-             "# edit PERMISSIONS there, not this block.",
+             "# edit the permissions there, not this block.",
              "authorization {", "  users = ["]
-    lines.append(f"    # {ADMIN_USER}: the operator (nats CLI): every subject.")
+    lines.append(f"    # {ADMIN_USER}: the operator (nats CLI, aikg nats-setup): every subject.")
     lines.append(f'    {{user: "{ADMIN_USER}", password: {_secret(passwords[ADMIN_USER])}}}')
-    for role, perms in PERMISSIONS.items():
-        lines.append(f"    # {role}: {perms.what}.")
-        lines.append(f'    {{user: "{role}", password: {_secret(passwords[role])}, permissions: {{')
+    for user, perms in user_permissions(worker_ids).items():
+        lines.append(f"    # {user}: {perms.what}.")
+        lines.append(f'    {{user: "{user}", password: {_secret(passwords[user])}, permissions: {{')
         lines.append(f"      publish: {{allow: {_list(perms.publish, '      ')}}}")
         lines.append(f"      subscribe: {{allow: {_list(perms.subscribe, '      ')}}}")
         if perms.allow_responses:
@@ -225,42 +288,83 @@ def authorization_block(passwords: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def deploy_auth_conf() -> str:
+def password_variable(user: str) -> str:
+    """The environment variable a deployed node reads ``user``'s password from:
+    ``AIKG_NATS_<USER>_PASSWORD`` (upper case, ``-`` as ``_``)."""
+    return f"AIKG_NATS_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+def deploy_auth_conf(worker_ids: Iterable[str] = DEPLOY_WORKERS) -> str:
     """``deploy/nats/auth.conf``: :func:`authorization_block` with each password read
-    from the node's environment (``AIKG_NATS_<USER>_PASSWORD``, from ``deploy/.env``)."""
-    users = (ADMIN_USER, *ROLES)
-    return authorization_block({u: f"$AIKG_NATS_{u.upper()}_PASSWORD" for u in users})
+    from the node's environment (:func:`password_variable`, from ``deploy/.env``)."""
+    ids = list(worker_ids)
+    users = (ADMIN_USER, *user_permissions(ids))
+    return authorization_block({u: f"${password_variable(u)}" for u in users}, ids)
 
 
 @dataclass
 class BusCredentials:
     """Per-run user names and random passwords for the admin and each service.
 
+    Args:
+        worker_ids: the workers that get a user (``worker-<id>``); the first is the one
+            :meth:`service_env` and :meth:`role_settings` name.
+
     Attributes:
         passwords: user name -> password (``secrets.token_urlsafe(24)``: 192 bits).
+
+    Raises:
+        ValueError: no worker id, a bad one, or one listed twice.
     """
 
-    passwords: dict[str, str] = field(default_factory=lambda: {
-        u: secrets.token_urlsafe(24) for u in (ADMIN_USER, *ROLES)})
+    worker_ids: tuple[str, ...] = ("local",)
+    passwords: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.worker_ids = tuple(self.worker_ids)
+        if not self.worker_ids:
+            raise ValueError("BusCredentials needs at least one worker id")
+        for user in (ADMIN_USER, *user_permissions(self.worker_ids)):
+            self.passwords.setdefault(user, secrets.token_urlsafe(24))
+
+    def worker_settings(self, worker_id: str | None = None) -> dict[str, str]:
+        """Settings overrides of one worker: ``worker_id`` and its user's
+        ``nats_worker_user`` / ``nats_worker_password`` (the first worker by default).
+
+        Raises:
+            KeyError: ``worker_id`` has no user here.
+        """
+        worker_id = worker_id or self.worker_ids[0]
+        user = worker_user(worker_id)
+        return {"worker_id": worker_id, "nats_worker_user": user,
+                "nats_worker_password": self.passwords[user]}
 
     def service_env(self, role: str) -> dict[str, str]:
-        """``AIKG_NATS_USER`` / ``AIKG_NATS_PASSWORD`` of one service."""
+        """``AIKG_NATS_USER`` / ``AIKG_NATS_PASSWORD`` of one service (``admin`` too);
+        a worker's (the first worker id) with its ``AIKG_WORKER_ID``."""
+        if role == "worker":
+            own = self.worker_settings()
+            return {"AIKG_NATS_USER": own["nats_worker_user"],
+                    "AIKG_NATS_PASSWORD": own["nats_worker_password"],
+                    "AIKG_WORKER_ID": own["worker_id"]}
         return {"AIKG_NATS_USER": role, "AIKG_NATS_PASSWORD": self.passwords[role]}
 
     def role_settings(self) -> dict[str, str]:
         """Settings overrides naming every service's credentials
-        (``nats_<role>_user`` / ``nats_<role>_password``), for one process that runs
-        several services; the plain ``nats_user`` / ``nats_password`` are the admin's."""
+        (``nats_<role>_user`` / ``nats_<role>_password``; the worker's are those of the
+        first worker id, which ``worker_id`` names), for one process that runs several
+        services; the plain ``nats_user`` / ``nats_password`` are the admin's."""
         out = {"nats_user": ADMIN_USER, "nats_password": self.passwords[ADMIN_USER]}
         for role in ROLES:
-            out[f"nats_{role}_user"] = role
-            out[f"nats_{role}_password"] = self.passwords[role]
-        return out
+            if role != "worker":
+                out[f"nats_{role}_user"] = role
+                out[f"nats_{role}_password"] = self.passwords[role]
+        return {**out, **self.worker_settings()}
 
     def write_server_config(self, path: Path, *, base: str = "") -> Path:
         """Write a nats-server configuration (``base`` lines, then the authorization
         block) readable by its owner only (mode 0600)."""
-        write_private(path, base + authorization_block(self.passwords))
+        write_private(path, base + authorization_block(self.passwords, self.worker_ids))
         return path
 
     def write_admin_env(self, path: Path, url: str) -> Path:
@@ -280,5 +384,24 @@ def write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m services.common.nats_auth [--worker ID ...]``: print
+    ``deploy/nats/auth.conf`` for those workers (default: :data:`DEPLOY_WORKERS`)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m services.common.nats_auth",
+        description="Print the nats-server authorization block of deploy/nats/auth.conf: "
+                    "admin, gateway, generator and one user per worker id, passwords "
+                    "read from AIKG_NATS_<USER>_PASSWORD.")
+    parser.add_argument("--worker", action="append", metavar="ID",
+                        help="a worker id (its AIKG_WORKER_ID) that gets a user "
+                             f"worker-<ID>; repeat for each (default: {' '.join(DEPLOY_WORKERS)})")
+    args = parser.parse_args(argv)
+    try:
+        sys.stdout.write(deploy_auth_conf(args.worker or DEPLOY_WORKERS))
+    except ValueError as exc:
+        parser.error(str(exc))
+    return 0
+
+
 if __name__ == "__main__":
-    sys.stdout.write(deploy_auth_conf())
+    raise SystemExit(main())

@@ -50,7 +50,12 @@ class Settings(msgspec.Struct, kw_only=True):
         nats_<role>_user / nats_<role>_password: the credentials of one service
             (``gateway``, ``generator``, ``worker``) where one process or one
             environment holds several; empty falls back to ``nats_user`` /
-            ``nats_password``. ``aikg up`` gives each service its own.
+            ``nats_password``. ``aikg up`` gives each service its own. A worker's
+            user is ``worker-<worker_id>`` (services/common/nats_auth.py): it may write
+            only that worker's heartbeat and leases.
+        nats_inbox_prefix: the subject prefix of this process's replies (nats-py
+            ``inbox_prefix``); empty: ``_INBOX_<user>`` when it connects with a user
+            name (the only inbox a permissioned user may subscribe to), else ``_INBOX``.
         stream_replicas: replicas of every stream and bucket (3 on a 3-node cluster).
         log_level: ``debug`` | ``info`` | ``warning`` | ``error``.
         log_format: ``json`` (one structlog JSON event per line) or ``console``.
@@ -167,6 +172,7 @@ class Settings(msgspec.Struct, kw_only=True):
     nats_generator_password: str = ""
     nats_worker_user: str = ""
     nats_worker_password: str = ""
+    nats_inbox_prefix: str = ""
     stream_replicas: int = 1
     log_level: str = "info"
     log_format: str = "json"

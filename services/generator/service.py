@@ -89,6 +89,7 @@ from services.common.jobs import (
 )
 from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
+from services.common.provision import JOB_ACK_WAIT_S, JOB_MAX_DELIVER
 from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
@@ -140,11 +141,6 @@ JOB_PHASE_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120, 600, 3600),
 )
 
-# JOBS consumer: a job is redelivered if its generator stops heartbeating for this
-# long (so a crashed generator's job resumes elsewhere after ~10 s); the generator
-# sends in_progress() every third of it.
-JOB_ACK_WAIT_S = 10.0
-JOB_MAX_DELIVER = 5
 # How often a running job's record is read to notice a cancel, seconds.
 CANCEL_POLL_S = 0.5
 # How long a resumed job waits for the full verdict of an attempt whose summary the
@@ -204,7 +200,6 @@ class Generator:
             durable=subjects.CONSUMER_GENERATOR, ack_wait_s=JOB_ACK_WAIT_S,
             max_deliver=JOB_MAX_DELIVER + 1,
         )
-        await self._align_ack_wait()
         # Jobs wait in one lane per tenant and priority; they are taken in fair order.
         lanes = LanePull(
             self.bus.js, self.bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
@@ -262,21 +257,6 @@ class Generator:
                 self.lanes.woken.set()  # a tenant held back may be asked again now
 
         task.add_done_callback(done)
-
-    async def _align_ack_wait(self) -> None:
-        """Bring a JOBS consumer created by an older generator (another ack wait) to
-        :data:`JOB_ACK_WAIT_S`; binding an existing durable does not change it."""
-        try:
-            info = await self.bus.js.consumer_info(subjects.STREAM_JOBS,
-                                                   subjects.CONSUMER_GENERATOR)
-            if info.config.ack_wait is None or abs(info.config.ack_wait - JOB_ACK_WAIT_S) < 0.5:
-                return
-            config = info.config
-            config.ack_wait = JOB_ACK_WAIT_S
-            await self.bus.js.add_consumer(subjects.STREAM_JOBS, config)
-            log.info("job_consumer_updated", ack_wait_s=JOB_ACK_WAIT_S)
-        except Exception as exc:  # noqa: BLE001 - the old ack wait still works, only slower
-            log.warning("job_consumer_update_failed", error=str(exc))
 
     async def handle(self, msg: Msg) -> None:
         """Run one job message to the end; never raises (a bad job must not stop us)."""

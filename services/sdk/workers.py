@@ -129,10 +129,12 @@ class RemoteWorker:
     def __init__(self, nats_url: str | None = None, backend: str | None = None,
                  arch: str | None = None, *, result_timeout_s: float = DEFAULT_RESULT_TIMEOUT_S,
                  require_live_worker: bool = True, settings: Settings | None = None) -> None:
-        from services.common.bus import nats_credentials
+        from services.common.bus import inbox_prefix_of, nats_credentials
 
         settings = load_settings() if settings is None else settings
         self._credentials = nats_credentials(settings)
+        # Replies on the user's own inbox prefix: the only one its user may subscribe to.
+        self._credentials["inbox_prefix"] = inbox_prefix_of(settings, self._credentials)
         url = nats_url or os.environ.get("AIKG_NATS_URL", "")
         if not url:
             raise ValueError("RemoteWorker needs the NATS URL of the AIKG workers: pass "

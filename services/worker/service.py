@@ -62,7 +62,6 @@ from services.common.consumer import (
     durable_pull,
     keep_in_progress,
     run_with_progress,
-    shorten_ack_wait,
 )
 from services.common.jobs import publish_event
 from services.common.lanes import LanePull, lane_config
@@ -132,6 +131,28 @@ FINAL_PUBLISH_ATTEMPTS = 3
 SHARE_STALE_PERIODS = 3
 # How long a starting worker waits for the current leases and heartbeats, seconds.
 SHARE_WATCH_START_S = 5.0
+
+
+def _check_worker_user(settings: Settings, worker_id: str) -> None:
+    """Refuse a worker id its NATS user may not write the keys of.
+
+    A worker's user ``worker-<id>`` may write only the heartbeat and leases of worker
+    ``<id>`` (services/common/nats_auth.py); any other id would beat into refusals.
+
+    Raises:
+        ValueError: the user is ``worker-<other id>``; the message names both.
+    """
+    from services.common.nats_auth import worker_user
+
+    user = settings.nats_worker_user or settings.nats_user
+    if user.startswith("worker-") and user != worker_user(worker_id):
+        raise ValueError(
+            f"worker id {worker_id!r} does not match its NATS user {user!r}, which may write "
+            f"only the heartbeat and leases of worker {user.removeprefix('worker-')!r}: set "
+            f"AIKG_WORKER_ID={user.removeprefix('worker-')} (or connect as "
+            f"{worker_user(worker_id)})")
+
+
 # Device names become lease keys (`<worker_id>.<device>`) and env values: one subject
 # token of at most this many characters.
 _DEVICE_NAME_CHARS = 32
@@ -265,6 +286,7 @@ class Worker:
         self.worker_id = settings.worker_id or default_worker_id()
         # It names the control subjects and lease keys: fail before the slow start.
         subjects.worker_service(self.worker_id)
+        _check_worker_user(settings, self.worker_id)
         self.started_at = utcnow()
         self.free: asyncio.Queue[str] = asyncio.Queue()
         for d in self.devices:
@@ -502,11 +524,8 @@ class Worker:
         JetStream keeps a durable consumer's configuration when a worker binds with
         other values, and enforces its own: a worker that sent ``in_progress()`` by
         its own, longer ack_wait would see its runs redelivered to other workers.
-        A consumer whose ack_wait is longer than the setting is shortened first.
+        (``aikg nats-setup`` brings an existing consumer's ack wait to the setting.)
         """
-        await shorten_ack_wait(self.bus.js, subjects.STREAM_VERIFY,
-                               subjects.verify_consumer(self.backend, self.arch),
-                               self.settings.verify_ack_wait_s)
         try:
             config = (await psub.consumer_info()).config
         except Exception as exc:  # noqa: BLE001 - keep the settings' values
