@@ -22,6 +22,7 @@ import pytest
 from schemas import VerifyRequest, encode, subjects
 from services.common.bus import Bus
 from services.common.lanes import LanePull, lane_config
+from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
@@ -31,6 +32,7 @@ from services.worker.child_limits import ChildLimits, child_limits_from
 from services.worker.sandbox import LoweringFailed
 from services.worker.service import run_worker
 from services.worker.verifier import Verifier
+from tests.conftest import TEST_WORKER_IDS
 from tests.helpers import RELU_KERNEL, RELU_TASK, services_running, wait_terminal
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b"}
@@ -310,7 +312,7 @@ async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
 
 @pytest.mark.slow
 async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request(
-        settings: Settings, bus: Bus) -> None:
+        settings: Settings, bus: Bus, bus_credentials: BusCredentials) -> None:
     """Two one-device workers of one backend/arch. team_a's first request hangs in its
     reference on worker 1 (half the devices: its share); then team_a and team_b each
     publish one more. Worker 2, started after, takes team_b's, though team_a's lane
@@ -324,7 +326,8 @@ async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request
                              encode(req), headers={"Nats-Msg-Id": req.request_id})
 
     workers = [asyncio.create_task(run_worker(msgspec.structs.replace(
-        base, worker_id="w1", worker_arch="x86_64"), stop))]
+        base, **bus_credentials.worker_settings(TEST_WORKER_IDS[0]), worker_arch="x86_64"),
+        stop))]
     try:
         async with VerdictWaiter(bus.js, "fair") as waiter:
             for rid in ("a-hang", "a-next", "b-relu"):
@@ -343,10 +346,11 @@ async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request
             await publish(request(HANG_IN_MODEL, "a-next", tenant="team_a"))
             await publish(request(RELU_TASK, "b-relu", tenant="team_b"))
             workers.append(asyncio.create_task(run_worker(msgspec.structs.replace(
-                base, worker_id="w2", worker_arch="x86_64"), stop)))
+                base, **bus_credentials.worker_settings(TEST_WORKER_IDS[1]),
+                worker_arch="x86_64"), stop)))
             result = await waiter.wait("b-relu", 120)
             assert result.passed, result
-            assert result.worker_id == "w2"
+            assert result.worker_id == TEST_WORKER_IDS[1]
             # team_b did not wait for a device team_a's hang held.
             assert not waiter.futures["a-hang"].done(), "team_b waited for team_a's hang"
             hung = await waiter.wait("a-hang", 120)

@@ -43,7 +43,6 @@ from schemas.events import ShapeValue
 from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound, publish_json
 from services.common.jobs import (
     CheckedJobStore,
-    JobRecordCorrupt,
     TaskError,
     cancel_job,
     check_task_source,
@@ -207,15 +206,16 @@ async def _withdraw(bus: Bus, job_id: str, exc: Exception, subject: str,
 
 
 async def _existing(store: CheckedJobStore, job_id: str) -> JobRecord | None:
-    """The record of ``job_id``, or None when there is none (a record that does not
-    decode counts as taken: its id is not free)."""
+    """The record of ``job_id``, or None when there is none.
+
+    Raises:
+        JobRecordCorrupt: the record does not decode; answered 500 naming the job and
+            the fault, as on every route.
+    """
     try:
         return (await store.get(job_id))[0]
     except JobNotFound:
         return None
-    except JobRecordCorrupt as exc:
-        raise HTTPException(status_code=409, detail=f"job id {job_id!r} is taken; choose "
-                            "another job_id or omit it to get a fresh one") from exc
 
 
 async def _resubmitted(bus: Bus, tenant: Tenant, record: JobRecord,
