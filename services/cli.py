@@ -120,6 +120,9 @@ def _run_service(service: str, settings: Settings, main: Any) -> None:
     configure_logging(service, settings.log_level, settings.log_format)
     try:
         asyncio.run(main)
+    except PermissionError as exc:
+        # The NATS user lacks a right the command needs (nats-setup as a non-admin).
+        fail(ExitCode.USAGE, f"{service}: {exc}")
     except ConnectionError as exc:
         fail(ExitCode.UNREACHABLE, f"{service}: {exc}")
     except ValueError as exc:
@@ -273,10 +276,11 @@ def up(
     is up, or the stack does not come up in time (its log is named).
     """
     from services.common.metrics import start_metrics_server
+    from services.stack import SUPERVISOR_REGISTRY
 
     settings = cli_settings(up_metrics_port=metrics_port)
     try:
-        served = start_metrics_server(settings.up_metrics_port)
+        served = start_metrics_server(settings.up_metrics_port, registry=SUPERVISOR_REGISTRY)
     except OSError as exc:
         fail(ExitCode.USAGE, f"aikg up: cannot serve /metrics on port "
              f"{settings.up_metrics_port}: {exc}")

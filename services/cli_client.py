@@ -103,6 +103,10 @@ def submit(
         help="low | normal | high: order among waiting jobs (high lanes are served "
         "first); the tenant's max_priority bounds it. Default normal.",
         show_default=False)] = None,
+    verify_timeout: Annotated[float | None, typer.Option(
+        help="Seconds one candidate's verification may take (the job's timeout_s; default "
+        "300, or the tenant's max_timeout_s when that is lower).",
+        show_default=False)] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
     as_json: JsonOption = False,
@@ -125,7 +129,7 @@ def submit(
                 job_id=job_id, max_rounds=max_rounds, parallel_num=parallel_num,
                 num_islands=num_islands, migration_interval=migration_interval,
                 elite_size=elite_size, parent_selection_prob=parent_selection_prob,
-                max_attempts=max_attempts, priority=priority)
+                max_attempts=max_attempts, priority=priority, timeout_s=verify_timeout)
         new_id = accepted["job_id"]
         if not wait:
             if as_json:

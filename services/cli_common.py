@@ -50,7 +50,8 @@ GatewayOption = Annotated[str, typer.Option(
     "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")]
 TokenOption = Annotated[str | None, typer.Option(
     "--token", envvar="AIKG_API_TOKEN", show_default=False,
-    help="Bearer token, when the gateway has AIKG_API_TOKEN set.")]
+    help="Bearer token: the operator's (the gateway's AIKG_API_TOKEN) or a tenant's (one "
+    "whose SHA-256 is in the gateway's AIKG_TENANTS_FILE).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
 TaskFileArgument = Annotated[Path, typer.Argument(
     exists=True, dir_okay=False, readable=True, metavar="FILE",

@@ -39,15 +39,18 @@ from typing import Any
 import httpx
 import msgspec
 import tenacity
-from prometheus_client import Counter
+from prometheus_client import CollectorRegistry, Counter
 
 from services.common.settings import Settings
 
+# What `aikg up` serves on its own /metrics: only the supervisor's metrics (the
+# services export theirs on their own ports).
+SUPERVISOR_REGISTRY = CollectorRegistry()
 RESTARTS = Counter(
     "aikg_service_restarts_total",
     "Services of the local stack (`aikg up`) restarted after they died, by service "
     "(nats, gateway, generator, worker).",
-    ["service"],
+    ["service"], registry=SUPERVISOR_REGISTRY,
 )
 # Name prefix of a per-run directory: aikg-up-<pid of aikg up>-<random>.
 RUN_DIR_PREFIX = "aikg-up-"
@@ -176,6 +179,10 @@ class Supervisor:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="aikg-supervisor", daemon=True)
+        # A series per service from the start, at 0: rate() and increase() see the
+        # first restart (a series that appears with 1 counts as no increase).
+        for name in self.procs:
+            RESTARTS.labels(service=name)
 
     def start(self) -> Supervisor:
         self._thread.start()

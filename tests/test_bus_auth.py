@@ -47,6 +47,7 @@ from services.common.provision import (
     run_nats_setup,
 )
 from services.common.settings import Settings, load_settings
+from tests.conftest import as_role
 
 # How long a denied JetStream request waits for the reply that never comes, seconds.
 DENIED_TIMEOUT_S = 1.0
@@ -525,6 +526,13 @@ async def test_nats_setup_makes_and_updates_the_consumers(settings: Settings, bu
     for name in (verify, lane_consumer):
         config = (await bus.js.consumer_info(subjects.STREAM_VERIFY, name)).config
         assert config.ack_wait == pytest.approx(9.0), name
+
+
+async def test_nats_setup_as_a_service_user_says_to_run_it_as_the_admin(
+        settings: Settings, bus: Bus) -> None:
+    gateway = as_role(settings, "gateway")
+    with pytest.raises(PermissionError, match="'gateway' could not set up.*as the admin user"):
+        await run_nats_setup(gateway, [("cpu", settings.arch)], serve=False)
 
 
 def test_nats_setup_help_says_what_it_is_for() -> None:

@@ -252,6 +252,14 @@ async def test_timeout_above_the_tenants_cap_is_refused(tmp_path: Path, settings
         r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
                               json=builtin_job(RELU_TASK, timeout_s=120))
         assert r.status_code in (200, 201), r.text
+        # Left out, the default (300 s) is lowered to the tenant's cap, not refused.
+        body = builtin_job(RELU_TASK)
+        body.pop("timeout_s", None)
+        r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"), json=body)
+        assert r.status_code in (200, 201), r.text
+        record = (await client.get(f"/api/v1/jobs/{r.json()['job_id']}",
+                                   headers=auth("team_a"))).json()
+        assert record["request"]["timeout_s"] == 120
 
 
 @pytest.mark.slow
@@ -299,6 +307,7 @@ async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
         # Another source, so the built-in coder's cache does not skip the lowering.
         record, loaded = await run_b(RELU_TASK + "\n# behind team_a\n")
         assert record["status"] == "completed", record
+        print(f"team_b relu: idle {idle:.2f} s, behind team_a's hanging jobs {loaded:.2f} s")
         assert loaded < 2 * idle + 5.0, (idle, loaded)
         assert loaded < hang_s, (idle, loaded)
         client.headers["authorization"] = auth("team_a")["Authorization"]

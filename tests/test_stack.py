@@ -14,12 +14,12 @@ from pathlib import Path
 
 import nats
 import pytest
-from prometheus_client import REGISTRY
 
 from services.common.embedded import EmbeddedNatsServer
 from services.stack import (
     OWNER_FILE,
     RUN_DIR_PREFIX,
+    SUPERVISOR_REGISTRY,
     Supervisor,
     claim_run_dir,
     remove_stale_run_dirs,
@@ -33,7 +33,8 @@ def sleeper() -> subprocess.Popen[bytes]:
 
 
 def restarts_counted(service: str) -> float:
-    return REGISTRY.get_sample_value("aikg_service_restarts_total", {"service": service}) or 0.0
+    return SUPERVISOR_REGISTRY.get_sample_value("aikg_service_restarts_total",
+                                                {"service": service}) or 0.0
 
 
 def wait_until(check, timeout_s: float = 30.0, every_s: float = 0.05):

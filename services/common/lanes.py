@@ -78,12 +78,15 @@ class LanePull:
             does not exist yet, used only where no provisioner answers (a server
             without permissions; the caller binds the default lane's own).
         idle_poll_s: longest sleep of :meth:`wait`, seconds.
+        sweep_strays: move messages on subjects that name no lane to the DLQ
+            (:meth:`sweep_strays`; needs the rights to read and delete single messages
+            of ``stream``, which only the generator has, for JOBS).
     """
 
     def __init__(self, js: JetStreamContext, nc: Any, *, stream: str, base: str,
                  consumer_of: Callable[[str, str], str],
                  config_of: Callable[[str, str], ConsumerConfig],
-                 idle_poll_s: float = 1.0) -> None:
+                 idle_poll_s: float = 1.0, sweep_strays: bool = False) -> None:
         self.js = js
         self.nc = nc
         self.stream = stream
@@ -107,6 +110,7 @@ class LanePull:
         # that is no tenant name): moved to the DLQ by :meth:`sweep_strays`.
         self.strays: set[str] = set()
         self.swept = 0
+        self.sweep = sweep_strays
 
     async def start(self) -> None:
         """Subscribe the reply inbox and the wake-up subjects."""
@@ -186,7 +190,7 @@ class LanePull:
         if got >= want:
             return got
         lanes = await self.lanes()
-        if self.strays:
+        if self.strays and self.sweep:
             await self.sweep_strays()
         passes = [True, False] if defer is not None else [False]
         for deferring in passes:

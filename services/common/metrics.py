@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
 
 # Read here rather than from Settings so one variable covers every service entry point.
 METRICS_HOST_ENV = "AIKG_METRICS_HOST"
@@ -25,13 +25,15 @@ def metrics_host() -> str:
     return os.environ.get(METRICS_HOST_ENV, "").strip() or DEFAULT_METRICS_HOST
 
 
-def start_metrics_server(port: int, host: str | None = None) -> int | None:
-    """Serve ``/metrics`` of the default registry in a background thread.
+def start_metrics_server(port: int, host: str | None = None,
+                         registry: CollectorRegistry = REGISTRY) -> int | None:
+    """Serve ``/metrics`` of ``registry`` (the default one) in a background thread.
 
     Args:
         port: TCP port; 0 picks a free one; -1 serves nothing.
         host: address to bind; None reads ``AIKG_METRICS_HOST`` (default loopback;
             ``0.0.0.0`` in a container).
+        registry: the metrics served (``aikg up`` serves only its own).
 
     Returns:
         The port served, or None when disabled.
@@ -44,5 +46,5 @@ def start_metrics_server(port: int, host: str | None = None) -> int | None:
     host = host or metrics_host()
     # Port 0 is bound by the server itself (no pick-then-bind race); it says which
     # port the OS gave it.
-    server, _ = start_http_server(port, addr=host)
+    server, _ = start_http_server(port, addr=host, registry=registry)
     return server.server_port

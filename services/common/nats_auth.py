@@ -215,7 +215,6 @@ def worker_permissions(worker_id: str) -> Permissions:
             f"$KV.{subjects.BUCKET_LEASES}.{worker_id}.>",
             *_common(),
             *_pull(subjects.STREAM_VERIFY),
-            *_sweep(subjects.STREAM_VERIFY),
             *_read(_KV[subjects.BUCKET_JOBS]), *_read(_KV[subjects.BUCKET_WORKERS]),
             *_read(_KV[subjects.BUCKET_LEASES]),
             # The shared cache: created by the first worker, written and read by all.

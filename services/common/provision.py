@@ -288,14 +288,24 @@ async def run_nats_setup(settings: Settings, verify_lanes: list[tuple[str, str]]
 
     Raises:
         ConnectionError: NATS is unreachable or refused the credentials.
-        nats.errors.Error: the user may not do what setup does (not the admin).
+        PermissionError: the user may not do what setup does (not the admin); the
+            message says which user to run it as.
     """
     from services.common.bus import connect_bus
     from services.common.runtime import install_signal_handlers
 
     bus = await connect_bus(settings, "aikg-nats-setup")
     try:
-        done = await setup(bus.js, settings, verify_lanes)
+        try:
+            done = await setup(bus.js, settings, verify_lanes)
+        except (nats.errors.TimeoutError, TimeoutError, nats.js.errors.APIError) as exc:
+            # A user without the admin's rights: the server drops its refused requests
+            # (a permissions violation), so they time out.
+            raise PermissionError(
+                f"NATS user {settings.nats_user or '(none)'!r} could not set up the streams "
+                f"and consumers ({type(exc).__name__}: {exc}): run aikg nats-setup as the "
+                "admin user (AIKG_NATS_USER / AIKG_NATS_PASSWORD of the server's admin; "
+                "aikg up writes them to nats-admin.env in its run directory)") from exc
         log.info("nats_setup_done", consumers=done)
         if serve:
             if stop is None:

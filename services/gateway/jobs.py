@@ -127,6 +127,10 @@ async def check_submit_body(request: Request) -> None:
         raise ValidationException(detail=detail, extra=[
             {"message": detail, "key": "data", "source": "body"}])
     request.state.submit = await _strict_submit(request)
+    # Which fields the body gave (top level only, values left undecoded): a default
+    # the tenant's limits do not allow is lowered, an explicit value refused.
+    request.state.given = set(msgspec.json.decode(await request.body(),
+                                                  type=dict[str, msgspec.Raw]))
 
 
 def _name_shape_entry(body: bytes, text: str) -> str:
@@ -289,6 +293,8 @@ async def submit_job(
     # ``data`` (Litestar's lax conversion) documents the body in the OpenAPI schema;
     # the strict decode of check_submit_body, which ran first, decides.
     data = request.state.submit
+    if "timeout_s" not in request.state.given and tenant.max_timeout_s:
+        data.timeout_s = min(data.timeout_s, float(tenant.max_timeout_s))
     check_job_limits(tenant, data)
     _check_task(data.task_desc, data.shape_overrides)
 

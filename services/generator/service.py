@@ -205,7 +205,8 @@ class Generator:
             self.bus.js, self.bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
             consumer_of=subjects.generator_consumer,
             config_of=lambda subject, durable: lane_config(
-                subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1))
+                subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1),
+            sweep_strays=True)
         await lanes.start()
         self.lanes = lanes
         # Before the first job: every lowering runs the task's code in this sandbox.
