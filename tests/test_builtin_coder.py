@@ -109,6 +109,12 @@ def test_large_task_lowers_unchanged_with_shape_overrides(name):
     _assert_matches(task_src, candidate, SMALL)
 
 
+def test_an_unknown_shape_name_is_refused_as_the_verifier_refuses_it():
+    with pytest.raises(LoweringError, match="shape_overrides name batch, which the task does "
+                                            "not define"):
+        lower_task((TASKS / "relu.py").read_text(), {"batch": 4})
+
+
 def test_init_inputs_are_baked_in():
     candidate = lower_task((TASKS / "leaky_relu.py").read_text())
     assert "v_in0 * 0.2" in candidate

@@ -281,11 +281,11 @@ class Generator:
             reason = f"malformed job submission: {exc}"
             log.warning("malformed_job", error=reason)
             await dead_letter(self.bus.js, msg, reason)
-            job_id = header_id if header_id and _is_token(header_id) else None
+            job_id = header_id if header_id and subjects.is_token(header_id) else None
             if job_id:
                 await self._fail_new(job_id, reason)
             return
-        job_id = submit.job_id or (header_id if header_id and _is_token(header_id) else None)
+        job_id = submit.job_id or (header_id if header_id and subjects.is_token(header_id) else None)
         job_id = job_id or new_id("job-")
         # The lane it waited on says whose job it is (a raw `nats pub` on jobs.submit:
         # the default tenant).
@@ -883,14 +883,6 @@ def _count(r: JobRecord) -> None:
     r.progress.candidates_generated = len(entries)
     r.progress.candidates_verified = sum(e.passed is not None for e in entries)
     r.progress.candidates_passed = sum(bool(e.passed) for e in entries)
-
-
-def _is_token(value: str) -> bool:
-    try:
-        subjects.job_events(value)
-    except ValueError:
-        return False
-    return len(value) <= 64
 
 
 async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -> None:

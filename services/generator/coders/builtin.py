@@ -36,6 +36,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from services.common.records import REQUIRED_TASK_NAMES
+
 __all__ = ["LoweringError", "lower_task"]
 
 _KERNEL_NAME = "fused_elementwise_kernel"
@@ -467,12 +469,17 @@ def _load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
     except Exception as exc:
         raise LoweringError("task", f"task source raised {type(exc).__name__}: {exc}; "
                             "fix the task") from exc
-    for name in ("Model", "get_inputs", "get_init_inputs"):
+    for name in REQUIRED_TASK_NAMES:
         if not hasattr(module, name):
             raise LoweringError("task", f"task source defines no `{name}`; a task needs "
                                 "`class Model`, `get_inputs()` and `get_init_inputs()`")
+    # The same rule as the verifier's reference: an override names a module-level name.
+    unknown = sorted(n for n in (shape_overrides or {}) if not hasattr(module, n))
+    if unknown:
+        raise LoweringError("task", f"shape_overrides name {', '.join(unknown)}, which the "
+                            "task does not define; use its module-level size names")
     for name, value in (shape_overrides or {}).items():
-        setattr(module, name, value)
+        setattr(module, name, tuple(value) if isinstance(value, list) else value)
 
     registered: list[tuple[str, str, Any]] = []
     top: list[torch.nn.Module] = []
