@@ -266,7 +266,7 @@ def run_locally(what: str, as_json: bool, work: Any) -> Any:
     except Exception as exc:
         # Imported only now: it imports torch, which a task the coder declines from its
         # source alone never needs (that refusal takes milliseconds, not seconds).
-        from services.worker.sandbox import PoolBroken
+        from services.sandbox.pool import PoolBroken
 
         if not isinstance(exc, PoolBroken):
             raise

@@ -91,7 +91,7 @@ async def test_sdk_task_declines_and_starts_no_sandbox():
 def test_abort_start_cuts_a_starting_sandbox_short(tmp_path):
     """The verification sandbox that `aikg run` starts beside the lowering is not waited
     for once the coder declines: abort_start kills its server before it is ready."""
-    from services.worker.sandbox import PoolBroken, Sandbox
+    from services.sandbox.pool import PoolBroken, Sandbox
 
     sandbox = Sandbox("cpu", name="abort-test", scratch_root=tmp_path / "sandbox")
     outcome: list[BaseException | None] = []

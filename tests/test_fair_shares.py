@@ -28,8 +28,8 @@ from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter
 from services.generator.coders.base import lowering_sandbox as make_lowering_sandbox
-from services.worker.child_limits import ChildLimits, child_limits_from
-from services.worker.sandbox import LoweringFailed
+from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+from services.sandbox.limits import ChildLimits, child_limits_from
 from services.worker.service import run_worker
 from services.worker.verifier import Verifier
 from tests.conftest import TEST_WORKER_IDS
@@ -207,7 +207,7 @@ async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limi
         lowering) -> None:
     started = time.monotonic()
     with pytest.raises(LoweringFailed) as failed:
-        await lowering.lower(ALLOC_10GB, timeout_s=60,
+        await lower_in_sandbox(lowering, ALLOC_10GB, timeout_s=60,
                              limits=ChildLimits(lower_address_space_bytes=2 << 30))
     assert "MemoryError" in str(failed.value)
     assert "AIKG_SANDBOX_LOWER_ADDRESS_SPACE_BYTES=2147483648 (2.0 GiB)" in str(failed.value)
@@ -216,7 +216,7 @@ async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limi
 
 async def test_a_hang_while_lowering_is_named_after_the_task(lowering) -> None:
     with pytest.raises(LoweringFailed) as failed:
-        await lowering.lower(HANG_IN_MODEL, timeout_s=3)
+        await lower_in_sandbox(lowering, HANG_IN_MODEL, timeout_s=3)
     assert str(failed.value).startswith(
         "the task's Model(*get_init_inputs()) did not finish in 3 s (setting "
         "AIKG_LOWERING_TIMEOUT_S)"), failed.value

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from schemas import VerifyRequest
-from services.worker.sandbox import MECHANISMS
+from services.sandbox.pool import MECHANISMS
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_KERNEL, ROOT, services_running, wait_terminal
 
@@ -312,7 +312,7 @@ async def test_local_worker_runs_task_code_in_the_sandbox(secret_env, nats_serve
 
 def test_required_mechanisms_and_how_workers_show_them() -> None:
     from services.cli_render import sandbox_cell
-    from services.worker.sandbox import Isolation, Sandbox, SandboxRefused
+    from services.sandbox.pool import Isolation, Sandbox, SandboxRefused
 
     full = Isolation(run_as=(65534, 65534), network_isolated=True, landlock_abi=7, seccomp=True)
     full.check(("user", "capabilities", "network", "landlock", "seccomp"))
@@ -352,7 +352,7 @@ async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None
 def test_two_sandboxes_of_one_name_get_their_own_scratch_roots(tmp_path, monkeypatch):
     """Two `aikg run` (or test sessions) on one machine build sandboxes of the same name:
     neither may own, and on close remove, the other's run directories."""
-    from services.worker.sandbox import Sandbox
+    from services.sandbox.pool import Sandbox
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     first, second = Sandbox("cpu", name="aikg-run"), Sandbox("cpu", name="aikg-run")

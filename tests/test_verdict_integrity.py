@@ -18,7 +18,9 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker import _child, correctness, rules, wire
+from services.sandbox import child as _child
+from services.sandbox import wire
+from services.worker import correctness, rules
 from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
 from tests.corpus import TASKS
@@ -263,7 +265,7 @@ def _fake_storage(self):
 
 torch.Tensor.contiguous = _fake_contiguous
 torch.Tensor.untyped_storage = _fake_storage
-_harness = getattr(torch, "sy" + "s").modules.get("services.worker._child")
+_harness = getattr(torch, "sy" + "s").modules.get("services.sandbox.child")
 if _harness is not None:
     _real_digest = _harness._digest
     _harness._digest = lambda value: _real_digest(SNAPSHOTS.get(value.data_ptr(), value))

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker import _child, correctness, wire
-from services.worker.sandbox import captured_output, clean_environment, describe_exit
+from services.sandbox import child as _child
+from services.sandbox import wire
+from services.sandbox.pool import captured_output, clean_environment, describe_exit
+from services.worker import correctness
 from services.worker.verifier import Verifier, _Verdict, speedup_fields
 from tests.helpers import RELU_TASK
 

@@ -113,7 +113,7 @@ from services.generator.workflows import (
     add_phase,
     describe_failure,
 )
-from services.worker.child_limits import child_limits_from
+from services.sandbox.limits import child_limits_from
 
 log = structlog.get_logger("aikg.generator")
 

@@ -39,7 +39,7 @@ LOWERING_TIMEOUT_S = 120.0
 WORKFLOWS = ("coder_only_workflow", "default_workflow")
 
 if TYPE_CHECKING:
-    from services.worker.sandbox import Sandbox
+    from services.sandbox.pool import Sandbox
 
 _sandbox: Sandbox | None = None
 _sandbox_lock = threading.Lock()
@@ -64,18 +64,19 @@ async def lower_in_child(task_desc: str, shape_overrides: Mapping[str, Any] | No
                          timeout_s: float = LOWERING_TIMEOUT_S) -> tuple[str | None, str | None]:
     """Run the built-in coder on ``task_desc`` in a sandboxed child (it executes the
     task's code: as an unprivileged user, without network, confined by Landlock and
-    seccomp where the machine permits; see :class:`services.worker.sandbox.Sandbox`).
+    seccomp where the machine permits; see :class:`services.sandbox.pool.Sandbox`).
 
     Returns:
         ``(candidate source, None)``, or ``(None, reason)`` when the task cannot be
         lowered (the reason names the op), its code failed or killed the child, or it
         took longer than ``timeout_s`` seconds.
     """
-    from services.worker.sandbox import LoweringFailed, PoolBroken
+    from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+    from services.sandbox.pool import PoolBroken
 
     try:
         sandbox = await asyncio.to_thread(_lowering_sandbox)
-        return await sandbox.lower(task_desc, shape_overrides, timeout_s=timeout_s), None
+        return await lower_in_sandbox(sandbox, task_desc, shape_overrides, timeout_s=timeout_s), None
     except LoweringFailed as exc:
         return None, str(exc)
     except PoolBroken as exc:

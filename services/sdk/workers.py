@@ -365,7 +365,7 @@ class LocalWorker:
         """Start the sandbox's fork server (idempotent; blocks a thread for seconds).
 
         Raises:
-            services.worker.sandbox.PoolBroken: no sandboxed child could run here.
+            services.sandbox.pool.PoolBroken: no sandboxed child could run here.
         """
         if self._verifier is None:
             from services.worker.verifier import Verifier
@@ -419,7 +419,7 @@ class LocalWorker:
 
         Raises:
             ValueError: a bad field (the message names it).
-            services.worker.sandbox.PoolBroken: the sandbox cannot start here.
+            services.sandbox.pool.PoolBroken: the sandbox cannot start here.
         """
         request = build_request(task_desc, code, op_name, backend=self.backend,
                                 arch=self.arch or "local", mode=mode, dsl=dsl,

@@ -5,18 +5,18 @@ Before the candidate's import: the audit hook, the CUDA emulation (cpu backend),
 launch hooks of :mod:`services.worker.trace`, a snapshot of torch's and triton's
 namespaces, the harness's modules hidden. Then the parent's commands:
 
-* :class:`~services.worker.wire.PlanBuild`: ``ModelNew(*init)`` under the init seed,
+* :class:`~services.sandbox.wire.PlanBuild`: ``ModelNew(*init)`` under the init seed,
   on the device (or on ``meta`` for a dry run). Every real model is built before the
   first call: constructors may compute on weights; no input exists yet.
-* :class:`~services.worker.wire.PlanDryRun`: ``forward`` on meta inputs at other sizes
+* :class:`~services.sandbox.wire.PlanDryRun`: ``forward`` on meta inputs at other sizes
   (the task's own): the launches it would make, none run.
-* :class:`~services.worker.wire.PlanCall`: the first one arms
+* :class:`~services.sandbox.wire.PlanCall`: the first one arms
   :mod:`services.worker.enforce` (compute refused at the dispatcher, the audit hook
   strict; threads and processes are refused from before the import); then
   ``forward`` on decoys with a ghost
   :class:`~services.worker.trace.TraceRecorder`: the plan, its captured storages and
-  the ghost outputs go to the parent (:class:`~services.worker.wire.Traced`).
-* :class:`~services.worker.wire.PlanProfile` (GPU): the launches really run, timed.
+  the ghost outputs go to the parent (:class:`~services.sandbox.wire.Traced`).
+* :class:`~services.sandbox.wire.PlanProfile` (GPU): the launches really run, timed.
 
 The outputs of ``forward`` must be exactly ``torch.Tensor``, or a plain tuple or list
 of them: a subclass or a lazy container would run candidate code after the record.
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from services.worker import _guard, enforce, trace, values
-from services.worker import inputs as trial_inputs
-from services.worker._child import (
+from services.sandbox import guard as _guard
+from services.sandbox import values
+from services.sandbox.child import (
     JobFailure,
     _candidate_failure,
     _device,
@@ -41,9 +41,7 @@ from services.worker._child import (
     _time_forward,
     seed_all,
 )
-from services.worker.emulation import CudaEmulation
-from services.worker.targets import target_for
-from services.worker.wire import (
+from services.sandbox.wire import (
     IMPORT_PHASE,
     Audit,
     Built,
@@ -63,6 +61,10 @@ from services.worker.wire import (
     dtype_name,
     tensor_bytes,
 )
+from services.worker import enforce, trace
+from services.worker import inputs as trial_inputs
+from services.worker.emulation import CudaEmulation
+from services.worker.targets import target_for
 
 _META = torch.device("meta")
 

@@ -14,7 +14,7 @@ requests answer with shapes, nothing allocated (for the candidate's dry run).
 A failure of the task's own code is stage ``infrastructure`` with the task named: the
 candidate had no part in it; one that ran out of the child's address space is stage
 ``task``, naming the limit. Each call into the task's code is announced with a
-:data:`~services.worker.wire.TASK_PHASE` progress frame (and the end of it with
+:data:`~services.sandbox.wire.TASK_PHASE` progress frame (and the end of it with
 another), so the worker can bound it and name the call that hangs.
 """
 
@@ -26,10 +26,9 @@ from typing import Any
 
 import torch
 
-from services.worker import inputs as trial_inputs
-from services.worker import values
-from services.worker._child import JobFailure, _failure, _outputs, out_of_memory, seed_all
-from services.worker.wire import (
+from services.sandbox import values
+from services.sandbox.child import JobFailure, _failure, _outputs, out_of_memory, seed_all
+from services.sandbox.wire import (
     TASK_PHASE,
     Bye,
     Channel,
@@ -46,6 +45,7 @@ from services.worker.wire import (
     TensorMeta,
     dtype_name,
 )
+from services.worker import inputs as trial_inputs
 
 
 def size_names(task: Any) -> dict[str, Any]:
@@ -264,9 +264,32 @@ def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
     channel.send(RefDone(key=request.key))
 
 
+def run_reference_role(spec: ChildSpec, channel: Channel) -> None:
+    """Role ``reference`` (registered by services/worker/verifier.py): load the task at
+    ``spec.task_path``, then :func:`run_reference`.
+
+    Raises:
+        JobFailure: the task's module code raised, or it lacks ``Model``,
+            ``get_inputs`` or ``get_init_inputs`` (stage ``infrastructure``).
+    """
+    from services.sandbox.child import _load_module
+
+    channel.send(Progress(phase=TASK_PHASE + "module code"))
+    try:
+        task = _load_module("aikg_task", spec.task_path)
+    except Exception as exc:
+        raise JobFailure(_failure("infrastructure", "loading the task", exc,
+                                  spec.task_path)) from None
+    missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(task, n)]
+    if missing:
+        raise JobFailure(Failure(stage="infrastructure",
+                                 message=f"the task does not define {', '.join(missing)}"))
+    run_reference(spec, channel, task)
+
+
 def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
     """Answer the parent's :class:`RefRequest` commands until :class:`Bye`."""
-    from services.worker._child import _device
+    from services.sandbox.child import _device
 
     device = _device(spec.backend)
     if spec.backend == "cuda":
@@ -279,7 +302,7 @@ def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
         if command is None or isinstance(command, Bye):
             return
         if isinstance(command, RefProfile):
-            from services.worker._child import _time_forward
+            from services.sandbox.child import _time_forward
 
             if task.last is None:
                 raise JobFailure(Failure(stage="infrastructure",

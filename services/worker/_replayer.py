@@ -2,9 +2,9 @@
 
 It loads the module :func:`services.worker.kernel_source.kernel_module` wrote (the
 candidate's ``@triton.jit`` functions and constants, nothing else) and answers each
-:class:`~services.worker.wire.ReplayRequest` with the outputs and the inputs as they
-are after the call (:class:`~services.worker.wire.Replayed`), or why the plan could not
-run (:class:`~services.worker.wire.ReplayFailed`). See :mod:`services.worker.replay`.
+:class:`~services.sandbox.wire.ReplayRequest` with the outputs and the inputs as they
+are after the call (:class:`~services.sandbox.wire.Replayed`), or why the plan could not
+run (:class:`~services.sandbox.wire.ReplayFailed`). See :mod:`services.worker.replay`.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from services.worker import enforce, values
-from services.worker._child import (
+from services.sandbox import values
+from services.sandbox.child import (
     _MAX_TRACEBACK_CHARS,
     JobFailure,
     _candidate_failure,
@@ -23,14 +23,7 @@ from services.worker._child import (
     _load_module,
     clip,
 )
-from services.worker.replay import (
-    Replayer,
-    ReplayError,
-    Variant,
-    install_bounds_checks,
-    resolve_ops,
-)
-from services.worker.wire import (
+from services.sandbox.wire import (
     Bye,
     Channel,
     ChildSpec,
@@ -42,6 +35,14 @@ from services.worker.wire import (
     TensorMeta,
     dtype_name,
     tensor_bytes,
+)
+from services.worker import enforce
+from services.worker.replay import (
+    Replayer,
+    ReplayError,
+    Variant,
+    install_bounds_checks,
+    resolve_ops,
 )
 
 _STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.worker import values
+from services.sandbox import values
 from services.worker.targets import MAX_GRID, MAX_THREADS_PER_BLOCK, WARP_SIZE, GpuTarget
 
 # Triton's default launch options (triton/backends/nvidia/compiler.py CUDAOptions).
@@ -250,10 +250,10 @@ def compile_one(module: Any, spec: dict[str, Any], shared_limit: int) -> dict[st
 def run_compile(spec: Any, channel: Any) -> None:
     """The compile child: compile ``spec.compile_specs`` from the kernel module at
     ``spec.candidate_path`` for ``spec.compile_target`` and send
-    :class:`~services.worker.wire.Compiled`."""
-    from services.worker._child import _load_module
+    :class:`~services.sandbox.wire.Compiled`."""
+    from services.sandbox.child import _load_module
+    from services.sandbox.wire import Compiled, CompileResult, Progress
     from services.worker.targets import target_for
-    from services.worker.wire import Compiled, CompileResult, Progress
 
     compile_mode()
     channel.send(Progress(phase="compiling the kernels for a GPU target"))

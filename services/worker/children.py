@@ -5,7 +5,7 @@ A verification talks to three children at once (reference, planner, replayer) an
 to each in both directions. :class:`Conversation` reads one child's frames in a task
 of its own, reads the raw tensor frames each one announces, validates them, and keys
 each answer (``("trial", "main", 0, False)``) so that the verification awaits exactly
-the answer it needs (:meth:`Conversation.get`). A :class:`~services.worker.wire.Failure`
+the answer it needs (:meth:`Conversation.get`). A :class:`~services.sandbox.wire.Failure`
 frame or an early end of the channel fails every waiter with :class:`ChildFailed`.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from services.worker import values, wire
-from services.worker.sandbox import ChildRun, ForgedFrame, ProtocolError, describe_exit
+from services.sandbox import values, wire
+from services.sandbox.pool import ChildRun, ForgedFrame, ProtocolError, describe_exit
 
 _EXIT_WAIT_S = 5.0
 

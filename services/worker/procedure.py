@@ -40,14 +40,15 @@ import structlog
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker import aot, kernel_source, values, wire
+from services.sandbox import values, wire
+from services.sandbox.pool import PoolBroken
+from services.worker import aot, kernel_source
 from services.worker import inputs as trial_inputs
 from services.worker import sizes as size_rules
 from services.worker._reference import digest
 from services.worker.children import ChildFailed, Conversation, decode_tensor
 from services.worker.correctness import compare_outputs, compared_elements, tolerance_for
 from services.worker.rules import op_packet
-from services.worker.sandbox import PoolBroken
 from services.worker.targets import target_for
 
 log = structlog.get_logger("aikg.worker.procedure")
@@ -220,7 +221,7 @@ class Procedure:
 
     async def _watch_task_code(self) -> None:
         """Raise a ``task`` Verdict once one call into the task's own code in the
-        reference child (its phase starts with :data:`services.worker.wire.TASK_PHASE`)
+        reference child (its phase starts with :data:`services.sandbox.wire.TASK_PHASE`)
         has lasted ``task_timeout_s`` (the verifier's setting); never returns otherwise."""
         limit = self.v.task_timeout_s
         if not limit:

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.worker import values
+from services.sandbox import values
+from services.sandbox.values import TensorRef
 from services.worker.rules import ALLOWED_OPS, op_packet
 from services.worker.trace import UNDEFINED_ALLOCATIONS, code_end_line, fill_undefined
-from services.worker.values import TensorRef
 
 
 class ReplayError(Exception):

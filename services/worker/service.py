@@ -70,7 +70,7 @@ from services.common.runtime import cancel_and_wait, retry_async
 from services.common.settings import Settings
 from services.common.shares import share_slots
 from services.common.tenants import load_tenants, tenant_label
-from services.worker.child_limits import child_limits_from
+from services.sandbox.limits import child_limits_from
 
 log = structlog.get_logger("aikg.worker")
 
@@ -379,7 +379,7 @@ class Worker:
             abandon: set to give up the in-flight verifications while stopping.
 
         Raises:
-            services.worker.sandbox.PoolBroken: the sandbox could not start.
+            services.sandbox.pool.PoolBroken: the sandbox could not start.
         """
         abandon = abandon if abandon is not None else asyncio.Event()
         psub = pull = beat = service = None
@@ -855,7 +855,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> N
     Raises:
         ConnectionError: NATS is unreachable at start.
         ValueError: the device list is not usable (see :class:`Worker`).
-        services.worker.sandbox.PoolBroken: the sandbox could not start.
+        services.sandbox.pool.PoolBroken: the sandbox could not start.
     """
     abandon = asyncio.Event()
     if stop is None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from services.worker import values
+from services.sandbox import values
 
 # Module-level ints whose names say they are parameters, not extents: reductions and
 # awkward sizes leave them alone (kernels may specialise on them).

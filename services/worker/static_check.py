@@ -22,7 +22,7 @@ comes from and the test that covers it in :data:`RULES`; a :class:`Finding` carr
 as ``rule_id``.
 
 The checks are a first filter for LLM-written code, not a security boundary: the
-sandbox (:mod:`services.worker.sandbox`) is. They are written so that honest
+sandbox (:mod:`services.sandbox.pool`) is. They are written so that honest
 kernels pass and the common reward hacks fail with a message a coder can act on.
 
 Why one module: the rules share one AST walk and one table (:data:`RULES`) that the

@@ -5,7 +5,7 @@ The candidate's own process (the *planner*) never sees the real inputs of a tria
 runs ``forward`` on decoys, with every Triton launch a no-op, while a
 :class:`TraceRecorder` (a ``TorchDispatchMode`` plus a hook on Triton's launcher)
 writes down every ATen operator and every kernel launch, with each tensor named by
-the storage it views (:class:`~services.worker.values.TensorRef`). A storage the trace
+the storage it views (:class:`~services.sandbox.values.TensorRef`). A storage the trace
 did not create (a parameter, a constant) is *captured*: its bytes at first sight go
 with the trace. The replayer (:mod:`services.worker.replay`) then runs the plan on the
 real inputs with only the allowlisted operators and the candidate's own kernels. So
@@ -16,7 +16,7 @@ reproduced.
 The recorder lives in the candidate's process and can be fooled or bypassed; that
 only changes the plan, which the replayer judges on data the candidate never saw.
 
-Events (msgpack-able dicts, see :func:`services.worker.values.encode` for values):
+Events (msgpack-able dicts, see :func:`services.sandbox.values.encode` for values):
 
 * ``{"op": "aten.view.default", "args": [...], "kwargs": {...}, "out": tree}``
 * ``{"launch": kernel name, "line": def line, "grid": [x, y, z], "args": {name:
@@ -36,9 +36,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from services.worker import values
+from services.sandbox import values
+from services.sandbox.values import TensorRef
 from services.worker.rules import op_packet
-from services.worker.values import TensorRef
 
 # Triton launch keyword arguments that are options, not kernel arguments
 # (triton/backends/nvidia/compiler.py CUDAOptions and the interpreter's).

@@ -48,7 +48,13 @@ import structlog
 import torch
 
 from schemas.events import VerifyRequest, VerifyResult, utcnow
-from services.worker import aot, wire
+from services.sandbox import wire
+from services.sandbox.limits import ChildLimits
+from services.sandbox.pool import PoolBroken, Sandbox
+from services.sandbox.pool import settle as settle_children
+from services.sandbox.roles import register_role, runner_of
+from services.sandbox.wire import ChildSpec
+from services.worker import aot
 from services.worker.cache import (
     CACHE_FORMAT,
     CACHE_LOOKUPS,
@@ -57,14 +63,17 @@ from services.worker.cache import (
     Versions,
     baseline_key,
 )
-from services.worker.child_limits import ChildLimits
 from services.worker.procedure import Procedure, Verdict
 from services.worker.rules import impossible_timing
-from services.worker.sandbox import PoolBroken, Sandbox
-from services.worker.sandbox import settle as settle_children
 from services.worker.static_check import check_candidate
 from services.worker.targets import GpuTarget
-from services.worker.wire import ChildSpec
+
+# The verification's child roles (services/sandbox/roles.py): the task's code alone,
+# the candidate planning on decoys, its kernels replaying the plan, and the GPU compile.
+register_role("reference", "services.worker._reference:run_reference_role")
+register_role("candidate", "services.worker._planner:run_planner")
+register_role("replay", "services.worker._replayer:run_replayer")
+register_role("compile", "services.worker.aot:run_compile")
 
 log = structlog.get_logger("aikg.worker.verifier")
 
@@ -192,7 +201,7 @@ class Verifier:
             child, seconds (setting ``task_timeout_s``; 0: only the request's
             ``timeout_s``); past it the verdict is stage ``task`` naming the call.
         child_limits: address space and CPU time of the reference and candidate
-            children (:class:`services.worker.child_limits.ChildLimits`; default: the
+            children (:class:`services.sandbox.limits.ChildLimits`; default: the
             settings' defaults).
 
     Attributes:
@@ -326,12 +335,13 @@ class Verifier:
             candidate = str(scratch / "candidate.py")
         if role == "reference":
             self.reference_runs += 1
-        # One table for every child's limits (services/worker/child_limits.py); the
+        # One table for every child's limits (services/sandbox/limits.py); the
         # candidate's derived address space comes from its task's sizes.
         address_space_bytes, cpu_seconds, notes = self.child_limits.notes(
             role, self.backend, request.timeout_s, derived_as=address_space_bytes)
         return ChildSpec(
-            role=role, scratch_dir=str(scratch), backend=self.backend, arch=request.arch,
+            role=role, runner=runner_of(role), scratch_dir=str(scratch), backend=self.backend,
+            arch=request.arch,
             env=self.sandbox.child_env(device), task_path=str(scratch / "task.py"),
             candidate_path=candidate, cpu_seconds=cpu_seconds, run_as=self.run_as,
             isolate_network=True, frame_key=os.urandom(32), scratch_bytes=self.scratch_bytes,

@@ -2,7 +2,7 @@
 
 The built-in coder lowers the task's core-ATen graph, which means executing the
 task's Python source. That runs only in a sandboxed child
-(:meth:`services.worker.sandbox.Sandbox.lower`: unprivileged user, no network, Landlock,
+(:meth:`services.sandbox.pool.Sandbox.lower`: unprivileged user, no network, Landlock,
 seccomp, a fresh process per task killed with its group on timeout), never in the
 generator itself.
 """
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 
 from schemas import JobSubmit, VerifyResult
 from services.common.shares import TenantSlots
+from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
 from services.generator.coders.screen import decline
-from services.worker.child_limits import ChildLimits
-from services.worker.sandbox import LoweringFailed, PoolBroken, Sandbox
+from services.sandbox.limits import ChildLimits
+from services.sandbox.pool import PoolBroken, Sandbox
 
 # The tenant whose job the running code serves (set per job task by the generator): a
 # lowering takes one of that tenant's lowering slots (services/common/shares.py).
@@ -89,13 +90,13 @@ class BuiltinCoder:
     kept (a timeout may not recur).
 
     Args:
-        sandbox: a started :class:`~services.worker.sandbox.Sandbox` the lowering runs
+        sandbox: a started :class:`~services.sandbox.pool.Sandbox` the lowering runs
             in (the task's code runs there, never here).
         timeout_s: limit on one lowering, seconds (setting ``lowering_timeout_s``).
         slots: the lowering slots shared by this process's jobs, of which the job's
             tenant (:data:`JOB_TENANT`) holds at most its share; None: no bound.
         limits: the lowering child's address space and CPU time (default: the
-            settings' defaults, services/worker/child_limits.py).
+            settings' defaults, services/sandbox/limits.py).
 
     Attributes:
         lowerings: sandboxed lowerings run so far (cache misses).
@@ -140,7 +141,7 @@ class BuiltinCoder:
             else contextlib.nullcontext()
         try:
             async with hold:
-                code = await self.sandbox.lower(
+                code = await lower_in_sandbox(self.sandbox,
                     submit.task_desc, dict(submit.shape_overrides), params,
                     timeout_s=self.timeout_s, label=submit.job_id or "lower",
                     limits=self.limits)
@@ -169,4 +170,5 @@ def lowering_sandbox(name: str, *, require: tuple[str, ...] = (),
     task of ours in the fork server, so a child's lowering takes ~0.25 s, not ~0.8 s)."""
     return Sandbox("cpu", name=name, require=require, env_allow=env_allow,
                    preload=("services.generator.coders.builtin",
+                            "services.generator.coders.lowering_role",
                             "services.generator.coders.builtin:warm_up"))

@@ -10,7 +10,7 @@ holds data. :func:`decode` rebuilds the tree from the refs with a function that
 returns the tensor for each ref.
 
 Used by both sides of every sandboxed child's channel
-(:mod:`services.worker.wire`), so it imports nothing from the harness.
+(:mod:`services.sandbox.wire`), so it imports nothing from the harness.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Everything this service runs on behalf of a user is untrusted: the task's own module
 code (``Model``, ``get_inputs``), the built-in coder's ``torch.export`` of it, and every
 candidate. Each runs in a child forked from a warm fork server
-(:mod:`services.worker._forkserver`) and, before any of that code runs, the child calls
-the steps here, in order (see :func:`services.worker.hardening.enter_sandbox`):
+(:mod:`services.sandbox.forkserver`) and, before any of that code runs, the child calls
+the steps here, in order (see :func:`services.sandbox.hardening.enter_sandbox`):
 
 1. :func:`allowed_environment`: the environment is an allowlist (what Python, torch,
    Triton, CUDA and the BLAS libraries read), never a denylist of secret-looking names.
@@ -29,7 +29,7 @@ tmpfs into which only the needed paths are bind-mounted back. The rest of it (th
 worker user's home, keys, history) is hidden from every child.
 
 Each step records what the machine did not permit in a list of notes instead of
-failing; :class:`services.worker.sandbox.Sandbox` reports them and can refuse to run
+failing; :class:`services.sandbox.pool.Sandbox` reports them and can refuse to run
 without a mechanism (``require``).
 """
 

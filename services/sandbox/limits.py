@@ -1,7 +1,7 @@
 """Resource limits of every sandboxed child, from one table of settings.
 
 One row per role that runs code we did not write; each row is two settings
-(services/common/settings.py), applied by :func:`services.worker.hardening.enter_sandbox`:
+(services/common/settings.py), applied by :func:`services.sandbox.hardening.enter_sandbox`:
 
 - ``lower``, the built-in coder's lowering of a task (generator, ``aikg run``):
   ``sandbox_lower_address_space_bytes`` (4 GiB), ``sandbox_lower_cpu_s``;

@@ -1,12 +1,12 @@
-"""The warm fork server: ``python -m services.worker._forkserver <control fd>``.
+"""The warm fork server: ``python -m services.sandbox.forkserver <control fd>``.
 
-Started by :class:`services.worker.sandbox.SandboxPool` as a fresh interpreter (so
+Started by :class:`services.sandbox.pool.SandboxPool` as a fresh interpreter (so
 nothing of the worker's state, threads or CUDA context is inherited). It imports
 torch and triton once, then forks one child per job; a forked child starts in
 milliseconds with everything imported.
 
 Protocol on the control socket (AF_UNIX, SOCK_SEQPACKET, one message per job): the
-payload is a msgpack :class:`~services.worker.wire.ChildSpec` and the message
+payload is a msgpack :class:`~services.sandbox.wire.ChildSpec` and the message
 carries two file descriptors (SCM_RIGHTS): the child's result socket and a status
 socket. On the status socket the server writes the child's pid (8 bytes, signed,
 big-endian) right after the fork, then its raw wait status (same encoding) once it
@@ -21,7 +21,7 @@ every child's group is killed and the server exits. A pool closed on purpose sen
 in its optional second argument, a JSON object (the dead worker's scratch root: run
 directories, Triton caches). The same object may ask for ``private_mounts`` (run as
 root: a private mount namespace in which the sandbox user can reach the interpreter and
-the ``visible`` paths, see :func:`services.worker.isolation.private_mounts`) and
+the ``visible`` paths, see :func:`services.sandbox.isolation.private_mounts`) and
 ``preload``, more modules to import before the first fork (and ``module:function``
 warm-ups to call once).
 """
@@ -65,9 +65,9 @@ def _preload(extra: list[str]) -> None:
     import triton.language  # noqa: F401
     import triton.runtime.interpreter  # noqa: F401
 
-    import services.worker._child  # noqa: F401
-    import services.worker._guard  # noqa: F401
-    import services.worker.isolation  # noqa: F401
+    import services.sandbox.child  # noqa: F401
+    import services.sandbox.guard  # noqa: F401
+    import services.sandbox.isolation  # noqa: F401
 
     # What a candidate's first Triton launch imports: without these every candidate
     # child (and its ghost replay and second size) paid ~0.2 s importing gluon
@@ -130,7 +130,7 @@ def _fork(spec: object, own_namespace: int) -> int:
     """Fork a job's child: process 1 of a PID namespace of its own when it asks for one
     and this server may make one (root), else a plain fork."""
     if getattr(spec, "pid_namespace", False) and own_namespace >= 0:
-        from services.worker import isolation
+        from services.sandbox import isolation
 
         try:
             return isolation.fork_in_own_pid_namespace(own_namespace)
@@ -145,7 +145,8 @@ def serve(control: socket.socket) -> bool:
     Returns:
         True when the worker said ``BYE`` before closing it.
     """
-    from services.worker import _child, wire
+    from services.sandbox import child as _child
+    from services.sandbox import wire
 
     me = os.getpid()
     own_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY) if os.geteuid() == 0 else -1
@@ -239,7 +240,7 @@ def main() -> None:
     orphan_cleanup = options.get("orphan_cleanup")
     notes: list[str] = []
     if options.get("private_mounts") and os.geteuid() == 0:
-        from services.worker import isolation
+        from services.sandbox import isolation
 
         # What children must still reach once they are an unprivileged user: the
         # interpreter and its packages, the scratch root.

@@ -1,7 +1,7 @@
 """The wire format between the worker and its sandboxed children.
 
 Parent -> child: a :class:`ChildSpec` (msgpack), through the fork server
-(:mod:`services.worker._forkserver`), then, on the same private socket, commands
+(:mod:`services.sandbox.forkserver`), then, on the same private socket, commands
 (:data:`Command`) with the raw frames they announce. Child -> parent, over that socket,
 never stdout: frames of an 8-byte big-endian length followed by the payload. A
 payload is a msgpack-encoded :data:`Frame`; frames that carry tensors are followed by
@@ -9,7 +9,7 @@ one raw frame per tensor holding its bytes (row-major, native byte order). With 
 is followed by a 32-byte keyed BLAKE2b tag over the previous tag, the header and the
 payload, so bytes the candidate writes on the socket's file descriptor (it can guess
 the number) break the chain and the parent sees them
-(:class:`services.worker.sandbox.ChildRun`).
+(:class:`services.sandbox.pool.ChildRun`).
 
 This module is imported by both sides: the parent decodes with it, the child's
 :class:`Channel` encodes with it (reading tensors through ``torch.Tensor`` methods
@@ -26,7 +26,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
-from services.worker.values import dtype_from_name, dtype_name  # noqa: F401 - re-exported
+from services.sandbox.values import dtype_from_name, dtype_name  # noqa: F401 - re-exported
 
 HEADER = struct.Struct("!Q")
 TAG_BYTES = 32
@@ -67,12 +67,15 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     the tmpfs the child works in (None: the scratch directory as it is).
     ``arch``: the request's arch (the GPU the cpu backend emulates and compiles for).
     ``limit_notes``: ``address_space`` / ``cpu`` -> the words naming that limit's
-    setting and value (:mod:`services.worker.child_limits`), quoted in a failure
-    that hit it.
+    setting and value (:mod:`services.sandbox.limits`), quoted in a failure
+    that hit it. ``runner``: the ``module:function`` the child calls for ``role``
+    (:func:`services.sandbox.roles.runner_of`; filled in from the registry when
+    empty).
     """
 
     role: Literal["probe", "reference", "candidate", "replay", "compile", "lower"]
     scratch_dir: str
+    runner: str = ""
     backend: str = "cpu"
     arch: str = ""
     env: dict[str, str] = {}

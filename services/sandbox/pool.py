@@ -1,13 +1,13 @@
 """Warm process pool for sandboxed runs: the worker (parent) side.
 
-:class:`SandboxPool` starts :mod:`services.worker._forkserver` as a fresh
+:class:`SandboxPool` starts :mod:`services.sandbox.forkserver` as a fresh
 interpreter that imports torch and triton once; every job is a process forked from
 it (~10 ms) instead of a fresh ``python`` (~1.8 s of imports). We run our own
 fork server rather than ``multiprocessing``'s forkserver context because that one
 is a process-wide singleton that cannot be stopped, re-imports the worker's
 ``__main__`` in every child, and gives no say over what the child does before the
 job starts; here each :class:`~services.worker.verifier.Verifier` owns its server
-and :func:`services.worker.hardening.enter_sandbox` isolates the child first.
+and :func:`services.sandbox.hardening.enter_sandbox` isolates the child first.
 
 :class:`ChildRun` is one child: its pid, its frames (read with the event loop, so
 ``await`` never blocks it), its exit status, and the kill of its process group.
@@ -39,8 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.worker import _forkserver, isolation, wire
-from services.worker.wire import ChildSpec
+from services.sandbox import forkserver as _forkserver
+from services.sandbox import isolation, wire
+from services.sandbox.roles import runner_of
+from services.sandbox.wire import ChildSpec
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 _PID_BYTES = 8
@@ -90,7 +92,7 @@ def describe_exit(status: int | None) -> str:
 
 
 def clean_environment(environ: Mapping[str, str], extra: tuple[str, ...] = ()) -> dict[str, str]:
-    """The allowlisted part of ``environ`` (see :func:`services.worker.isolation.env_allowed`)."""
+    """The allowlisted part of ``environ`` (see :func:`services.sandbox.isolation.env_allowed`)."""
     return isolation.allowed_environment(environ, extra)
 
 
@@ -124,7 +126,7 @@ class ChildRun:
     Read its frames with :meth:`frame` / :meth:`raw` in order; :meth:`close` kills
     its process group (also any descendants still in it), waits for the exit status
     and removes the scratch directory. When ``spec.frame_key`` is set every frame's
-    tag is checked (see :func:`services.worker.wire.frame_tag`): bytes the candidate
+    tag is checked (see :func:`services.sandbox.wire.frame_tag`): bytes the candidate
     wrote on the socket's file descriptor raise :class:`ForgedFrame`.
     """
 
@@ -177,7 +179,7 @@ class ChildRun:
         return self.exit_status
 
     async def frame(self) -> Any | None:
-        """The next frame (see :data:`services.worker.wire.Frame`), or None at end of stream.
+        """The next frame (see :data:`services.sandbox.wire.Frame`), or None at end of stream.
 
         Raises:
             ProtocolError: the frame is larger than ``max_frame_bytes`` or malformed.
@@ -253,7 +255,7 @@ class ChildRun:
         return size
 
     async def send(self, command: Any, raws: list[Any] = ()) -> None:
-        """Send a command (:data:`services.worker.wire.Command`) and the raw frames it
+        """Send a command (:data:`services.sandbox.wire.Command`) and the raw frames it
         announces to the child, in one piece.
 
         Raises:
@@ -327,7 +329,7 @@ class SandboxPool:
             closing the pool (SIGKILL, OOM kill): a dead worker's scratch root.
         visible: paths children must reach after the user switch (the scratch root);
             when set and this process is root, the server builds a private mount
-            namespace for them (:func:`services.worker.isolation.private_mounts`).
+            namespace for them (:func:`services.sandbox.isolation.private_mounts`).
         preload: more modules the server imports before forking.
         env_allow: more variable names (or ``PREFIX*``) to keep.
     """
@@ -375,7 +377,7 @@ class SandboxPool:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "services.worker._forkserver", str(theirs.fileno()),
+                [sys.executable, "-m", "services.sandbox.forkserver", str(theirs.fileno()),
                  json.dumps(self.options)],
                 pass_fds=[theirs.fileno()], env=self.env, cwd=_REPO_ROOT,
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True)
@@ -488,10 +490,6 @@ class SandboxRefused(PoolBroken):
     """A mechanism the operator required (``sandbox_require``) is not available here."""
 
 
-class LoweringFailed(Exception):
-    """The built-in coder could not lower a task; the message says why (for the user)."""
-
-
 def safe_name(text: str) -> str:
     """``text`` reduced to a short file-name-safe token."""
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "x"
@@ -560,7 +558,7 @@ class Sandbox:
     The worker's :class:`~services.worker.verifier.Verifier` runs references and
     candidates in it; the generator and the SDK run the built-in coder's lowering of a
     task in it (:meth:`lower`). Every child is a fresh process (no state carried from
-    one job to the next) confined as :func:`services.worker.hardening.enter_sandbox` says.
+    one job to the next) confined as :func:`services.sandbox.hardening.enter_sandbox` says.
 
     Args:
         backend: ``cpu`` (Triton interpreter), ``cuda`` or ``ascend``: the device the
@@ -743,8 +741,14 @@ class Sandbox:
         return env
 
     def spec(self, role: str, scratch: Path, device: str, **fields: Any) -> ChildSpec:
-        """A ChildSpec for ``role`` with this sandbox's user, environment and isolation."""
+        """A ChildSpec for ``role`` with this sandbox's user, environment and isolation,
+        and the role's registered runner (:func:`services.sandbox.roles.runner_of`).
+
+        Raises:
+            KeyError: nobody registered ``role``.
+        """
         fields.setdefault("scratch_bytes", self.scratch_bytes)
+        fields.setdefault("runner", runner_of(role))
         return ChildSpec(role=role, scratch_dir=str(scratch), backend=self.backend,
                          env=self.child_env(device), run_as=self.isolation.run_as,
                          isolate_network=True, env_allow=list(self.env_allow), **fields)
@@ -779,87 +783,6 @@ class Sandbox:
             _background(_abandon(run))
             raise
         return run
-
-    async def lower(self, task_desc: str, shape_overrides: Mapping[str, Any] | None = None,
-                    params: Mapping[str, int] | None = None, *, timeout_s: float = 120.0,
-                    label: str = "lower", limits: Any = None) -> str:
-        """The built-in coder's candidate for ``task_desc``, lowered in a sandboxed child.
-
-        The task's module code, ``Model`` construction and ``torch.export`` run only
-        there: as the sandbox user, without network, within the ``lower`` row of
-        :mod:`services.worker.child_limits` (address space, CPU time), in a fresh
-        process killed with its process group after ``timeout_s`` seconds.
-
-        Args:
-            params: launch parameters of ``lower_task`` (``block_size``, ``num_warps``,
-                ``num_stages``).
-            limits: a :class:`services.worker.child_limits.ChildLimits` (default: the
-                settings' defaults).
-
-        Returns:
-            The candidate's source.
-
-        Raises:
-            LoweringFailed: the task cannot be lowered (the message names the op), its
-                code raised, killed the child, hit a limit (named), or outlived
-                ``timeout_s`` (the message names the part of the task's code that was
-                running).
-            PoolBroken: the sandbox is not started or its server is gone.
-        """
-        from services.worker.child_limits import ChildLimits
-
-        if not self.started:
-            raise PoolBroken("the sandbox is not started")
-        limits = limits or ChildLimits()
-        # The lowering child runs on one core (torch threads 1 on cpu).
-        address_space, cpu_seconds, notes = limits.notes("lower", "cpu", timeout_s, cores=1)
-        scratch = self.scratch(label, "lower")
-        task_path = scratch / "task.py"
-        task_path.write_text(task_desc, encoding="utf-8")
-        spec = self.spec("lower", scratch, "lower", task_path=str(task_path),
-                         shape_overrides=dict(shape_overrides or {}),
-                         lower_params=dict(params or {}),
-                         cpu_seconds=cpu_seconds, address_space_bytes=address_space,
-                         limit_notes=notes)
-        run = await self.spawn(spec, 64 << 20)
-        phase = ""
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    frame = await run.frame()
-                    if isinstance(frame, wire.Progress):
-                        phase = frame.phase
-                        continue
-                    if isinstance(frame, wire.Lowered):
-                        return frame.code
-                    if isinstance(frame, wire.Failure):
-                        raise LoweringFailed(frame.message)
-                    if frame is None or isinstance(frame, wire.Done):
-                        status = await run.wait(_EXIT_WAIT_S)
-                        tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
-                        what = describe_exit(status)
-                        if status is not None and os.WIFSIGNALED(status) and \
-                                os.WTERMSIG(status) == signal.SIGXCPU:
-                            what += f" (the CPU time limit {notes['cpu']})"
-                        raise LoweringFailed(
-                            f"built-in coder's process {what} while running "
-                            f"the task's code" + (f": {tail}" if tail else ""))
-        except TimeoutError:
-            if phase.startswith(wire.TASK_PHASE):
-                raise LoweringFailed(
-                    f"{phase} did not finish in {timeout_s:g} s (setting "
-                    "AIKG_LOWERING_TIMEOUT_S) while the built-in coder lowered the task; "
-                    "its process was killed: the task's own code hangs or is far too "
-                    "slow, fix the task") from None
-            raise LoweringFailed(
-                f"built-in coder gave up after {timeout_s:g} s (setting "
-                f"AIKG_LOWERING_TIMEOUT_S) during {phase or 'its start'}: the task's code did "
-                "not finish (check get_inputs()/forward, or shrink it with "
-                "shape_overrides)") from None
-        except ProtocolError as exc:
-            raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
-        finally:
-            await run.close()
 
 
 # Cleanups that run on after their caller was cancelled: ChildRun.close()'s, forks

@@ -1,25 +1,22 @@
-"""Code that runs inside a sandboxed child: the entry, shared helpers, the probe and
-the lowering; the other roles have their modules.
+"""Code that runs inside a sandboxed child: the entry, the helpers role runners share,
+and the ``probe`` role.
 
-A child is forked by :mod:`services.worker._forkserver` (which has torch and triton
-imported already), enters the sandbox (:func:`enter_sandbox`), then runs one role:
+A child is forked by :mod:`services.sandbox.forkserver` (which has torch and triton
+imported already), enters the sandbox (:func:`enter_sandbox`), sets up its backend,
+then calls the runner its spec names (``spec.runner``, ``module:function``, from
+:mod:`services.sandbox.roles`). The roles and their owners:
 
-* ``probe``: nothing but the sandbox entry and a tiny Triton launch;
+* ``probe`` (here): nothing but the sandbox entry and a tiny Triton launch;
   :meth:`Sandbox.start` uses it to learn which isolation steps this machine permits.
-* ``reference`` (:mod:`services.worker._reference`): the task's code only; it makes
-  every input (secret seeds, distributions, decoys) and the reference outputs.
-* ``candidate`` (:mod:`services.worker._planner`): the candidate's ``ModelNew``,
-  planning its launches on decoys; nothing it computes reaches the verdict.
-* ``replay`` (:mod:`services.worker._replayer`): the candidate's kernels, no other
-  candidate code, running the recorded plan on the real inputs.
-* ``compile`` (:mod:`services.worker.aot`): the candidate's kernels compiled for a
-  GPU target, ahead of time.
-* ``lower``: the built-in coder on a task.
+* ``reference``, ``candidate``, ``replay``, ``compile``: the worker's verification
+  (registered by services/worker/verifier.py).
+* ``lower``: the generator's built-in coder on a task (registered by
+  services/generator/coders/lowering_role.py).
 
 The child never decides pass or fail: the parent compares what it receives.
 
-The wire format is :mod:`services.worker.wire`; the sandbox entry every child runs
-first is :mod:`services.worker.hardening`.
+The wire format is :mod:`services.sandbox.wire`; the sandbox entry every child runs
+first is :mod:`services.sandbox.hardening`.
 """
 
 from __future__ import annotations
@@ -37,15 +34,13 @@ from typing import Any, NoReturn
 
 import torch
 
-from services.worker.hardening import enter_sandbox
-from services.worker.wire import (
-    TASK_PHASE,
+from services.sandbox.hardening import enter_sandbox
+from services.sandbox.roles import runner_of
+from services.sandbox.wire import (
     Channel,
     ChildSpec,
     Done,
     Failure,
-    Lowered,
-    Progress,
     Timing,
 )
 
@@ -92,17 +87,8 @@ def _location(exc: BaseException, path: str) -> str:
 
 
 _reserve: list[bytearray] = []
-# The spec's limit_notes (services.worker.child_limits), for failures that hit a limit.
+# The spec's limit_notes (services.sandbox.limits), for failures that hit a limit.
 _limit_notes: dict[str, str] = {}
-# The roles whose runner lives in a module of its own: role -> "module:function",
-# called with (spec, channel) once the child is in the sandbox.
-_ROLE_RUNNERS = {
-    "candidate": "services.worker._planner:run_planner",
-    "replay": "services.worker._replayer:run_replayer",
-    "compile": "services.worker.aot:run_compile",
-}
-
-
 def out_of_memory(exc: BaseException | None) -> bool:
     """Whether ``exc`` (or an exception it was raised from) is an allocation refused:
     ``MemoryError`` (Python, numpy) or torch's ``DefaultCPUAllocator: can't allocate
@@ -366,7 +352,8 @@ def _probe_kernel(spec: ChildSpec) -> None:
                                  message="a probe Triton kernel returned wrong values"))
 
 
-def _run_probe(spec: ChildSpec, channel: Channel) -> None:
+def run_probe(spec: ChildSpec, channel: Channel) -> None:
+    """Role ``probe``: what every child needs works here (see :meth:`Sandbox.start`)."""
     # After the user switch the Python installation must still be readable (lazy
     # imports) and the scratch directory writable.
     with open(os.__file__, "rb") as f:
@@ -377,33 +364,6 @@ def _run_probe(spec: ChildSpec, channel: Channel) -> None:
         raise JobFailure(Failure(stage="infrastructure",
                                  message="no CUDA device is usable inside the sandbox"))
     _probe_kernel(spec)
-
-
-def _run_lower(spec: ChildSpec, channel: Channel) -> None:
-    """The built-in coder on the task at ``spec.task_path``: a Lowered frame, or a
-    Failure at stage ``lower`` whose message says why (the op it cannot lower, the
-    task's own error)."""
-    from services.generator.coders.builtin import LoweringError, lower_task
-
-    channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
-    with open(spec.task_path, encoding="utf-8") as f:
-        task_desc = f.read()
-    def progress(phase: str) -> None:
-        channel.send(Progress(phase=phase))
-
-    try:
-        code = lower_task(task_desc, dict(spec.shape_overrides), progress=progress,
-                          **spec.lower_params)
-    except LoweringError as exc:
-        message = str(exc)
-        if out_of_memory(exc):
-            message += memory_note()
-        raise JobFailure(Failure(stage="lower", message=message)) from None
-    except Exception as exc:  # noqa: BLE001 - the task's own code may raise anything
-        failure = _failure("lower", "the built-in coder", exc, spec.task_path)
-        failure.message = "built-in coder failed: " + failure.message
-        raise JobFailure(failure) from None
-    channel.send(Lowered(code=code))
 
 
 def _run(spec: ChildSpec, channel: Channel) -> None:
@@ -422,30 +382,8 @@ def _run(spec: ChildSpec, channel: Channel) -> None:
             import torch_npu  # noqa: F401
         except ImportError as exc:
             raise JobFailure(_failure("infrastructure", "importing torch_npu", exc)) from None
-    if spec.role == "probe":
-        _run_probe(spec, channel)
-        return
-    if spec.role == "lower":
-        _run_lower(spec, channel)
-        return
-    runner = _ROLE_RUNNERS.get(spec.role)
-    if runner is not None:
-        module, _, name = runner.partition(":")
-        getattr(importlib.import_module(module), name)(spec, channel)
-        return
-    channel.send(Progress(phase=TASK_PHASE + "module code"))
-    try:
-        task = _load_module("aikg_task", spec.task_path)
-    except Exception as exc:
-        raise JobFailure(_failure("infrastructure", "loading the task", exc,
-                                  spec.task_path)) from None
-    missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(task, n)]
-    if missing:
-        raise JobFailure(Failure(stage="infrastructure",
-                                 message=f"the task does not define {', '.join(missing)}"))
-    from services.worker._reference import run_reference
-
-    run_reference(spec, channel, task)
+    module, _, name = (spec.runner or runner_of(spec.role)).partition(":")
+    getattr(importlib.import_module(module), name)(spec, channel)
 
 
 def main(spec: ChildSpec, result_fd: int) -> NoReturn:

@@ -1,9 +1,9 @@
 """Sandbox entry: what a freshly forked child does before any task or candidate code.
 
 :func:`enter_sandbox` runs first in every child the fork server forks (see
-:mod:`services.worker._child` for what the child runs next); the isolation
+:mod:`services.sandbox.child` for what the child runs next); the isolation
 primitives it applies (user switch, capabilities, Landlock, seccomp, environment
-allowlist) are in :mod:`services.worker.isolation`.
+allowlist) are in :mod:`services.sandbox.isolation`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.worker.wire import STDERR_FILE, STDOUT_FILE, WORK_DIR, ChildSpec, Hello
+from services.sandbox.wire import STDERR_FILE, STDOUT_FILE, WORK_DIR, ChildSpec, Hello
 
 # Linux constants (include/uapi/linux/prctl.h, sched.h).
 _PR_SET_PDEATHSIG = 1
@@ -53,14 +53,14 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
     """Isolate this (freshly forked) process before any task or candidate code runs.
 
     Steps, in order: in the PID namespace of its own the fork server made for it, its
-    own ``/proc`` (:func:`services.worker.isolation.own_proc`, as root); own session and
+    own ``/proc`` (:func:`services.sandbox.isolation.own_proc`, as root); own session and
     process group (the parent kills the group); die with the fork server; a private
     network namespace (loopback only, down); the environment reduced to an allowlist
-    (:func:`services.worker.isolation.allowed_environment`) plus ``spec.env``;
+    (:func:`services.sandbox.isolation.allowed_environment`) plus ``spec.env``;
     stdout/stderr to files in the scratch directory, stdin from /dev/null; the work
     directory a tmpfs of ``spec.scratch_bytes`` (HOME, TMPDIR, cwd; on cpu also the
     Triton cache); resource limits; the switch to an unprivileged user with
-    every capability dropped (:func:`services.worker.isolation.drop_privileges`);
+    every capability dropped (:func:`services.sandbox.isolation.drop_privileges`);
     Landlock confining reads to the Python installation, system directories and the
     scratch directory, and writes to the work directory and Triton cache; a seccomp
     filter. Steps the
@@ -73,12 +73,12 @@ def enter_sandbox(spec: ChildSpec) -> Hello:
     Raises:
         OSError: the switch to ``spec.run_as`` failed part-way.
     """
-    from services.worker import isolation
+    from services.sandbox import isolation
 
     notes: list[str] = []
     server = os.getppid()
     # The fork server forked this process as process 1 of its own PID namespace
-    # (services.worker.isolation.fork_in_own_pid_namespace) where the machine permits.
+    # (services.sandbox.isolation.fork_in_own_pid_namespace) where the machine permits.
     pid_namespace = os.getpid() == 1
     if pid_namespace:
         problem = isolation.own_proc()

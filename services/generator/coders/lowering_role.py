@@ -1,0 +1,138 @@
+"""The built-in coder's lowering as a sandbox role: the task's code (module, ``Model``,
+``torch.export``) runs only in a sandboxed child.
+
+:func:`run_lower` is the child's side (role ``lower``, registered here with
+:func:`services.sandbox.roles.register_role`); :func:`lower_in_sandbox` the parent's,
+used by the generator's built-in coder and the SDK.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+from services.sandbox import wire
+from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
+from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
+from services.sandbox.roles import register_role
+from services.sandbox.wire import Channel, ChildSpec, Failure, Lowered, Progress
+
+register_role("lower", "services.generator.coders.lowering_role:run_lower")
+
+
+class LoweringFailed(Exception):
+    """The built-in coder could not lower a task; the message says why (for the user)."""
+
+
+def run_lower(spec: ChildSpec, channel: Channel) -> None:
+    """Role ``lower``, in the child: the built-in coder on the task at
+    ``spec.task_path``; sends a Lowered frame, or raises a Failure at stage ``lower``
+    whose message says why (the op it cannot lower, the task's own error)."""
+    from services.generator.coders.builtin import LoweringError, lower_task
+
+    channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
+    with open(spec.task_path, encoding="utf-8") as f:
+        task_desc = f.read()
+
+    def progress(phase: str) -> None:
+        channel.send(Progress(phase=phase))
+
+    try:
+        code = lower_task(task_desc, dict(spec.shape_overrides), progress=progress,
+                          **spec.lower_params)
+    except LoweringError as exc:
+        message = str(exc)
+        if out_of_memory(exc):
+            message += memory_note()
+        raise JobFailure(Failure(stage="lower", message=message)) from None
+    except Exception as exc:  # noqa: BLE001 - the task's own code may raise anything
+        failure = _failure("lower", "the built-in coder", exc, spec.task_path)
+        failure.message = "built-in coder failed: " + failure.message
+        raise JobFailure(failure) from None
+    channel.send(Lowered(code=code))
+
+
+async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
+                           shape_overrides: Mapping[str, Any] | None = None,
+                           params: Mapping[str, int] | None = None, *, timeout_s: float = 120.0,
+                           label: str = "lower", limits: Any = None) -> str:
+    """The built-in coder's candidate for ``task_desc``, lowered in a sandboxed child.
+
+    The task's module code, ``Model`` construction and ``torch.export`` run only
+    there: as the sandbox user, without network, within the ``lower`` row of
+    :mod:`services.sandbox.limits` (address space, CPU time), in a fresh
+    process killed with its process group after ``timeout_s`` seconds.
+
+    Args:
+        params: launch parameters of ``lower_task`` (``block_size``, ``num_warps``,
+            ``num_stages``).
+        limits: a :class:`services.sandbox.limits.ChildLimits` (default: the
+            settings' defaults).
+
+    Returns:
+        The candidate's source.
+
+    Raises:
+        LoweringFailed: the task cannot be lowered (the message names the op), its
+            code raised, killed the child, hit a limit (named), or outlived
+            ``timeout_s`` (the message names the part of the task's code that was
+            running).
+        PoolBroken: the sandbox is not started or its server is gone.
+    """
+    from services.sandbox.limits import ChildLimits
+
+    if not sandbox.started:
+        raise PoolBroken("the sandbox is not started")
+    limits = limits or ChildLimits()
+    # The lowering child runs on one core (torch threads 1 on cpu).
+    address_space, cpu_seconds, notes = limits.notes("lower", "cpu", timeout_s, cores=1)
+    scratch = sandbox.scratch(label, "lower")
+    task_path = scratch / "task.py"
+    task_path.write_text(task_desc, encoding="utf-8")
+    spec = sandbox.spec("lower", scratch, "lower", task_path=str(task_path),
+                     shape_overrides=dict(shape_overrides or {}),
+                     lower_params=dict(params or {}),
+                     cpu_seconds=cpu_seconds, address_space_bytes=address_space,
+                     limit_notes=notes)
+    run = await sandbox.spawn(spec, 64 << 20)
+    phase = ""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                frame = await run.frame()
+                if isinstance(frame, wire.Progress):
+                    phase = frame.phase
+                    continue
+                if isinstance(frame, wire.Lowered):
+                    return frame.code
+                if isinstance(frame, wire.Failure):
+                    raise LoweringFailed(frame.message)
+                if frame is None or isinstance(frame, wire.Done):
+                    status = await run.wait(_EXIT_WAIT_S)
+                    tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
+                    what = describe_exit(status)
+                    if status is not None and os.WIFSIGNALED(status) and \
+                            os.WTERMSIG(status) == signal.SIGXCPU:
+                        what += f" (the CPU time limit {notes['cpu']})"
+                    raise LoweringFailed(
+                        f"built-in coder's process {what} while running "
+                        f"the task's code" + (f": {tail}" if tail else ""))
+    except TimeoutError:
+        if phase.startswith(wire.TASK_PHASE):
+            raise LoweringFailed(
+                f"{phase} did not finish in {timeout_s:g} s (setting "
+                "AIKG_LOWERING_TIMEOUT_S) while the built-in coder lowered the task; "
+                "its process was killed: the task's own code hangs or is far too "
+                "slow, fix the task") from None
+        raise LoweringFailed(
+            f"built-in coder gave up after {timeout_s:g} s (setting "
+            f"AIKG_LOWERING_TIMEOUT_S) during {phase or 'its start'}: the task's code did "
+            "not finish (check get_inputs()/forward, or shrink it with "
+            "shape_overrides)") from None
+    except ProtocolError as exc:
+        raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
+    finally:
+        await run.close()
