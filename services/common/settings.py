@@ -29,6 +29,12 @@ SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "llm_designer_api_key",
 NATS_ROLES = ("gateway", "generator", "worker")
 
 
+# Seconds one built-in coder lowering of a task (its code run and torch.export'ed in
+# a sandboxed child) may take: the default of ``lowering_timeout_s`` and of every
+# lowering that is not given one (the SDK's Task, lower_in_sandbox).
+LOWERING_TIMEOUT_S = 120.0
+
+
 class Settings(msgspec.Struct, kw_only=True):
     """Configuration of a service process.
 
@@ -199,7 +205,7 @@ class Settings(msgspec.Struct, kw_only=True):
     up_run_dir: str = ""
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
-    lowering_timeout_s: float = 120.0
+    lowering_timeout_s: float = LOWERING_TIMEOUT_S
     task_timeout_s: float = 60.0
     sandbox_lower_address_space_bytes: int = 4 << 30
     sandbox_lower_cpu_s: int = 0

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from schemas import subjects
+from services.common.settings import LOWERING_TIMEOUT_S
 from services.generator.coders.screen import decline
 from services.sdk.workers import (
     DevicePool,
@@ -35,7 +36,6 @@ from services.sdk.workers import (
 
 # A lowering (torch.export of the task) takes ~1-2 s; a task whose code hangs is cut
 # off after this many seconds (as the generator's built-in coder).
-LOWERING_TIMEOUT_S = 120.0
 WORKFLOWS = ("coder_only_workflow", "default_workflow")
 
 if TYPE_CHECKING:

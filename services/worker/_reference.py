@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from services.common.records import REQUIRED_TASK_NAMES
 from services.sandbox import values
 from services.sandbox.child import JobFailure, _failure, _outputs, out_of_memory, seed_all
 from services.sandbox.wire import (
@@ -280,7 +281,7 @@ def run_reference_role(spec: ChildSpec, channel: Channel) -> None:
     except Exception as exc:
         raise JobFailure(_failure("infrastructure", "loading the task", exc,
                                   spec.task_path)) from None
-    missing = [n for n in ("Model", "get_inputs", "get_init_inputs") if not hasattr(task, n)]
+    missing = [n for n in REQUIRED_TASK_NAMES if not hasattr(task, n)]
     if missing:
         raise JobFailure(Failure(stage="infrastructure",
                                  message=f"the task does not define {', '.join(missing)}"))

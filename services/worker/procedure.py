@@ -33,13 +33,14 @@ import contextlib
 import hashlib
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 import torch
 
-from schemas.events import VerifyRequest
+from schemas.events import Stage, VerifyRequest
 from services.sandbox import values, wire
 from services.sandbox.pool import PoolBroken
 from services.worker import aot, kernel_source
@@ -976,8 +977,8 @@ class Procedure:
 
 
 
-_STAGES = {"static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
-           "audit", "task"}
+# The verdict stages a child's failure may name (schemas.events.Stage, the one list).
+_STAGES = frozenset(typing.get_args(Stage))
 # ATen ops that write a storage they were given (or return a copy of another).
 _WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
                 "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",

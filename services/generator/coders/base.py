@@ -17,6 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from schemas import JobSubmit, VerifyResult
+from services.common.settings import LOWERING_TIMEOUT_S
 from services.common.shares import TenantSlots
 from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
 from services.generator.coders.screen import decline
@@ -30,7 +31,6 @@ JOB_TENANT: contextvars.ContextVar[str] = contextvars.ContextVar("aikg_job_tenan
 
 # torch.export of a KernelBench element-wise task takes ~1-2 s on a laptop CPU; a task
 # whose module-level code or forward hangs is cut off after this many seconds.
-LOWERING_TIMEOUT_S = 120.0
 # Successful lowerings a BuiltinCoder keeps (each a few KiB of source).
 LOWERED_CACHE_ENTRIES = 256
 # Elements per program (``block_size`` of lower_task) of the built-in coder's kernels

@@ -14,6 +14,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+from services.common.settings import LOWERING_TIMEOUT_S
 from services.sandbox import wire
 from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
 from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
@@ -57,7 +58,8 @@ def run_lower(spec: ChildSpec, channel: Channel) -> None:
 
 async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
                            shape_overrides: Mapping[str, Any] | None = None,
-                           params: Mapping[str, int] | None = None, *, timeout_s: float = 120.0,
+                           params: Mapping[str, int] | None = None, *,
+                           timeout_s: float = LOWERING_TIMEOUT_S,
                            label: str = "lower", limits: Any = None) -> str:
     """The built-in coder's candidate for ``task_desc``, lowered in a sandboxed child.
 
