@@ -36,7 +36,7 @@ run: venv
 # machine's cores, at most 8; most tests wait on subprocesses and the bus, not the CPU).
 # TEST_WORKERS=0 runs it in this one process. Each process starts its own warm sandbox.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 8 ] && n=8; echo $$n)
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
+PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test: venv prometheus
 	$(PYTEST)

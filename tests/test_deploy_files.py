@@ -52,7 +52,7 @@ EXTRA_VARIABLES = {METRICS_HOST_ENV: "services/common/metrics.py"}
 # applies to it.
 PENDING_METRICS = {
     "aikg_worker_sandbox_kills_total":
-        "the worker does not count sandbox kills yet (issue 7: Counter "
+        "the worker does not count sandbox kills yet (to come: Counter "
         "aikg_worker_sandbox_kills_total{backend,arch,reason} in services/worker/service.py)",
     **{name: "the generator's LLM client (services/generator/llm.py) is not in this tree yet"
        for name in ("aikg_llm_requests_total", "aikg_llm_request_duration_seconds",
@@ -386,7 +386,7 @@ def test_dashboard_queries_metrics_the_services_define() -> None:
         if missing:
             unknown[title] = sorted(missing)
     assert unknown == {}, f"panels query metrics no service defines: {unknown}"
-    # The issue's panels are all there.
+    # The dashboard's panels are all there.
     titles = {title for title, _ in exprs}
     for wanted in ("Verification throughput", "Verification latency p50 / p95", "Queue depth",
                    "Queue wait p50 / p95", "Pass rate", "Device utilisation", "LLM tokens",

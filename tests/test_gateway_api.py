@@ -1,4 +1,4 @@
-"""The gateway routes added for issue 6: list, cancel, kernel, events (SSE), workers.
+"""The gateway routes beyond submit and status: list, cancel, kernel, events (SSE), workers.
 
 Gateway served by uvicorn in the test's loop, against a real nats-server; the
 generator's part is played by the test (records and events written directly), so

@@ -221,7 +221,7 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
     print(f"kill #1 while attempt 1 was being verified: {killed_while_verifying}")
 
 
-# --- corrupt records, strict raw submissions (issue 11 item 5) ---------------------
+# --- corrupt records, strict raw submissions -----------------------------------------
 
 RELU = BUNDLED_RELU_TASK
 GARBAGE = b"\x00\xff this is not a job record {"

@@ -2,8 +2,8 @@
 
 The three services run in this event loop with :func:`configure_logging` writing
 JSON to a file; every line that mentions the job must carry ``job_id``, and the
-worker's lines about it also ``worker_id``, ``request_id`` and ``candidate_id``
-(issue 7, "Logs"). In one process ``service`` is the same
+worker's lines about it also ``worker_id``, ``request_id`` and ``candidate_id``.
+In one process ``service`` is the same
 for all three, so the ``logger`` name (``aikg.gateway``, ``aikg.generator``,
 ``aikg.worker`` ...) tells them apart.
 """

@@ -28,7 +28,7 @@ from tests.conftest import RELU_TASK
 from tests.helpers import WRONG_RELU_KERNEL, services_running, wait_terminal
 
 SHAPES = {"batch_size": 16, "dim": 1024}
-# The acceptance rule of issue 16: phases add up to the wall time within 10%.
+# The rule: phases add up to the wall time within 10%.
 TOLERANCE = 0.10
 
 

@@ -276,7 +276,7 @@ def test_model_without_forward():
     assert "ModelNew has no forward method" in findings[0].message
 
 
-# --- indirection (issue 12 item 7) -----------------------------------------------------
+# --- indirection -----------------------------------------------------------------------
 
 
 def in_forward(snippet: str, module: str = "") -> str:

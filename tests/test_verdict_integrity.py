@@ -1,4 +1,4 @@
-"""Verdicts an adversary cannot game (issue 12), on the cpu backend.
+"""Verdicts an adversary cannot game, on the cpu backend.
 
 Hostile candidates that get past the static check (so that the dynamic checks are
 tested on their own, the ``dynamic_only`` fixture turns the static check off for a

@@ -1,4 +1,4 @@
-"""SIGKILL of a worker mid-verification loses nothing (issue 3, "Delivery").
+"""SIGKILL of a worker mid-verification loses nothing.
 
 Two real worker processes (``python -m services.cli worker``) share the cpu/<arch>
 consumer. Each round publishes a verify request whose candidate sleeps in
