@@ -90,6 +90,7 @@ from services.common.jobs import (
 from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
 from services.common.provision import JOB_ACK_WAIT_S, JOB_MAX_DELIVER
+from services.common.pull_loop import PullLoop
 from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
@@ -183,6 +184,8 @@ class Generator:
                                     limits=child_limits_from(settings))
         self.tasks: set[asyncio.Task] = set()
         self.lanes: LanePull | None = None
+        # Set whenever a job slot is given back (the pull loop waits on it when full).
+        self.freed = asyncio.Event()
         self.llm: LLMClient | None = None
         # A broken LLM configuration fails the jobs that need the LLM, with this text,
         # instead of the whole generator.
@@ -217,23 +220,19 @@ class Generator:
             log.error("llm_config_invalid", error=self.llm_error)
         log.info("generator_started", concurrency=self.settings.generator_concurrency,
                  llm=self.llm.describe() if self.llm and self.llm.configured() else None)
+
+        async def rebind() -> None:
+            await (await durable_pull(
+                self.bus.js, stream=subjects.STREAM_JOBS, subject=subjects.JOBS_SUBMIT,
+                durable=subjects.CONSUMER_GENERATOR, ack_wait_s=JOB_ACK_WAIT_S,
+                max_deliver=JOB_MAX_DELIVER + 1)).unsubscribe()
+
+        # A tenant at its share of the job slots is not asked for more.
+        loop = PullLoop(lanes, capacity=lambda: self.settings.generator_concurrency
+                        - len(self.tasks), take=self._take, freed=self.freed,
+                        rebind=rebind, exclude=self.job_slots.at_share)
         try:
-            while not stop.is_set():
-                free = self.settings.generator_concurrency - len(self.tasks)
-                if free <= 0:
-                    await asyncio.sleep(0.05)
-                    continue
-                # A tenant at its share of the job slots is not asked for more.
-                await lanes.fetch_or_wait(free, self._take, exclude=self.job_slots.at_share)
-                if lanes.default_failed:
-                    lanes.default_failed = False
-                    await asyncio.sleep(1.0)
-                    with contextlib.suppress(Exception):
-                        await (await durable_pull(
-                            self.bus.js, stream=subjects.STREAM_JOBS,
-                            subject=subjects.JOBS_SUBMIT, durable=subjects.CONSUMER_GENERATOR,
-                            ack_wait_s=JOB_ACK_WAIT_S,
-                            max_deliver=JOB_MAX_DELIVER + 1)).unsubscribe()
+            await loop.run(stop)
         finally:
             await lanes.stop()
             await cancel_and_wait(*self.tasks)
@@ -254,6 +253,7 @@ class Generator:
         def done(finished: asyncio.Task) -> None:
             self.tasks.discard(finished)
             self.job_slots.give_back(tenant)
+            self.freed.set()
             if self.lanes is not None:
                 self.lanes.woken.set()  # a tenant held back may be asked again now
 

@@ -66,6 +66,7 @@ from services.common.consumer import (
 from services.common.jobs import publish_event
 from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
+from services.common.pull_loop import PullLoop
 from services.common.runtime import cancel_and_wait, retry_async
 from services.common.settings import Settings
 from services.common.shares import share_slots
@@ -444,25 +445,15 @@ class Worker:
 
     async def _serve(self, pull: LanePull, stop: asyncio.Event) -> None:
         """Take as many requests as there are free devices (one lane after another, see
-        :class:`~services.common.lanes.LanePull`), until stopped or drained."""
-        while not stop.is_set() and not self.draining:
-            # Wait for at least one free device before asking for work; woken by the
-            # release itself, so the next fetch follows a verdict at once.
-            if self.free.empty():
-                self.freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.freed.wait(), PULL_EXPIRES_S)
-                continue
-            # A tenant at its share of this backend/arch's devices waits behind the
-            # other tenants' lanes (it still gets a device nobody else wants).
-            await pull.fetch_or_wait(self.free.qsize(), self._take, defer=self.at_share)
-            if pull.default_failed:
-                # The consumer or JetStream is gone (409 Consumer Deleted, 503 No
-                # Responders ...): re-create the consumer rather than spin on errors.
-                pull.default_failed = False
-                await asyncio.sleep(1.0)
-                with contextlib.suppress(Exception):
-                    await (await self._bind_consumer()).unsubscribe()
+        :class:`~services.common.pull_loop.PullLoop`), until stopped or drained. A
+        tenant at its share of this backend/arch's devices waits behind the other
+        tenants' lanes (it still gets a device nobody else wants)."""
+        async def rebind() -> None:
+            await (await self._bind_consumer()).unsubscribe()
+
+        await PullLoop(pull, capacity=self.free.qsize, take=self._take, freed=self.freed,
+                       rebind=rebind, defer=self.at_share, stopping=lambda: self.draining,
+                       idle_s=PULL_EXPIRES_S).run(stop)
 
     def _take(self, msg) -> None:
         """Start handling a fetched message now, on a free device taken here (before the
