@@ -63,6 +63,26 @@ class _Taker:
         self.freed.set()
 
 
+@contextlib.asynccontextmanager
+async def _running(bus: Bus, taker: _Taker, **options: Any):
+    """A PullLoop over fresh lanes feeding ``taker``, stopped (and its lanes) at the end;
+    yields the loop."""
+    pull = await _lanes(bus)
+    stop = asyncio.Event()
+    options.setdefault("rebind", lambda: asyncio.sleep(0))
+    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
+                    idle_s=0.2, **options)
+    task = asyncio.create_task(loop.run(stop))
+    try:
+        yield loop
+    finally:
+        stop.set()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 10)
+        await cancel_and_wait(task)
+        await pull.stop()
+
+
 async def _until(check, timeout_s: float = 20.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not check():
@@ -74,13 +94,8 @@ async def test_asks_only_for_free_capacity_and_in_fair_order(bus: Bus) -> None:
     await _publish(bus, "team_a", "normal", 4)
     await _publish(bus, "team_b", "normal", 2)
     await _publish(bus, "team_c", "high", 1)
-    pull = await _lanes(bus)
     taker = _Taker(slots=2)
-    stop = asyncio.Event()
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    rebind=lambda: asyncio.sleep(0), idle_s=0.2)
-    task = asyncio.create_task(loop.run(stop))
-    try:
+    async with _running(bus, taker):
         await _until(lambda: len(taker.held) == 2)
         await asyncio.sleep(0.5)  # full: nothing more is asked for
         assert len(taker.taken) == 2
@@ -93,61 +108,35 @@ async def test_asks_only_for_free_capacity_and_in_fair_order(bus: Bus) -> None:
         assert taker.taken[0] == "team_c-high-0"
         assert set(taker.taken[1:3]) == {"team_a-normal-0", "team_b-normal-0"}, taker.taken
         assert taker.taken[-2:] == ["team_a-normal-2", "team_a-normal-3"], taker.taken
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await pull.stop()
 
 
 async def test_left_out_and_deferred_tenants(bus: Bus) -> None:
     await _publish(bus, "team_a", "normal", 2)
     await _publish(bus, "team_b", "normal", 1)
-    pull = await _lanes(bus)
     taker = _Taker(slots=1)
-    stop = asyncio.Event()
     excluded = {"team_a"}
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    rebind=lambda: asyncio.sleep(0), exclude=lambda t: t in excluded,
-                    idle_s=0.2)
-    task = asyncio.create_task(loop.run(stop))
-    try:
+    async with _running(bus, taker, exclude=lambda t: t in excluded) as loop:
         await _until(lambda: taker.taken == ["team_b-normal-0"])
         await taker.release()
         await asyncio.sleep(0.6)  # team_a is left out while excluded, however free
         assert taker.taken == ["team_b-normal-0"]
         excluded.clear()
-        pull.woken.set()
+        loop.lanes.woken.set()
         await _until(lambda: taker.taken[-1:] == ["team_a-normal-0"])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await pull.stop()
 
 
 async def test_a_deferred_tenant_is_served_after_the_other_lanes(bus: Bus) -> None:
     await _publish(bus, "team_a", "normal", 1)
     await _publish(bus, "team_c", "normal", 1)
-    pull = await _lanes(bus)
     taker = _Taker(slots=1)
-    stop = asyncio.Event()
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    rebind=lambda: asyncio.sleep(0), defer=lambda t: t == "team_a",
-                    idle_s=0.2)
-    task = asyncio.create_task(loop.run(stop))
-    try:
+    async with _running(bus, taker, defer=lambda t: t == "team_a"):
         await _until(lambda: taker.taken == ["team_c-normal-0"])
         await taker.release()
         await _until(lambda: taker.taken[-1:] == ["team_a-normal-0"])
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await pull.stop()
 
 
 async def test_a_deleted_consumer_is_bound_again_and_work_goes_on(bus: Bus) -> None:
-    pull = await _lanes(bus)
     taker = _Taker(slots=1)
-    stop = asyncio.Event()
     rebound: list[int] = []
 
     async def rebind() -> None:
@@ -156,50 +145,25 @@ async def test_a_deleted_consumer_is_bound_again_and_work_goes_on(bus: Bus) -> N
             subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=ACK_WAIT_S,
             max_deliver=5))
 
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    rebind=rebind, idle_s=0.2)
-    task = asyncio.create_task(loop.run(stop))
-    try:
+    async with _running(bus, taker, rebind=rebind) as loop:
         await bus.js.delete_consumer(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
         await _until(lambda: bool(rebound), timeout_s=30)
         await bus.js.publish(subjects.JOBS_SUBMIT, b"{}", headers={"Nats-Msg-Id": "after"})
         await _until(lambda: taker.taken == ["after"], timeout_s=30)
         assert loop.rebinds >= 1
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await pull.stop()
 
 
 async def test_what_a_dead_taker_held_is_redelivered_to_the_next(bus: Bus) -> None:
     """A taker that stops without acking (its process died) leaves its messages to
     JetStream: after the ack wait they go to the next loop, with deliveries counted."""
     await _publish(bus, "team_a", "normal", 1)
-    pull = await _lanes(bus)
     dead = _Taker(slots=1)
-    stop = asyncio.Event()
-    task = asyncio.create_task(PullLoop(
-        pull, capacity=dead.capacity, take=dead.take, freed=dead.freed,
-        rebind=lambda: asyncio.sleep(0), idle_s=0.2).run(stop))
-    await _until(lambda: dead.taken == ["team_a-normal-0"])
-    stop.set()
-    await asyncio.wait_for(task, 10)
-    await pull.stop()
-    pull = await _lanes(bus)
+    async with _running(bus, dead):
+        await _until(lambda: dead.taken == ["team_a-normal-0"])
     alive = _Taker(slots=1)
-    stop = asyncio.Event()
-    task = asyncio.create_task(PullLoop(
-        pull, capacity=alive.capacity, take=alive.take, freed=alive.freed,
-        rebind=lambda: asyncio.sleep(0), idle_s=0.2).run(stop))
-    try:
+    async with _running(bus, alive):
         await _until(lambda: alive.taken == ["team_a-normal-0"], timeout_s=ACK_WAIT_S + 20)
         assert alive.held[0].metadata.num_delivered == 2
-    finally:
-        stop.set()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 10)
-        await cancel_and_wait(task)
-        await pull.stop()
 
 
 async def test_stops_when_told_or_draining(bus: Bus) -> None:
