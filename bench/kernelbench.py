@@ -201,7 +201,8 @@ def refused_op(message: str) -> str:
 async def run(args: argparse.Namespace) -> list[Row]:
     from schemas import VerifyRequest
     from services.generator.coders.base import lowering_sandbox
-    from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+    from services.generator.coders.errors import LoweringError
+    from services.generator.coders.lowering_role import lower_in_sandbox
     from services.worker.verifier import Verifier
 
     level_dir = Path(args.kernelbench_dir) / f"level{args.level}"
@@ -228,7 +229,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
                     reduce_sizes, path.read_text(), args.max_elements)
                 code = await lower_in_sandbox(sandbox, task, {}, {}, timeout_s=args.timeout,
                                            label=f"kb{path.stem.split('_')[0]}")
-            except LoweringFailed as exc:
+            except LoweringError as exc:
                 row.status, row.op, row.error = "refused", refused_op(str(exc)), str(exc)
             except ValueError as exc:
                 row.error = str(exc)

@@ -28,7 +28,8 @@ from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter
 from services.generator.coders.base import lowering_sandbox as make_lowering_sandbox
-from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+from services.generator.coders.errors import LoweringError
+from services.generator.coders.lowering_role import lower_in_sandbox
 from services.sandbox.limits import ChildLimits, child_limits_from
 from services.worker.service import run_worker
 from services.worker.verifier import Verifier
@@ -206,7 +207,7 @@ def lowering():
 async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limit(
         lowering) -> None:
     started = time.monotonic()
-    with pytest.raises(LoweringFailed) as failed:
+    with pytest.raises(LoweringError) as failed:
         await lower_in_sandbox(lowering, ALLOC_10GB, timeout_s=60,
                              limits=ChildLimits(lower_address_space_bytes=2 << 30))
     assert "MemoryError" in str(failed.value)
@@ -215,7 +216,7 @@ async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limi
 
 
 async def test_a_hang_while_lowering_is_named_after_the_task(lowering) -> None:
-    with pytest.raises(LoweringFailed) as failed:
+    with pytest.raises(LoweringError) as failed:
         await lower_in_sandbox(lowering, HANG_IN_MODEL, timeout_s=3)
     assert str(failed.value).startswith(
         "the task's Model(*get_init_inputs()) did not finish in 3 s (setting "

@@ -278,7 +278,8 @@ async def test_what_a_child_starts_dies_with_it(lowering_sandbox):
     """A child is process 1 of a PID namespace of its own: it sees only its own
     processes in /proc, and what it starts (here the task's own code, in the built-in
     coder's child, where forking is allowed) is killed with it."""
-    from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+    from services.generator.coders.errors import LoweringError
+    from services.generator.coders.lowering_role import lower_in_sandbox
 
     marker = "orph" + uuid.uuid4().hex[:8]
     task = RELU_TASK + f"""
@@ -291,7 +292,7 @@ if os.fork() == 0:
 time.sleep(0.3)
 raise RuntimeError("pids " + " ".join(sorted(p for p in os.listdir("/proc") if p.isdigit())))
 """
-    with pytest.raises(LoweringFailed) as info:
+    with pytest.raises(LoweringError) as info:
         await lower_in_sandbox(lowering_sandbox, task, timeout_s=60)
     if "PID namespace" in " ".join(lowering_sandbox.isolation.notes):
         pytest.skip("this machine gives children no PID namespace")

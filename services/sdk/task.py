@@ -71,13 +71,14 @@ async def lower_in_child(task_desc: str, shape_overrides: Mapping[str, Any] | No
         lowered (the reason names the op), its code failed or killed the child, or it
         took longer than ``timeout_s`` seconds.
     """
-    from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+    from services.generator.coders.errors import LoweringError
+    from services.generator.coders.lowering_role import lower_in_sandbox
     from services.sandbox.pool import PoolBroken
 
     try:
         sandbox = await asyncio.to_thread(_lowering_sandbox)
         return await lower_in_sandbox(sandbox, task_desc, shape_overrides, timeout_s=timeout_s), None
-    except LoweringFailed as exc:
+    except LoweringError as exc:
         return None, str(exc)
     except PoolBroken as exc:
         return None, f"built-in coder's sandbox is broken: {exc}"

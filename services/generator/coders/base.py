@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from schemas import JobSubmit, VerifyResult
 from services.common.settings import LOWERING_TIMEOUT_S
 from services.common.shares import TenantSlots
-from services.generator.coders.lowering_role import LoweringFailed, lower_in_sandbox
+from services.generator.coders.errors import LoweringError
+from services.generator.coders.lowering_role import lower_in_sandbox
 from services.generator.coders.screen import decline
 from services.sandbox.limits import ChildLimits
 from services.sandbox.pool import PoolBroken, Sandbox
@@ -145,7 +146,7 @@ class BuiltinCoder:
                     submit.task_desc, dict(submit.shape_overrides), params,
                     timeout_s=self.timeout_s, label=submit.job_id or "lower",
                     limits=self.limits)
-        except LoweringFailed as exc:
+        except LoweringError as exc:
             raise CoderError(_llm_hint(str(exc))) from None
         except PoolBroken as exc:
             raise CoderError(f"built-in coder's sandbox is broken: {exc}") from None

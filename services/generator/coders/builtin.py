@@ -37,6 +37,7 @@ import torch
 import torch.fx
 
 from services.common.records import REQUIRED_TASK_NAMES
+from services.generator.coders.errors import LoweringError
 
 __all__ = ["LoweringError", "lower_task"]
 
@@ -80,21 +81,6 @@ _FLAT_FORMATS = (None, torch.contiguous_format, torch.preserve_format)
 _RESERVED = frozenset(
     {"self", "torch", "nn", "triton", "tl", "out", "n_elements", "grid", _KERNEL_NAME}
 )
-
-
-class LoweringError(Exception):
-    """The task cannot be lowered by the built-in coder.
-
-    Attributes:
-        op: The core-ATen operator that has no lowering (e.g. ``"aten.mm.default"``),
-            or a short reason tag: ``"task"`` (the source does not run or lacks
-            ``Model``/``get_inputs``/``get_init_inputs``), ``"export"`` (torch.export
-            failed), ``"inputs"``, ``"outputs"``, ``"dtype"``, ``"shape"``.
-    """
-
-    def __init__(self, op: str, message: str) -> None:
-        super().__init__(message)
-        self.op = op
 
 
 # --------------------------------------------------------------------------------------

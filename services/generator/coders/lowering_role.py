@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.settings import LOWERING_TIMEOUT_S
+from services.generator.coders.errors import LoweringError
 from services.sandbox import wire
 from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
 from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
@@ -24,15 +25,11 @@ from services.sandbox.wire import Channel, ChildSpec, Failure, Lowered, Progress
 register_role("lower", "services.generator.coders.lowering_role:run_lower")
 
 
-class LoweringFailed(Exception):
-    """The built-in coder could not lower a task; the message says why (for the user)."""
-
-
 def run_lower(spec: ChildSpec, channel: Channel) -> None:
     """Role ``lower``, in the child: the built-in coder on the task at
     ``spec.task_path``; sends a Lowered frame, or raises a Failure at stage ``lower``
     whose message says why (the op it cannot lower, the task's own error)."""
-    from services.generator.coders.builtin import LoweringError, lower_task
+    from services.generator.coders.builtin import lower_task
 
     channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
     with open(spec.task_path, encoding="utf-8") as f:
@@ -78,7 +75,7 @@ async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
         The candidate's source.
 
     Raises:
-        LoweringFailed: the task cannot be lowered (the message names the op), its
+        LoweringError: the task cannot be lowered (the message names the op), its
             code raised, killed the child, hit a limit (named), or outlived
             ``timeout_s`` (the message names the part of the task's code that was
             running).
@@ -111,7 +108,7 @@ async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
                 if isinstance(frame, wire.Lowered):
                     return frame.code
                 if isinstance(frame, wire.Failure):
-                    raise LoweringFailed(frame.message)
+                    raise LoweringError("child", frame.message)
                 if frame is None or isinstance(frame, wire.Done):
                     status = await run.wait(_EXIT_WAIT_S)
                     tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
@@ -119,22 +116,23 @@ async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
                     if status is not None and os.WIFSIGNALED(status) and \
                             os.WTERMSIG(status) == signal.SIGXCPU:
                         what += f" (the CPU time limit {notes['cpu']})"
-                    raise LoweringFailed(
-                        f"built-in coder's process {what} while running "
+                    raise LoweringError(
+                        "crash", f"built-in coder's process {what} while running "
                         f"the task's code" + (f": {tail}" if tail else ""))
     except TimeoutError:
         if phase.startswith(wire.TASK_PHASE):
-            raise LoweringFailed(
-                f"{phase} did not finish in {timeout_s:g} s (setting "
+            raise LoweringError(
+                "timeout", f"{phase} did not finish in {timeout_s:g} s (setting "
                 "AIKG_LOWERING_TIMEOUT_S) while the built-in coder lowered the task; "
                 "its process was killed: the task's own code hangs or is far too "
                 "slow, fix the task") from None
-        raise LoweringFailed(
-            f"built-in coder gave up after {timeout_s:g} s (setting "
+        raise LoweringError(
+            "timeout", f"built-in coder gave up after {timeout_s:g} s (setting "
             f"AIKG_LOWERING_TIMEOUT_S) during {phase or 'its start'}: the task's code did "
             "not finish (check get_inputs()/forward, or shrink it with "
             "shape_overrides)") from None
     except ProtocolError as exc:
-        raise LoweringFailed(f"built-in coder's process sent a bad answer: {exc}") from None
+        raise LoweringError("protocol",
+                           f"built-in coder's process sent a bad answer: {exc}") from None
     finally:
         await run.close()
