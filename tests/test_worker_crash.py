@@ -102,6 +102,20 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rfind(b")") + 2:].split()[0].decode()
 
 
+async def collect_results(bus: Bus) -> dict[str, list[VerifyResult]]:
+    """Every verdict published from now on, by job id (a list each: a request verified
+    twice shows as two)."""
+    results: dict[str, list[VerifyResult]] = {}
+
+    async def on_result(msg) -> None:
+        result = decode(msg.data, VerifyResult)
+        results.setdefault(result.job_id, []).append(result)
+
+    await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
+    await bus.nc.flush()
+    return results
+
+
 def descendants(root: int) -> set[int]:
     """Every live process below ``root`` (the fork server is the worker's child, in its
     own session; sandboxed children are the fork server's)."""
@@ -215,14 +229,7 @@ async def lease_gone(bus: Bus, key: str) -> bool:
 async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, tmp_path: Path,
                                                  bus_credentials: BusCredentials) -> None:
     assert settings.worker_heartbeat_s == HEARTBEAT_S
-    results: dict[str, list[VerifyResult]] = {}
-
-    async def on_result(msg) -> None:
-        result = decode(msg.data, VerifyResult)
-        results.setdefault(result.job_id, []).append(result)
-
-    await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
-    await bus.nc.flush()
+    results = await collect_results(bus)
 
     code = sleepy_candidate()
     generation = {"a": 0, "b": 0}
@@ -348,14 +355,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
     the worker leaves. Second SIGTERM while draining: the run is given up and its
     message nak'ed, so it is back in the queue at once, not after ack_wait (long here)."""
     ack_wait = 60.0
-    results: dict[str, list[VerifyResult]] = {}
-
-    async def on_result(msg) -> None:
-        result = decode(msg.data, VerifyResult)
-        results.setdefault(result.job_id, []).append(result)
-
-    await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
-    await bus.nc.flush()
+    results = await collect_results(bus)
     code = sleepy_candidate()
     subject = subjects.verify("cpu", settings.arch)
 
@@ -457,14 +457,7 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
     await create_consumer(bus.js, subjects.STREAM_VERIFY, subject,
                           msgspec.structs.replace(settings, verify_ack_wait_s=default_ack_wait),
                           update=True)
-    results: dict[str, list[VerifyResult]] = {}
-
-    async def on_result(msg) -> None:
-        result = decode(msg.data, VerifyResult)
-        results.setdefault(result.job_id, []).append(result)
-
-    await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
-    await bus.nc.flush()
+    results = await collect_results(bus)
     workers = [WorkerProcess(as_worker(settings, bus_credentials, f"prompt-{n}"),
                              f"prompt-{n}", tmp_path, default_ack_wait) for n in range(2)]
     below: set[int] = set()
