@@ -46,7 +46,7 @@ from pathlib import Path
 
 import httpx
 
-from services.common.runtime import free_port
+from services.common.runtime import descendants, free_port
 from tests.helpers import RELU_KERNEL, RELU_TASK
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,19 +141,6 @@ class Stack:
             return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                        if line.startswith("aikg_service_restarts_total{"))
         return 0.0
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root``."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {root}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
 
 
 def cmdline(pid: int) -> list[str]:

@@ -41,6 +41,7 @@ import msgspec
 import tenacity
 from prometheus_client import CollectorRegistry, Counter
 
+from services.common.runtime import proc_stat
 from services.common.settings import Settings
 
 # What `aikg up` serves on its own /metrics: only the supervisor's metrics (the
@@ -261,11 +262,7 @@ class Supervisor:
 def _process_start(pid: int) -> str | None:
     """When ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks after boot);
     None when it is gone or a zombie. Where /proc is missing: ``""`` while it exists."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_bytes()
-    except FileNotFoundError:
-        if Path("/proc/self/stat").exists():
-            return None
+    if not Path("/proc/self/stat").exists():
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
@@ -273,10 +270,8 @@ def _process_start(pid: int) -> str | None:
         except PermissionError:
             pass
         return ""
-    except OSError:
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if not fields or fields[0] in (b"Z", b"X"):
+    fields = proc_stat(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
         return None
     return fields[19].decode()
 

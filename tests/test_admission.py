@@ -159,6 +159,16 @@ async def test_submissions_out_of_bounds_are_400_naming_the_field(
         r = await client.post(SUBMIT, content=b"[" * 100_000,
                               headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "100000 levels" in r.json()["detail"], r.text
+        # Nesting hidden behind a string that ends in an escaped backslash is still
+        # counted; brackets inside a string (after an escaped quote) are not.
+        hidden = '{"op_name": "x\\\\", "shape_overrides": {"x": ' + "[" * 40 + "1" + "]" * 40 + "}}"
+        r = await client.post(SUBMIT, content=hidden.encode(),
+                              headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "42 levels" in r.json()["detail"], r.text
+        quoted = json.dumps({**job("quoted"), "op_name": '\\"' + "[" * 40})
+        r = await client.post(SUBMIT, content=quoted.encode(),
+                              headers={"Content-Type": "application/json"})
+        assert r.status_code == 400 and "levels deep" not in r.text, r.text
 
         r = await client.post(SUBMIT, json=job("big", shape_overrides={"batch_size": 10**30}))
         assert r.status_code == 400, r.text

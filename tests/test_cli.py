@@ -19,6 +19,7 @@ from schemas import JobResult, VerifyResult
 from services.cli import parse_shape, task_module_names
 from services.common.bus import Bus, JobStore, connect_bus
 from services.common.jobs import live_arch
+from services.common.runtime import descendants, running
 from services.common.settings import Settings, load_settings
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
@@ -264,33 +265,6 @@ async def _keys(bus: Bus) -> list[str]:
         return []
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc: pid -> parent pid)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            # "pid (comm) state ppid ...": comm may hold spaces, so split after ')'.
-            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
-
-
-def _state(pid: int) -> str | None:
-    """The one-letter state of ``pid``, None when it is gone (it may go between any two
-    reads, so there is one read and a vanished process is simply gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pids: set[int]) -> set[int]:
-    return {p for p in pids if _state(p) not in (None, "Z", "X")}
-
-
 def _cmdline(pid: int) -> list[str]:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -349,7 +323,7 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
         line = await asyncio.wait_for(proc.stdout.readline(), 120)
         assert b"AIKG is up: gateway http://127.0.0.1:" in line, line
         assert b"worker cpu/" in line
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         assert len(family) >= 4  # nats-server, gateway, generator, worker
         code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
         assert code == 2, err
@@ -379,7 +353,7 @@ async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, fre
     stderr = (await proc.stderr.read()).decode()
     assert code == 0, stderr
     assert f"service logs kept in {tmp_path / 'logs'}" in stderr
-    assert not _alive(family)
+    assert not running(family)
     assert {"gateway.log", "generator.log", "worker.log"} <= {
         p.name for p in (tmp_path / "logs").iterdir()}
     assert not admin_env.exists(), "the per-run credentials outlived aikg up"
@@ -400,7 +374,7 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
         )
         family: set[int] = set()
         while proc.returncode is None:
-            family |= _descendants(proc.pid)
+            family |= descendants(proc.pid)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), 0.2)
         _, err = await proc.communicate()
@@ -411,9 +385,9 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
     # The worker's fork server (its own session) exits when its control socket closes,
     # a moment after the worker.
     deadline = asyncio.get_running_loop().time() + 30
-    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+    while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
-    assert not _alive(family), f"still running: {sorted(_alive(family))}"
+    assert not running(family), f"still running: {sorted(running(family))}"
 
 
 @pytest.mark.slow
@@ -434,14 +408,14 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     said = await _said(proc.stderr, b"NATS admin credentials", 10)
     run_dir = Path(said.decode().split("(nats CLI): ")[1].split()[0]).parent
     assert run_dir.parent == tmp_path / "run" and (run_dir / "jetstream").is_dir()
-    family = _descendants(proc.pid)
+    family = descendants(proc.pid)
     assert len(family) >= 4  # nats-server, gateway, generator, worker
     proc.kill()
     await proc.wait()
     deadline = asyncio.get_running_loop().time() + 30
-    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+    while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
-    assert not _alive(family), f"still running: {sorted(_alive(family))}"
+    assert not running(family), f"still running: {sorted(running(family))}"
     assert run_dir.exists()
 
     again = await asyncio.create_subprocess_exec(
@@ -477,7 +451,7 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 180)
         assert b"AIKG is up" in line, line
-        family = _descendants(proc.pid)
+        family = descendants(proc.pid)
         (worker,) = [p for p in family
                      if _cmdline(p)[1:4] == ["-m", "services.cli", "worker"]]
         os.kill(worker, signal.SIGKILL)
@@ -494,16 +468,16 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
         assert 'aikg_service_restarts_total{service="worker"} 1.0' in text, text
-        family |= _descendants(proc.pid)
+        family |= descendants(proc.pid)
     finally:
         if proc.returncode is None:
             proc.terminate()
         code = await asyncio.wait_for(proc.wait(), 60)
     assert code == 0, (await proc.stderr.read()).decode()
     deadline = asyncio.get_running_loop().time() + 30
-    while _alive(family) and asyncio.get_running_loop().time() < deadline:
+    while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
-    assert not _alive(family), f"still running: {sorted(_alive(family))}"
+    assert not running(family), f"still running: {sorted(running(family))}"
 
 
 @pytest.mark.slow

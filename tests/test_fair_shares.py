@@ -261,6 +261,12 @@ async def test_timeout_above_the_tenants_cap_is_refused(tmp_path: Path, settings
         record = (await client.get(f"/api/v1/jobs/{r.json()['job_id']}",
                                    headers=auth("team_a"))).json()
         assert record["request"]["timeout_s"] == 120
+        # Spellings that try to pass an explicit value off as left out are explicit.
+        for spelled in ('"timeout\\u005fs": 300', '"timeout_s": 300, "timeout_s": 300'):
+            raw = json.dumps(body)[:-1] + ", " + spelled + "}"
+            r = await client.post("/api/v1/jobs/submit", headers={
+                **auth("team_a"), "Content-Type": "application/json"}, content=raw.encode())
+            assert r.status_code == 403 and r.json()["limit"] == "max_timeout_s", (spelled, r.text)
 
 
 @pytest.mark.slow

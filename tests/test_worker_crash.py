@@ -37,7 +37,7 @@ from services.common.bus import Bus
 from services.common.consumer import durable_pull
 from services.common.nats_auth import BusCredentials
 from services.common.provision import create_consumer
-from services.common.runtime import cancel_and_wait
+from services.common.runtime import cancel_and_wait, descendants, running
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
 from tests.conftest import role_env
@@ -92,16 +92,6 @@ def sleepy_candidate() -> str:
         "            time.sleep(0.1)\n        SLEPT.append(1)\n", 1)
 
 
-def process_state(pid: int) -> str | None:
-    """The one-letter state of ``pid`` (``R``, ``S``, ``Z`` ...), None when it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rfind(b")") + 2:].split()[0].decode()
-
-
 async def collect_results(bus: Bus) -> dict[str, list[VerifyResult]]:
     """Every verdict published from now on, by job id (a list each: a request verified
     twice shows as two)."""
@@ -114,35 +104,6 @@ async def collect_results(bus: Bus) -> dict[str, list[VerifyResult]]:
     await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_result)
     await bus.nc.flush()
     return results
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process below ``root`` (the fork server is the worker's child, in its
-    own session; sandboxed children are the fork server's)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if fields[0] != b"Z":
-            parents[int(entry)] = int(fields[1])
-    found: set[int] = set()
-    frontier = {root}
-    while frontier:
-        children = {pid for pid, ppid in parents.items() if ppid in frontier} - found
-        found |= children
-        frontier = children
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` that still run (a zombie has exited: init reaps it, or not)."""
-    return {pid for pid in pids if process_state(pid) not in (None, "Z")}
 
 
 class WorkerProcess:
@@ -255,11 +216,11 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
 
     async def check_reaped(pids: set[int]) -> None:
         async def done() -> bool:
-            return not alive(pids)
+            return not running(pids)
 
         with contextlib.suppress(TimeoutError):
             await wait_for(done, 20, "fork server exit", every_s=0.1)
-        left = alive(pids)
+        left = running(pids)
         for pid in left:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
@@ -434,7 +395,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
         below |= abandoning.terminate()
 
     async def reaped() -> bool:
-        return not alive(below)
+        return not running(below)
 
     await wait_for(reaped, 20, "fork servers and children exit", 0.1)
 
@@ -500,6 +461,6 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
             below |= w.terminate()
 
     async def reaped() -> bool:
-        return not alive(below)
+        return not running(below)
 
     await wait_for(reaped, 20, "fork servers and children exit", 0.1)

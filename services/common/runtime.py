@@ -1,10 +1,13 @@
 """Process and task helpers shared by the services: signal handling, cancelling a task
-so that it stays cancelled, retries with backoff (tenacity), and a free local port."""
+so that it stays cancelled, retries with backoff (tenacity), a free local port, and
+reading processes from ``/proc`` (state, start time, descendants; the local stack's
+supervisor, the tests and benches that look for strays)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import socket
 from collections.abc import Awaitable, Callable
@@ -100,3 +103,44 @@ async def retry_async(call: Callable[[], Awaitable[T]], *, attempts: int, first_
         return await call()
 
     return await retrying(attempt)
+
+
+def proc_stat(pid: int | str) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (the state first,
+    then the parent pid ...; see proc(5)), or None when the process is gone. One read,
+    so a process that ends between two looks is simply gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself hold spaces or ")".
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields or None
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (``R``, ``S``, ``Z`` ...), None when it is gone."""
+    fields = proc_stat(pid)
+    return None if fields is None else fields[0].decode()
+
+
+def running(pids: set[int]) -> set[int]:
+    """Those of ``pids`` that still run (gone, zombie and dead ones left out)."""
+    return {pid for pid in pids if process_state(pid) not in (None, "Z", "X")}
+
+
+def descendants(root: int) -> set[int]:
+    """Every process below ``root`` that still runs (children, theirs, ...), from one
+    pass over ``/proc``; zombies left out."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        fields = proc_stat(entry) if entry.isdigit() else None
+        if fields is not None and len(fields) > 1 and fields[0] not in (b"Z", b"X"):
+            parents[int(entry)] = int(fields[1])
+    found: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
+        found |= frontier
+    return found

@@ -215,42 +215,37 @@ class Claim:
     active: bool = True
 
     async def _release(self, give_back: bool) -> None:
+        """Drop the claim (``give_back``: and its place in the hour's count). Never
+        raises: a claim left behind is settled by an admission once it expires."""
         kv = self.bus.tenant_usage
         if not self.active or kv is None:
             return
         self.active = False
         key = admission_key(self.tenant)
-        for _ in range(CLAIM_ATTEMPTS):
-            state, revision = await _read(kv, key)
-            held = state.claims.pop(self.job_id, None)
-            if held is None:
-                return  # settled already by another admission
-            if give_back and held[1] == state.hour:
-                state.used = max(0, state.used - 1)
-            if await _write(kv, key, state, revision):
-                return
-            await asyncio.sleep(random.uniform(0, CLAIM_RETRY_S))
-        log.warning("tenant_claim_release_failed", job_id=self.job_id,
+        try:
+            for _ in range(CLAIM_ATTEMPTS):
+                state, revision = await _read(kv, key)
+                held = state.claims.pop(self.job_id, None)
+                if held is None:
+                    return  # settled already by another admission
+                if give_back and held[1] == state.hour:
+                    state.used = max(0, state.used - 1)
+                if await _write(kv, key, state, revision):
+                    return
+                await asyncio.sleep(random.uniform(0, CLAIM_RETRY_S))
+            error = f"{CLAIM_ATTEMPTS} compare-and-swap rounds lost"
+        except Exception as exc:  # noqa: BLE001 - settled once it expires
+            error = f"{type(exc).__name__}: {exc}"
+        log.warning("tenant_claim_release_failed", job_id=self.job_id, error=error,
                     note=f"settled once it expires ({CLAIM_TTL_S:g} s)")
 
     async def commit(self) -> None:
-        """The job is queued: drop the claim (its lane message counts from now on). A
-        failure is logged, not raised: the job is queued, and the claim is settled by
-        the next admission once it expires."""
-        try:
-            await self._release(give_back=False)
-        except Exception as exc:  # noqa: BLE001 - the job is queued; the claim expires
-            log.warning("tenant_claim_commit_failed", job_id=self.job_id,
-                        error=f"{type(exc).__name__}: {exc}")
+        """The job is queued: drop the claim (its lane message counts from now on)."""
+        await self._release(give_back=False)
 
     async def withdraw(self) -> None:
-        """The job is not queued after all: give its slot back (logged on failure; the
-        claim is settled once it expires)."""
-        try:
-            await self._release(give_back=True)
-        except Exception as exc:  # noqa: BLE001 - settled once it expires
-            log.warning("tenant_claim_withdraw_failed", job_id=self.job_id,
-                        error=f"{type(exc).__name__}: {exc}")
+        """The job is not queued after all: give its slot back."""
+        await self._release(give_back=True)
 
 
 async def claim(bus: Bus, store: CheckedJobStore, tenant: Tenant, job_id: str) -> Claim:

@@ -111,17 +111,13 @@ def _kill_group(pid: int) -> None:
 
 def _kill_orphans(me: int, children: dict[int, socket.socket]) -> None:
     """SIGKILL processes re-parented to this subreaper (a candidate's escaped descendants)."""
+    from services.common.runtime import proc_stat
+
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in children:
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Field 4 (ppid) follows the parenthesised command name, which may hold spaces.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if len(fields) > 1 and int(fields[1]) == me:
+        fields = proc_stat(entry)
+        if fields is not None and len(fields) > 1 and int(fields[1]) == me:
             with contextlib.suppress(OSError):
                 os.kill(int(entry), signal.SIGKILL)
 
