@@ -130,6 +130,10 @@ class Conversation:
         self.failure: ChildFailed | None = None
         self.done = asyncio.get_running_loop().create_future()
         self._reader = asyncio.ensure_future(self._read())
+        # Commands posted (see post): written in order by one task, so that whoever
+        # posts goes on while the child is still busy with an earlier command.
+        self._posted: asyncio.Queue | None = None
+        self._writer: asyncio.Task | None = None
 
     @property
     def seconds(self) -> float:
@@ -262,18 +266,41 @@ class Conversation:
                                               f"the {self.who}'s process closed its channel "
                                               f"during {self.phase}") from None
 
+    def post(self, command: Any, raws: list[Any] = (), answers: int = 1) -> None:
+        """Queue a command for the child without waiting for it to be written: a busy
+        child reads its socket only between commands, so :meth:`send` of a large one
+        waits for it. Commands posted are written in order, after those posted before;
+        a write that fails fails the child's waiters (:meth:`get` raises ChildFailed)."""
+        if self._posted is None:
+            self._posted = asyncio.Queue()
+            self._writer = asyncio.ensure_future(self._write_posted())
+        self._posted.put_nowait((command, raws, answers))
+
+    async def _write_posted(self) -> None:
+        while True:
+            command, raws, answers = await self._posted.get()
+            try:
+                await self.send(command, raws, answers)
+            except ChildFailed as exc:
+                self._fail(exc)
+                return
+
     async def finish(self, timeout: float = 30.0) -> None:
-        """Say Bye and wait for the child's Done (or its end)."""
+        """Say Bye (after the commands posted) and wait for the child's Done (or its end)."""
         with contextlib.suppress(ChildFailed):
-            if self.failure is None:
+            if self.failure is None and self._posted is not None:
+                self.post(wire.Bye())
+            elif self.failure is None:
                 await self.send(wire.Bye())
         await asyncio.wait({self.done}, timeout=timeout)
 
     async def close(self) -> None:
-        """Kill the child and end the reader (cleanup runs to its end, see ChildRun.close)."""
+        """Kill the child and end the reader and the writer of posted commands (cleanup
+        runs to its end, see ChildRun.close)."""
         self.run.kill()
         await self.run.close()
-        if not self._reader.done():
-            self._reader.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reader
+        for task in (self._reader, self._writer):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task

@@ -105,6 +105,17 @@ def block_compute(backend: str) -> int:
     lib = torch.library.Library("aten", "IMPL")
     _LIBRARIES.append(lib)
     gpu = backend in ("cuda", "ascend")
+    # The library's C++ registrar where this torch has it: Library.impl's Python-side
+    # checks and bookkeeping (for a library that is never destroyed) cost ~40% of the
+    # ~2,500 registrations (measured 59 ms against 37 ms on torch 2.9, one core).
+    registrar = getattr(lib, "m", None)
+
+    def register(name: str, fn: Any, key: str) -> None:
+        if registrar is not None:
+            registrar.impl(name, key, fn, False)
+        else:
+            lib.impl(name, fn, key)
+
     count = 0
     with warnings.catch_warnings():
         # "Overriding a previously registered kernel": that is the point.
@@ -116,7 +127,7 @@ def block_compute(backend: str) -> int:
             refuse = _refuse(full)
             for key in targets:
                 try:
-                    lib.impl(full, refuse, key)
+                    register(full, refuse, key)
                     count += 1
                 except RuntimeError:
                     continue

@@ -144,6 +144,7 @@ class Procedure:
         self.compile_notes: list[str] = []
         self.compile_target: Any = None
         self.ghost_replay: str | None = None
+        self.no_launch_variant = False
         self.declared = 0
         self._waiting = ""
 
@@ -305,10 +306,17 @@ class Procedure:
         frame, raws = await self._await("reference", "size", "main")
         self._size_answer(main, frame, raws, self.v.memory_limit_bytes)
         self.clock.lap("reference_start")
-        await self._spawn("candidate", address_space_bytes=self._address_space(main))
-        for name in ("replay", "replay:side"):
-            await self._spawn("replay", name, address_space_bytes=self._address_space(main),
-                              kernels=self.kernels.source)
+        space = self._address_space(main)
+        # Started together (each start waits for its child's hello); when one cannot
+        # start, the others' starts are cancelled and the first failure is raised.
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._spawn("candidate", address_space_bytes=space))
+                for name in ("replay", "replay:side"):
+                    group.create_task(self._spawn("replay", name, address_space_bytes=space,
+                                                  kernels=self.kernels.source))
+        except BaseExceptionGroup as failed:
+            raise failed.exceptions[0] from None
         imported, _ = await self._await("candidate", "imported")
         problem = self._refusals(imported.refused, {}) or self._namespace(imported.namespace)
         if problem is not None:
@@ -600,10 +608,16 @@ class Procedure:
                                     raws[:count])
             trial.traced = await self._await("candidate", "traced", trial.key, trial.index)
             trial.real = await self._await("reference", "trial", trial.key, trial.index, False)
-            if self.first_call is None:
+            first = self.first_call is None
+            if first:
                 self.first_call = trial
                 self._start_compile()
-            await self._replay(trial, "run", config=trial.index if trial.key == "main" else None)
+            # The other sizes' single calls run from a fresh state: the side replayer
+            # may have run the first call's variants before them.
+            await self._replay(trial, "run", config=trial.index if trial.key == "main" else None,
+                               fresh=self.replayer_of(trial) == "replay:side")
+            if first:
+                await self._request_variants(trial)
 
     async def _replay(self, trial: _Trial, label: str, *, fresh: bool = False,
                       skip_launches: bool = False, config: int | None = None) -> None:
@@ -611,9 +625,10 @@ class Procedure:
         real, real_raws = trial.real
         count = len(values.raw_refs(real.inputs))
         captures = traced_raws[:len(traced.captures)]
-        # A variant of the first call runs beside the trials, from a fresh state.
+        # A fresh state is the side replayer's (the variants, the other sizes).
         replayer = "replay:side" if fresh else self.replayer_of(trial)
-        await self.children[replayer].send(wire.ReplayRequest(
+        # Posted: the planner goes on with the next call while the replayer is busy.
+        self.children[replayer].post(wire.ReplayRequest(
             key=trial.key, index=trial.index, label=label, events=traced.events,
             captures=traced.captures, inputs=traced.inputs, real=real.inputs,
             outputs=traced.outputs, fresh=fresh, skip_launches=skip_launches, config=config),
@@ -790,18 +805,27 @@ class Procedure:
 
     # ------------------------------------------------------------ variants
 
+    async def _request_variants(self, trial: _Trial) -> None:
+        """Ask the side replayer for the variants of the first call as soon as it is
+        planned, so that they run beside the trials (judged by :meth:`_variants`)."""
+        real, real_raws = trial.real
+        expected = _outputs_of(real, real_raws, skip=len(values.raw_refs(real.inputs)))
+        self.no_launch_variant = not all(_constant(t) for t in expected)
+        if self.no_launch_variant:
+            await self._replay(trial, "no-launch", fresh=True, skip_launches=True)
+        for config in range(self.trials, _autotune_configs(trial.traced[0])):
+            await self._replay(trial, f"config {config}", fresh=True, config=config)
+
     async def _variants(self) -> None:
-        """The first call again, from scratch: without its launches (D003), then with
-        each autotune config the trials did not use."""
+        """The first call again, from scratch (asked for by :meth:`_request_variants`):
+        without its launches (D003), then with each autotune config the trials did not
+        use."""
         trial = self.first_call
         if trial is None:
             return
-        real, real_raws = trial.real
-        expected = _outputs_of(real, real_raws, skip=len(values.raw_refs(real.inputs)))
-        if all(_constant(t) for t in expected):
+        if not self.no_launch_variant:
             self.ghost_replay = "skipped: the reference output is constant"
         else:
-            await self._replay(trial, "no-launch", fresh=True, skip_launches=True)
             try:
                 frame, got, want = await self._judge(trial, "no-launch", quick=True)
                 result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend,
@@ -819,7 +843,6 @@ class Procedure:
         configs = _autotune_configs(trial.traced[0])
         for config in range(self.trials, configs):
             label = f"config {config}"
-            await self._replay(trial, label, fresh=True, config=config)
             frame, got, want = await self._judge(trial, label, quick=True)
             result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend)
             if not result.passed:
