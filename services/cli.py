@@ -485,10 +485,16 @@ def schema(
         "--out", help="Directory to write; default schemas/json of this checkout.")] = None,
 ) -> None:
     """Write the JSON Schema of every wire record (JobSubmit, JobRecord, JobEvent,
-    VerifyRequest, VerifyResult, WorkerInfo) as `<Record>.json`, for non-Python clients."""
+    VerifyRequest, VerifyResult, WorkerInfo) as `<Record>.json`, and the gateway's
+    OpenAPI document as `openapi.json`, for non-Python clients."""
     from schemas.export import JSON_DIR, export_json_schemas
+    from services.gateway.app import openapi_document
 
-    for path in export_json_schemas(out_dir or JSON_DIR):
+    target = out_dir or JSON_DIR
+    paths = export_json_schemas(target)
+    openapi = target / "openapi.json"
+    openapi.write_text(openapi_document(), encoding="utf-8")
+    for path in [*paths, openapi]:
         out.print(str(path), markup=False, soft_wrap=True)
 
 

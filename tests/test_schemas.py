@@ -111,3 +111,14 @@ def test_committed_json_schemas_match_the_records() -> None:
         path = JSON_DIR / name
         assert path.exists(), f"{path} missing: run `aikg schema`"
         assert path.read_text() == text, f"{path} is stale: run `aikg schema`"
+
+
+def test_committed_openapi_document_matches_the_gateway() -> None:
+    from services.gateway.app import openapi_document
+
+    path = JSON_DIR / "openapi.json"
+    assert path.exists(), f"{path} missing: run `aikg schema`"
+    document = openapi_document()
+    assert path.read_text() == document, f"{path} is stale: run `aikg schema`"
+    assert document == openapi_document()  # the same bytes every time
+    assert "/api/v1/jobs/submit" in json.loads(document)["paths"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import os
 import signal
 import socket
@@ -167,6 +168,17 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
                      "tenants": tenants, "tenant_locks": {}}),
         logging_config=None,
     )
+
+
+def openapi_document() -> str:
+    """The gateway's OpenAPI document (what ``/schema/openapi.json`` serves under the
+    default settings) as indented JSON with sorted keys and a final newline: what
+    ``aikg schema`` writes to ``schemas/json/openapi.json``, where a test keeps the
+    committed copy equal to it, so that a change to the HTTP API shows in review."""
+    from services.common.settings import load_settings
+
+    schema = create_app(load_settings(env={})).openapi_schema.to_schema()
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
 class _Server(uvicorn.Server):
