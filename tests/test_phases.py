@@ -143,3 +143,27 @@ async def test_builtin_coder_reuses_a_lowering_of_the_same_task(lowering_sandbox
     await coder.generate(JobSubmit(op_name="relu", task_desc=RELU_TASK + "\n# changed\n",
                                    shape_overrides=dict(SHAPES)))
     assert coder.lowerings == 3
+
+
+async def test_builtin_coder_evicts_the_least_recently_used_lowering(lowering_sandbox,
+                                                                    monkeypatch) -> None:
+    from schemas import JobSubmit
+    from services.generator.coders import base
+
+    monkeypatch.setattr(base, "LOWERED_CACHE_ENTRIES", 2)
+    coder = base.BuiltinCoder(lowering_sandbox)
+
+    def submit(batch: int) -> JobSubmit:
+        return JobSubmit(op_name="relu", task_desc=RELU_TASK,
+                         shape_overrides={"batch_size": batch, "dim": 256})
+
+    await coder.generate(submit(1))
+    await coder.generate(submit(2))
+    await coder.generate(submit(1))  # a hit: batch 1 is now the most recently used
+    assert coder.lowerings == 2
+    await coder.generate(submit(3))  # past the bound: batch 2 goes
+    assert coder.lowerings == 3
+    await coder.generate(submit(1))
+    assert coder.lowerings == 3, "the most recently used lowering was evicted"
+    await coder.generate(submit(2))
+    assert coder.lowerings == 4, "the least recently used lowering was kept"

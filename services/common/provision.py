@@ -62,7 +62,7 @@ REQUEST_TIMEOUT_S = 5.0
 # server drops a refused request without a reply, seconds.
 SELF_CREATE_TIMEOUT_S = 2.0
 # The streams whose consumers are provisioned here.
-STREAMS = (subjects.STREAM_JOBS, subjects.STREAM_VERIFY)
+CONSUMER_STREAMS = (subjects.STREAM_JOBS, subjects.STREAM_VERIFY)
 
 HINT = ("no consumer provisioner answered and this NATS user may not create consumers: "
         "run `aikg nats-setup --serve` with the admin's credentials (`aikg up` runs it)")
@@ -250,7 +250,7 @@ async def setup(js: JetStreamContext, settings: Settings,
     for backend, arch in verify_lanes:
         done.append(await create_consumer(js, subjects.STREAM_VERIFY,
                                           subjects.verify(backend, arch), settings, update=True))
-    for stream in STREAMS:
+    for stream in CONSUMER_STREAMS:
         for info in await js.consumers_info(stream):
             subject = info.config.filter_subject or ""
             if info.name in done or not info.config.durable_name:

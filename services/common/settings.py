@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import typing
 from typing import Any
 
@@ -284,31 +285,45 @@ class Settings(msgspec.Struct, kw_only=True):
         return [d.strip() for d in self.worker_devices.split(",") if d.strip()]
 
 
+# Fields of type ``X | None``: an empty variable means None (fall back to the general
+# value, e.g. ``llm_coder_temperature`` to ``llm_temperature``).
+_OPTIONAL_FIELDS = frozenset(
+    f.name for f in msgspec.structs.fields(Settings) if type(None) in typing.get_args(f.type))
+# msgspec.ValidationError's text: "Expected `int`, got `str` - at `$.field`".
+_VALIDATION_ERROR = re.compile(r"^(?:Expected `(?P<type>[^`]+)`.*|(?P<other>.*)) - at `\$\.(?P<field>\w+)`$")
+
+
 def load_settings(env: dict[str, str] | None = None, **overrides: Any) -> Settings:
     """Build settings from ``AIKG_*`` variables, then apply non-None ``overrides``.
 
+    Each variable is converted to its field's type by ``msgspec.convert(...,
+    strict=False)``: ints and floats in decimal (``8000``, ``0.5``, ``1e3``), bools
+    as ``true``/``false``/``1``/``0``; an empty variable of an optional field is None.
+    ``overrides`` are typed values (command-line flags) and are applied as given.
+
     Raises:
         ValueError: a variable cannot be converted to its field's type; the message
-            names the variable.
+            names the variable and the type (``AIKG_GATEWAY_PORT='abc' is not a valid
+            int``).
+        TypeError: an override names no field.
     """
     env = os.environ if env is None else env
-    values: dict[str, Any] = {}
-    for name, ftype in zip(
-        Settings.__struct_fields__, (f.type for f in msgspec.structs.fields(Settings)), strict=True
-    ):
-        raw = env.get(f"AIKG_{name.upper()}")
-        if raw is None:
-            continue
-        # ``float | None``: an empty variable means None (fall back to the general value).
-        args = [a for a in typing.get_args(ftype) if a is not type(None)]
-        if args:
-            if not raw.strip():
-                values[name] = None
-                continue
-            ftype = args[0]
-        try:
-            values[name] = ftype(raw) if ftype is not str else raw
-        except ValueError as exc:
-            raise ValueError(f"AIKG_{name.upper()}={raw!r} is not a valid {ftype.__name__}") from exc
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    return Settings(**values)
+    raw: dict[str, str | None] = {}
+    for name in Settings.__struct_fields__:
+        value = env.get(f"AIKG_{name.upper()}")
+        if value is not None:
+            raw[name] = None if name in _OPTIONAL_FIELDS and not value.strip() else value
+    try:
+        settings = msgspec.convert(raw, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        match = _VALIDATION_ERROR.match(str(exc))
+        if match is None or match["field"] not in raw:
+            raise ValueError(f"AIKG_* settings: {exc}") from exc
+        field = match["field"]
+        shown = f"AIKG_{field.upper()}={raw[field]!r}"
+        if match["type"]:
+            kind = match["type"].removesuffix(" | null")
+            raise ValueError(f"{shown} is not a valid {kind}") from exc
+        raise ValueError(f"{shown}: {match['other']}") from exc
+    given = {k: v for k, v in overrides.items() if v is not None}
+    return msgspec.structs.replace(settings, **given) if given else settings

@@ -45,7 +45,8 @@ from services.worker.replay import (
     resolve_ops,
 )
 
-_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}
+# A replay failure's kind -> the stage of the verdict it fails.
+_FAILURE_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -128,7 +129,7 @@ def run_replayer(spec: ChildSpec, channel: Channel) -> None:
         try:
             outputs, after = _replay(replayer, request, raws)
         except ReplayError as exc:
-            stage = _STAGES.get(exc.kind, "runtime")
+            stage = _FAILURE_STAGES.get(exc.kind, "runtime")
             message = str(exc)
             tb = ""
             if exc.kind == "kernel" and exc.cause is not None:

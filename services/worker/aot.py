@@ -206,7 +206,7 @@ def compile_mode() -> int:
     return count
 
 
-def _constant(value: Any) -> Any:
+def _decode_constant(value: Any) -> Any:
     if isinstance(value, dict) and value.get(values.TAG) == "tl":
         return values.decode(value, lambda ref: ref)
     return value
@@ -224,7 +224,7 @@ def compile_one(module: Any, spec: dict[str, Any], shared_limit: int) -> dict[st
     if fn is None:
         return {"key": spec["key"], "ok": False,
                 "error": f"{spec['kernel']} is not a module-level @triton.jit function"}
-    constexprs = {k: _constant(v) for k, v in spec["constexprs"].items()}
+    constexprs = {k: _decode_constant(v) for k, v in spec["constexprs"].items()}
     options = dict(spec["options"])
     try:
         compiled = triton.compile(ASTSource(fn, dict(spec["signature"]), constexprs=constexprs),

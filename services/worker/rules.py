@@ -2,7 +2,8 @@
 
 Every check that runs candidate code and can fail it is listed in :data:`DYNAMIC_RULES`
 with a stable id, what it catches, the public report it comes from, and the test that
-shows it working. The static rules live in :mod:`services.worker.static_check`.
+shows it working (:class:`DynamicRule`). The static rules live in
+:mod:`services.worker.static_check` (:class:`~services.worker.static_check.StaticRule`).
 
 The parent (the worker) applies these rules to data it received from the sandboxed
 children (:mod:`services.worker.procedure`); a child only reports what happened.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Rule:
+class DynamicRule:
     """One dynamic check: ``id`` (``D001``...), what it catches, its public source, its test."""
 
     id: str
@@ -26,62 +27,62 @@ class Rule:
 _T = "tests/test_verdict_integrity.py::"
 _C = "tests/test_corpus.py::"
 
-DYNAMIC_RULES: tuple[Rule, ...] = (
-    Rule("D001", "input modified in place: the replayer hands back the inputs as its kernels "
+DYNAMIC_RULES: tuple[DynamicRule, ...] = (
+    DynamicRule("D001", "input modified in place: the replayer hands back the inputs as its kernels "
          "left them; this process digests them and compares with the reference's",
          "KernelBench reward-hacking reports (in-place writes to inputs)",
          _T + "test_rewriting_the_harness_does_not_hide_input_mutation"),
-    Rule("D002", "PyTorch compute operators in ModelNew.forward: refused at the dispatcher in "
+    DynamicRule("D002", "PyTorch compute operators in ModelNew.forward: refused at the dispatcher in "
          "the candidate's process (every thread, every dispatch path), and not replayable (a "
          "plan holding one fails)",
          "KernelGuard (runtime op audit); KernelBench issue #165 discussion of torch fallbacks",
          _T + "test_torch_operators_behind_a_scratch_kernel_fail_the_audit"),
-    Rule("D003", "outputs that do not depend on the kernels: the candidate's own run is a ghost "
+    DynamicRule("D003", "outputs that do not depend on the kernels: the candidate's own run is a ghost "
          "(launches no-ops, allocations NaN-filled) and its plan is replayed without launches; "
          "expected outputs from either fail",
          "KernelGuard ghost replay; Sakana AI CUDA Engineer post-mortem (kernels that skip work)",
          _T + "test_numpy_doing_the_work_fails_the_ghost_replay"),
-    Rule("D004", "candidate code reaching the harness: object-graph walks, tracing, ctypes, "
+    DynamicRule("D004", "candidate code reaching the harness: object-graph walks, tracing, ctypes, "
          "sockets and /proc refused whatever frame asks; frame reads and dynamic code when "
          "the candidate's code asks",
          "PEP 578 (runtime audit hooks); this project's red-team: a timing frame forged via gc",
          _T + "test_finding_the_channel_through_gc_is_refused"),
-    Rule("D005", "frames on the result channel that the harness did not write (keyed BLAKE2b "
+    DynamicRule("D005", "frames on the result channel that the harness did not write (keyed BLAKE2b "
          "chain over every frame) or that arrive outside the protocol",
          "this project's red-team: a timing frame sent by candidate code was accepted",
          _T + "test_forged_timing_frame_is_detected"),
-    Rule("D006", "timings whose sum exceeds the wall time the parent observed for the phase",
+    DynamicRule("D006", "timings whose sum exceeds the wall time the parent observed for the phase",
          "timings cross-checked against the parent's clock (red-team)",
          "tests/test_verifier.py::test_timings_larger_than_wall_time_are_inconsistent"),
-    Rule("D007", "speedups implying more bytes/s than the arch's peak memory bandwidth "
+    DynamicRule("D007", "speedups implying more bytes/s than the arch's peak memory bandwidth "
          "(roofline floor over the task's input + output bytes)",
          "roofline model (Williams, Waterman, Patterson, CACM 2009); NVIDIA datasheets",
          _T + "test_roofline_floor"),
-    Rule("D008", "sizes that exercise what the task's own sizes launch: those sizes when they "
+    DynamicRule("D008", "sizes that exercise what the task's own sizes launch: those sizes when they "
          "fit, else a dry run there (meta tensors) and a size launching the same kernels with "
          "congruent extents; what no size within the budget reproduces is listed in unchecked",
          "KernelBench shape-generalisation reports (kernels right for one tile or one size)",
          _T + "test_first_tile_matmul_fails_at_the_task_sizes"),
-    Rule("D009", "scale-aware comparison: atol grows with the output's magnitude, relative L2 "
+    DynamicRule("D009", "scale-aware comparison: atol grows with the output's magnitude, relative L2 "
          "error per dtype, constant outputs against a non-constant reference",
          "KernelBench issue #165 (outputs below atol pass with zeros)",
          _T + "test_constant_output_against_a_small_scale_reference_fails"),
-    Rule("D010", "a verification that compared no elements never passes",
+    DynamicRule("D010", "a verification that compared no elements never passes",
          "this project's red-team: --shape batch_size=0 passed with nothing compared",
          _T + "test_zero_size_inputs_never_pass"),
-    Rule("D011", "inputs the candidate cannot see: its process plans on decoys (the task's "
+    DynamicRule("D011", "inputs the candidate cannot see: its process plans on decoys (the task's "
          "inputs at other secret seeds); the outputs judged are the replay of its plan on "
          "the real inputs, in a process that runs only its kernels and allowlisted operators",
          "this project's red-team: answers computed in __init__ from the fixed seeds, or by "
          "host code hidden from every in-process instrument",
          _C + "test_hostile_candidate_fails"),
-    Rule("D012", "secret seeds and input distributions: seeds from the OS's cryptographic "
+    DynamicRule("D012", "secret seeds and input distributions: seeds from the OS's cryptographic "
          "source, known to the reference child only; trials drawn from the task's own, large "
          "and small magnitudes, uniform, one sign, zeros and ties",
          "KernelBench's newer harness (varied input distributions); this project's red-team "
          "(a relu wrong above 6, a softmax without max-subtraction passed on randn)",
          _C + "test_hostile_candidate_fails"),
-    Rule("D013", "every kernel specialisation launched (at the checked sizes and, dry-run, at "
+    DynamicRule("D013", "every kernel specialisation launched (at the checked sizes and, dry-run, at "
          "the task's own) compiled ahead of time for a GPU target; a compile error, shared "
          "memory or threads beyond the target, a grid beyond its limits fail at compile; so "
          "do kernels that name anything but triton.language, math, their parameters and "
@@ -92,30 +93,30 @@ DYNAMIC_RULES: tuple[Rule, ...] = (
          "branching on triton.knobs.runtime.interpret computed on the host in the interpreter "
          "and compiled to an empty kernel",
          _C + "test_what_a_gpu_cannot_compile_passes_once_fixed"),
-    Rule("D014", "loads, stores and atomics outside the launch's tensors (masked lanes "
+    DynamicRule("D014", "loads, stores and atomics outside the launch's tensors (masked lanes "
          "excluded), checked on every replayed access on the interpreter",
          "a GPU faults or corrupts other memory on them; the interpreter reads host memory",
          _C + "test_hostile_candidate_fails"),
-    Rule("D015", "every @triton.autotune config run on the checked sizes, twice on the same "
+    DynamicRule("D015", "every @triton.autotune config run on the checked sizes, twice on the same "
          "arguments as the GPU autotuner does (reset_to_zero and restore_value honoured)",
          "Triton's Autotuner (benchmark runs, then the chosen config)",
          _C + "test_hostile_candidate_fails"),
-    Rule("D016", "threads and processes refused in the candidate's process (Python's entry "
+    DynamicRule("D016", "threads and processes refused in the candidate's process (Python's entry "
          "points, and a seccomp filter on clone, fork, vfork and execve on cpu); each child "
          "is process 1 of its own PID namespace, so nothing it starts outlives it",
          "this project's red-team: a thread hid torch compute from a thread-local recorder; "
          "processes outlived their verification",
          _C + "test_hostile_candidate_fails"),
-    Rule("D017", "attributes of torch or triton the candidate's import replaced (compared "
+    DynamicRule("D017", "attributes of torch or triton the candidate's import replaced (compared "
          "with a snapshot taken before it)",
          "this project's red-team: torch.randn replaced so the task's get_inputs() "
          "handed out inputs with known answers",
          _C + "test_hostile_candidate_fails"),
-    Rule("D018", "outputs that are not exactly torch.Tensor or a plain tuple or list of them "
+    DynamicRule("D018", "outputs that are not exactly torch.Tensor or a plain tuple or list of them "
          "(a subclass's methods would run after the record)",
          "this project's red-team: a list subclass computing in __iter__",
          _C + "test_hostile_candidate_fails"),
-    Rule("D019", "every shape a task declares in get_inputs_dyn_list() must pass; shape "
+    DynamicRule("D019", "every shape a task declares in get_inputs_dyn_list() must pass; shape "
          "generality (one more, odd-extent size) is reported in shape_generic",
          "the reference AIKG's dynamic-shape tasks; KernelBench shape-generalisation reports",
          _T + "test_declared_shapes_must_all_pass"),

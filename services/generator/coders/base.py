@@ -13,8 +13,9 @@ import contextlib
 import contextvars
 import hashlib
 import json
-from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from cachetools import LRUCache
 
 from schemas import JobSubmit, VerifyResult
 from services.common.settings import LOWERING_TIMEOUT_S
@@ -112,7 +113,7 @@ class BuiltinCoder:
         self.slots = slots
         self.limits = limits or ChildLimits()
         self.lowerings = 0
-        self._lowered: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._lowered: LRUCache[tuple[str, str, str], str] = LRUCache(LOWERED_CACHE_ENTRIES)
 
     async def generate(self, submit: JobSubmit, **params) -> Candidate:
         """Lower ``submit.task_desc`` (with its shape overrides) to a candidate.
@@ -133,9 +134,8 @@ class BuiltinCoder:
         key = (hashlib.sha256(submit.task_desc.encode()).hexdigest(),
                json.dumps(submit.shape_overrides, sort_keys=True),
                json.dumps(params, sort_keys=True))
-        code = self._lowered.get(key)
+        code = self._lowered.get(key)  # a hit becomes the most recently used
         if code is not None:
-            self._lowered.move_to_end(key)
             return Candidate(code=code, coder=self.name, meta=params)
         self.lowerings += 1
         hold = self.slots.hold(JOB_TENANT.get()) if self.slots is not None \
@@ -150,9 +150,7 @@ class BuiltinCoder:
             raise CoderError(_llm_hint(str(exc))) from None
         except PoolBroken as exc:
             raise CoderError(f"built-in coder's sandbox is broken: {exc}") from None
-        self._lowered[key] = code
-        while len(self._lowered) > LOWERED_CACHE_ENTRIES:
-            self._lowered.popitem(last=False)
+        self._lowered[key] = code  # evicts the least recently used past the bound
         return Candidate(code=code, coder=self.name, meta=params)
 
 
