@@ -26,7 +26,7 @@ sandbox (:mod:`services.sandbox.pool`) is. They are written so that honest
 kernels pass and the common reward hacks fail with a message a coder can act on.
 
 Why one module: the rules share one AST walk and one table (:data:`RULES`) that the
-README's rule table is generated from; one file per rule would scatter the walker.
+rules table of docs/verification.md is generated from; one file per rule would scatter the walker.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ _METR_O3 = ("METR, preliminary evaluation of o3 and o4-mini: o3 disabled CUDA "
             "synchronization to fake speed (metr.github.io/autonomy-evals-guide/openai-o3-report)")
 _T = "tests/test_static_check.py::"
 
-# The single table of static rules; the README's rules table is rendered from it.
+# The single table of static rules; docs/verification.md's rules table is rendered from it.
 RULES: tuple[Rule, ...] = (
     Rule("S001", "syntax", "source that does not parse as Python (stage compile)",
          "Python ast.parse (docs.python.org/3/library/ast.html)",
