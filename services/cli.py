@@ -457,7 +457,7 @@ def verify(
 ) -> None:
     """Verify KERNEL (your own ModelNew) against FILE's Model on this machine.
 
-    The same checks a worker runs (README, "Verification"), in the same sandbox; no
+    The same checks a worker runs (docs/verification.md), in the same sandbox; no
     NATS, no network. Prints the verdict: the stage and message of a failure, errors,
     sizes checked. Exit codes: 0 passed, 1 not passed, 2 bad input, 6 the sandbox
     cannot start here, 130 Ctrl-C.

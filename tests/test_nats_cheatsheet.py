@@ -1,10 +1,10 @@
-"""README's `nats` CLI cheat sheet, line by line, against a real generator and worker.
+"""The `nats` CLI cheat sheet (docs/nats.md), line by line, against a real generator and worker.
 
 There is no ``nats`` binary here; each line is replayed with nats-py doing what the
 CLI does on the wire (``nats pub`` sends the given bytes and headers, ``nats kv get``
 reads the bucket's last value, ``nats stream view`` reads the stream's messages by
 sequence, ``nats micro ls`` is a ``$SRV.PING`` request gathering every reply). The
-lines are parsed out of README.md, so the document cannot drift from the system.
+lines are parsed out of docs/nats.md, so the document cannot drift from the system.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from services.common.settings import Settings
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CHEAT_SHEET = Path(__file__).resolve().parent.parent / "docs" / "nats.md"
 
 
 def cheat_sheet() -> dict[str, list[list[str]]]:
     """The cheat sheet's ``nats`` lines as argv, grouped by verb (``pub``, ``kv get`` ...)."""
-    text = README.read_text()
+    text = CHEAT_SHEET.read_text()
     section = text[text.index("## The `nats` CLI cheat sheet"):]
     block = re.search(r"```console\n(.*?)```", section, re.S).group(1)
     commands: dict[str, list[list[str]]] = {}

@@ -599,10 +599,11 @@ def test_scale_aware_comparison_numbers():
                                                                        "(0, 1024)")
 
 
-def test_readme_lists_every_rule() -> None:
-    """The README's rules table is exactly what the code's rule tables render."""
+def test_docs_list_every_rule() -> None:
+    """docs/verification.md's rules table is exactly what the code's rule tables render."""
     from services.worker.rules import rules_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    table = readme.split("<!-- rules:start -->\n", 1)[1].split("<!-- rules:end -->", 1)[0]
-    assert table == rules_markdown(), "README's rules table is stale: paste rules_markdown()"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "verification.md").read_text()
+    table = page.split("<!-- rules:start -->\n", 1)[1].split("<!-- rules:end -->", 1)[0]
+    assert table == rules_markdown(), \
+        "docs/verification.md's rules table is stale: paste rules_markdown()"

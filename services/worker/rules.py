@@ -193,9 +193,9 @@ def impossible_timing(gen_time_us: float, nbytes: int, arch: str) -> str | None:
 
 
 def rules_markdown() -> str:
-    """The README's table of every static (``S...``) and dynamic (``D...``) rule.
+    """docs/verification.md's table of every static (``S...``) and dynamic (``D...``) rule.
 
-    ``tests/test_verdict_integrity.py`` checks the README holds exactly this text
+    ``tests/test_verdict_integrity.py`` checks that page holds exactly this text
     between its ``rules`` markers, so code and documentation cannot drift apart.
     """
     from services.worker.static_check import RULES

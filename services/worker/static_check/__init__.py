@@ -25,7 +25,7 @@ The checks are a first filter for LLM-written code, not a security boundary: the
 sandbox (:mod:`services.sandbox.pool`) is. They are written so that honest
 kernels pass and the common reward hacks fail with a message a coder can act on.
 
-Layout: one table (:mod:`.table`, from which the README's rule table is generated),
+Layout: one table (:mod:`.table`, from which the rules table of docs/verification.md is generated),
 one AST walk (:mod:`.checker`, over the helpers of :mod:`.syntax`), and one module per
 family of rules:
 

@@ -2,7 +2,7 @@
 
 :data:`RULES` lists every rule once: its id (``S001`` ...), the :attr:`Finding.rule`
 tag it reports under, what it catches, the public report it comes from and the test
-that covers it. The README's rules table is rendered from it
+that covers it. The rules table of docs/verification.md is rendered from it
 (:func:`services.worker.rules.rules_markdown`); the checker modules report by id
 (:meth:`services.worker.static_check.checker.Checker.add`).
 """
@@ -40,7 +40,7 @@ _METR_O3 = ("METR, preliminary evaluation of o3 and o4-mini: o3 disabled CUDA "
             "synchronization to fake speed (metr.github.io/autonomy-evals-guide/openai-o3-report)")
 _T = "tests/test_static_check.py::"
 
-# The single table of static rules; the README's rules table is rendered from it.
+# The single table of static rules; docs/verification.md's rules table is rendered from it.
 RULES: tuple[StaticRule, ...] = (
     StaticRule("S001", "syntax", "source that does not parse as Python (stage compile)",
          "Python ast.parse (docs.python.org/3/library/ast.html)",
