@@ -255,6 +255,61 @@ def phase_label(name: str) -> str:
     return base if base and index.isdigit() else name
 
 
+class LaunchTraffic(Struct, kw_only=True, omit_defaults=True):
+    """One launch of a call, counted by the worker's replayer
+    (services/worker/traffic.py): ``kernel`` (a Triton kernel's name, or ``aten.<op>``
+    for an operator of the plan that runs a kernel in eager PyTorch), bytes ``loaded``
+    / ``stored`` / ``atomic`` (read-modify-write, counted once), ``dot_flops`` by the
+    dot's input dtype (``tf32``, ``fp32`` (IEEE), ``fp16``, ``bf16``, ``fp8``),
+    element-wise ``flops``."""
+
+    kernel: str
+    loaded: int = 0
+    stored: int = 0
+    atomic: int = 0
+    dot_flops: dict[str, int] = field(default_factory=dict)
+    flops: int = 0
+
+
+class EagerCount(Struct, kw_only=True):
+    """The task's eager ATen graph, counted in the reference child
+    (services/worker/traffic.py, EagerCounter): ``bytes`` (each operator's tensor
+    inputs and outputs), ``dot_flops`` by dtype (``torch.utils.flop_counter``'s
+    matmul-family formulas), ``launches`` (operators that are not views)."""
+
+    bytes: int = 0
+    dot_flops: dict[str, int] = field(default_factory=dict)
+    launches: int = 0
+
+
+class Traffic(Struct, kw_only=True):
+    """What a verdict reports (``VerifyResult.traffic``): the first trial's call,
+    counted, and the model of it.
+
+    ``bytes_moved``: every byte its launches loaded, stored or touched atomically;
+    ``bytes_min``: each input and each captured storage a launch was given read once,
+    each output written once; ``traffic_ratio``: ``bytes_moved / bytes_min``;
+    ``flops``: ``tl.dot`` FLOPs (all dtypes) plus element-wise FLOPs; ``launches``;
+    ``per_launch``: each launch's counts. ``model_arch``: the
+    GPU target modeled (services/worker/targets.py); ``modeled_time_us`` of the
+    candidate, ``modeled_eager_time_us`` of the task's eager ATen graph and
+    ``modeled_speedup`` (their ratio) are a model, not a measurement (see
+    docs/verification.md, "Counted traffic", for what it leaves out)."""
+
+    counted_by: str = "interpreter"
+    bytes_moved: int = 0
+    bytes_min: int = 0
+    traffic_ratio: float | None = None
+    flops: int = 0
+    dot_flops: dict[str, int] = field(default_factory=dict)
+    launches: int = 0
+    per_launch: list[LaunchTraffic] = field(default_factory=list)
+    model_arch: str = ""
+    modeled_time_us: float | None = None
+    modeled_eager_time_us: float | None = None
+    modeled_speedup: float | None = None
+
+
 class VerifyResult(Struct, kw_only=True):
     """A worker's verdict on one candidate, published on ``results.<job_id>``.
 
@@ -323,6 +378,7 @@ class VerifyResult(Struct, kw_only=True):
     reference_source: Literal["run", "worker_cache", "shared_cache"] | None = None
     baseline_source: Literal["measured", "worker_cache", "shared_cache"] | None = None
     baseline_age_s: float | None = None
+    traffic: Traffic | None = None
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION

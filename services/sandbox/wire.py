@@ -26,6 +26,7 @@ from typing import Any, Literal
 import msgspec
 import torch
 
+from schemas.events import EagerCount, LaunchTraffic
 from services.sandbox.values import dtype_from_name, dtype_name  # noqa: F401 - re-exported
 
 HEADER = struct.Struct("!Q")
@@ -194,7 +195,8 @@ class RefRequest(msgspec.Struct, tag="ref.request"):
     ``key`` names the sizes in the answers; ``overrides`` are module-level names
     rebound first (they must exist). ``meta_only``: shapes only (fake tensors, nothing
     allocated) for the candidate's dry run. ``input_limit_bytes``: refuse (a RefSize
-    with ``refused``) when the inputs are larger.
+    with ``refused``) when the inputs are larger. ``count_eager``: after the trials,
+    count the task's eager graph at these sizes (``RefDone.eager``).
     """
 
     key: str
@@ -202,6 +204,7 @@ class RefRequest(msgspec.Struct, tag="ref.request"):
     trials: list[RefTrialSpec] = []
     meta_only: bool = False
     input_limit_bytes: int | None = None
+    count_eager: bool = False
 
 
 class RefProfile(msgspec.Struct, tag="ref.profile"):
@@ -268,9 +271,12 @@ class RefFailed(msgspec.Struct, tag="ref.failed"):
 
 
 class RefDone(msgspec.Struct, tag="ref.done"):
-    """Reference -> parent: every trial of ``key`` was sent."""
+    """Reference -> parent: every trial of ``key`` was sent. ``eager``: the task's eager
+    graph at these sizes, counted (asked for with ``RefRequest.count_eager``; None when
+    not asked or it could not be counted)."""
 
     key: str
+    eager: EagerCount | None = None
 
 
 # ---------------------------------------------------------------- planner (candidate) child
@@ -403,7 +409,9 @@ class ReplayRequest(msgspec.Struct, tag="replay.request"):
 
 class Replayed(msgspec.Struct, tag="replay.done"):
     """Replayer -> parent: the outputs (raw frames), then each input tensor as it was
-    after the call (raw frames; None for a non-tensor)."""
+    after the call (raw frames; None for a non-tensor). ``traffic``: the call's
+    launches, counted (empty where the replayer cannot count); ``captured_bytes``: the
+    bytes of the captured storages its launches were given."""
 
     key: str
     index: int
@@ -411,6 +419,8 @@ class Replayed(msgspec.Struct, tag="replay.done"):
     outputs: list[TensorMeta]
     inputs_after: list[TensorMeta | None]
     launches: int = 0
+    traffic: list[LaunchTraffic] = msgspec.field(default_factory=list)
+    captured_bytes: int = 0
 
 
 class ReplayFailed(msgspec.Struct, tag="replay.failed"):

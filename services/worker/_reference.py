@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from schemas.events import EagerCount
 from services.common.records import REQUIRED_TASK_NAMES
 from services.sandbox import values
 from services.sandbox.child import JobFailure, _failure, _outputs, out_of_memory, seed_all
@@ -262,7 +263,30 @@ def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
                          inputs_after=[digest(a) for a in args if isinstance(a, torch.Tensor)],
                          fallback=fallback)
         channel.send(frame, tensors + outputs)
-    channel.send(RefDone(key=request.key))
+    eager = _count_eager(task, model, first_seed) if request.count_eager else None
+    channel.send(RefDone(key=request.key, eager=eager))
+
+
+def _count_eager(task: _Task, model: Any, seed: int) -> EagerCount | None:
+    """The task's eager graph at the current sizes, counted on fake tensors (nothing
+    computed), or on real inputs when the task does not run on fake tensors; None when
+    neither works (the verdict then has no modeled eager time)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from services.worker.traffic import EagerCounter
+
+    task.channel.send(Progress(phase="counting the task's eager graph"))
+    for fake in (True, False):
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True) if fake else \
+                    contextlib.nullcontext():
+                made = task.inputs(seed, None)
+                with EagerCounter() as counter:
+                    task.forward(model, made)
+            return counter.count
+        except Exception:  # noqa: BLE001 - counting is a model's input, never a verdict
+            continue
+    return None
 
 
 def run_reference_role(spec: ChildSpec, channel: Channel) -> None:

@@ -151,5 +151,6 @@ def run_replayer(spec: ChildSpec, channel: Channel) -> None:
         channel.send(Replayed(key=request.key, index=request.index, label=request.label,
                               outputs=[_meta(o) for o in outputs],
                               inputs_after=[_meta(a) for a in after],
-                              launches=replayer.launches),
+                              launches=replayer.launches, traffic=replayer.traffic,
+                              captured_bytes=sum(replayer.captured_used.values())),
                      [tensor_bytes(t) for t in outputs + after])

@@ -40,6 +40,7 @@ from services.sandbox import values
 from services.sandbox.values import TensorRef
 from services.worker.rules import ALLOWED_OPS, op_packet
 from services.worker.trace import UNDEFINED_ALLOCATIONS, code_end_line, fill_undefined
+from services.worker.traffic import ELEMENTWISE_FLOPS, LaunchTraffic, dot_dtype, op_traffic
 
 
 class ReplayError(Exception):
@@ -77,6 +78,8 @@ class _Bounds:
         self.ranges: list[tuple[int, int, str]] = []
         self._starts: list[int] = []
         self.kernel = ""
+        # The running launch's counts (None: not counting), see services.worker.traffic.
+        self.count: LaunchTraffic | None = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._native, name)
@@ -92,6 +95,15 @@ class _Bounds:
             keep = np.asarray(mask, dtype=bool)
             if not keep.all():
                 addresses = addresses[np.broadcast_to(keep, np.shape(ptrs)).reshape(-1)]
+        count = self.count
+        if count is not None:
+            moved = int(addresses.size) * itemsize
+            if what == "loaded":
+                count.loaded += moved
+            elif what == "stored":
+                count.stored += moved
+            else:
+                count.atomic += moved
         if addresses.size == 0:
             return
         if self.ranges:
@@ -144,12 +156,53 @@ class _Bounds:
 
 
 def install_bounds_checks() -> _Bounds:
-    """Route the interpreter's memory accesses through a :class:`_Bounds` (this process)."""
+    """Route the interpreter's memory accesses through a :class:`_Bounds` (this process),
+    and count each launch's FLOPs on it (:func:`_count_flops`)."""
     from triton.runtime import interpreter
 
     if not isinstance(interpreter._interpreter, _Bounds):
         interpreter._interpreter = _Bounds(interpreter._interpreter)
+        _count_flops(interpreter._interpreter)
     return interpreter._interpreter
+
+
+def _count_flops(bounds: _Bounds) -> None:
+    """Wrap the interpreter builder's ``tl.dot`` and floating-point element-wise methods
+    so that each adds its FLOPs to ``bounds.count`` (see :mod:`services.worker.traffic`)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    def elementwise(original: Any, per_lane: int) -> Any:
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            out = original(self, *args, **kwargs)
+            count = bounds.count
+            data = getattr(out, "data", None)
+            if count is not None and isinstance(data, np.ndarray) and \
+                    np.issubdtype(data.dtype, np.floating):
+                count.flops += per_lane * int(data.size)
+            return out
+        return counted
+
+    for name, per_lane in ELEMENTWISE_FLOPS.items():
+        original = getattr(InterpreterBuilder, name, None)
+        if original is not None:
+            setattr(InterpreterBuilder, name, elementwise(original, per_lane))
+
+    original_dot = InterpreterBuilder.create_dot
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, input_precision: Any, *rest: Any) -> Any:
+        out = original_dot(self, a, b, d, input_precision, *rest)
+        count = bounds.count
+        if count is not None:
+            m, k = a.data.shape[-2:]
+            n = b.data.shape[-1]
+            batch = int(np.prod(a.data.shape[:-2])) if a.data.ndim > 2 else 1
+            ieee = "ieee" in str(input_precision).lower()
+            key = dot_dtype(getattr(getattr(a, "dtype", None), "name", None)
+                            or str(a.data.dtype), ieee)
+            count.dot_flops[key] = count.dot_flops.get(key, 0) + 2 * batch * m * n * k
+        return out
+
+    InterpreterBuilder.create_dot = create_dot
 
 
 # ---------------------------------------------------------------- the replayer
@@ -190,6 +243,11 @@ class Replayer:
         self.ops = ops if ops is not None else resolve_ops()
         self.storages: dict[int, Any] = {}
         self.launches = 0
+        # The current call's launches, counted (the interpreter's only; empty on a GPU),
+        # and the captured storages its launches were given (storage id -> bytes).
+        self.traffic: list[LaunchTraffic] = []
+        self.captured_used: dict[int, int] = {}
+        self._captured: set[int] = set()
 
     # ------------------------------------------------------------ storages
 
@@ -198,6 +256,7 @@ class Replayer:
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8) if len(data) else \
             torch.empty(0, dtype=torch.uint8)
         self.storages[storage_id] = raw.to(self.device).untyped_storage()
+        self._captured.add(storage_id)
 
     def add_input(self, ref: TensorRef, value: torch.Tensor) -> None:
         """An input: the real tensor in place of the decoy the planner saw."""
@@ -242,6 +301,8 @@ class Replayer:
         Raises:
             ReplayError: see the class doc.
         """
+        self.traffic = []
+        self.captured_used = {}
         for event in events:
             if not isinstance(event, dict):
                 raise ReplayError("trace", "a malformed event in the plan")
@@ -288,6 +349,11 @@ class Replayer:
         if parts[1] in UNDEFINED_ALLOCATIONS:
             for t in values.flat_tensors(out):
                 fill_undefined(t)
+        elif self.bounds is not None:
+            moved = op_traffic(op, args, kwargs, out)
+            if moved is not None:
+                self.traffic.append(LaunchTraffic(kernel=name, loaded=moved[0],
+                                                  stored=moved[1]))
 
     def _bind_outputs(self, name: str, got: Any, recorded: Any) -> None:
         """Match an op's outputs with the recorded ones: new storages take the recorded
@@ -366,7 +432,13 @@ class Replayer:
         if benchmark:
             saved = {arg: args[arg].clone() for arg in (tune or {}).get("restore_value", [])
                      if isinstance(args.get(arg), torch.Tensor)}
-        with self._checked(name, args):
+        # The benchmark run of an autotuned launch is not counted: a GPU runs it once
+        # per config ever, not in every call.
+        launch = LaunchTraffic(kernel=name) if self.bounds is not None and not benchmark \
+            else None
+        if launch is not None:
+            self._note_captured(args)
+        with self._checked(name, args, launch):
             try:
                 fn[tuple(grid)](**args, **options)
             except ReplayError:
@@ -377,14 +449,29 @@ class Replayer:
                     raise inner from None
                 raise ReplayError("kernel", f"{type(inner).__name__}: {inner}", kernel=name,
                                   cause=exc) from None
+        if launch is not None:
+            self.traffic.append(launch)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         for arg, value in saved.items():
             args[arg].copy_(value)
         self.launches += 1
 
+    def _note_captured(self, args: dict[str, Any]) -> None:
+        """Remember the captured storages (parameters, buffers) a launch was given: each
+        is read at least once by a minimal kernel (``bytes_min``)."""
+        for storage_id in self._captured:
+            storage = self.storages.get(storage_id)
+            if storage is None or storage_id in self.captured_used:
+                continue
+            for value in args.values():
+                for t in values.flat_tensors(value):
+                    if t.untyped_storage()._cdata == storage._cdata:
+                        self.captured_used[storage_id] = storage.nbytes()
+
     @contextlib.contextmanager
-    def _checked(self, name: str, args: dict[str, Any]) -> Iterator[None]:
+    def _checked(self, name: str, args: dict[str, Any],
+                 launch: LaunchTraffic | None = None) -> Iterator[None]:
         if self.bounds is None:
             yield
             return
@@ -396,10 +483,12 @@ class Replayer:
                     ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(),
                                    arg))
         self.bounds.set_ranges(ranges, name)
+        self.bounds.count = launch
         try:
             yield
         finally:
             self.bounds.set_ranges([], "")
+            self.bounds.count = None
 
 
 def _unwrap(exc: BaseException) -> BaseException:

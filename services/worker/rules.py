@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.targets import TARGETS
+
 
 @dataclass(frozen=True)
 class DynamicRule:
@@ -150,19 +152,10 @@ def op_packet(name: str) -> str:
 
 
 # Peak memory bandwidth per arch, bytes per second (the `arch` label of a request,
-# lower-case). Sources: NVIDIA H100 Tensor Core GPU datasheet (H100 SXM 3.35 TB/s,
-# H100 NVL 3.9 TB/s, H100 PCIe 2 TB/s), NVIDIA H200 datasheet (4.8 TB/s), NVIDIA A100
-# datasheet (A100 80GB SXM 2.039 TB/s, A100 40GB 1.555 TB/s). To add an arch, add its
-# label with the datasheet's peak HBM/GDDR bandwidth and cite the datasheet here.
-PEAK_BANDWIDTH: dict[str, float] = {
-    "h100": 3.35e12,
-    "h100_sxm": 3.35e12,
-    "h100_pcie": 2.0e12,
-    "h200": 4.8e12,
-    "a100": 2.039e12,
-    "a100_80gb": 2.039e12,
-    "a100_40gb": 1.555e12,
-}
+# lower-case), from the datasheets cited in services/worker/targets.py (the one table
+# of GPU facts).
+PEAK_BANDWIDTH: dict[str, float] = {name: t.bandwidth_bytes_s for name, t in TARGETS.items()
+                                    if t.bandwidth_bytes_s}
 
 
 def roofline_floor_us(nbytes: int, arch: str) -> float | None:

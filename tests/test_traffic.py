@@ -1,0 +1,165 @@
+"""Counted traffic and the GPU time model (services/worker/traffic.py), in this process:
+the formulas, the eager graph's count, and the interpreter's counts of real kernels."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from schemas.events import EagerCount, LaunchTraffic
+from services.worker import traffic
+from services.worker.targets import TARGETS, target_for
+
+
+def test_modeled_time_follows_from_the_counts_and_the_arch_table() -> None:
+    h100 = TARGETS["h100"]
+    # Memory-bound: 64 MiB at 3.35 TB/s, two launches of 3 us.
+    nbytes = 64 << 20
+    assert traffic.modeled_time_us(nbytes, {}, 2, h100) == pytest.approx(
+        nbytes / 3.35e12 * 1e6 + 2 * 3.0)
+    # Compute-bound: a 4096^3 tf32 product (2 * 4096^3 FLOPs at 494.7 TFLOP/s).
+    flops = 2 * 4096 ** 3
+    assert traffic.modeled_time_us(3 * 4096 * 4096 * 4, {"tf32": flops}, 1, h100) == \
+        pytest.approx(flops / 494.7e12 * 1e6 + 3.0)
+    # A dtype the table has no peak for is modeled at the fp32 peak.
+    assert traffic.modeled_time_us(0, {"fp64": 67e6}, 0, h100) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no bandwidth"):
+        traffic.modeled_time_us(1, {}, 1, type(h100)("bare", 90, 1, 1))
+
+
+def test_summary_ratio_flops_and_model_fields() -> None:
+    launches = [LaunchTraffic(kernel="k", loaded=800, stored=400, flops=100,
+                              dot_flops={"tf32": 1000}),
+                LaunchTraffic(kernel="aten.copy_.default", loaded=400, stored=400)]
+    eager = EagerCount(bytes=4000, dot_flops={"fp32": 1000}, launches=3)
+    summary = traffic.summarize(launches, bytes_min=1200, eager=eager,
+                                target=target_for("h200"))
+    assert (summary.bytes_moved, summary.launches, summary.flops) == (2000, 2, 1100)
+    assert summary.traffic_ratio == pytest.approx(2000 / 1200, rel=1e-3)
+    assert summary.model_arch == "h200"
+    assert summary.modeled_time_us == pytest.approx(
+        traffic.modeled_time_us(2000, {"tf32": 1000}, 2, TARGETS["h200"]), rel=1e-3)
+    assert summary.modeled_speedup == pytest.approx(
+        summary.modeled_eager_time_us / summary.modeled_time_us, rel=1e-3)
+    bare = traffic.summarize(launches, bytes_min=0, eager=None, target=None)
+    assert bare.traffic_ratio is None and bare.modeled_time_us is None
+
+
+def test_counts_that_cannot_describe_matched_outputs_are_named() -> None:
+    summary = traffic.summarize([LaunchTraffic(kernel="k", loaded=10, stored=8)], 18, None,
+                                None)
+    assert traffic.check_counts(summary, output_bytes=8) is None
+    assert "stored 8 bytes but its outputs hold 16" in traffic.check_counts(summary, 16)
+
+
+def test_dot_dtypes_name_the_peak_they_run_at() -> None:
+    assert traffic.dot_dtype(torch.float32, ieee=False) == "tf32"
+    assert traffic.dot_dtype("fp32", ieee=True) == "fp32"
+    assert traffic.dot_dtype(torch.bfloat16, ieee=False) == "bf16"
+    assert traffic.dot_dtype("fp8e4nv", ieee=False) == "fp8"
+
+
+def test_operator_traffic_of_copies_views_and_allocations() -> None:
+    x = torch.ones(8, 4)
+    aten = torch.ops.aten
+    assert traffic.op_traffic(aten.view.default, (x, [32]), {}, x.view(32)) is None
+    assert traffic.op_traffic(aten.empty.memory_format, ([8],), {}, torch.empty(8)) is None
+    y = torch.empty(8, 4)
+    assert traffic.op_traffic(aten.copy_.default, (y, x), {}, y) == (128, 128)
+    assert traffic.op_traffic(aten.clone.default, (x,), {}, x.clone()) == (128, 128)
+    assert traffic.op_traffic(aten.zeros.default, ([8, 4],), {}, y) == (0, 128)
+
+
+def test_the_eager_graph_is_counted_on_fake_tensors_as_on_real_ones() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    weight = torch.randn(32, 16)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ weight)
+
+    x = torch.randn(8, 32)
+    with traffic.EagerCounter() as real:
+        out = forward(x)
+    assert torch.equal(out, torch.relu(x @ weight))  # results unchanged
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake_x = torch.randn(8, 32)
+        with traffic.EagerCounter() as fake:
+            forward(fake_x)
+    # mm reads x and the weight and writes 8 x 16; relu reads and writes 8 x 16.
+    expected = (8 * 32 + 32 * 16 + 8 * 16) * 4 + 2 * 8 * 16 * 4
+    for counter in (real, fake):
+        assert counter.count.bytes == expected
+        assert counter.count.launches == 2
+        assert counter.count.dot_flops == {"fp32": 2 * 8 * 16 * 32}
+
+
+@pytest.fixture(scope="module")
+def interpreter_counts():
+    """The interpreter with the replayer's counters installed (this process runs Triton in
+    its interpreter for the rest of the module's tests)."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from services.worker.replay import install_bounds_checks
+
+    bounds = install_bounds_checks()
+
+    def count(name: str, launch, tensors: list[torch.Tensor]) -> LaunchTraffic:
+        bounds.set_ranges([(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr()
+                            + t.untyped_storage().nbytes(), str(i))
+                           for i, t in enumerate(tensors)], name)
+        bounds.count = LaunchTraffic(kernel=name)
+        try:
+            launch()
+            return bounds.count
+        finally:
+            bounds.count = None
+            bounds.set_ranges([], "")
+
+    return count
+
+
+def test_interpreted_loads_and_stores_are_counted_without_masked_lanes(
+        interpreter_counts) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def relu(x, y, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(y + offsets, tl.maximum(tl.load(x + offsets, mask=mask), 0.0), mask=mask)
+
+    @triton.jit
+    def relu_reading_twice(x, y, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < n
+        a = tl.load(x + offsets, mask=mask)
+        b = tl.load(x + offsets, mask=mask)
+        tl.store(y + offsets, tl.maximum(a, b * 0.0), mask=mask)
+
+    x, y = torch.randn(1000), torch.empty(1000)
+    got = interpreter_counts("relu", lambda: relu[(4,)](x, y, 1000, BLOCK=256), [x, y])
+    assert (got.loaded, got.stored) == (4000, 4000)  # 1000 lanes of 4 bytes, not 1024
+    assert got.flops == 1024  # tl.maximum on every lane of the 4 blocks
+    twice = interpreter_counts("twice", lambda: relu_reading_twice[(4,)](x, y, 1000, BLOCK=256),
+                               [x, y])
+    assert (twice.loaded, twice.stored) == (8000, 4000)
+
+
+def test_interpreted_dot_flops_are_counted(interpreter_counts) -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def matmul(a, b, c, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
+        rows, cols, ks = tl.arange(0, M), tl.arange(0, N), tl.arange(0, K)
+        tile_a = tl.load(a + rows[:, None] * K + ks[None, :])
+        tile_b = tl.load(b + ks[:, None] * N + cols[None, :])
+        tl.store(c + rows[:, None] * N + cols[None, :], tl.dot(tile_a, tile_b))
+
+    a, b, c = torch.randn(16, 32), torch.randn(32, 16), torch.empty(16, 16)
+    got = interpreter_counts("matmul", lambda: matmul[(1,)](a, b, c, 16, 16, 32), [a, b, c])
+    assert got.dot_flops == {"tf32": 2 * 16 * 16 * 32}
+    assert (got.loaded, got.stored) == ((16 * 32 + 32 * 16) * 4, 16 * 16 * 4)
