@@ -19,6 +19,7 @@ from services.sandbox import child as _child
 from services.sandbox import wire
 from services.sandbox.pool import captured_output, clean_environment, describe_exit
 from services.worker import correctness
+from services.worker.procedure import Outcome, Timings
 from services.worker.verifier import Verifier, _Verdict, speedup_fields
 from tests.helpers import RELU_TASK
 
@@ -298,8 +299,8 @@ def test_timings_larger_than_wall_time_are_inconsistent(verifier):
     timing = wire.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
     with pytest.raises(_Verdict) as info:
         verifier._check_timing(timing, time.monotonic(), "the candidate")
-    assert info.value.fields["stage"] == "infrastructure"
-    assert info.value.fields["error"].startswith("timings inconsistent")
+    assert info.value.outcome.stage == "infrastructure"
+    assert info.value.outcome.error.startswith("timings inconsistent")
     # 20 ms of samples after 1 s of wall time is consistent.
     verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate")
 
@@ -458,11 +459,15 @@ def test_captured_output_is_capped(tmp_path):
 
 
 def test_speedup_flagging():
-    fields = speedup_fields(1000.0, 100.0, bound=50.0)
-    assert fields == {"base_time_us": 1000.0, "speedup": 10.0, "error": None}
+    timings = speedup_fields(1000.0, 100.0, bound=50.0)
+    assert timings == Timings(base_time_us=1000.0, gen_time_us=100.0, speedup=10.0, flag=None)
     flagged = speedup_fields(1000.0, 10.0, bound=50.0)
-    assert flagged["speedup"] == 100.0
-    assert flagged["error"].startswith("flagged: speedup 100.0 exceeds the bound 50")
+    assert flagged.speedup == 100.0
+    assert flagged.flag.startswith("flagged: speedup 100.0 exceeds the bound 50")
+    # The flag becomes the passed outcome's error; the pass stands.
+    outcome = Outcome(passed=True, trials=3).timed(flagged)
+    assert outcome.passed and outcome.error == flagged.flag and outcome.gen_time_us == 10.0
+    assert speedup_fields(1000.0, 0.0, bound=50.0).speedup == float("inf")
 
 
 def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):

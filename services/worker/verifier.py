@@ -63,7 +63,7 @@ from services.worker.cache import (
     Versions,
     baseline_key,
 )
-from services.worker.procedure import Procedure, Verdict
+from services.worker.procedure import Outcome, Procedure, Timings, Verdict
 from services.worker.rules import impossible_timing
 from services.worker.static_check import check_candidate
 from services.worker.targets import GpuTarget
@@ -129,19 +129,22 @@ class _BaseTime:
     origin: str
 
 
-def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> dict[str, Any]:
-    """``base_time_us``, ``speedup`` and ``error`` of a passed, profiled result.
+def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> Timings:
+    """The times of a passed, profiled result (microseconds) and their speedup
+    ``base_time_us / gen_time_us`` (infinite when ``gen_time_us`` is not positive).
 
-    A speedup above ``bound`` keeps the pass but sets ``error`` to ``flagged: ...``:
-    the numbers matched, yet such a speedup over eager PyTorch usually means skipped
-    work or a gamed timer, so someone should look before trusting it.
+    A speedup above ``bound`` keeps the pass but sets ``flag`` (the result's
+    ``error``) to ``flagged: ...``: the numbers matched, yet such a speedup over eager
+    PyTorch usually means skipped work or a gamed timer, so someone should look before
+    trusting it (setting ``speedup_flag_bound``).
     """
     speedup = base_time_us / gen_time_us if gen_time_us > 0 else math.inf
-    error = None
+    flag = None
     if speedup > bound:
-        error = (f"flagged: speedup {speedup:.1f} exceeds the bound {bound:g}; check that "
-                 "the kernel does all the work and does not game the timer before trusting it")
-    return {"base_time_us": base_time_us, "speedup": speedup, "error": error}
+        flag = (f"flagged: speedup {speedup:.1f} exceeds the bound {bound:g}; check that "
+                "the kernel does all the work and does not game the timer before trusting it")
+    return Timings(base_time_us=base_time_us, gen_time_us=gen_time_us, speedup=speedup,
+                   flag=flag)
 
 
 def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | None) -> str:
@@ -372,27 +375,26 @@ class Verifier:
         clock = PhaseClock()
         provenance: dict[str, Any] = {}
         try:
-            fields = await self._verify(request, device, clock, provenance)
+            outcome = await self._verify(request, device, clock, provenance)
         except Verdict as verdict:
-            fields = verdict.fields
+            outcome = verdict.outcome
         except Exception as exc:
             log.exception("verify.worker_error", request_id=request.request_id)
-            fields = {"passed": False, "stage": "infrastructure",
-                      "error": f"worker error: {type(exc).__name__}: {exc}"}
+            outcome = Outcome(stage="infrastructure",
+                              error=f"worker error: {type(exc).__name__}: {exc}")
         clock.lap("verdict")
-        result = VerifyResult(
+        result = outcome.result(
             request_id=request.request_id, job_id=request.job_id,
             candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
             interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
-            phases={k: round(v, 6) for k, v in clock.spans.items()},
-            **{**provenance, **fields})
+            phases={k: round(v, 6) for k, v in clock.spans.items()}, **provenance)
         log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
                  candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
                  duration_s=round(result.duration_s, 3))
         return result
 
     async def _verify(self, request: VerifyRequest, device: str, clock: PhaseClock,
-                      provenance: dict[str, Any]) -> dict[str, Any]:
+                      provenance: dict[str, Any]) -> Outcome:
         if request.backend != self.backend:
             raise Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
                           f"request is for {request.backend}")
@@ -416,15 +418,17 @@ class Verifier:
                              result="miss").inc()
         procedure = Procedure(self, request, device, clock)
         try:
-            fields = await procedure.run()
+            outcome = await procedure.run()
         except Verdict as verdict:
-            verdict.fields["log"] = _join_log(procedure.output_log(),
-                                              verdict.fields.get("log", ""),
-                                              limit=self.output_limit_bytes)
-            verdict.fields.setdefault("trials", procedure.compared)
-            verdict.fields.setdefault("notes", procedure.notes)
-            if "main" in procedure.sizes:
-                verdict.fields.setdefault("sizes_checked", procedure._checked_sizes())
+            failed = verdict.outcome
+            failed.log = _join_log(procedure.output_log(), failed.log or "",
+                                   limit=self.output_limit_bytes)
+            if failed.trials is None:
+                failed.trials = procedure.compared
+            if failed.notes is None:
+                failed.notes = procedure.notes
+            if failed.sizes_checked is None and "main" in procedure.sizes:
+                failed.sizes_checked = procedure._checked_sizes()
             raise
         finally:
             await procedure.close()
@@ -433,11 +437,11 @@ class Verifier:
             await settle_children()
         provenance.update(getattr(procedure, "provenance", {}))
         if request.mode == "profile" and self.backend == "cpu":
-            fields["log"] = _join_log(
-                fields.get("log", ""), "profile: no timings on the cpu backend (Triton runs "
+            outcome.log = _join_log(
+                outcome.log or "", "profile: no timings on the cpu backend (Triton runs "
                 "in its interpreter; times would not mean anything)",
                 limit=self.output_limit_bytes)
-        return fields
+        return outcome
 
     # ------------------------------------------------------------ compile check
 
@@ -487,9 +491,9 @@ class Verifier:
         return baseline_key(task_sha256=task_sha, shapes=overrides, backend=self.backend,
                             arch=request.arch, versions=self.versions)
 
-    async def profile(self, procedure: Procedure) -> dict[str, Any]:
+    async def profile(self, procedure: Procedure) -> Timings:
         """Time the candidate (its launches running) and the eager baseline on this
-        device; the fields of a profiled result.
+        device: median times, microseconds, and the speedup (:func:`speedup_fields`).
 
         Raises:
             Verdict: (audit) the timed run launched other kernels than the verified
@@ -538,9 +542,7 @@ class Verifier:
                           gen_time_us=timing.median_us, trials=procedure.compared)
         procedure.provenance = {"baseline_source": origin, "baseline_age_s": round(
             max(0.0, (utcnow() - base.measured_at).total_seconds()), 3)}
-        fields = {"gen_time_us": timing.median_us,
-                  **speedup_fields(base.median_us, timing.median_us, self.speedup_flag_bound)}
-        return fields
+        return speedup_fields(base.median_us, timing.median_us, self.speedup_flag_bound)
 
     async def cached_baseline(self, request: VerifyRequest) -> tuple[_BaseTime | None, str]:
         """The eager baseline of ``request``'s task, arch and shapes from this process

@@ -1,0 +1,245 @@
+"""Which sizes one verification checks, and the models and dry runs it takes.
+
+:class:`SizeChoice` is the part of :class:`~services.worker.procedure.core.Procedure`
+that answers the reference's size frames, builds ``ModelNew`` in the planner at each
+size, dry-runs ``forward`` on meta tensors, and picks the sizes checked besides the
+requested ones: the task's own when they fit the worker's budget, else a size
+congruent with them, and an awkward size for ``shape_generic``. The rules it applies
+(extents, congruence modulo block sizes, the candidates of the search) are
+:mod:`services.worker.sizes`; this module only runs them against the children.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.sandbox import wire
+from services.worker import inputs as trial_inputs
+from services.worker import sizes as size_rules
+from services.worker.children import ChildFailed
+from services.worker.procedure.outcome import Verdict
+from services.worker.procedure.state import CheckedSize, format_bytes
+
+# The second and shape-generality sizes on cpu: at most this many input bytes, so the
+# interpreter finishes in seconds.
+CPU_CHECK_BYTES = 1 << 20
+# Rounds of the search for a size congruent with the task's own.
+_SEARCH_ROUNDS = 6
+# Candidate address space beyond the forked child's own, as a multiple of its task's
+# input + output bytes, plus slack for libraries (an interpreted elementwise kernel on
+# 128 MiB grew the address space by 1.6x its inputs + outputs; 8x leaves room).
+ADDRESS_SPACE_SLACK = 2 << 30
+ADDRESS_SPACE_FACTOR = 8
+
+
+class SizeChoice:
+    """Sizes, models and dry runs of a :class:`~services.worker.procedure.core.Procedure`
+    (a mixin: its state is the procedure's)."""
+
+    def _size_answer(self, size: CheckedSize, frame: wire.RefSize, raws: list[bytearray],
+                     limit: int | None) -> None:
+        size.names = dict(frame.size_names)
+        size.input_bytes = frame.input_bytes
+        if frame.refused:
+            raise Verdict("infrastructure", f"task inputs need "
+                          f"{format_bytes(frame.input_bytes)} (limit "
+                          f"{format_bytes(limit or 0)}); "
+                          f"{self.v.size_hint(frame.input_bytes, limit or 0, size.names)}")
+        size.init = (frame.init, raws)
+        if size.key == "main":
+            self.declared = frame.declared
+
+    def _address_space(self, size: CheckedSize) -> int | None:
+        if self.v.backend != "cpu":
+            return None
+        data = max(size.input_bytes, CPU_CHECK_BYTES)
+        return ADDRESS_SPACE_FACTOR * 2 * data + ADDRESS_SPACE_SLACK
+
+    async def _build(self, size: CheckedSize, meta: tuple[Any, Any] | None = None) -> str | None:
+        """Build ModelNew at ``size`` in the planner; the constructor's error when it
+        failed at the shape-generality size (or on meta), else None."""
+        optional = size.key == "generic"
+        if meta is None:
+            init, raws = size.init
+            await self.planner.send(wire.PlanBuild(key=size.key, init=init,
+                                                   optional=optional), raws)
+        else:
+            await self.planner.send(wire.PlanBuild(key=size.key, init=meta[0], meta=True))
+        built, _ = await self._await("candidate", "built", size.key)
+        return built.error
+
+    async def _dry_run(self, key: str, overrides: dict[str, Any]) -> tuple[
+            list[dict[str, Any]] | None, str | None, int, dict[str, Any]]:
+        """The launches ``forward`` makes at ``overrides`` on meta tensors (or why not),
+        those sizes' input bytes and size names."""
+        if key != "real":
+            await self.ref.send(wire.RefRequest(key=key, overrides=overrides, meta_only=True))
+        try:
+            frame, _ = await self._await("reference", "meta", key)
+        except ChildFailed as exc:
+            if exc.who != "reference" or self.ref.failure is not None:
+                raise
+            return None, f"the task cannot be built on meta tensors: {exc.message}", 0, {}
+        launches, error = await self._dry_run_meta(key, frame)
+        return launches, error, frame.input_bytes, dict(frame.size_names)
+
+    async def _dry_run_meta(self, key: str, frame: Any) -> tuple[list[dict[str, Any]] | None,
+                                                                 str | None]:
+        await self._build(CheckedSize(key, {}), meta=(frame.init, frame.inputs))
+        await self.planner.send(wire.PlanDryRun(key=key, inputs=frame.inputs))
+        dry, _ = await self._await("candidate", "dry", key)
+        return (dry.launches if dry.error is None else None), dry.error
+
+    def _budget(self, main: CheckedSize) -> int:
+        limit = self.v.memory_limit_bytes
+        if self.v.backend == "cpu":
+            return min(limit or CPU_CHECK_BYTES, max(CPU_CHECK_BYTES, main.input_bytes))
+        return limit or max(main.input_bytes, CPU_CHECK_BYTES)
+
+    async def _choose_sizes(self, main: CheckedSize) -> list[CheckedSize]:
+        """The sizes checked besides the requested ones: the task's own when they fit,
+        else one congruent with them when the requested sizes are not (see
+        :mod:`services.worker.sizes`); and the shape-generality size. Records the task's
+        own launches (for the compile check) when they are only dry-run."""
+        extra: list[CheckedSize] = []
+        budget = self._budget(main)
+        if self.request.shape_overrides:
+            meta, _ = await self._meta("real")
+            own = None
+            if meta is not None and meta.input_bytes <= budget:
+                own = await self._second("second", {})
+            if own is not None:
+                extra.append(own)
+            elif meta is not None:
+                found = await self._congruence(main, meta, budget)
+                if found is not None:
+                    extra.append(found)
+        generic = await self._generic_size(main, budget)
+        if generic is not None:
+            extra.append(generic)
+        return extra
+
+    async def _meta(self, key: str) -> tuple[Any, str | None]:
+        try:
+            frame, _ = await self._await("reference", "meta", key)
+        except ChildFailed as exc:
+            if exc.who != "reference" or self.ref.failure is not None:
+                raise
+            self.unchecked.append(f"the task's own sizes: the task cannot be built on meta "
+                                  f"tensors ({exc.message}), so what runs there was not "
+                                  "dry-run")
+            return None, exc.message
+        return frame, None
+
+    async def _congruence(self, main: CheckedSize, meta: Any, budget: int) -> CheckedSize | None:
+        """The task's own sizes do not fit: dry-run them and the requested ones, and
+        check a congruent size when the requested one is not."""
+        constexprs = self.kernels.constexpr_params
+        launches, error = await self._dry_run_meta("real", meta)
+        if launches is None:
+            self.unchecked.append(f"the task's own sizes: forward could not be dry-run there "
+                                  f"({error})")
+            return None
+        self.real_launches = launches
+        main_launches, main_error, _, _ = await self._dry_run("main:dry", main.overrides)
+        if main_launches is None:
+            self.unchecked.append(f"the requested sizes could not be dry-run ({main_error}), "
+                                  "so they were not compared with the task's own")
+            return None
+        reason = size_rules.congruent(launches, main_launches, constexprs)
+        if reason is None:
+            self.notes.append("the task's own sizes do not fit this worker; a dry run there "
+                              "launches the same kernels, congruently, as the checked sizes")
+            return None
+        return await self._congruent_size(dict(meta.size_names), meta.input_bytes, launches,
+                                          budget, reason)
+
+    async def _congruent_size(self, real_names: dict[str, Any], real_bytes: int,
+                              launches: list[dict[str, Any]], budget: int,
+                              reason: str) -> CheckedSize | None:
+        constexprs = self.kernels.constexpr_params
+        m = size_rules.launch_modulus(launches, constexprs)
+        current = {k: v for k, v in real_names.items() if size_rules.is_extent(k)}
+        current_bytes = real_bytes
+        tries = 0
+        for _ in range(_SEARCH_ROUNDS):
+            best = None
+            for candidate in size_rules.congruent_candidates(current, m):
+                tries += 1
+                found, _, nbytes, _ = await self._dry_run(f"probe{tries}", candidate)
+                if found is None or size_rules.congruent(launches, found, constexprs):
+                    continue
+                if best is None or nbytes < best[1]:
+                    best = (candidate, nbytes)
+            if best is None:
+                break
+            current, current_bytes = best
+            if current_bytes <= budget:
+                break
+        if current_bytes <= budget and size_rules.changed(current, real_names):
+            size = await self._second("second", current)
+            if size is not None:
+                self.notes.append(f"the requested sizes are not congruent with the task's "
+                                  f"own ({reason}); {size_rules.text(current)} is, and was "
+                                  "checked too")
+                return size
+        self.unchecked.append(f"{reason}; no size within the worker's budget "
+                              f"({format_bytes(budget)}) launches what the task's own sizes "
+                              "launch, so that path was not checked")
+        return None
+
+    async def _second(self, key: str, overrides: dict[str, Any]) -> CheckedSize | None:
+        try:
+            return await self._reference_size(key, overrides)
+        except ChildFailed as exc:
+            if exc.who != "reference" or self.ref.failure is not None:
+                raise
+            self.notes.append(f"the task's Model fails at {size_rules.text(overrides)}: "
+                              f"{exc.message}")
+            return None
+
+    async def _reference_size(self, key: str, overrides: dict[str, Any],
+                              limit: int | None = None) -> CheckedSize | None:
+        """Ask the reference for one trial (and its decoy) at ``overrides``: the sizes,
+        or None when their inputs exceed ``limit``.
+
+        Raises:
+            ChildFailed: the task's own code fails at these sizes.
+        """
+        size = CheckedSize(key, overrides)
+        self.ref.forget(key)
+        seed, decoy = trial_inputs.draw_seeds(2)
+        await self.ref.send(wire.RefRequest(
+            key=key, overrides=overrides, input_limit_bytes=limit,
+            trials=[wire.RefTrialSpec(index=0, seed=decoy, decoy=True),
+                    wire.RefTrialSpec(index=0, seed=seed, distribution=self.schedule[0].name)]),
+            answers=4)
+        frame, raws = await self._await("reference", "size", key)
+        if frame.refused:
+            return None
+        self._size_answer(size, frame, raws, limit)
+        self.sizes[key] = size
+        return size
+
+    async def _generic_size(self, main: CheckedSize, budget: int) -> CheckedSize | None:
+        base = {k: v for k, v in main.names.items() if size_rules.is_extent(k)}
+        for factor in (0.75, 0.5, 0.25, 0.125):
+            awkward = size_rules.awkward_sizes(base, factor)
+            if not size_rules.changed(awkward, base):
+                self.notes.append("shape generality not checked: the task has no extents "
+                                  "to vary")
+                return None
+            overrides = {**main.overrides, **awkward}
+            try:
+                size = await self._reference_size("generic", overrides, limit=budget)
+            except ChildFailed as exc:
+                if exc.who != "reference" or self.ref.failure is not None:
+                    raise
+                self.notes.append(f"shape generality not checked: the task's Model fails at "
+                                  f"{size_rules.text(awkward)}: {exc.message}")
+                return None
+            if size is not None:
+                self.shape_generic_sizes = awkward
+                return size
+        self.notes.append("shape generality not checked: no awkward size fits the budget")
+        return None

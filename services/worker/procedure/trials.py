@@ -1,0 +1,361 @@
+"""The trials of one verification: planning each call, replaying it, judging it, and
+the variants of the first call.
+
+:class:`TrialRuns` is the part of :class:`~services.worker.procedure.core.Procedure`
+that queues the calls (the trials, the task's declared shapes, the other sizes), has
+the planner trace each on its decoy while the reference makes the real inputs, posts
+each plan to a replayer (:mod:`services.worker.replay`) and judges the replayed
+outputs against the reference's (:mod:`services.worker.correctness`): emptiness (rule
+D010), inputs left unchanged, no aliasing, values within tolerance, and the ghost
+check (outputs matching without the kernels: stage ``audit``). The variants are the
+first call again without its launches (rule D003) and with every autotune config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import torch
+
+from services.sandbox import values, wire
+from services.worker import inputs as trial_inputs
+from services.worker import sizes as size_rules
+from services.worker._reference import digest
+from services.worker.children import decode_tensor
+from services.worker.correctness import compare_outputs, compared_elements
+from services.worker.procedure.outcome import STAGES, Verdict
+from services.worker.procedure.state import Trial, constant, outputs_of
+from services.worker.rules import op_packet
+
+
+class TrialRuns:
+    """Trials and variants of a :class:`~services.worker.procedure.core.Procedure` (a
+    mixin: its state is the procedure's)."""
+
+    async def _queue_trials(self, declared: int) -> None:
+        """The calls to plan, in order: the trials, the task's declared shapes (on the
+        requested model), the congruent and the shape-generality sizes."""
+        for i in range(self.trials):
+            self._add_trial("main", i, "main")
+        if declared:
+            specs = []
+            for d in range(declared):
+                seed, decoy = trial_inputs.draw_seeds(2)
+                specs.append(wire.RefTrialSpec(index=d, seed=decoy, decoy=True, declared=d))
+                specs.append(wire.RefTrialSpec(index=d, seed=seed, declared=d,
+                                               distribution=self.schedule[0].name))
+                self._add_trial("declared", d, "main")
+            await self.ref.send(wire.RefRequest(key="declared",
+                                                overrides=self.sizes["main"].overrides,
+                                                trials=specs), answers=2 + len(specs))
+        for key in ("second", "generic"):
+            if key in self.sizes:
+                self._add_trial(key, 0, key)
+
+    def _add_trial(self, key: str, index: int, model: str) -> None:
+        trial = Trial(key, index, model)
+        self.trials_by_key[key, index] = trial
+        self.order.append(trial)
+
+    async def _plan_all(self) -> None:
+        """Plan every call in order; each plan goes to the replayer as it comes."""
+        for trial in self.order:
+            if trial.key == "declared" and trial.index == 0:
+                await self._await("reference", "size", "declared")
+            trial.decoy = await self._await("reference", "trial", trial.key, trial.index, True)
+            frame, raws = trial.decoy
+            count = len(values.raw_refs(frame.inputs))
+            await self.planner.send(wire.PlanCall(key=trial.key, index=trial.index,
+                                                  model=trial.model, inputs=frame.inputs),
+                                    raws[:count])
+            trial.traced = await self._await("candidate", "traced", trial.key, trial.index)
+            trial.real = await self._await("reference", "trial", trial.key, trial.index, False)
+            first = self.first_call is None
+            if first:
+                self.first_call = trial
+                self._start_compile()
+            # The other sizes' single calls run from a fresh state: the side replayer
+            # may have run the first call's variants before them.
+            await self._replay(trial, "run", config=trial.index if trial.key == "main" else None,
+                               fresh=self.replayer_of(trial) == "replay:side")
+            if first:
+                await self._request_variants(trial)
+
+    async def _replay(self, trial: Trial, label: str, *, fresh: bool = False,
+                      skip_launches: bool = False, config: int | None = None) -> None:
+        traced, traced_raws = trial.traced
+        real, real_raws = trial.real
+        count = len(values.raw_refs(real.inputs))
+        captures = traced_raws[:len(traced.captures)]
+        # A fresh state is the side replayer's (the variants, the other sizes).
+        replayer = "replay:side" if fresh else self.replayer_of(trial)
+        # Posted: the planner goes on with the next call while the replayer is busy.
+        self.children[replayer].post(wire.ReplayRequest(
+            key=trial.key, index=trial.index, label=label, events=traced.events,
+            captures=traced.captures, inputs=traced.inputs, real=real.inputs,
+            outputs=traced.outputs, fresh=fresh, skip_launches=skip_launches, config=config),
+            captures + real_raws[:count])
+
+    async def _judge_all(self) -> None:
+        for trial in self.order:
+            if trial.key == "main":
+                await self._judge(trial, "run")
+                if trial.index == self.trials - 1:
+                    self.clock.lap("trials")
+                continue
+            try:
+                await self._judge(trial, "run")
+            except Verdict as verdict:
+                sizes = self.sizes.get(trial.key)
+                where = {"second": "at the task's own sizes" if sizes is not None and not
+                         sizes.overrides else "at sizes congruent with the task's own",
+                         "declared": f"at the task's declared shape {trial.index}",
+                         "generic": "at the shape-generality sizes"}[trial.key]
+                label = f" ({size_rules.text(sizes.names)})" if sizes else ""
+                outcome = verdict.outcome
+                outcome.sizes_checked = self._checked_sizes()
+                if trial.key == "generic":
+                    self.shape_generic = False
+                    self.shape_generic_error = f"{outcome.error}"
+                    continue
+                outcome.error = f"{where}{label}: {outcome.error}"
+                raise
+            if trial.key == "generic":
+                self.shape_generic = True
+
+    async def _judge(self, trial: Trial, label: str, *, quick: bool = False
+                     ) -> wire.Replayed:
+        # The replay was asked for once the plan and the real inputs were in.
+        replayer = "replay:side" if label != "run" else self.replayer_of(trial)
+        frame, raws = await self._await(replayer, "replay", trial.key, trial.index, label)
+        real, real_raws = trial.real
+        count = len(values.raw_refs(real.inputs))
+        expected = outputs_of(real, real_raws, skip=count)
+        where = f"trial {trial.index}" if trial.key == "main" else f"the {trial.key} trial"
+        if trial.key == "main" and label == "run":
+            self._check_nonempty(real, expected, where)
+        if isinstance(frame, wire.ReplayFailed):
+            raise Verdict(frame.stage if frame.stage in STAGES else "runtime",
+                          frame.message, log=frame.traceback, trials=self.compared)
+        got = outputs_of(frame, raws)
+        if quick:
+            return frame, got, expected
+        traced = trial.traced[0]
+        problem = self._refusals(traced.refused, traced.refused_ops)
+        if problem is not None:
+            raise problem
+        self._check_inputs(trial, frame, raws, where)
+        self._check_aliasing(trial, real, where)
+        comparison = await asyncio.to_thread(compare_outputs, expected, got, self.v.backend)
+        if not comparison.passed:
+            raise await self._mismatch(trial, comparison, where)
+        if trial.key == "main":
+            self.compared += 1
+            self.distributions.append(real.distribution + (f" ({real.fallback})"
+                                                           if real.fallback else ""))
+            if comparison.outputs and self.tolerance is None:
+                self.tolerance = comparison.outputs[0].tolerance
+            for name in self.errors:
+                value = getattr(comparison, name)
+                if value is not None:
+                    self.errors[name] = value if self.errors[name] is None else max(
+                        self.errors[name], value)
+            await self._check_ghost(trial, expected)
+        return frame
+
+    def _check_nonempty(self, real: wire.RefTrial, expected: list[torch.Tensor],
+                        where: str) -> None:
+        """Rule D010: a trial that compares no elements never passes."""
+        total, empty = compared_elements(expected)
+        overrides = json.dumps(self.request.shape_overrides, sort_keys=True)
+        if total == 0:
+            raise Verdict("infrastructure", f"nothing to compare: the reference "
+                          f"{empty or 'returned no outputs'} (no elements) at shape_overrides "
+                          f"{overrides}; pass sizes above zero")
+        for i, node in enumerate(values.tensors_in(real.inputs)):
+            if math.prod(node["z"]) == 0:
+                raise Verdict("infrastructure", f"nothing to compare: input {i} has shape "
+                              f"{tuple(node['z'])} (no elements) in {where}; pass "
+                              "shape_overrides with sizes above zero")
+
+    def _check_inputs(self, trial: Trial, frame: wire.Replayed, raws: list[bytearray],
+                      where: str) -> None:
+        real = trial.real[0]
+        after = raws[len(frame.outputs):]
+        for i, (meta, data) in enumerate(zip(frame.inputs_after, after, strict=False)):
+            if meta is None or i >= len(real.inputs_after):
+                continue
+            if digest(decode_tensor(meta, data)) != real.inputs_after[i]:
+                raise Verdict("mismatch", f"candidate modified input {i} in place during "
+                              f"{where}; kernels must leave their inputs unchanged and write "
+                              "only to tensors they allocate", trials=self.compared + 1)
+
+    def _check_aliasing(self, trial: Trial, real: wire.RefTrial, where: str) -> None:
+        traced = trial.traced[0]
+        inputs = {n["s"]: i for i, n in enumerate(values.tensors_in(traced.inputs))}
+        outputs = values.tensors_in(traced.outputs)
+        seen: dict[int, int] = {}
+        for i, node in enumerate(outputs):
+            storage = node["s"]
+            if storage in inputs and not real.aliasing:
+                raise Verdict("mismatch", f"output {i} shares memory with input "
+                              f"{inputs[storage]} in {where}; return new tensors that the "
+                              "kernel wrote, not inputs or views of them",
+                              trials=self.compared + 1)
+            if storage in seen and not real.aliasing:
+                raise Verdict("mismatch", f"output {i} shares memory with output "
+                              f"{seen[storage]} in {where}; return separate tensors",
+                              trials=self.compared + 1)
+            seen[storage] = i
+
+    async def _mismatch(self, trial: Trial, comparison: Any, where: str) -> Verdict:
+        failed = comparison.first_failure
+        details = "\n".join(o.message for o in comparison.outputs if o.message)
+        fields: dict[str, Any] = {"trials": self.compared + 1, "log": details}
+        if failed is not None:
+            fields.update(max_abs_error=failed.max_abs_error, max_rel_error=failed.max_rel_error,
+                          mismatch_count=failed.mismatch_count,
+                          mismatch_indices=failed.mismatch_indices,
+                          atol=failed.tolerance.atol, rtol=failed.tolerance.rtol)
+        if await self._ghost_matches(trial):
+            return Verdict("audit", "ModelNew.forward returned the expected outputs in its own "
+                           "process while its kernels did not run there, but its recorded "
+                           f"kernel launches do not compute them ({comparison.message} in "
+                           f"{where}): the outputs were computed outside the Triton kernels "
+                           "(host code or PyTorch hidden from the record)", **fields)
+        real = trial.real[0]
+        dist = f" (inputs: {real.distribution})" if real.distribution != "task" else ""
+        unwritten = _unwritten_outputs(trial.traced[0])
+        if failed is not None and failed.index in unwritten:
+            return Verdict("mismatch", f"output {failed.index} was never written: no kernel "
+                           "launch wrote it (nor a copy), so it holds what was allocated "
+                           f"({comparison.message} in {where}); pass the output tensor to "
+                           "the kernel that computes it", **fields)
+        tuned = ""
+        if trial.key == "main" and _autotune_configs(trial.traced[0]) > 1:
+            # Trial i ran config i of each autotuned launch (as its replay was asked).
+            tuned = (f" with autotune config {trial.index} of "
+                     f"{self._config_text(trial, trial.index)} (each config must compute the "
+                     "same outputs; a GPU may pick any)")
+        return Verdict("mismatch", f"{comparison.message} in {where}{dist}{tuned}", **fields)
+
+    async def _ghost_matches(self, trial: Trial) -> bool:
+        """Whether the planner's own outputs (launches no-ops, allocations NaN) equal the
+        reference's at the decoys: the candidate's process computed them itself."""
+        traced, traced_raws = trial.traced
+        decoy, decoy_raws = trial.decoy
+        if not decoy.outputs or not traced.output_metas:
+            return False
+        count = len(values.raw_refs(decoy.inputs))
+        want = outputs_of(decoy, decoy_raws, skip=count)
+        if all(constant(t) for t in want):
+            return False
+        try:
+            ghost = outputs_of(traced, traced_raws, skip=len(traced.captures))
+        except Exception:  # noqa: BLE001 - malformed ghost outputs decide nothing
+            return False
+        result = await asyncio.to_thread(compare_outputs, want, ghost, self.v.backend,
+                                         detail=False)
+        return result.passed
+
+    async def _check_ghost(self, trial: Trial, expected: list[torch.Tensor]) -> None:
+        if await self._ghost_matches(trial):
+            raise Verdict("audit", "outputs do not depend on the Triton kernels: with every "
+                          "launch a no-op in its own process ModelNew.forward still returned "
+                          f"the expected outputs (trial {trial.index}); compute them in the "
+                          "kernels", ghost_replay="outputs matched without the kernels",
+                          trials=self.compared)
+
+    # ------------------------------------------------------------ variants
+
+    async def _request_variants(self, trial: Trial) -> None:
+        """Ask the side replayer for the variants of the first call as soon as it is
+        planned, so that they run beside the trials (judged by :meth:`_variants`)."""
+        real, real_raws = trial.real
+        expected = outputs_of(real, real_raws, skip=len(values.raw_refs(real.inputs)))
+        self.no_launch_variant = not all(constant(t) for t in expected)
+        if self.no_launch_variant:
+            await self._replay(trial, "no-launch", fresh=True, skip_launches=True)
+        for config in range(self.trials, _autotune_configs(trial.traced[0])):
+            await self._replay(trial, f"config {config}", fresh=True, config=config)
+
+    async def _variants(self) -> None:
+        """The first call again, from scratch (asked for by :meth:`_request_variants`):
+        without its launches (D003), then with each autotune config the trials did not
+        use."""
+        trial = self.first_call
+        if trial is None:
+            return
+        if not self.no_launch_variant:
+            self.ghost_replay = "skipped: the reference output is constant"
+        else:
+            try:
+                frame, got, want = await self._judge(trial, "no-launch", quick=True)
+                result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend,
+                                                 detail=False)
+                matched = result.passed
+            except Verdict:
+                matched = False
+            if matched:
+                raise Verdict("audit", "outputs do not depend on the Triton kernels: the "
+                              "recorded plan without its kernel launches (only allocation, "
+                              "views and copies) still gives the expected outputs; compute "
+                              "them in the kernels", ghost_replay="outputs matched without "
+                              "the kernels", trials=self.compared)
+            self.ghost_replay = "outputs depend on the Triton kernels"
+        configs = _autotune_configs(trial.traced[0])
+        for config in range(self.trials, configs):
+            label = f"config {config}"
+            frame, got, want = await self._judge(trial, label, quick=True)
+            result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend)
+            if not result.passed:
+                raise Verdict("mismatch", f"autotune config {config} of "
+                              f"{self._config_text(trial, config)}: {result.message} (each "
+                              "config must compute the same outputs; a GPU may pick any)",
+                              trials=self.compared)
+        if configs > 1:
+            self.notes.append(f"autotune: each of {configs} configs ran (twice, as the GPU "
+                              "autotuner does) and matched the reference")
+
+    def _config_text(self, trial: Trial, config: int) -> str:
+        for event in trial.traced[0].events:
+            tune = event.get("autotune") if isinstance(event, dict) else None
+            if isinstance(tune, dict) and tune.get("configs"):
+                return f"{event.get('launch')} ({tune['configs'][config % len(tune['configs'])]})"
+        return "the kernel"
+
+
+# ATen ops that write a storage they were given (or return a copy of another).
+_WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
+                "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
+                "new_full", "arange", "lift_fresh", "lift_fresh_copy", "scalar_tensor")
+
+
+def _autotune_configs(traced: Any) -> int:
+    """The most configs any autotuned launch of a traced call has (0: none)."""
+    return max((len(e["autotune"].get("variants") or []) for e in traced.events
+                if isinstance(e, dict) and isinstance(e.get("autotune"), dict)), default=0)
+
+
+def _unwritten_outputs(traced: Any) -> set[int]:
+    """Indexes of outputs whose storage no launch took as an argument and no writing
+    op produced or filled: what ``forward`` allocated and returned untouched."""
+    written: set[int] = set()
+    for event in traced.events:
+        if not isinstance(event, dict):
+            continue
+        if "launch" in event:
+            tune = event.get("autotune")
+            runs = (tune.get("variants") or [event]) if isinstance(tune, dict) else [event]
+            for run in runs:
+                written.update(n["s"] for n in values.tensors_in(run.get("args")))
+        elif op_packet(str(event.get("op"))) in _WRITING_OPS:
+            written.update(n["s"] for n in values.tensors_in(event.get("out")))
+            if str(event.get("op")).split(".")[1].endswith("_"):
+                written.update(n["s"] for n in values.tensors_in(event.get("args", [])[:1]))
+    inputs = {n["s"] for n in values.tensors_in(traced.inputs)}
+    return {i for i, n in enumerate(values.tensors_in(traced.outputs))
+            if n["s"] not in written and n["s"] not in inputs}
