@@ -163,3 +163,154 @@ def test_interpreted_dot_flops_are_counted(interpreter_counts) -> None:
     got = interpreter_counts("matmul", lambda: matmul[(1,)](a, b, c, 16, 16, 32), [a, b, c])
     assert got.dot_flops == {"tf32": 2 * 16 * 16 * 32}
     assert (got.loaded, got.stored) == ((16 * 32 + 32 * 16) * 4, 16 * 16 * 4)
+
+
+# ---------------------------------------------------------------- through the verifier
+
+FOUR = 4  # float32 bytes
+
+
+def corpus_request(name: str, code: str | None = None, **fields):
+    import uuid
+
+    from schemas.events import VerifyRequest
+    from tests.corpus import CORPUS, TASKS, load
+
+    source, meta = load(CORPUS / "honest" / f"{name}.py")
+    return VerifyRequest(
+        request_id=f"traffic-{uuid.uuid4().hex[:8]}", job_id="job-traffic",
+        candidate_id="c", op_name=meta["task"], task_desc=TASKS[meta["task"]],
+        code=code or source, backend="cpu", arch=fields.pop("arch", "h100"), timeout_s=120.0,
+        trials=meta.get("trials", 2), **fields)
+
+
+async def test_a_relu_moves_its_input_and_output_once(shared_verifier) -> None:
+    result = await shared_verifier.verify(corpus_request("elementwise_relu"), device="0")
+    assert result.passed, result
+    n = 16 * 1024  # tests/corpus/tasks/relu.py
+    t = result.traffic
+    assert (t.per_launch[0].loaded, t.per_launch[0].stored) == (n * FOUR, n * FOUR)
+    assert (t.bytes_moved, t.bytes_min, t.traffic_ratio, t.launches) == (
+        2 * n * FOUR, 2 * n * FOUR, 1.0, 1)
+    assert t.flops == n  # tl.maximum on every lane (16 blocks of 1024, none masked)
+    assert t.model_arch == "h100" and t.modeled_speedup == pytest.approx(1.0)
+    assert t.modeled_time_us == pytest.approx(
+        traffic.modeled_time_us(2 * n * FOUR, {}, 1, TARGETS["h100"]), rel=1e-3)
+
+
+async def test_a_two_pass_softmax_reads_its_input_twice(shared_verifier) -> None:
+    result = await shared_verifier.verify(corpus_request("softmax_two_pass"), device="0")
+    assert result.passed, result
+    rows, cols = 4, 1024  # tests/corpus/tasks/softmax.py
+    maxima, scale = result.traffic.per_launch
+    assert (maxima.loaded, maxima.stored) == (rows * cols * FOUR, rows * FOUR)
+    assert (scale.loaded, scale.stored) == (rows * cols * FOUR + rows * FOUR,
+                                            rows * cols * FOUR)
+    assert result.traffic.bytes_min == 2 * rows * cols * FOUR
+    assert result.traffic.traffic_ratio == pytest.approx(
+        (3 * rows * cols + 2 * rows) / (2 * rows * cols), rel=1e-4)
+
+
+async def test_a_tiled_matmul_counts_its_tile_loads_and_dot_flops(shared_verifier) -> None:
+    import math
+
+    result = await shared_verifier.verify(corpus_request("tiled_matmul"), device="0")
+    assert result.passed, result
+    m = k = n = 96  # tests/corpus/tasks/matmul.py: N x N by N x N
+    tiles = math.ceil
+    (launch,) = result.traffic.per_launch
+    # Each of the cdiv(N, 32) column blocks reads all of A, each row block all of B.
+    assert launch.loaded == (m * k * tiles(n / 32) + k * n * tiles(m / 32)) * FOUR
+    assert launch.stored == m * n * FOUR
+    padded = [32 * tiles(v / 32) for v in (m, n, k)]
+    assert launch.dot_flops == {"fp32": 2 * padded[0] * padded[1] * padded[2]}
+    assert result.traffic.modeled_eager_time_us is not None
+
+
+RELU_TWICE = '''
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def relu_twice_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(x_ptr + offs, mask=m)
+    b = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.maximum(a, b * 0.0), mask=m)
+
+
+class ModelNew(nn.Module):
+    def forward(self, x):
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        relu_twice_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        return out
+'''
+
+# Host code that goes for the counter: the interpreter's memory entry points and the
+# builder's dot, replaced by ones that count nothing, before and after its launch.
+RELU_FAKING_COUNTS = '''
+import torch
+import torch.nn as nn
+import triton
+import triton.language as tl
+import triton.runtime.interpreter as interpreter
+
+
+def _blind():
+    native = getattr(interpreter._interpreter, "_native", interpreter._interpreter)
+    interpreter._interpreter = native
+    counted = getattr(interpreter._interpreter, "count", None)
+    if counted is not None:
+        counted.loaded = counted.stored = 0
+
+
+@triton.jit
+def relu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    a = tl.load(x_ptr + offs, mask=m)
+    b = tl.load(x_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, tl.maximum(a, b * 0.0), mask=m)
+
+
+class ModelNew(nn.Module):
+    def __init__(self):
+        super().__init__()
+        _blind()
+
+    def forward(self, x):
+        _blind()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        _blind()
+        return out
+'''
+
+
+async def test_a_kernel_reading_its_input_twice_shows_ratio_two(shared_verifier) -> None:
+    result = await shared_verifier.verify(corpus_request("elementwise_relu", RELU_TWICE),
+                                          device="0")
+    assert result.passed, result
+    assert result.traffic.traffic_ratio == pytest.approx(1.5)  # 2 reads + 1 write over 2
+    assert result.traffic.per_launch[0].loaded == 2 * result.traffic.per_launch[0].stored
+
+
+async def test_a_candidate_cannot_reset_or_fake_the_counter(shared_verifier,
+                                                            dynamic_only) -> None:
+    """Its host code runs in the planner, never in the replayer that counts: the counts
+    are those of the same kernel without the tampering."""
+    honest = await shared_verifier.verify(corpus_request("elementwise_relu", RELU_TWICE),
+                                          device="0")
+    tampering = await shared_verifier.verify(
+        corpus_request("elementwise_relu", RELU_FAKING_COUNTS), device="0")
+    if tampering.passed:
+        assert tampering.traffic.bytes_moved == honest.traffic.bytes_moved
+        assert tampering.traffic.per_launch[0].loaded == honest.traffic.per_launch[0].loaded
+    else:  # refused outright is as good: no verdict carries its counts
+        assert tampering.traffic is None, tampering

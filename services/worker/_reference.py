@@ -281,8 +281,9 @@ def _count_eager(task: _Task, model: Any, seed: int) -> EagerCount | None:
             with FakeTensorMode(allow_non_fake_inputs=True) if fake else \
                     contextlib.nullcontext():
                 made = task.inputs(seed, None)
-                with EagerCounter() as counter:
-                    task.forward(model, made)
+                # Model.forward alone: not the copies of the inputs task.forward makes.
+                with torch.no_grad(), EagerCounter() as counter:
+                    task.call("Model.forward", model, *made)
             return counter.count
         except Exception:  # noqa: BLE001 - counting is a model's input, never a verdict
             continue

@@ -14,16 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import math
 from typing import Any
 
 import torch
 
-from schemas.events import VerifyRequest
-from services.sandbox import wire
+from schemas.events import Traffic, VerifyRequest
+from services.sandbox import values, wire
 from services.sandbox.pool import PoolBroken
 from services.worker import inputs as trial_inputs
 from services.worker import kernel_source
 from services.worker import sizes as size_rules
+from services.worker import traffic
 from services.worker.children import ChildFailed, Conversation
 from services.worker.correctness import tolerance_for
 from services.worker.procedure.checks import Checks
@@ -31,6 +33,7 @@ from services.worker.procedure.outcome import STAGES, Outcome, Verdict
 from services.worker.procedure.size_choice import SizeChoice
 from services.worker.procedure.state import CheckedSize, Trial, format_bytes
 from services.worker.procedure.trials import TrialRuns
+from services.worker.targets import target_for
 
 # A call into the task's code that hangs is blamed on its sizes (with a shape_overrides
 # hint) only when its inputs exceed this many bytes; below, the code itself is named.
@@ -68,6 +71,8 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.shape_generic_sizes: dict[str, Any] | None = None
         self.shape_generic_error: str | None = None
         self.first_call: Trial | None = None
+        # The first trial's replayed frame and its reference trial (counted traffic).
+        self.first_counted: tuple[wire.Replayed, wire.RefTrial] | None = None
         self.compile_task: asyncio.Task | None = None
         self.compile_notes: list[str] = []
         self.compile_target: Any = None
@@ -228,7 +233,8 @@ class Procedure(SizeChoice, TrialRuns, Checks):
             specs.append(wire.RefTrialSpec(index=i, seed=self.seeds[i],
                                            distribution=self.schedule[i].name))
         await ref.send(wire.RefRequest(key="main", overrides=main.overrides, trials=specs,
-                                       input_limit_bytes=self.v.memory_limit_bytes),
+                                       input_limit_bytes=self.v.memory_limit_bytes,
+                                       count_eager=True),
                        answers=2 + len(specs))
         if request.shape_overrides:
             await ref.send(wire.RefRequest(key="real", overrides={}, meta_only=True))
@@ -282,11 +288,37 @@ class Procedure(SizeChoice, TrialRuns, Checks):
             if problem is not None:
                 raise problem
         outcome = self._passed_outcome()
+        outcome.traffic = await self._traffic()
         if timings is not None:
             outcome = outcome.timed(timings)
         if outcome.error:
             self.notes.append(outcome.error)
         return outcome
+
+    # ------------------------------------------------------------ counted traffic
+
+    async def _traffic(self) -> Traffic | None:
+        """The first trial's call as the replayer counted it, with the time model on the
+        request's arch (default h100) and the task's eager graph from the reference
+        (see :mod:`services.worker.traffic`); None where nothing was counted (a GPU
+        replayer does not count). Counts that cannot describe the matched outputs are
+        left out, with a note."""
+        first = self.first_counted
+        if first is None or not first[0].traffic:
+            return None
+        frame, real = first
+        done, _ = await self._await("reference", "done", "main")
+        inputs = sum(math.prod(n["z"]) * values.dtype_from_name(n["d"]).itemsize
+                     for n in values.tensors_in(real.inputs))
+        outputs = sum(m.nbytes for m in real.outputs)
+        summary = traffic.summarize(list(frame.traffic),
+                                    inputs + outputs + frame.captured_bytes, done.eager,
+                                    target_for(self.request.arch, default="h100"))
+        problem = traffic.check_counts(summary, outputs)
+        if problem is not None:
+            self.notes.append(f"traffic not reported: {problem}")
+            return None
+        return summary
 
     # ------------------------------------------------------------ verdict
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.events import Stage, VerifyResult
+from schemas.events import Stage, Traffic, VerifyResult
 
 # The verdict stages a child's failure may name (schemas.events.Stage, the one list).
 STAGES = frozenset(typing.get_args(Stage))
@@ -65,6 +65,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     shape_generic_sizes: dict[str, Any] | None = None
     unchecked: list[str] | None = None
     notes: list[str] | None = None
+    traffic: Traffic | None = None
 
     def timed(self, timings: Timings) -> Outcome:
         """This outcome with the times of a profiled run; the speedup flag, or None,

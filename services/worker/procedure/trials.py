@@ -153,6 +153,8 @@ class TrialRuns:
         if not comparison.passed:
             raise await self._mismatch(trial, comparison, where)
         if trial.key == "main":
+            if trial.index == 0:
+                self.first_counted = (frame, real)
             self.compared += 1
             self.distributions.append(real.distribution + (f" ({real.fallback})"
                                                            if real.fallback else ""))
