@@ -28,7 +28,20 @@ from services.common.embedded import EmbeddedNatsServer
 from services.common.nats_auth import BusCredentials
 from services.common.runtime import cancel_and_wait, free_port
 from services.common.settings import Settings, load_settings
-from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
+from tests.helpers import RELU_TASK, TIME_SCALE, scaled  # noqa: F401 - RELU_TASK re-exported
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Scale every test's pytest-timeout limit (its ``timeout`` mark, else ``--timeout`` or
+    the ini's) by
+    ``AIKG_TEST_TIME_SCALE`` (tests/helpers.py), like the deadlines the tests wait under."""
+    default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default)) \
+            if mark else default
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
 
 
 @pytest.fixture(scope="session")
@@ -279,7 +292,8 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 
 @contextlib.asynccontextmanager
 async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncIterator[str]:
-    """Serve the gateway in this event loop until the block ends; yields its base URL."""
+    """Serve the gateway in this event loop until the block ends; yields its base URL
+    (it must answer ``/healthz`` within ``scaled(timeout_s)``)."""
     from services.gateway.app import serve_gateway
 
     stop = asyncio.Event()
@@ -287,6 +301,7 @@ async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncI
     base = f"http://{settings.gateway_host}:{settings.gateway_port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=2.0) as client:
+            timeout_s = scaled(timeout_s)
             deadline = asyncio.get_running_loop().time() + timeout_s
             while True:
                 if task.done():
@@ -301,7 +316,7 @@ async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncI
         yield base
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15.0)
+        await asyncio.wait_for(task, scaled(15.0))
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from services.common.settings import Settings
 from services.gateway import limits
 from services.gateway.jobs import MAX_JSON_DEPTH
 from services.generator.service import Generator, run_generator
+from tests.helpers import scaled
 from tests.test_tenants import auth, job, tenants_file
 
 SUBMIT = "/api/v1/jobs/submit"
@@ -192,7 +193,7 @@ async def test_submissions_out_of_bounds_are_400_naming_the_field(
 
 
 async def _wait_record(bus: Bus, job_id: str, timeout_s: float = 60.0) -> JobRecord:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         with contextlib.suppress(Exception):
             record = decode((await bus.jobs.get(job_id)).value, JobRecord)

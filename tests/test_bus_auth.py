@@ -48,6 +48,7 @@ from services.common.provision import (
 )
 from services.common.settings import Settings, load_settings
 from tests.conftest import as_role
+from tests.helpers import scaled
 
 # How long a denied JetStream request waits for the reply that never comes, seconds.
 DENIED_TIMEOUT_S = 1.0
@@ -71,7 +72,7 @@ class Client:
     async def violation(self, subject: str, timeout_s: float = 5.0) -> str:
         """The permissions violation the server reported for a subject that starts with
         ``subject`` (nats-py reports it in lower case)."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
+        deadline = asyncio.get_running_loop().time() + scaled(timeout_s)
         while asyncio.get_running_loop().time() < deadline:
             for error in self.errors:
                 if "permissions violation" in error.lower() and f'"{subject.lower()}' in error.lower():

@@ -21,6 +21,7 @@ from services.common.bus import Bus, JobStore, connect_bus
 from services.common.jobs import live_arch
 from services.common.runtime import descendants, running
 from services.common.settings import Settings, load_settings
+from tests.helpers import scaled
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
@@ -384,7 +385,7 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
     assert "cannot listen" in (tmp_path / "logs" / "gateway.log").read_text()
     # The worker's fork server (its own session) exits when its control socket closes,
     # a moment after the worker.
-    deadline = asyncio.get_running_loop().time() + 30
+    deadline = asyncio.get_running_loop().time() + scaled(30)
     while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
     assert not running(family), f"still running: {sorted(running(family))}"
@@ -412,7 +413,7 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     assert len(family) >= 4  # nats-server, gateway, generator, worker
     proc.kill()
     await proc.wait()
-    deadline = asyncio.get_running_loop().time() + 30
+    deadline = asyncio.get_running_loop().time() + scaled(30)
     while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
     assert not running(family), f"still running: {sorted(running(family))}"
@@ -474,7 +475,7 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
             proc.terminate()
         code = await asyncio.wait_for(proc.wait(), 60)
     assert code == 0, (await proc.stderr.read()).decode()
-    deadline = asyncio.get_running_loop().time() + 30
+    deadline = asyncio.get_running_loop().time() + scaled(30)
     while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
     assert not running(family), f"still running: {sorted(running(family))}"

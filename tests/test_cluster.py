@@ -32,7 +32,7 @@ from services.common.settings import Settings, load_settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import free_port, running_gateway
-from tests.helpers import RELU_KERNEL, RELU_TASK
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ class Cluster:
 
     async def meta_leader(self, timeout_s: float = 30.0) -> str:
         """Name of the JetStream meta leader, once every live node agrees on one."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
                 leaders = set()
@@ -147,7 +147,7 @@ async def submit(client: httpx.AsyncClient, job_id: str, retries: collections.Co
     ``job_id`` makes a retry idempotent."""
     body = {"op_name": "relu", "task_desc": RELU_TASK, "backend": "cpu", "job_id": job_id,
             "init_code": RELU_KERNEL, "trials": 1, "shape_overrides": {"batch_size": 2, "dim": 64}}
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     while True:
         try:
             resp = await client.post("/api/v1/jobs/submit", json=body)
@@ -233,7 +233,7 @@ async def explain(bus: Bus, job_ids: list[str]) -> str:
 
 async def wait_replicas_current(bus: Bus, timeout_s: float = 60.0) -> None:
     """Wait until every R3 stream has a leader and two current, online followers."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     lagging: list[str] = []
     while time.monotonic() < deadline:
         lagging = []
@@ -297,7 +297,7 @@ async def test_fifty_jobs_survive_a_node_kill_and_restart(
                 await asyncio.gather(*submits)
 
                 statuses: dict[str, str] = {}
-                deadline = time.monotonic() + 180
+                deadline = time.monotonic() + scaled(180)
                 while len(statuses) < JOBS and time.monotonic() < deadline:
                     check()
                     for job_id in job_ids:

@@ -42,7 +42,14 @@ from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import free_port, running_gateway
-from tests.helpers import CONV_TASK, LLM_ONLY_SOFTMAX_TASK, RELU_KERNEL, RELU_TASK, wait_terminal
+from tests.helpers import (
+    CONV_TASK,
+    LLM_ONLY_SOFTMAX_TASK,
+    RELU_KERNEL,
+    RELU_TASK,
+    scaled,
+    wait_terminal,
+)
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
@@ -104,7 +111,7 @@ class Prometheus:
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     async def wait_ready(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         async with httpx.AsyncClient(base_url=self.url, timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
@@ -129,7 +136,7 @@ class Prometheus:
 
     async def wait_for(self, expr: str, ok, timeout_s: float = 60.0) -> None:
         """Poll ``expr`` until ``ok(result)``."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         result: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             result = await self.query(expr)

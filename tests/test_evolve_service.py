@@ -23,7 +23,7 @@ from services.common.settings import Settings
 from services.worker.service import run_worker
 from tests.conftest import role_env
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
-from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, services_running, wait_terminal
+from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, scaled, services_running, wait_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -138,7 +138,7 @@ async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
         first = start_generator()
         await bus.js.publish(subjects.JOBS_SUBMIT, encode(submit),
                              headers={"Nats-Msg-Id": job_id})
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + scaled(180)
         while True:
             r = await record()
             if r and r.evolve and any(c.round >= 1 and c.passed is not None
@@ -150,7 +150,7 @@ async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(10)
         start_generator()
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + scaled(240)
         while True:
             r = await record()
             if r and r.status in ("completed", "failed", "cancelled"):

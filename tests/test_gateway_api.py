@@ -20,6 +20,7 @@ from schemas import JobEvent, JobResult, VerifyResult, encode, subjects
 from services.common.bus import Bus, JobStore
 from services.common.jobs import publish_event
 from services.common.settings import Settings
+from tests.helpers import scaled
 
 
 @pytest.fixture
@@ -366,7 +367,7 @@ async def _iter_sse(response: httpx.Response):
 
 async def _until(predicate, timeout: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + scaled(timeout)
     while not predicate():
         assert loop.time() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)

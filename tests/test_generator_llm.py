@@ -25,7 +25,13 @@ from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
-from tests.helpers import LLM_ONLY_SOFTMAX_TASK, job_events, services_running, stream_messages
+from tests.helpers import (
+    LLM_ONLY_SOFTMAX_TASK,
+    job_events,
+    scaled,
+    services_running,
+    stream_messages,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -137,7 +143,7 @@ async def test_default_workflow_uses_designer_and_conductor(
 
 async def wait_status(client: httpx.AsyncClient, job_id: str, statuses: tuple[str, ...],
                       timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         resp = await client.get(f"/api/v1/jobs/{job_id}/status")
         if resp.status_code == 200 and resp.json()["status"] in statuses:

@@ -39,7 +39,7 @@ from services.common.settings import Settings
 from services.worker.service import run_worker
 from tests.conftest import role_env
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
-from tests.helpers import BUNDLED_RELU_TASK
+from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ async def worker(settings: Settings, bus: Bus) -> AsyncIterator[None]:
 
 
 async def wait_for(predicate, timeout_s: float, what: str, logs=lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not await predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not within {timeout_s} s\n{logs()}")

@@ -15,6 +15,7 @@ from services.common.bus import Bus, bucket_entries, connect_bus
 from services.common.jobs import heartbeats, live_workers
 from services.common.settings import Settings
 from tests.conftest import as_role
+from tests.helpers import scaled
 
 
 def info(worker_id: str) -> WorkerInfo:
@@ -32,7 +33,7 @@ async def test_live_deleted_garbage_and_expired_heartbeats(bus: Bus, settings: S
 
     # The bucket's TTL is three heartbeats: keys nobody renews expire and are gone.
     ttl_s = 3 * settings.worker_heartbeat_s
-    deadline = asyncio.get_running_loop().time() + ttl_s + 5
+    deadline = asyncio.get_running_loop().time() + scaled(ttl_s + 5)
     await bus.workers.put("w-2", encode(info("w-2")))
     while asyncio.get_running_loop().time() < deadline:
         await bus.workers.put("w-2", encode(info("w-2")))

@@ -21,7 +21,7 @@ import pytest
 
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
-from tests.helpers import RELU_TASK
+from tests.helpers import RELU_TASK, scaled
 
 SECRET = "sekrit"
 
@@ -308,7 +308,7 @@ raise RuntimeError("pids " + " ".join(sorted(p for p in os.listdir("/proc") if p
                 continue
         return False
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while alive():
         assert time.monotonic() < deadline, f"the process {marker} outlived its child"
         await asyncio.sleep(0.05)

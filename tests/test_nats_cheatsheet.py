@@ -23,6 +23,7 @@ from schemas import JobRecord, VerifyRequest, decode, subjects
 from services.common.bus import Bus
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
+from tests.helpers import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ async def gather_replies(nc, subject: str, payload: bytes = b"", wait_s: float =
     await nc.publish(subject, payload, reply=inbox)
     replies = []
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait_s
+    deadline = loop.time() + scaled(wait_s)
     with contextlib.suppress(Exception):
         while loop.time() < deadline:
             replies.append(json.loads((await sub.next_msg(timeout=deadline - loop.time())).data))

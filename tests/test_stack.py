@@ -24,6 +24,7 @@ from services.stack import (
     claim_run_dir,
     remove_stale_run_dirs,
 )
+from tests.helpers import scaled
 
 
 def sleeper() -> subprocess.Popen[bytes]:
@@ -38,7 +39,7 @@ def restarts_counted(service: str) -> float:
 
 
 def wait_until(check, timeout_s: float = 30.0, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not (value := check()):
         assert time.monotonic() < deadline, "not within the time allowed"
         time.sleep(every_s)

@@ -41,7 +41,7 @@ from services.common.runtime import cancel_and_wait, descendants, running
 from services.common.settings import Settings
 from services.generator.coders.builtin import lower_task
 from tests.conftest import role_env
-from tests.helpers import BUNDLED_RELU_TASK
+from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -156,7 +156,7 @@ class WorkerProcess:
 
 
 async def wait_for(check, timeout_s: float, what: str, every_s: float = 0.05):
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while True:
         value = await check()
         if value:
