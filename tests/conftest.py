@@ -333,6 +333,33 @@ async def start_gateway() -> AsyncIterator[Callable[[Settings], Awaitable[str]]]
         yield start
 
 
+@contextlib.asynccontextmanager
+async def gateway_app_client(settings: Settings, **client_args: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway's app in this process over ASGI (Litestar's ``AsyncTestClient``, an
+    ``httpx.AsyncClient``); yields the client.
+
+    No port, no uvicorn: for route tests. The test client runs the app (its lifespan,
+    which connects the gateway's own bus as the ``gateway`` user, and each request) on
+    an event loop of its own in a thread, and the test's loop waits while a request
+    runs. What needs a real HTTP server (event streams, shutdown with a stream open,
+    the gateway's background tasks) uses :func:`running_gateway`."""
+    from litestar.testing import AsyncTestClient
+
+    from services.gateway.app import create_app
+
+    async with AsyncTestClient(create_app(settings), timeout=client_args.pop("timeout", 10.0),
+                               **client_args) as client:
+        yield client
+
+
+@pytest.fixture
+async def app_client(settings: Settings, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    """:func:`gateway_app_client` for ``settings`` (after ``bus`` made the streams and
+    buckets and serves the consumer provisioner)."""
+    async with gateway_app_client(settings) as client:
+        yield client
+
+
 @pytest.fixture
 async def gateway(settings: Settings) -> AsyncIterator[str]:
     """The gateway for ``settings``, served in the test's loop; yields its base URL."""

@@ -1,4 +1,6 @@
-"""The gateway over real HTTP (uvicorn) against a real nats-server."""
+"""The gateway's routes against a real nats-server: in process over ASGI (the
+``app_client`` fixture, Litestar's test client) for the routes, over real HTTP
+(uvicorn) where serving itself is tested (readiness, auth, a port in use)."""
 
 from __future__ import annotations
 
@@ -27,9 +29,8 @@ def job(relu_task: str):
 
 
 @pytest.fixture
-async def client(gateway: str) -> httpx.AsyncClient:
-    async with httpx.AsyncClient(base_url=gateway, timeout=10.0) as c:
-        yield c
+def client(app_client: httpx.AsyncClient) -> httpx.AsyncClient:
+    return app_client
 
 
 @pytest.fixture
