@@ -1,8 +1,9 @@
 """SIGKILL of a worker mid-verification loses nothing.
 
 Two real worker processes (``python -m services.cli worker``) share the cpu/<arch>
-consumer. Each round publishes a verify request whose candidate sleeps in
-``forward`` before launching its kernel, finds the worker that took it by its lease
+consumer. Each of ``ROUNDS`` rounds (five; ``AIKG_TEST_CRASH_ROUNDS`` sets more)
+publishes a verify request whose candidate sleeps in ``forward`` before launching its
+kernel, finds the worker that took it by its lease
 (``<worker_id>.<device>`` in the ``leases`` bucket), SIGKILLs that worker while it is
 verifying, and starts a replacement under a new worker id. The test checks that
 
@@ -48,9 +49,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 RELU_TASK = BUNDLED_RELU_TASK
 SHAPES = {"batch_size": 16, "dim": 1024}
-# Kill/redeliver rounds (the issue asks for 20). About 7 s each on two shared cores:
-# ack_wait before the redelivery plus the survivor's run.
-ROUNDS = 20
+# Kill/redeliver rounds, about 7 s each on two shared cores (ack_wait before the
+# redelivery plus the survivor's run). A few rounds kill both slots and their
+# replacements; AIKG_TEST_CRASH_ROUNDS=20 makes it a soak.
+_ROUNDS = os.environ.get("AIKG_TEST_CRASH_ROUNDS") or "5"
+if not _ROUNDS.isdigit() or int(_ROUNDS) < 1:
+    raise ValueError(f"AIKG_TEST_CRASH_ROUNDS={_ROUNDS!r}: expected a whole number >= 1")
+ROUNDS = int(_ROUNDS)
 ACK_WAIT_S = 4.0
 HEARTBEAT_S = 1.0  # the `settings` fixture's; the bus it creates sets the buckets' TTLs
 LEASE_TTL_S = 10 * HEARTBEAT_S
@@ -186,7 +191,7 @@ async def lease_gone(bus: Bus, key: str) -> bool:
     return entry.value is None
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(120 + 30 * ROUNDS)
 async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, tmp_path: Path,
                                                  bus_credentials: BusCredentials) -> None:
     assert settings.worker_heartbeat_s == HEARTBEAT_S
