@@ -109,7 +109,7 @@ print(json.dumps({"tasks": out, "compiles": compiles}))
 
 def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the test module below sets it anyway
-    from tests.test_builtin_coder import SCHEDULES, schedule_task
+    from tests.sandbox.test_builtin_coder import SCHEDULES, schedule_task
 
     schedules = tmp_path / "schedules"
     schedules.mkdir()

@@ -35,7 +35,7 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-generator-SECRET-42"
 # What the worker's mismatch verdicts say; the scripted model only fixes its kernel
 # once it has been shown this.

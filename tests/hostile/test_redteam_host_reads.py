@@ -23,7 +23,7 @@ import textwrap
 
 import pytest
 
-from tests.test_verdict_integrity import HEADER, RELU_KERNEL, request
+from tests.hostile.test_verdict_integrity import HEADER, RELU_KERNEL, request
 
 SMALL = {"batch_size": 2, "dim": 96}
 

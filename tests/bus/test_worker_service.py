@@ -40,7 +40,7 @@ from services.worker.verifier import Verifier
 from tests.conftest import lend_verifier
 from tests.helpers import BUNDLED_RELU_TASK
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RELU_TASK = BUNDLED_RELU_TASK
 SHAPES = {"batch_size": 16, "dim": 1024}
 # Generous: two shared cores, and each worker imports torch + triton in its fork server.

@@ -36,7 +36,7 @@ from services.common.nats_auth import (
 )
 from services.common.settings import Settings, load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "aikg.json"
@@ -64,7 +64,7 @@ _HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
 _COMPOSE_VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?([-?])([^}]*))?\}")
 
 
-# --- helpers shared with tests/test_dashboard.py -------------------------------------
+# --- helpers shared with tests/e2e/test_dashboard.py -------------------------------------
 
 
 def dashboard() -> dict[str, Any]:

@@ -93,7 +93,7 @@ def histogram_count(name: str, **labels: str) -> float:
 
 async def test_job_and_its_verification_record_their_phases(
         settings: Settings, bus: Bus, gateway: str) -> None:
-    task = (Path(__file__).resolve().parent.parent / "tasks" / "relu.py").read_text()
+    task = (Path(__file__).resolve().parents[2] / "tasks" / "relu.py").read_text()
     labels = {"backend": "cpu", "arch": settings.arch}
     trials_before = histogram_count("aikg_verify_phase_seconds", phase="trials", **labels)
     async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,

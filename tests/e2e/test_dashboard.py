@@ -50,14 +50,14 @@ from tests.helpers import (
     scaled,
     wait_terminal,
 )
-from tests.test_deploy_files import (
+from tests.unit.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
     metric_names,
     missing_metrics,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = shutil.which("prometheus") or next(
     (p for p in ("/usr/bin/prometheus",) if os.access(p, os.X_OK)), None)
 # Grafana's interval variables become one window that covers the whole test.

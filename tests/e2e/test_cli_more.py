@@ -18,7 +18,7 @@ from schemas import JobEvent, JobResult, VerifyResult, encode, subjects
 from services.common.bus import Bus, JobStore
 from services.common.jobs import publish_event
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
 

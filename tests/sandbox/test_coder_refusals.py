@@ -14,8 +14,8 @@ from schemas import JobSubmit, VerifyRequest
 from services.generator.coders.base import BuiltinCoder, CoderError, lowering_sandbox
 from services.generator.coders.screen import decline
 from services.sdk import LocalWorker, Task, WorkerManager
+from tests.e2e.test_cli_more import aikg
 from tests.helpers import RELU_KERNEL, RELU_TASK
-from tests.test_cli_more import aikg
 
 CONV_TASK = """
 import torch

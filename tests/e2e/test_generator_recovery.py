@@ -43,7 +43,7 @@ from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOFTMAX = (ROOT / "tasks" / "softmax.py").read_text()
 MISMATCH_MARK = "elements differ beyond"
 JOB_ID = "recover-softmax"

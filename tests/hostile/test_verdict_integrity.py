@@ -603,6 +603,6 @@ def test_readme_lists_every_rule() -> None:
     """The README's rules table is exactly what the code's rule tables render."""
     from services.worker.rules import rules_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     table = readme.split("<!-- rules:start -->\n", 1)[1].split("<!-- rules:end -->", 1)[0]
     assert table == rules_markdown(), "README's rules table is stale: paste rules_markdown()"

@@ -23,9 +23,9 @@ import triton  # noqa: E402
 
 from services.generator.coders.builtin import LoweringError, lower_task  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 NOT_ELEMENTWISE = {"matmul.py", "softmax.py"}  # other schedules, tested below
 ELEMENTWISE_TASKS = sorted(p.name for p in TASKS.glob("*.py") if p.name not in NOT_ELEMENTWISE)
 LARGE_TASKS = sorted(p.name for p in DATA.glob("*.py"))

@@ -27,8 +27,8 @@ from services.common.settings import Settings
 from services.gateway import limits
 from services.gateway.jobs import MAX_JSON_DEPTH
 from services.generator.service import Generator, run_generator
+from tests.gateway.test_tenants import auth, job, tenants_file
 from tests.helpers import scaled
-from tests.test_tenants import auth, job, tenants_file
 
 SUBMIT = "/api/v1/jobs/submit"
 

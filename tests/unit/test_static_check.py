@@ -619,7 +619,7 @@ def test_every_rule_has_an_id_a_source_and_an_existing_test():
     for rule in RULES:
         assert rule.catches and rule.source and rule.tag, rule
         path, _, name = rule.test.partition("::")
-        assert path == "tests/test_static_check.py" and callable(getattr(here, name, None)), rule
+        assert path == "tests/unit/test_static_check.py" and callable(getattr(here, name, None)), rule
     # The ids the checker reports are exactly the table's: none missing, none unused.
     checker = (inspect.getsource(static_check._Checker)
                + inspect.getsource(static_check.check_candidate))

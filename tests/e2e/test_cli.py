@@ -34,7 +34,7 @@ async def aikg(*args: str, env: dict[str, str] | None = None, timeout: float = 3
     proc = await asyncio.create_subprocess_exec(
         *AIKG, *args, env={**clean, "COLUMNS": "200", **(env or {})},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     out, err = await asyncio.wait_for(proc.communicate(), timeout)
     return proc.returncode, out.decode(), err.decode()

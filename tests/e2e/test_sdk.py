@@ -39,7 +39,7 @@ from services.sdk import client as client_module
 from tests.conftest import as_role
 from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, WRONG_RELU_KERNEL, services_running
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RELU = BUNDLED_RELU_TASK
 
 GOOD_KERNEL = RELU_KERNEL

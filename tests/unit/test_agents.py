@@ -31,7 +31,7 @@ from services.generator.workflows import (
 )
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
 
-SOFTMAX_TASK = (Path(__file__).resolve().parent.parent / "tasks" / "softmax.py").read_text()
+SOFTMAX_TASK = (Path(__file__).resolve().parents[2] / "tasks" / "softmax.py").read_text()
 MISMATCH = ("output 0: 16384 of 16384 elements differ beyond atol=1e-4 rtol=1e-4; max abs error "
             "0.991316 at [3, 141] (expected 0.00868396, got 1) in trial 0 (seed 1000)")
 

@@ -46,7 +46,7 @@ from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RELU_TASK = BUNDLED_RELU_TASK
 SHAPES = {"batch_size": 16, "dim": 1024}
 # Kill/redeliver rounds, about 7 s each on two shared cores (ack_wait before the

@@ -27,7 +27,7 @@ from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, scaled, services_runni
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RELU = BUNDLED_RELU_TASK
 EVOLVE = {"job_type": "evolve", "max_rounds": 3, "parallel_num": 4, "num_islands": 2,
           "migration_interval": 1, "elite_size": 4, "parent_selection_prob": 0.5,

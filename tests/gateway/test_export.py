@@ -21,8 +21,8 @@ from schemas import JobRecord, JobResult, JobSubmit, VerifyResult, encode, utcno
 from services.common.bus import Bus
 from services.sdk.client import AIKGClient, AIKGHTTPError
 from services.sdk.export import read_kernels
+from tests.e2e.test_cli import aikg
 from tests.helpers import RELU_KERNEL, RELU_TASK
-from tests.test_cli import aikg
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, tzinfo=dt.UTC)
 

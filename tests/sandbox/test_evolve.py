@@ -167,7 +167,7 @@ def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:
     """Seeds of a matmul task carry different matmul tiles and warps into the code."""
     import random
 
-    task = (Path(__file__).resolve().parent.parent / "tasks" / "matmul.py").read_text()
+    task = (Path(__file__).resolve().parents[2] / "tasks" / "matmul.py").read_text()
     submit = make_submit(task_desc=task, op_name="matmul", shape_overrides={})
     mutator = BuiltinMutator(coder)
     rng = random.Random(7)

@@ -108,7 +108,7 @@ async def test_a_shared_baseline_is_used_and_its_age_reported(
     """The profile path's lookup (cpu cannot time, so the lookup alone): a baseline in
     the shared bucket is used and then held by this process."""
     from services.worker.verifier import _BaseTime
-    from tests.test_verifier import request
+    from tests.sandbox.test_verifier import request
 
     task = BUNDLED_RELU_TASK + f"# baseline {uuid.uuid4().hex}\n"
     req = msgspec.structs.replace(request(task=task), trials=1, arch="x86_64")

@@ -27,7 +27,7 @@ from tests.helpers import scaled
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 
 def cheat_sheet() -> dict[str, list[list[str]]]:

@@ -75,7 +75,7 @@ async def read_sse(response: httpx.Response, *, until: str | None = None,
                    queued: bool = False) -> list[dict]:
     """Parse an event stream into ``{"id", "event", "data", "comment"}`` dicts until it
     ends (or after an event of kind ``until``); ``queued`` events (a waiting job's
-    position, tests/test_tenants.py) only when ``queued``."""
+    position, tests/gateway/test_tenants.py) only when ``queued``."""
     out: list[dict] = []
     block: dict = {}
     async for line in response.aiter_lines():
