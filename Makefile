@@ -19,7 +19,7 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
-# tests/test_dashboard.py runs the Grafana dashboard's queries on a real Prometheus
+# tests/e2e/test_dashboard.py runs the Grafana dashboard's queries on a real Prometheus
 # (Debian's `prometheus` package). Installed here when missing, only as root with
 # apt-get (CI); otherwise, or if apt fails, that test skips and says why.
 prometheus:
@@ -27,7 +27,7 @@ prometheus:
 	  ! command -v apt-get >/dev/null 2>&1 || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	    --no-install-recommends prometheus >/dev/null; } || \
-	  echo "could not install prometheus; tests/test_dashboard.py will skip"
+	  echo "could not install prometheus; tests/e2e/test_dashboard.py will skip"
 
 run: venv
 	$(VENV)/bin/aikg demo $(TASK)

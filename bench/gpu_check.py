@@ -21,7 +21,7 @@ the fork server and sandbox a worker uses) checks, in order:
    device and the pool survived the faulting candidate.
 
 Part ``corpus``: every candidate of ``tests/corpus`` on the same backend, with the
-static check off (the dynamic checks alone, as ``tests/test_corpus.py`` runs them on
+static check off (the dynamic checks alone, as ``tests/hostile/test_corpus.py`` runs them on
 ``cpu``): each hostile one must fail (its stage and message are printed beside the
 stage it gets on ``cpu``), each honest one must pass. Files written for one compile
 target (an ``arch`` field, e.g. shared memory beyond sm_89) are run with that arch's

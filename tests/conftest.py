@@ -28,7 +28,20 @@ from services.common.embedded import EmbeddedNatsServer
 from services.common.nats_auth import BusCredentials
 from services.common.runtime import cancel_and_wait, free_port
 from services.common.settings import Settings, load_settings
-from tests.helpers import RELU_TASK  # noqa: F401 - re-exported for older imports
+from tests.helpers import RELU_TASK, TIME_SCALE, scaled  # noqa: F401 - RELU_TASK re-exported
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Scale every test's pytest-timeout limit (its ``timeout`` mark, else ``--timeout`` or
+    the ini's) by
+    ``AIKG_TEST_TIME_SCALE`` (tests/helpers.py), like the deadlines the tests wait under."""
+    default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        limit = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default)) \
+            if mark else default
+        if limit > 0:
+            item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
 
 
 @pytest.fixture(scope="session")
@@ -279,7 +292,8 @@ async def bus(settings: Settings) -> AsyncIterator[Bus]:
 
 @contextlib.asynccontextmanager
 async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncIterator[str]:
-    """Serve the gateway in this event loop until the block ends; yields its base URL."""
+    """Serve the gateway in this event loop until the block ends; yields its base URL
+    (it must answer ``/healthz`` within ``scaled(timeout_s)``)."""
     from services.gateway.app import serve_gateway
 
     stop = asyncio.Event()
@@ -287,6 +301,7 @@ async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncI
     base = f"http://{settings.gateway_host}:{settings.gateway_port}"
     try:
         async with httpx.AsyncClient(base_url=base, timeout=2.0) as client:
+            timeout_s = scaled(timeout_s)
             deadline = asyncio.get_running_loop().time() + timeout_s
             while True:
                 if task.done():
@@ -301,7 +316,7 @@ async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncI
         yield base
     finally:
         stop.set()
-        await asyncio.wait_for(task, 15.0)
+        await asyncio.wait_for(task, scaled(15.0))
 
 
 @pytest.fixture
@@ -316,6 +331,33 @@ async def start_gateway() -> AsyncIterator[Callable[[Settings], Awaitable[str]]]
             return await stack.enter_async_context(running_gateway(settings))
 
         yield start
+
+
+@contextlib.asynccontextmanager
+async def gateway_app_client(settings: Settings, **client_args: Any) -> AsyncIterator[httpx.AsyncClient]:
+    """The gateway's app in this process over ASGI (Litestar's ``AsyncTestClient``, an
+    ``httpx.AsyncClient``); yields the client.
+
+    No port, no uvicorn: for route tests. The test client runs the app (its lifespan,
+    which connects the gateway's own bus as the ``gateway`` user, and each request) on
+    an event loop of its own in a thread, and the test's loop waits while a request
+    runs. What needs a real HTTP server (event streams, shutdown with a stream open,
+    the gateway's background tasks) uses :func:`running_gateway`."""
+    from litestar.testing import AsyncTestClient
+
+    from services.gateway.app import create_app
+
+    async with AsyncTestClient(create_app(settings), timeout=client_args.pop("timeout", 10.0),
+                               **client_args) as client:
+        yield client
+
+
+@pytest.fixture
+async def app_client(settings: Settings, bus: Bus) -> AsyncIterator[httpx.AsyncClient]:
+    """:func:`gateway_app_client` for ``settings`` (after ``bus`` made the streams and
+    buckets and serves the consumer provisioner)."""
+    async with gateway_app_client(settings) as client:
+        yield client
 
 
 @pytest.fixture

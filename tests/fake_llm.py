@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from tests.helpers import scaled
+
 SOFTMAX_FIXED = '''\
 import torch
 import torch.nn as nn
@@ -173,7 +175,7 @@ class FakeLLM:
     async def wait_requests(self, count: int, timeout_s: float = 60.0,
                             role_word: str | None = None) -> list[Recorded]:
         """Poll until at least ``count`` requests (of that agent) arrived."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             found = self.chat_requests(role_word)
             if len(found) >= count:

@@ -135,7 +135,7 @@ async def live_arch(bus: Bus, backend: str, arch: str | None
 
 
 # How long publish_event retries while JOB_EVENTS has no leader (a cluster node
-# failing over takes a few seconds; tests/test_cluster.py), seconds.
+# failing over takes a few seconds; tests/bus/test_cluster.py), seconds.
 EVENT_RETRY_S = 20.0
 _TRANSIENT = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
               nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)

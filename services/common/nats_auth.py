@@ -7,7 +7,7 @@ provisioner ``aikg nats-setup``). :data:`PERMISSIONS` and :func:`worker_permissi
 are the one source of each service's rights: :func:`authorization_block` renders them
 into nats-server's configuration syntax for ``aikg up``'s embedded server, the tests'
 servers and ``deploy/nats/auth.conf`` (regenerate that with ``python -m
-services.common.nats_auth [--worker ID ...]``; ``tests/test_deploy_files.py`` checks
+services.common.nats_auth [--worker ID ...]``; ``tests/unit/test_deploy_files.py`` checks
 that it matches).
 
 The rights are subjects a user may publish to and subscribe on, in nats-server's

@@ -26,8 +26,8 @@ class DynamicRule:
     test: str
 
 
-_T = "tests/test_verdict_integrity.py::"
-_C = "tests/test_corpus.py::"
+_T = "tests/hostile/test_verdict_integrity.py::"
+_C = "tests/hostile/test_corpus.py::"
 
 DYNAMIC_RULES: tuple[DynamicRule, ...] = (
     DynamicRule("D001", "input modified in place: the replayer hands back the inputs as its kernels "
@@ -55,7 +55,7 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          _T + "test_forged_timing_frame_is_detected"),
     DynamicRule("D006", "timings whose sum exceeds the wall time the parent observed for the phase",
          "timings cross-checked against the parent's clock (red-team)",
-         "tests/test_verifier.py::test_timings_larger_than_wall_time_are_inconsistent"),
+         "tests/sandbox/test_verifier.py::test_timings_larger_than_wall_time_are_inconsistent"),
     DynamicRule("D007", "speedups implying more bytes/s than the arch's peak memory bandwidth "
          "(roofline floor over the task's input + output bytes)",
          "roofline model (Williams, Waterman, Patterson, CACM 2009); NVIDIA datasheets",
@@ -188,7 +188,7 @@ def impossible_timing(gen_time_us: float, nbytes: int, arch: str) -> str | None:
 def rules_markdown() -> str:
     """docs/verification.md's table of every static (``S...``) and dynamic (``D...``) rule.
 
-    ``tests/test_verdict_integrity.py`` checks that page holds exactly this text
+    ``tests/hostile/test_verdict_integrity.py`` checks that page holds exactly this text
     between its ``rules`` markers, so code and documentation cannot drift apart.
     """
     from services.worker.static_check import RULES

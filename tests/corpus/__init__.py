@@ -1,7 +1,7 @@
 """The corpus of candidates as files: ``hostile/`` and ``honest/`` (one candidate per
 file) and the tasks they are verified against (``tasks/``).
 
-Read by ``tests/test_corpus.py`` (the cpu backend) and by ``bench/gpu_check.py``
+Read by ``tests/hostile/test_corpus.py`` (the cpu backend) and by ``bench/gpu_check.py``
 (part ``corpus``, on a GPU), so it imports nothing but the standard library.
 
 A candidate's first line is ``# corpus: {json}``: ``task`` (a key of :data:`TASKS`),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 class StaticRule:
     """One static rule: ``id`` (``S001`` ...), the :attr:`Finding.rule` tag it reports
     under, what it catches (one line), the public source it comes from, and the test
-    (``tests/test_static_check.py::<name>``) that covers it."""
+    (``tests/unit/test_static_check.py::<name>``) that covers it."""
 
     id: str
     tag: str
@@ -38,7 +38,7 @@ _METR = ("METR, 'Recent Frontier Models Are Reward Hacking', 2025 "
          "(metr.org/blog/2025-06-05-recent-reward-hacking)")
 _METR_O3 = ("METR, preliminary evaluation of o3 and o4-mini: o3 disabled CUDA "
             "synchronization to fake speed (metr.github.io/autonomy-evals-guide/openai-o3-report)")
-_T = "tests/test_static_check.py::"
+_T = "tests/unit/test_static_check.py::"
 
 # The single table of static rules; docs/verification.md's rules table is rendered from it.
 RULES: tuple[StaticRule, ...] = (

