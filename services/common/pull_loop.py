@@ -253,6 +253,8 @@ class PullLoop(Generic[T]):
         self.idle_s = idle_s
         self.rebinds = 0
         self.dead_letters = 0
+        # True once asking has stopped (stop, a drain): what is in hand is ending.
+        self.finishing = False
         # One task per message being handled; messages in hand per tenant.
         self.tasks: set[asyncio.Task] = set()
         self.held: collections.Counter[str] = collections.Counter()
@@ -276,12 +278,14 @@ class PullLoop(Generic[T]):
         try:
             await self._ask(stop)
         except BaseException:
+            self.finishing = True
             await cancel_and_wait(*self.tasks)
             raise
         await self.finish(abandon)
 
     async def finish(self, abandon: asyncio.Event | None = None) -> None:
         """End the messages in hand (see :meth:`run`)."""
+        self.finishing = True
         tasks = list(self.tasks)
         if not tasks:
             return

@@ -309,6 +309,11 @@ class Worker:
     def in_flight(self) -> int:
         return len(self.devices) - self.free.qsize()
 
+    @property
+    def stopping(self) -> bool:
+        """Drained, or stopped and finishing the requests in hand."""
+        return self.draining or (self.loop is not None and self.loop.finishing)
+
     def info(self) -> WorkerInfo:
         return WorkerInfo(
             worker_id=self.worker_id,
@@ -320,7 +325,7 @@ class Worker:
             host=socket.gethostname(),
             version=services.__version__,
             started_at=self.started_at,
-            status="draining" if self.draining else "running",
+            status="draining" if self.stopping else "running",
             sandbox=self.verifier.sandbox.isolation.summary() if self.verifier.sandbox.started else [],
             sandbox_notes=list(self.verifier.sandbox_notes),
         )
