@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import sys
 import threading
 import time
@@ -72,7 +71,7 @@ from services.cli_common import (
     show_record,
 )
 from services.common.records import task_module_names
-from services.common.runtime import free_port
+from services.common.runtime import free_port, install_signal_handlers
 from services.common.settings import Settings
 from services.stack import LocalStack, StackError, local_stack
 
@@ -291,10 +290,7 @@ def up(
     stopping = threading.Event()
     stack: LocalStack | None = None
 
-    def on_signal(_sig: int, _frame: Any) -> None:
-        stopping.set()
-
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    restore_signals = install_signal_handlers(stopping)
     code = ExitCode.OK
     try:
         with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
@@ -316,8 +312,7 @@ def up(
         say(str(exc))
         code = ExitCode.FAILED
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        restore_signals()
         if logged := [p for p in stack.logs.values() if p.exists()] if stack else []:
             say(f"service logs kept in {logged[0].parent}")
     raise typer.Exit(int(code))

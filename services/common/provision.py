@@ -53,7 +53,8 @@ log = structlog.get_logger("aikg.provision")
 
 # JOBS consumers: a job is redelivered if its generator stops heartbeating for this
 # long (so a crashed generator's job resumes elsewhere after ~10 s); the generator
-# sends in_progress() every third of it. Deliveries before the generator dead-letters.
+# sends in_progress() every fifth of it (services/common/pull_loop.py). Deliveries
+# before the generator dead-letters.
 JOB_ACK_WAIT_S = 10.0
 JOB_MAX_DELIVER = 5
 # How long one provisioning request waits for the provisioner's answer, seconds.

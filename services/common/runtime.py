@@ -10,23 +10,79 @@ import contextlib
 import os
 import signal
 import socket
+import threading
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
 
 T = TypeVar("T")
 
 
-def install_signal_handlers(stop: asyncio.Event) -> None:
-    """Set ``stop`` on SIGINT or SIGTERM so a service shuts down cleanly.
+class _Flag(Protocol):
+    def set(self) -> None: ...
 
-    Does nothing outside the main thread (tests run services as tasks).
+    def is_set(self) -> bool: ...
+
+
+# The signals that stop a long-running service (``kill``, Ctrl-C).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def install_signal_handlers(stop: _Flag, abandon: _Flag | None = None, *,
+                            logger: Any = None, hint: str = "") -> Callable[[], None]:
+    """The one SIGINT/SIGTERM handling of every long-running service (``aikg gateway``,
+    ``generator``, ``worker``, ``nats-setup --serve``, the ``aikg up`` supervisor): the
+    first signal sets ``stop`` (a graceful drain); with ``abandon``, the next one sets
+    it (give up what is still running), else it sets ``stop`` again.
+
+    ``stop`` / ``abandon`` are :class:`asyncio.Event` (called with a running loop: the
+    loop's own signal handling, so the event is set in the loop's thread) or
+    :class:`threading.Event` (no running loop: :func:`signal.signal`).
+
+    Args:
+        logger: a structlog logger; each signal is logged (``stopping`` /
+            ``abandoning``, with the signal's name and ``hint``).
+        hint: what the first signal does and what another one would, for the log.
+
+    Returns:
+        A function that puts the previous handlers back. Nothing is installed (and
+        the function does nothing) outside the main thread: tests run services as
+        tasks and stop them with ``stop``.
     """
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+
+    def on_signal(sig: int) -> None:
+        name = signal.Signals(sig).name
+        if abandon is not None and stop.is_set():
+            if logger is not None:
+                logger.warning("abandoning", signal=name)
+            abandon.set()
+            return
+        if logger is not None:
+            logger.info("stopping", signal=name, **({"hint": hint} if hint else {}))
+        stop.set()
+
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    for sig in STOP_SIGNALS:
+        if loop is not None:
+            loop.add_signal_handler(sig, on_signal, sig)
+        else:
+            signal.signal(sig, lambda signum, _frame: on_signal(signum))
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                if loop is not None:
+                    loop.remove_signal_handler(sig)
+                signal.signal(sig, handler)
+
+    return restore
 
 
 # How often a cancellation is repeated while the task has not ended, seconds.

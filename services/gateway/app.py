@@ -22,11 +22,8 @@ import contextlib
 import hmac
 import json
 import os
-import signal
 import socket
-import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import structlog
 import uvicorn
@@ -41,7 +38,7 @@ from prometheus_client import Counter
 
 from services.common.bus import Bus, connect_bus
 from services.common.queue_metrics import run_queue_metrics
-from services.common.runtime import cancel_and_wait
+from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.tenants import TenantTable, load_tenants
 from services.gateway.deps import DEPENDENCIES
@@ -228,12 +225,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
     server = _Server(uvicorn.Config(app, log_config=None,
                                     access_log=False, lifespan="on",
                                     timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
-    loop = asyncio.get_running_loop()
-    installed: list[tuple[int, Any]] = []
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            installed.append((sig, signal.getsignal(sig)))
-            loop.add_signal_handler(sig, stop.set)
+    restore_signals = install_signal_handlers(stop, logger=log)
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="gateway-uvicorn")
     queue_metrics = asyncio.create_task(run_queue_metrics(bus), name="gateway-queue-metrics")
     # Throughput samples for the estimated start times, also while nobody asks.
@@ -262,9 +254,7 @@ async def serve_gateway(settings: Settings, stop: asyncio.Event | None = None) -
             server.force_exit = True
             await asyncio.wait({serving}, timeout=1.0)
             await cancel_and_wait(serving)
-        for sig, previous in installed:
-            loop.remove_signal_handler(sig)
-            signal.signal(sig, previous)
+        restore_signals()
         sock.close()
         await bus.close()
         log.info("gateway_stopped")

@@ -12,7 +12,8 @@ hash, the latest candidate's code) by compare-and-swap; the request id is
 deterministic (``<job_id>-a<attempt>``) and is the message's ``Nats-Msg-Id``; the
 VERIFY sequence of the acknowledged publish is recorded next, and each verdict
 after it arrives. A generator that dies mid-job leaves its job message unacked, so
-JetStream redelivers it (after :data:`JOB_ACK_WAIT_S`) to another instance or to the
+JetStream redelivers it (after the JOBS consumer's ack wait,
+:data:`services.common.provision.JOB_ACK_WAIT_S`) to another instance or to the
 restarted one, which rebuilds the attempts from the record: verdicts already
 recorded are reused, a request already published is awaited again on
 ``results.<job_id>`` (read from the start of the RESULTS stream) instead of being
@@ -20,6 +21,13 @@ resent, a recorded request without a sequence is republished under the same id
 (the stream drops it if the first publish did land), and the attempt loop goes on
 from there. The final status is set by compare-and-swap from a non-terminal state,
 so a job ends (and announces its end) once.
+
+Intake. :mod:`services.common.pull_loop` takes the job messages (the lanes in fair
+order, as many as there are free job slots), keeps each marked in progress while its
+job runs, naks the jobs in hand when the generator stops, and dead-letters a
+submission that does not decode or was delivered more than ``JOB_MAX_DELIVER`` times;
+this module runs a decoded job (:meth:`Generator._handle`) and fails the job of a
+dead-lettered message.
 
 Cancel. While a job runs, its record is polled every :data:`CANCEL_POLL_S`; when it
 turns ``cancelled`` (``POST /api/v1/jobs/{id}/cancel``), the job's task is cancelled:
@@ -33,7 +41,7 @@ the bad value, by compare-and-swap on its revision, with a ``failed`` record tha
 names the fault and keeps the job's submission, publishes one ``failed`` event and
 acks the job's message: no redelivery, no dead-letter "its generator died".
 
-Why one module: the job intake loop and :class:`JobRun` are the generator's
+Why one module: the job handler and :class:`JobRun` are the generator's
 crash-recovery protocol (record compare-and-swap, deterministic attempt ids,
 redelivery, cancel watch); they change together and are read together.
 """
@@ -48,7 +56,6 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-import msgspec
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
@@ -71,12 +78,6 @@ from schemas import (
 )
 from schemas.events import CandidateRecord
 from services.common.bus import Bus, JobNotFound, connect_bus
-from services.common.consumer import (
-    dead_letter,
-    deliveries,
-    durable_pull,
-    run_with_progress,
-)
 from services.common.jobs import (
     CheckedJobStore,
     JobRecordCorrupt,
@@ -87,14 +88,12 @@ from services.common.jobs import (
     new_record,
     publish_event,
 )
-from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
-from services.common.provision import JOB_ACK_WAIT_S, JOB_MAX_DELIVER
-from services.common.pull_loop import PullLoop
+from services.common.pull_loop import PullLoop, open_pull_loop
 from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
-from services.common.shares import TenantSlots
+from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import load_tenants, tenant_label
 from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
@@ -170,22 +169,21 @@ class Generator:
         self.sandbox = lowering_sandbox(
             f"generator-{os.getpid()}", require=settings.sandbox_require_list,
             env_allow=settings.sandbox_env_allow_list)
-        # Fair shares (services/common/shares.py): of this process's job slots and of
-        # its lowering slots, a tenant holds at most max_generator_share.
+        # Fair shares (services/common/shares.py): of this process's job slots (the
+        # pull loop's messages in hand, at_share) and of its lowering slots, a tenant
+        # holds at most max_generator_share.
         tenants = load_tenants(settings)
 
         def share(name: str) -> float:
             return tenants.get(name).max_generator_share
 
-        self.job_slots = TenantSlots(settings.generator_concurrency, share, "job")
         self.lowering_slots = TenantSlots(settings.generator_concurrency, share, "lowering")
         self.builtin = BuiltinCoder(self.sandbox, timeout_s=settings.lowering_timeout_s,
                                     slots=self.lowering_slots,
                                     limits=child_limits_from(settings))
-        self.tasks: set[asyncio.Task] = set()
-        self.lanes: LanePull | None = None
-        # Set whenever a job slot is given back (the pull loop waits on it when full).
-        self.freed = asyncio.Event()
+        self.tenants = tenants
+        # The job intake (bound in run()).
+        self.loop: PullLoop | None = None
         self.llm: LLMClient | None = None
         # A broken LLM configuration fails the jobs that need the LLM, with this text,
         # instead of the whole generator.
@@ -196,97 +194,65 @@ class Generator:
             self.llm_error = str(exc)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Serve jobs until ``stop`` is set; in-flight jobs are left unacked so that
-        another generator picks them up after the ack wait."""
-        psub = await durable_pull(
-            self.bus.js, stream=subjects.STREAM_JOBS, subject=subjects.JOBS_SUBMIT,
-            durable=subjects.CONSUMER_GENERATOR, ack_wait_s=JOB_ACK_WAIT_S,
-            max_deliver=JOB_MAX_DELIVER + 1,
-        )
-        # Jobs wait in one lane per tenant and priority; they are taken in fair order.
-        lanes = LanePull(
-            self.bus.js, self.bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
-            consumer_of=subjects.generator_consumer,
-            config_of=lambda subject, durable: lane_config(
-                subject, durable, ack_wait_s=JOB_ACK_WAIT_S, max_deliver=JOB_MAX_DELIVER + 1),
-            sweep_strays=True)
-        await lanes.start()
-        self.lanes = lanes
-        # Before the first job: every lowering runs the task's code in this sandbox.
-        await asyncio.to_thread(self.sandbox.start)
-        log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
-                 notes=self.sandbox.isolation.notes)
-        if self.llm_error:
-            log.error("llm_config_invalid", error=self.llm_error)
-        log.info("generator_started", concurrency=self.settings.generator_concurrency,
-                 llm=self.llm.describe() if self.llm and self.llm.configured() else None)
-
-        async def rebind() -> None:
-            await (await durable_pull(
-                self.bus.js, stream=subjects.STREAM_JOBS, subject=subjects.JOBS_SUBMIT,
-                durable=subjects.CONSUMER_GENERATOR, ack_wait_s=JOB_ACK_WAIT_S,
-                max_deliver=JOB_MAX_DELIVER + 1)).unsubscribe()
-
-        # A tenant at its share of the job slots is not asked for more.
-        loop = PullLoop(lanes, capacity=lambda: self.settings.generator_concurrency
-                        - len(self.tasks), take=self._take, freed=self.freed,
-                        rebind=rebind, exclude=self.job_slots.at_share)
+        """Serve jobs until ``stop`` is set; in-flight jobs are cancelled and their
+        messages nak'ed, so another generator takes them at once."""
+        # Jobs wait in one lane per tenant and priority; they are taken in fair order
+        # (services/common/pull_loop.py), a tenant at its share of the job slots left
+        # out until one of its jobs ends.
+        self.loop = await open_pull_loop(
+            self.bus.js, self.bus.nc, self.settings, stream=subjects.STREAM_JOBS,
+            base=subjects.JOBS_SUBMIT, sweep_strays=True, kind="job submission",
+            decode=lambda data: decode(data, JobSubmit), handle=self._handle,
+            capacity=lambda: self.settings.generator_concurrency - self.loop.in_hand,
+            exclude=self.at_share, dead_lettered=self._dead_lettered)
         try:
-            await loop.run(stop)
+            # Before the first job: every lowering runs the task's code in this sandbox.
+            await asyncio.to_thread(self.sandbox.start)
+            log.info("generator_sandbox", sandbox=self.sandbox.isolation.summary(),
+                     notes=self.sandbox.isolation.notes)
+            if self.llm_error:
+                log.error("llm_config_invalid", error=self.llm_error)
+            log.info("generator_started", concurrency=self.settings.generator_concurrency,
+                     ack_wait_s=self.loop.delivery.ack_wait_s,
+                     llm=self.llm.describe() if self.llm and self.llm.configured() else None)
+            await self.loop.run(stop)
         finally:
-            await lanes.stop()
-            await cancel_and_wait(*self.tasks)
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+            await self.loop.finish()
+            await self.loop.lanes.stop()
             if self.llm is not None:
                 await self.llm.aclose()
             await asyncio.to_thread(self.sandbox.close)
             log.info("generator_stopped")
 
-    def _take(self, msg: Msg) -> None:
-        tenant, _ = (subjects.parse_lane(subjects.JOBS_SUBMIT, msg.subject or "")
-                     or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
-        self.job_slots.take(tenant)
-        task = asyncio.create_task(self.handle(msg))
-        self.tasks.add(task)
+    def at_share(self, tenant: str) -> bool:
+        """Whether ``tenant``'s jobs hold its ``max_generator_share`` of this process's
+        job slots (services/common/shares.py): its lanes are not asked meanwhile."""
+        cap = share_slots(self.tenants.get(tenant).max_generator_share,
+                          self.settings.generator_concurrency)
+        return self.loop is not None and self.loop.held[tenant] >= cap
 
-        def done(finished: asyncio.Task) -> None:
-            self.tasks.discard(finished)
-            self.job_slots.give_back(tenant)
-            self.freed.set()
-            if self.lanes is not None:
-                self.lanes.woken.set()  # a tenant held back may be asked again now
-
-        task.add_done_callback(done)
-
-    async def handle(self, msg: Msg) -> None:
-        """Run one job message to the end; never raises (a bad job must not stop us)."""
-        try:
-            await run_with_progress(msg, JOB_ACK_WAIT_S / 3, lambda: self._handle(msg))
-        except asyncio.CancelledError:
-            # Shutting down mid-job: hand the job straight back to the stream.
-            with contextlib.suppress(Exception):
-                await msg.nak()
-            raise
-        except Exception:  # noqa: BLE001
-            log.exception("job_handler_failed")
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=2)
-
-    async def _handle(self, msg: Msg) -> None:
+    @staticmethod
+    def _job_id(msg: Msg, submit: JobSubmit | None) -> str | None:
+        """The job's id: the submission's, else a ``Nats-Msg-Id`` that is one token."""
         header_id = (msg.headers or {}).get("Nats-Msg-Id")
-        try:
-            submit = decode(msg.data, JobSubmit)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            reason = f"malformed job submission: {exc}"
-            log.warning("malformed_job", error=reason)
-            await dead_letter(self.bus.js, msg, reason)
-            job_id = header_id if header_id and subjects.is_token(header_id) else None
-            if job_id:
-                await self._fail_new(job_id, reason)
+        header_id = header_id if header_id and subjects.is_token(header_id) else None
+        return (submit.job_id if submit is not None else None) or header_id
+
+    async def _dead_lettered(self, msg: Msg, submit: JobSubmit | None, reason: str,
+                             why: str) -> None:
+        """A job message moved to the DLQ: its job fails (a malformed one: its
+        ``failed`` event only, when a job id can be told)."""
+        job_id = self._job_id(msg, submit)
+        if job_id is None:
             return
-        job_id = submit.job_id or (header_id if header_id and subjects.is_token(header_id) else None)
-        job_id = job_id or new_id("job-")
+        if why == "malformed":
+            await self._fail_new(job_id, reason)
+        else:
+            with contextlib.suppress(JobNotFound):
+                await self._finish(job_id, "failed", error=reason)
+
+    async def _handle(self, msg: Msg, submit: JobSubmit, _slot: Any = None) -> None:
+        job_id = self._job_id(msg, submit) or new_id("job-")
         # The lane it waited on says whose job it is (a raw `nats pub` on jobs.submit:
         # the default tenant).
         tenant, priority = (subjects.parse_lane(subjects.JOBS_SUBMIT, msg.subject or "")
@@ -306,12 +272,6 @@ class Generator:
         Raises:
             JobRecordCorrupt: the job's record does not decode (met at any point).
         """
-        if deliveries(msg) > JOB_MAX_DELIVER:
-            reason = (f"job delivered {deliveries(msg)} times without finishing (its "
-                      "generator died or lost NATS each time)")
-            await dead_letter(self.bus.js, msg, reason)
-            await self._finish(job_id, "failed", error=reason)
-            return
         record = await self._ensure_record(job_id, submit, tenant, priority)
         if record is None or record.status in TERMINAL_STATUSES:
             await msg.ack()
@@ -891,12 +851,17 @@ async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -
     Raises:
         ConnectionError: NATS is unreachable at start.
     """
+    restore = lambda: None  # noqa: E731
     if stop is None:
         stop = asyncio.Event()
-        install_signal_handlers(stop)
-    start_metrics_server(settings.metrics_port)
-    bus = await connect_bus(settings, "aikg-generator", role="generator")
+        restore = install_signal_handlers(stop, logger=log, hint="running jobs are handed "
+                                          "back to the queue (nak) for another generator")
     try:
-        await Generator(bus, settings).run(stop)
+        start_metrics_server(settings.metrics_port)
+        bus = await connect_bus(settings, "aikg-generator", role="generator")
+        try:
+            await Generator(bus, settings).run(stop)
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
+        restore()

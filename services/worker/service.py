@@ -6,19 +6,18 @@ has free devices, leases the device in the ``leases`` bucket, runs the candidate
 the sandbox (:class:`services.worker.verifier.Verifier`), publishes the
 :class:`VerifyResult` on ``results.<job_id>``, acks, and releases the lease.
 
-Delivery rules: while it holds a request the worker sends
-``in_progress()`` every fifth of ack_wait (``verify_ack_wait_s``, 5 s), so a long run
-is not handed to another worker; a worker that dies stops doing so, and JetStream
-redelivers its request after ack_wait, a few seconds after the death. Verify
-consumers created with a longer ack wait are shortened to the setting at start.
-The consumer allows ``verify_max_deliver + 1`` deliveries: the last one only
-dead-letters the request (``dlq.verify.<backend>.<arch>``), publishes a
-failed ``infrastructure`` result and an ``error`` job event. A message that is not
-a VerifyRequest is dead-lettered at once; requests of cancelled jobs are acked
-unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a
-second signal gives them back to the queue.
+Delivery rules (services/common/pull_loop.py, the generator's too): while it holds a
+request the worker sends ``in_progress()`` every fifth of the consumer's ack wait
+(``verify_ack_wait_s``, 5 s), so a long run is not handed to another worker; a worker
+that dies stops doing so, and JetStream redelivers its request after the ack wait, a
+few seconds after the death. The consumer allows ``verify_max_deliver + 1``
+deliveries: the last one only dead-letters the request (``dlq.verify.<backend>.<arch>``),
+and this module publishes a failed ``infrastructure`` result and an ``error`` job
+event. A message that is not a VerifyRequest is dead-lettered at once; requests of
+cancelled jobs are acked unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight
+runs finish first; a second signal gives them back to the queue (nak).
 
-Why one module: the consumer loop, device leases, heartbeat and the final publishes
+Why one module: the request handler, device leases, heartbeat and the final publishes
 (result, dead letter, events) are one delivery protocol; its crash-safety (ack only
 after the verdict is stored, leases renewed while a run lasts) is checked by reading
 them together.
@@ -27,12 +26,10 @@ them together.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import datetime as dt
 import os
 import re
-import signal
 import socket
 import time
 from collections.abc import Callable
@@ -56,18 +53,10 @@ from schemas import (
 )
 from schemas.events import phase_label
 from services.common.bus import Bus, JobNotFound, JobStore, connect_bus
-from services.common.consumer import (
-    dead_letter,
-    deliveries,
-    durable_pull,
-    keep_in_progress,
-    run_with_progress,
-)
 from services.common.jobs import publish_event
-from services.common.lanes import LanePull, lane_config
 from services.common.metrics import start_metrics_server
-from services.common.pull_loop import PullLoop
-from services.common.runtime import cancel_and_wait, retry_async
+from services.common.pull_loop import PullLoop, deliveries, open_pull_loop
+from services.common.runtime import cancel_and_wait, install_signal_handlers, retry_async
 from services.common.settings import Settings
 from services.common.shares import share_slots
 from services.common.tenants import load_tenants, tenant_label
@@ -294,13 +283,10 @@ class Worker:
             self.free.put_nowait(d)
         # Set when a device comes back: the fetch loop waits on it rather than polling.
         self.freed = asyncio.Event()
-        # Running handler tasks; each holds (or waits for) one device.
-        self.tasks: set[asyncio.Task] = set()
+        # The request intake (bound in run()); its messages in hand each hold (or
+        # wait for) one device.
+        self.loop: PullLoop | None = None
         self.draining = False
-        # What the shared consumer enforces; read back from it in run() (a consumer
-        # created earlier with other values keeps them).
-        self.ack_wait_s = settings.verify_ack_wait_s
-        self.max_deliver = settings.verify_max_deliver
         memory = settings.memory_limit_bytes or (4 << 30 if self.backend == "cpu" else None)
         self.verifier = verifier or Verifier(
             self.backend, worker_id=self.worker_id, memory_limit_bytes=memory,
@@ -315,7 +301,6 @@ class Worker:
         self.tenants = load_tenants(settings)
         self.fleet = DeviceShares(self.worker_id, self.backend, self.arch, len(self.devices),
                                   settings.worker_heartbeat_s)
-        self.tenant_in_flight: collections.Counter[str] = collections.Counter()
         self.jobs = JobStore(bus.jobs)
         self.labels = {"backend": self.backend, "arch": self.arch}
         self.log = log.bind(worker_id=self.worker_id, backend=self.backend, arch=self.arch)
@@ -325,11 +310,9 @@ class Worker:
         return len(self.devices) - self.free.qsize()
 
     @property
-    def progress_every_s(self) -> float:
-        """Period of ``in_progress()`` while a request runs: a fifth of ack_wait, seconds
-        (four beats may be late or lost before JetStream hands the request to another
-        worker)."""
-        return max(0.1, self.ack_wait_s / 5)
+    def stopping(self) -> bool:
+        """Drained, or stopped and finishing the requests in hand."""
+        return self.draining or (self.loop is not None and self.loop.finishing)
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -342,7 +325,7 @@ class Worker:
             host=socket.gethostname(),
             version=services.__version__,
             started_at=self.started_at,
-            status="draining" if self.draining else "running",
+            status="draining" if self.stopping else "running",
             sandbox=self.verifier.sandbox.isolation.summary() if self.verifier.sandbox.started else [],
             sandbox_notes=list(self.verifier.sandbox_notes),
         )
@@ -383,33 +366,34 @@ class Worker:
             services.sandbox.pool.PoolBroken: the sandbox could not start.
         """
         abandon = abandon if abandon is not None else asyncio.Event()
-        psub = pull = beat = service = None
+        loop = beat = service = None
         try:
             await asyncio.to_thread(self.verifier.start)
             await self._open_shared_cache()
             DEVICES.labels(**self.labels).set(len(self.devices))
             subject = subjects.verify(self.backend, self.arch)
-            psub = await self._bind_consumer()
-            await self._adopt_consumer_config(psub)
-            # Requests wait in one lane per tenant and priority; taken in fair order.
-            pull = LanePull(
-                self.bus.js, self.bus.nc, stream=subjects.STREAM_VERIFY, base=subject,
-                consumer_of=lambda t, p: subjects.verify_lane_consumer(
-                    self.backend, self.arch, t, p),
-                config_of=lambda subj, durable: lane_config(
-                    subj, durable, ack_wait_s=self.ack_wait_s,
-                    max_deliver=self.max_deliver + 1),
-                idle_poll_s=PULL_EXPIRES_S)
-            await pull.start()
+            # Requests wait in one lane per tenant and priority, taken in fair order
+            # as devices come free (services/common/pull_loop.py); a tenant at its share
+            # of this backend/arch's devices waits behind the other tenants' lanes (it
+            # still gets a device nobody else wants).
+            loop = self.loop = await open_pull_loop(
+                self.bus.js, self.bus.nc, self.settings, stream=subjects.STREAM_VERIFY,
+                base=subject, idle_s=PULL_EXPIRES_S, kind="verify request",
+                decode=lambda data: decode(data, VerifyRequest), handle=self.handle,
+                capacity=self.free.qsize, claim=self._claim,
+                dead_lettered=self._dead_lettered, freed=self.freed, defer=self.at_share,
+                stopping=lambda: self.draining)
             beat = asyncio.create_task(self.heartbeat())
             await self.fleet.start(self.bus)
             service = await self.control_service()
             self.log.info("worker_started", subject=subject, devices=self.devices,
-                          ack_wait_s=self.ack_wait_s, max_deliver=self.max_deliver)
-            await self._serve(pull, stop)
+                          ack_wait_s=loop.delivery.ack_wait_s,
+                          max_deliver=loop.delivery.max_deliver)
+            await loop.run(stop, abandon)
         finally:
             self.draining = True
-            await self._finish_in_flight(abandon)
+            if loop is not None:
+                await loop.finish(abandon)
             if service is not None:
                 with contextlib.suppress(Exception):
                     await service.stop()
@@ -418,11 +402,8 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await self.bus.workers.delete(self.worker_id)
             await self.fleet.stop()
-            if pull is not None:
-                await pull.stop()
-            if psub is not None:
-                with contextlib.suppress(Exception):
-                    await psub.unsubscribe()
+            if loop is not None:
+                await loop.lanes.stop()
             self.verifier.shared_cache = None
             await asyncio.to_thread(self.verifier.close)
             DEVICES.labels(**self.labels).set(0)
@@ -443,99 +424,18 @@ class Worker:
         self.verifier.shared_cache = cache
         self.log.info("shared_cache", enabled=cache is not None)
 
-    async def _serve(self, pull: LanePull, stop: asyncio.Event) -> None:
-        """Take as many requests as there are free devices (one lane after another, see
-        :class:`~services.common.pull_loop.PullLoop`), until stopped or drained. A
-        tenant at its share of this backend/arch's devices waits behind the other
-        tenants' lanes (it still gets a device nobody else wants)."""
-        async def rebind() -> None:
-            await (await self._bind_consumer()).unsubscribe()
-
-        await PullLoop(pull, capacity=self.free.qsize, take=self._take, freed=self.freed,
-                       rebind=rebind, defer=self.at_share, stopping=lambda: self.draining,
-                       idle_s=PULL_EXPIRES_S).run(stop)
-
-    def _take(self, msg) -> None:
-        """Start handling a fetched message now, on a free device taken here (before the
-        next fetch counts them), or waiting for one if none is free."""
+    def _claim(self, msg) -> tuple[str | None, float]:
+        """A free device for a message just taken (before the next fetch counts the
+        free ones), or None to wait for one, and when it arrived (monotonic)."""
         device = None if self.free.empty() else self.free.get_nowait()
-        tenant, _ = (subjects.parse_lane(subjects.verify(self.backend, self.arch),
-                                         msg.subject or "")
-                     or (subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY))
-        self.tenant_in_flight[tenant] += 1
-        task = asyncio.create_task(self.handle(msg, device, received=time.monotonic()))
-        self.tasks.add(task)
-
-        def done(finished: asyncio.Task) -> None:
-            self.tasks.discard(finished)
-            self.tenant_in_flight[tenant] -= 1
-            if self.tenant_in_flight[tenant] <= 0:
-                del self.tenant_in_flight[tenant]
-
-        task.add_done_callback(done)
+        return device, time.monotonic()
 
     def at_share(self, tenant: str) -> bool:
         """Whether ``tenant`` holds its ``max_device_share`` of this backend/arch's
         devices: this worker's runs of it, plus the other workers' leases of it."""
         cap = share_slots(self.tenants.get(tenant).max_device_share, self.fleet.devices())
-        return self.tenant_in_flight[tenant] + self.fleet.held_elsewhere(tenant) >= cap
-
-    async def _bind_consumer(self):
-        """Bind to (creating when missing) the durable consumer shared by every worker of
-        this backend/arch; the subscription is used for consumer info only."""
-        return await durable_pull(
-            self.bus.js,
-            stream=subjects.STREAM_VERIFY,
-            subject=subjects.verify(self.backend, self.arch),
-            durable=subjects.verify_consumer(self.backend, self.arch),
-            ack_wait_s=self.settings.verify_ack_wait_s,
-            # One delivery beyond the limit reaches us so we can dead-letter it.
-            max_deliver=self.settings.verify_max_deliver + 1,
-        )
-
-    async def _finish_in_flight(self, abandon: asyncio.Event) -> None:
-        tasks = list(self.tasks)
-        if not tasks:
-            return
-        self.log.info("worker_finishing_in_flight", in_flight=len(tasks))
-        finished = asyncio.gather(*tasks, return_exceptions=True)
-        abandoned = asyncio.create_task(abandon.wait())
-        try:
-            await asyncio.wait({finished, abandoned}, return_when=asyncio.FIRST_COMPLETED)
-            if not finished.done():
-                self.log.warning("worker_abandoning_in_flight", in_flight=len(self.tasks))
-                await cancel_and_wait(*tasks)
-                await finished
-        finally:
-            abandoned.cancel()
-
-    async def _adopt_consumer_config(self, psub) -> None:
-        """Use the ack_wait and max_deliver the shared consumer really has.
-
-        JetStream keeps a durable consumer's configuration when a worker binds with
-        other values, and enforces its own: a worker that sent ``in_progress()`` by
-        its own, longer ack_wait would see its runs redelivered to other workers.
-        (``aikg nats-setup`` brings an existing consumer's ack wait to the setting.)
-        """
-        try:
-            config = (await psub.consumer_info()).config
-        except Exception as exc:  # noqa: BLE001 - keep the settings' values
-            self.log.warning("consumer_info_failed", error=str(exc))
-            return
-        if config.ack_wait and abs(config.ack_wait - self.ack_wait_s) > 1e-3:
-            self.log.warning("consumer_ack_wait_differs", consumer_ack_wait_s=config.ack_wait,
-                             setting_s=self.ack_wait_s,
-                             hint="the consumer's value applies; delete the consumer "
-                                  "(no worker running) to change it")
-            self.ack_wait_s = config.ack_wait
-        if config.max_deliver and config.max_deliver > 1 and \
-                config.max_deliver - 1 != self.max_deliver:
-            self.log.warning("consumer_max_deliver_differs",
-                             consumer_max_deliver=config.max_deliver,
-                             setting=self.max_deliver + 1,
-                             hint="the consumer's value applies; delete the consumer "
-                                  "(no worker running) to change it")
-            self.max_deliver = config.max_deliver - 1
+        held = self.loop.held[tenant] if self.loop is not None else 0
+        return held + self.fleet.held_elsewhere(tenant) >= cap
 
     async def leases_held(self) -> list[dict]:
         """This worker's entries of the ``leases`` bucket."""
@@ -577,16 +477,15 @@ class Worker:
         await service.add_endpoint(name="drain", subject=f"{prefix}.drain", handler=drain)
         return service
 
-    async def handle(self, msg, device: str | None = None,
-                     received: float | None = None) -> None:
-        """Verify one request on ``device`` (None: the next free one); always frees it.
-
-        ``received``: ``time.monotonic()`` when the message arrived (default: now), the
-        start of its ``fetch_to_start`` phase. A failure of the worker itself naks the
-        message for redelivery; cancellation (an abandoned shutdown) naks it without
-        delay so another worker takes it now.
+    async def handle(self, msg, request: VerifyRequest,
+                     claimed: tuple[str | None, float] | None = None) -> None:
+        """Verify one decoded request on the device of ``claimed`` (``(device or None,
+        monotonic arrival)``; None: the next free device, arrived now); always frees
+        the device. In-progress beats, nak on failure or cancellation and
+        dead-letters are the pull loop's (services/common/pull_loop.py); the arrival
+        starts the request's ``fetch_to_start`` phase.
         """
-        received = time.monotonic() if received is None else received
+        device, received = claimed if claimed is not None else (None, time.monotonic())
         released = False
 
         def release() -> None:
@@ -598,44 +497,16 @@ class Worker:
 
         try:
             if device is None:
-                device = await self._device_for(msg)
-            await self._handle(msg, device, received, release)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await msg.nak()
-            raise
-        except Exception:  # noqa: BLE001 - one bad run must not stop the consumer
-            self.log.exception("verify_handler_failed")
-            with contextlib.suppress(Exception):
-                await msg.nak(delay=1)
+                # A fetch that raced a device being taken brought one more than the free
+                # devices: it waits here (marked in progress) rather than being nak'ed,
+                # which would count a delivery against max_deliver.
+                device = await self.free.get()
+            with structlog.contextvars.bound_contextvars(
+                    job_id=request.job_id, request_id=request.request_id,
+                    candidate_id=request.candidate_id, worker_id=self.worker_id):
+                await self._handle_request(msg, request, device, received, release)
         finally:
             release()
-
-    async def _device_for(self, msg) -> str:
-        """The next free device for ``msg``, waiting with ``in_progress()`` meanwhile.
-
-        The worker fetches at most as many messages as it has free devices (see
-        :class:`~services.common.lanes.LanePull`), but a fetch that raced a device
-        being taken can bring one more; it waits here instead of being nak'ed, which
-        would count a delivery against max_deliver.
-        """
-        beat = asyncio.create_task(keep_in_progress(msg, self.progress_every_s))
-        try:
-            return await self.free.get()
-        finally:
-            await cancel_and_wait(beat)
-
-    async def _handle(self, msg, device: str, received: float,
-                      release: Callable[[], None] | None = None) -> None:
-        try:
-            request = decode(msg.data, VerifyRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            await self._dead_letter_malformed(msg, exc)
-            return
-        with structlog.contextvars.bound_contextvars(
-                job_id=request.job_id, request_id=request.request_id,
-                candidate_id=request.candidate_id, worker_id=self.worker_id):
-            await self._handle_request(msg, request, device, received, release)
 
     async def _handle_request(self, msg, request: VerifyRequest, device: str,
                               received: float | None = None,
@@ -646,9 +517,6 @@ class Worker:
         received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
-        if delivered > self.max_deliver:
-            await self._give_up(msg, request, device, delivered, bound)
-            return
         if await self._job_cancelled(request.job_id):
             bound.info("skipped_cancelled_job")
             await msg.ack()
@@ -674,7 +542,7 @@ class Worker:
                 holder["result"] = await self.verifier.verify(request, device=device)
 
         try:
-            await run_with_progress(msg, self.progress_every_s, work)
+            await work()
         finally:
             IN_FLIGHT.labels(**self.labels).dec()
         if release is not None:
@@ -698,35 +566,29 @@ class Worker:
         bound.info("verify_finished", passed=result.passed, stage=result.stage,
                    duration_s=round(elapsed, 3))
 
-    async def _dead_letter_malformed(self, msg, exc: Exception) -> None:
-        """Move a request that is not a VerifyRequest to the DLQ and tell its job, if known."""
-        reason = f"malformed verify request: {exc}"
-        self.log.warning("malformed_request", error=reason, subject=msg.subject)
-        DEAD_LETTERED.labels(**self.labels, reason="malformed").inc()
-        await dead_letter(self.bus.js, msg, reason)
-        job_id = _job_id_of(msg.data)
-        if job_id:
-            await publish_event(self.bus, JobEvent(
-                job_id=job_id, event="error",
-                message=f"{reason}; moved to {subjects.dlq(msg.subject)}"))
-
-    async def _give_up(self, msg, request: VerifyRequest, device: str, delivered: int,
-                       bound) -> None:
-        """Past max_deliver: publish a failed ``infrastructure`` result, dead-letter the
-        message, and put an ``error`` event on the job."""
-        reason = (f"verify request delivered {delivered} times without a verdict (each "
-                  f"worker that took it died, was killed or lost its connection before "
-                  f"answering); moved to {subjects.dlq(msg.subject)}")
-        bound.error("max_deliver_exceeded", error=reason)
-        DEAD_LETTERED.labels(**self.labels, reason="max_deliver").inc()
+    async def _dead_lettered(self, msg, request: VerifyRequest | None, reason: str,
+                             why: str) -> None:
+        """A request moved to the DLQ (by the pull loop): an ``error`` event on its job
+        (a malformed one's job id read best-effort), and for one past max_deliver a
+        failed ``infrastructure`` result, so its job does not wait for a verdict."""
+        moved = f"{reason}; moved to {subjects.dlq(msg.subject)}"
+        DEAD_LETTERED.labels(**self.labels, reason=why).inc()
+        if request is None:
+            self.log.warning("malformed_request", error=reason, subject=msg.subject)
+            job_id = _job_id_of(msg.data)
+            if job_id:
+                await publish_event(self.bus, JobEvent(job_id=job_id, event="error",
+                                                       message=moved))
+            return
+        self.log.error("max_deliver_exceeded", error=reason, job_id=request.job_id,
+                       request_id=request.request_id)
         try:
-            await self._publish_result(self._failure(request, device, "infrastructure", reason))
-        except Exception as exc:  # noqa: BLE001 - still dead-letter it: nothing redelivers it
-            bound.error("result_publish_failed", error=str(exc))
-            reason += f"; its failed result could not be published: {exc}"
-        await dead_letter(self.bus.js, msg, reason)
+            await self._publish_result(self._failure(request, "", "infrastructure", moved))
+        except Exception as exc:  # noqa: BLE001 - the DLQ copy keeps the request
+            self.log.error("result_publish_failed", error=str(exc))
+            moved += f"; its failed result could not be published: {exc}"
         await publish_event(self.bus, JobEvent(
-            job_id=request.job_id, event="error", message=reason,
+            job_id=request.job_id, event="error", message=moved,
             request_id=request.request_id, candidate_id=request.candidate_id))
 
     @contextlib.asynccontextmanager
@@ -849,32 +711,20 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> N
         services.sandbox.pool.PoolBroken: the sandbox could not start.
     """
     abandon = asyncio.Event()
+    restore = lambda: None  # noqa: E731
     if stop is None:
         stop = asyncio.Event()
-        _install_signal_handlers(stop, abandon)
-    start_metrics_server(settings.metrics_port)
-    bus = await connect_bus(settings, f"aikg-worker-{settings.worker_id or default_worker_id()}",
-                            role="worker")
+        restore = install_signal_handlers(
+            stop, abandon, logger=log, hint="in-flight verifications finish first; signal "
+            "again to give them to other workers now")
     try:
-        await Worker(bus, settings).run(stop, abandon)
+        start_metrics_server(settings.metrics_port)
+        bus = await connect_bus(settings,
+                                f"aikg-worker-{settings.worker_id or default_worker_id()}",
+                                role="worker")
+        try:
+            await Worker(bus, settings).run(stop, abandon)
+        finally:
+            await bus.close()
     finally:
-        await bus.close()
-
-
-def _install_signal_handlers(stop: asyncio.Event, abandon: asyncio.Event) -> None:
-    """First SIGINT/SIGTERM sets ``stop``; the next sets ``abandon``. Main thread only."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.warning("worker_abandoning", signal=sig.name)
-            abandon.set()
-        else:
-            log.info("worker_stopping", signal=sig.name,
-                     hint="in-flight verifications finish first; signal again to give "
-                          "them to other workers now")
-            stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, on_signal, sig)
+        restore()

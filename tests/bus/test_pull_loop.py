@@ -1,7 +1,9 @@
 """The one pull loop of the generator and the worker (services/common/pull_loop.py):
 capacity-sized asks, lanes in fair order, tenants left out or deferred, the default
-consumer bound again when it is deleted, redelivery of what a dead taker held, and
-stopping. A real nats-server; messages are taken by a handler of the test's own.
+consumer bound again when it is deleted, redelivery of what a dead taker held,
+in-progress beats past the ack wait, nak on stop, abandon and cancel, dead letters
+(malformed, past max_deliver) and stopping. A real nats-server; messages are handled by
+a handler of the test's own, which holds each until the test releases it.
 """
 
 from __future__ import annotations
@@ -10,23 +12,30 @@ import asyncio
 import contextlib
 from typing import Any
 
+import msgspec
+
 from schemas import subjects
-from services.common.bus import Bus
+from services.common.bus import Bus, connect_bus
 from services.common.lanes import LanePull, lane_config
-from services.common.pull_loop import PullLoop
+from services.common.pull_loop import Delivery, PullLoop
 from services.common.runtime import cancel_and_wait
+from services.common.settings import Settings
 
 ACK_WAIT_S = 2.0
+MAX_DELIVER = 4
 
 
-async def _lanes(bus: Bus) -> LanePull:
-    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
-        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=ACK_WAIT_S,
-        max_deliver=5))
+async def _lanes(bus: Bus, ack_wait_s: float = ACK_WAIT_S) -> LanePull:
+    """Lanes of JOBS whose consumers have ``ack_wait_s`` and one delivery beyond
+    :data:`MAX_DELIVER` (as the provisioner makes them)."""
+    with contextlib.suppress(Exception):  # the first lanes of the test make it
+        await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
+            subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=ack_wait_s,
+            max_deliver=MAX_DELIVER + 1))
     pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
                     consumer_of=subjects.generator_consumer,
-                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=ACK_WAIT_S,
-                                                       max_deliver=5),
+                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=ack_wait_s,
+                                                       max_deliver=MAX_DELIVER + 1),
                     idle_poll_s=0.2)
     await pull.start()
     return pull
@@ -39,45 +48,67 @@ async def _publish(bus: Bus, tenant: str, priority: str, n: int) -> None:
 
 
 class _Taker:
-    """Holds what it takes until released: ``capacity`` slots, at most."""
+    """Handles what it takes by holding it until released (then acks): ``slots`` at
+    most."""
 
     def __init__(self, slots: int) -> None:
         self.slots = slots
+        self.loop: PullLoop | None = None
         self.held: list[Any] = []
         self.taken: list[str] = []
+        self.dead: list[tuple[Any, str, str]] = []
         self.most = 0
-        self.freed = asyncio.Event()
+        self.released: dict[int, asyncio.Event] = {}
 
     def capacity(self) -> int:
-        return self.slots - len(self.held)
+        assert self.loop is not None
+        return self.slots - self.loop.in_hand
 
-    def take(self, msg: Any) -> None:
+    async def handle(self, msg: Any, value: dict, slot: Any) -> None:
+        assert isinstance(value, dict) and slot is None
         self.held.append(msg)
         self.taken.append(msg.headers["Nats-Msg-Id"])
         self.most = max(self.most, len(self.held))
+        release = self.released.setdefault(id(msg), asyncio.Event())
+        try:
+            await release.wait()
+            await msg.ack()
+        finally:
+            self.held.remove(msg)
+
+    async def dead_lettered(self, msg: Any, value: Any, reason: str, why: str) -> None:
+        self.dead.append((value, reason, why))
 
     async def release(self, n: int = 1) -> None:
-        for msg in self.held[:n]:
-            await msg.ack()
-        del self.held[:n]
-        self.freed.set()
+        """Let the first ``n`` held messages be acked; returns once they are."""
+        done = self.held[:n]
+        for msg in done:
+            self.released[id(msg)].set()
+        await _until(lambda: not any(m in self.held for m in done))
 
 
 @contextlib.asynccontextmanager
-async def _running(bus: Bus, taker: _Taker, **options: Any):
+async def _running(bus: Bus, taker: _Taker, *, ack_wait_s: float = ACK_WAIT_S,
+                   abandon: asyncio.Event | None = None, **options: Any):
     """A PullLoop over fresh lanes feeding ``taker``, stopped (and its lanes) at the end;
-    yields the loop."""
-    pull = await _lanes(bus)
+    yields the loop and its stop event."""
+    pull = await _lanes(bus, ack_wait_s)
     stop = asyncio.Event()
     options.setdefault("rebind", lambda: asyncio.sleep(0))
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    idle_s=0.2, **options)
-    task = asyncio.create_task(loop.run(stop))
+    loop = PullLoop(pull, Delivery(ack_wait_s, MAX_DELIVER), kind="test message",
+                    decode=lambda data: msgspec.json.decode(data, type=dict),
+                    handle=taker.handle, capacity=taker.capacity,
+                    dead_lettered=taker.dead_lettered, idle_s=0.2, **options)
+    taker.loop = loop
+    task = asyncio.create_task(loop.run(stop, abandon))
+    loop.task = task  # type: ignore[attr-defined]
     try:
-        yield loop
+        yield loop, stop
     finally:
         stop.set()
-        with contextlib.suppress(Exception):
+        if abandon is not None:
+            abandon.set()
+        with contextlib.suppress(BaseException):
             await asyncio.wait_for(task, 10)
         await cancel_and_wait(task)
         await pull.stop()
@@ -90,12 +121,22 @@ async def _until(check, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def _publish_default(bus: Bus, msg_id: str) -> None:
+    """One message on the default lane (its consumer has this test's ack wait; the
+    provisioner makes tenant lanes' with the settings')."""
+    await bus.js.publish(subjects.JOBS_SUBMIT, b"{}", headers={"Nats-Msg-Id": msg_id})
+
+
+async def _consumer(bus: Bus):
+    return await bus.js.consumer_info(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
+
+
 async def test_asks_only_for_free_capacity_and_in_fair_order(bus: Bus) -> None:
     await _publish(bus, "team_a", "normal", 4)
     await _publish(bus, "team_b", "normal", 2)
     await _publish(bus, "team_c", "high", 1)
     taker = _Taker(slots=2)
-    async with _running(bus, taker):
+    async with _running(bus, taker) as (loop, _):
         await _until(lambda: len(taker.held) == 2)
         await asyncio.sleep(0.5)  # full: nothing more is asked for
         assert len(taker.taken) == 2
@@ -115,7 +156,7 @@ async def test_left_out_and_deferred_tenants(bus: Bus) -> None:
     await _publish(bus, "team_b", "normal", 1)
     taker = _Taker(slots=1)
     excluded = {"team_a"}
-    async with _running(bus, taker, exclude=lambda t: t in excluded) as loop:
+    async with _running(bus, taker, exclude=lambda t: t in excluded) as (loop, _):
         await _until(lambda: taker.taken == ["team_b-normal-0"])
         await taker.release()
         await asyncio.sleep(0.6)  # team_a is left out while excluded, however free
@@ -129,7 +170,7 @@ async def test_a_deferred_tenant_is_served_after_the_other_lanes(bus: Bus) -> No
     await _publish(bus, "team_a", "normal", 1)
     await _publish(bus, "team_c", "normal", 1)
     taker = _Taker(slots=1)
-    async with _running(bus, taker, defer=lambda t: t == "team_a"):
+    async with _running(bus, taker, defer=lambda t: t == "team_a") as (loop, _):
         await _until(lambda: taker.taken == ["team_c-normal-0"])
         await taker.release()
         await _until(lambda: taker.taken[-1:] == ["team_a-normal-0"])
@@ -145,7 +186,7 @@ async def test_a_deleted_consumer_is_bound_again_and_work_goes_on(bus: Bus) -> N
             subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=ACK_WAIT_S,
             max_deliver=5))
 
-    async with _running(bus, taker, rebind=rebind) as loop:
+    async with _running(bus, taker, rebind=rebind) as (loop, _):
         await bus.js.delete_consumer(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
         await _until(lambda: bool(rebound), timeout_s=30)
         await bus.js.publish(subjects.JOBS_SUBMIT, b"{}", headers={"Nats-Msg-Id": "after"})
@@ -153,32 +194,150 @@ async def test_a_deleted_consumer_is_bound_again_and_work_goes_on(bus: Bus) -> N
         assert loop.rebinds >= 1
 
 
-async def test_what_a_dead_taker_held_is_redelivered_to_the_next(bus: Bus) -> None:
-    """A taker that stops without acking (its process died) leaves its messages to
-    JetStream: after the ack wait they go to the next loop, with deliveries counted."""
-    await _publish(bus, "team_a", "normal", 1)
+async def test_what_a_dead_taker_held_is_redelivered_to_the_next(
+        bus: Bus, settings: Settings) -> None:
+    """A taker whose connection dies while it holds a message (its process died: no
+    nak, no more beats) leaves it to JetStream: after the ack wait it goes to the next
+    loop, with deliveries counted."""
+    await _publish_default(bus, "held")
+    dead_bus = await connect_bus(settings, "dead-taker")
     dead = _Taker(slots=1)
-    async with _running(bus, dead):
-        await _until(lambda: dead.taken == ["team_a-normal-0"])
+    try:
+        async with _running(dead_bus, dead) as (loop, _):
+            await _until(lambda: dead.taken == ["held"])
+            await dead_bus.nc.close()
+    finally:
+        with contextlib.suppress(Exception):
+            await dead_bus.close()
     alive = _Taker(slots=1)
     async with _running(bus, alive):
-        await _until(lambda: alive.taken == ["team_a-normal-0"], timeout_s=ACK_WAIT_S + 20)
+        await _until(lambda: alive.taken == ["held"], timeout_s=ACK_WAIT_S + 20)
         assert alive.held[0].metadata.num_delivered == 2
 
 
+async def test_a_message_handled_past_the_ack_wait_is_kept_by_in_progress(bus: Bus) -> None:
+    """Held for three ack waits while a second loop on the same consumer has a free
+    slot: the beats (a fifth of the ack wait) keep JetStream from redelivering it."""
+    ack_wait = 1.0
+    await _publish_default(bus, "held")
+    holder, rival = _Taker(slots=1), _Taker(slots=1)
+    async with _running(bus, holder, ack_wait_s=ack_wait) as (loop, _), \
+            _running(bus, rival, ack_wait_s=ack_wait):
+        assert loop.delivery.progress_every_s == ack_wait / 5
+        await _until(lambda: holder.taken == ["held"])
+        await asyncio.sleep(3 * ack_wait)
+        assert rival.taken == []
+        info = await _consumer(bus)
+        assert info.num_redelivered == 0 and info.num_ack_pending == 1, info
+        await holder.release()
+    info = await _consumer(bus)
+    assert info.num_ack_pending == 0 and info.num_pending == 0, info
+
+
+async def test_stopping_abandoning_or_cancelling_naks_what_is_in_hand(bus: Bus) -> None:
+    """Whatever ends a loop with a message in hand (stop, a drain given up, its task
+    cancelled), the message is nak'ed: the next loop has it at once, not after the
+    ack wait (a minute here)."""
+    ack_wait = 60.0
+    await _publish_default(bus, "held")
+    # Stop: the message in hand is nak'ed at once.
+    first = _Taker(slots=1)
+    async with _running(bus, first, ack_wait_s=ack_wait) as (loop, stop):
+        await _until(lambda: first.taken == ["held"])
+        stop.set()
+        await asyncio.wait_for(asyncio.shield(loop.task), 10)
+    # A drain: in-hand work goes on after stop, until abandon is set.
+    abandon = asyncio.Event()
+    second = _Taker(slots=1)
+    async with _running(bus, second, ack_wait_s=ack_wait, abandon=abandon) as (loop, stop):
+        await _until(lambda: second.taken == ["held"], timeout_s=10)
+        assert second.held[0].metadata.num_delivered == 2
+        stop.set()
+        await asyncio.sleep(0.5)
+        assert not loop.task.done() and len(second.held) == 1
+        abandon.set()
+        await asyncio.wait_for(asyncio.shield(loop.task), 10)
+    # The loop's own task cancelled.
+    third = _Taker(slots=1)
+    async with _running(bus, third, ack_wait_s=ack_wait) as (loop, _):
+        await _until(lambda: third.taken == ["held"], timeout_s=10)
+        await cancel_and_wait(loop.task)
+    last = _Taker(slots=1)
+    async with _running(bus, last, ack_wait_s=ack_wait):
+        await _until(lambda: last.taken == ["held"], timeout_s=10)
+        assert last.held[0].metadata.num_delivered == 4
+        await last.release()
+
+
+async def test_malformed_and_over_delivered_messages_are_dead_lettered(bus: Bus) -> None:
+    """One that does not decode and one delivered more than max_deliver times go to
+    ``dlq.<subject>`` with the reason, are acked, never reach the handler, and the
+    service is told; one whose handler raised is nak'ed and handled again; the next
+    message is served."""
+    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
+        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=ACK_WAIT_S,
+        max_deliver=MAX_DELIVER + 1))
+    await bus.js.publish(subjects.JOBS_SUBMIT, b'{"job": "poison"}',
+                         headers={"Nats-Msg-Id": "poison"})
+    psub = await bus.js.pull_subscribe_bind(durable=subjects.CONSUMER_GENERATOR,
+                                            stream=subjects.STREAM_JOBS)
+    for n in range(1, MAX_DELIVER + 1):  # each taker died before finishing it
+        (msg,) = await psub.fetch(1, timeout=10)
+        assert msg.metadata.num_delivered == n
+        await msg.nak()
+    await psub.unsubscribe()
+    await bus.js.publish(subjects.JOBS_SUBMIT, b"this is {not json",
+                         headers={"Nats-Msg-Id": "garbage"})
+    await bus.js.publish(subjects.JOBS_SUBMIT, b'{"raises": 1}',
+                         headers={"Nats-Msg-Id": "raises"})
+    await bus.js.publish(subjects.JOBS_SUBMIT, b"{}", headers={"Nats-Msg-Id": "good"})
+
+    taker = _Taker(slots=2)
+    handle = taker.handle
+    raised: list[int] = []
+
+    async def flaky(msg: Any, value: dict, slot: Any) -> None:
+        if value.get("raises") and not raised:
+            raised.append(msg.metadata.num_delivered)
+            raise RuntimeError("the bus went away")
+        await handle(msg, value, slot)
+
+    taker.handle = flaky  # type: ignore[method-assign]
+    async with _running(bus, taker) as (loop, _):
+        await _until(lambda: sorted(taker.taken) == ["good", "raises"], timeout_s=30)
+        await taker.release(2)
+        assert loop.dead_letters == 2
+
+    assert raised == [1]
+    whys = {why: (value, reason) for value, reason, why in taker.dead}
+    assert whys["max_deliver"][0] == {"job": "poison"}
+    assert f"delivered {MAX_DELIVER + 1} times" in whys["max_deliver"][1]
+    assert whys["malformed"][0] is None
+    assert whys["malformed"][1].startswith("malformed test message: ")
+    dlq = subjects.dlq(subjects.JOBS_SUBMIT)
+    sub = await bus.js.subscribe(dlq, ordered_consumer=True)
+    moved = [await sub.next_msg(timeout=10) for _ in range(2)]
+    await sub.unsubscribe()
+    by_data = {m.data: m.headers for m in moved}
+    poison = by_data[b'{"job": "poison"}']
+    assert poison["Aikg-Deliveries"] == str(MAX_DELIVER + 1)
+    assert poison["Aikg-Dlq-Reason"] == whys["max_deliver"][1]
+    assert poison["Aikg-Original-Subject"] == subjects.JOBS_SUBMIT
+    garbage = by_data[b"this is {not json"]
+    assert garbage["Aikg-Dlq-Reason"].startswith("malformed test message: ")
+    assert "JSON" in garbage["Aikg-Dlq-Reason"]
+    info = await _consumer(bus)
+    assert info.num_pending == 0 and info.num_ack_pending == 0, info
+
+
 async def test_stops_when_told_or_draining(bus: Bus) -> None:
-    pull = await _lanes(bus)
     taker = _Taker(slots=1)
     draining = [False]
-    loop = PullLoop(pull, capacity=taker.capacity, take=taker.take, freed=taker.freed,
-                    rebind=lambda: asyncio.sleep(0), stopping=lambda: draining[0],
-                    idle_s=0.2)
-    task = asyncio.create_task(loop.run(asyncio.Event()))
-    await asyncio.sleep(0.3)
-    assert not task.done()
-    draining[0] = True
-    await asyncio.wait_for(task, 5)
-    await _publish(bus, "team_a", "normal", 1)
-    await asyncio.sleep(0.3)
-    assert taker.taken == []
-    await pull.stop()
+    async with _running(bus, taker, stopping=lambda: draining[0]) as (loop, _):
+        await asyncio.sleep(0.3)
+        assert not loop.task.done()
+        draining[0] = True
+        await asyncio.wait_for(asyncio.shield(loop.task), 5)
+        await _publish(bus, "team_a", "normal", 1)
+        await asyncio.sleep(0.3)
+        assert taker.taken == []

@@ -292,7 +292,7 @@ async def test_corrupt_record_fails_the_job_once_without_redelivery(
     assert consumer.num_ack_pending == 0 and consumer.num_redelivered == 0, consumer
     assert dlq == []
     logs = capfd.readouterr()
-    assert "job_handler_failed" not in logs.out + logs.err
+    assert "message_handler_failed" not in logs.out + logs.err
     assert "Traceback" not in logs.out + logs.err
 
 

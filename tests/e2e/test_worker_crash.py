@@ -363,7 +363,8 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
         below |= graceful.terminate()
 
     # A run far longer than the test waits.
-    long_code = code.replace(f"range({round(SLEEP_S / 0.1)})", "range(600)")
+    long_code = code.replace(f"else {round(SLEEP_S / 0.1)})", "else 600)")
+    assert long_code != code
     abandoning = WorkerProcess(as_worker(settings, bus_credentials, "term-abandon"),
                                "term-abandon", tmp_path, ack_wait)
     try:

@@ -1,16 +1,20 @@
 """cancel_and_wait ends a task whose cancellation asyncio.wait_for dropped; retry_async
-retries with a doubling wait, logs each failure and re-raises the last one."""
+retries with a doubling wait, logs each failure and re-raises the last one; the one
+SIGINT/SIGTERM handler sets stop, then abandon, and puts the previous handlers back."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
+import threading
 import time
 from typing import Any
 
 import pytest
 
-from services.common.runtime import cancel_and_wait, retry_async
+from services.common.runtime import cancel_and_wait, install_signal_handlers, retry_async
 
 
 async def poller(futures: list[asyncio.Future]) -> None:
@@ -115,3 +119,30 @@ async def test_retry_async_refuses_fewer_than_one_attempt() -> None:
 
     with pytest.raises(ValueError, match="at least 1"):
         await retry_async(never, attempts=0, first_wait_s=0.01, logger=Recorder(), event="e")
+
+
+async def test_signals_set_stop_then_abandon_and_the_old_handlers_come_back() -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    stop, abandon = asyncio.Event(), asyncio.Event()
+    restore = install_signal_handlers(stop, abandon)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        await asyncio.wait_for(stop.wait(), 10)
+        assert not abandon.is_set()
+        os.kill(os.getpid(), signal.SIGINT)
+        await asyncio.wait_for(abandon.wait(), 10)
+    finally:
+        restore()
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_signals_without_a_loop_set_a_threading_event() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    stopping = threading.Event()
+    restore = install_signal_handlers(stopping)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopping.wait(10)
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) == before
