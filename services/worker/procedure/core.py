@@ -23,9 +23,8 @@ from schemas.events import Traffic, VerifyRequest
 from services.sandbox import values, wire
 from services.sandbox.pool import PoolBroken
 from services.worker import inputs as trial_inputs
-from services.worker import kernel_source
+from services.worker import kernel_source, traffic
 from services.worker import sizes as size_rules
-from services.worker import traffic
 from services.worker.children import ChildFailed, Conversation
 from services.worker.correctness import tolerance_for
 from services.worker.procedure.checks import Checks
