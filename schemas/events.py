@@ -391,6 +391,8 @@ class EvolveCandidate(Struct, kw_only=True):
     ``num_warps``, ``num_stages``) when it wrote the candidate. ``passed`` is None
     while the candidate is being verified. ``duplicate_of`` names an earlier
     candidate with the same normalised code, whose verdict was reused.
+    ``modeled_time_us`` and ``traffic_ratio`` come from the verdict's counted traffic
+    (``VerifyResult.traffic``; a model of a GPU, not a measurement).
     """
 
     candidate_id: str
@@ -406,6 +408,8 @@ class EvolveCandidate(Struct, kw_only=True):
     speedup: float | None = None
     gen_time_us: float | None = None
     base_time_us: float | None = None
+    modeled_time_us: float | None = None
+    traffic_ratio: float | None = None
     duplicate_of: str | None = None
     code: str | None = None
 
@@ -434,12 +438,15 @@ class ParentChoice(Struct, kw_only=True):
 class EvolveSummary(Struct, kw_only=True):
     """State of an evolve job, kept in its record: candidates per island, the elite
     archive across islands, migrations and parent choices. ``fitness`` says how
-    candidates were ranked (``speedup`` on devices with meaningful timings,
-    ``correctness`` on the cpu backend)."""
+    candidates were ranked: ``speedup`` on devices with meaningful timings,
+    ``modeled_time`` on the cpu backend (correctness, then the verdict's
+    ``traffic.modeled_time_us``, lower is better: a model of the request's GPU built on
+    the interpreter's counted bytes, FLOPs and launches), ``correctness`` alone where
+    neither exists (an evolve job recorded before verdicts counted traffic)."""
 
     rounds: int
     round: int = 0
-    fitness: Literal["speedup", "correctness"] = "speedup"
+    fitness: Literal["speedup", "modeled_time", "correctness"] = "speedup"
     islands: list[list[str]] = field(default_factory=list)
     elites: list[str] = field(default_factory=list)
     migrations: list[Migration] = field(default_factory=list)

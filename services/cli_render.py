@@ -47,19 +47,22 @@ def progress_line(record: JobRecord) -> str:
 
 
 def evolve_table(record: JobRecord) -> Table | None:
-    """Per-island view of an evolve job: round, candidates, passed, best speedup.
+    """Per-island view of an evolve job: round, candidates, passed, and the best fitness:
+    speedup, or on the ``cpu`` backend the best modeled time of the counted traffic
+    (``modeled_time`` fitness; a model, said so) or ``n/a (cpu)`` (``correctness``).
 
-    None for other jobs or before the first candidate. On the ``cpu`` backend the
-    speedup column says timings are not meaningful (Triton's interpreter).
+    None for other jobs or before the first candidate.
     """
     summary = record.evolve
     if summary is None or not summary.candidates:
         return None
     correctness = summary.fitness == "correctness"
+    modeled = summary.fitness == "modeled_time"
     t = Table(title=f"evolve: round {summary.round + 1}/{summary.rounds}, "
               f"{len(summary.migrations)} migration(s), {len(summary.elites)} elite(s)",
               title_justify="left")
-    for column in ("island", "round", "candidates", "verified", "passed", "best speedup"):
+    for column in ("island", "round", "candidates", "verified", "passed",
+                   "best modeled time" if modeled else "best speedup"):
         t.add_column(column, justify="right")
     by_id = {c.candidate_id: c for c in summary.candidates}
     for island, members in enumerate(summary.islands):
@@ -67,7 +70,11 @@ def evolve_table(record: JobRecord) -> Table | None:
         pool = [by_id[i] for i in members if i in by_id]
         done = [c for c in own if c.passed is not None]
         speeds = [c.speedup for c in pool if c.passed and c.speedup]
-        best = "n/a (cpu)" if correctness else (f"{max(speeds):.2f}x" if speeds else "-")
+        times = [c.modeled_time_us for c in pool if c.passed and c.modeled_time_us]
+        if modeled:
+            best = f"{min(times):.2f} us (model)" if times else "-"
+        else:
+            best = "n/a (cpu)" if correctness else (f"{max(speeds):.2f}x" if speeds else "-")
         t.add_row(str(island), str(max((c.round for c in own), default=0) + 1), str(len(own)),
                   str(len(done)), str(sum(bool(c.passed) for c in done)), best)
     return t

@@ -13,10 +13,12 @@ and ``checkpoint`` (persists :class:`EvolveState` after each verified candidate,
 restarted generator resumes with every verified candidate kept).
 
 Fitness: correctness first, then speedup. On the ``cpu`` backend timings are not
-meaningful (Triton's interpreter), so candidates rank by correctness only; among
-equally fit parents the least-used one is bred first, then a migrant, which spreads
-the search over islands and lineages instead of always re-breeding the oldest
-candidate.
+meaningful (Triton's interpreter), so candidates rank by correctness, then by the
+modeled time of their counted traffic (``modeled_time``: the verdict's
+``traffic.modeled_time_us``, a model of the request's GPU, lower is better; see
+``services/worker/traffic.py``); among equally fit parents the least-used one is bred
+first, then a migrant, which spreads the search over islands and lineages instead of
+always re-breeding the oldest candidate.
 """
 
 from __future__ import annotations
@@ -88,9 +90,15 @@ def normalised_hash(code: str) -> str:
 
 
 def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
-    """Sort key, larger is better: passed, then speedup (only in ``speedup`` mode)."""
-    speed = (c.speedup or 0.0) if mode == "speedup" else 0.0
-    return (bool(c.passed), speed)
+    """Sort key, larger is better: passed, then speedup (``speedup`` mode) or the
+    negated modeled time (``modeled_time`` mode: a candidate without one ranks below
+    every candidate with one); ``correctness`` mode ranks by passing alone."""
+    if mode == "speedup":
+        return (bool(c.passed), c.speedup or 0.0)
+    if mode == "modeled_time":
+        modeled = c.modeled_time_us
+        return (bool(c.passed), modeled is not None, -(modeled or 0.0))
+    return (bool(c.passed), 0.0)
 
 
 # --- the built-in coder's search space ------------------------------------------------
@@ -410,7 +418,8 @@ class EvolveSearch:
         if duplicate and duplicate != cid and self.by_id[duplicate].passed is not None:
             src = self.by_id[duplicate]
             entry.duplicate_of = duplicate
-            for f in ("passed", "stage", "error", "speedup", "gen_time_us", "base_time_us"):
+            for f in ("passed", "stage", "error", "speedup", "gen_time_us", "base_time_us",
+                      "modeled_time_us", "traffic_ratio"):
                 setattr(entry, f, getattr(src, f))
             await self._record(entry, None)
             return
@@ -421,6 +430,9 @@ class EvolveSearch:
         entry.speedup = result.speedup
         entry.gen_time_us = result.gen_time_us
         entry.base_time_us = result.base_time_us
+        if result.traffic is not None:
+            entry.modeled_time_us = result.traffic.modeled_time_us
+            entry.traffic_ratio = result.traffic.traffic_ratio
         self.by_hash.setdefault(entry.code_hash, cid)
         await self._record(entry, result)
 
@@ -525,6 +537,10 @@ def describe_candidate(c: EvolveCandidate) -> str:
     """``passed; 12.3 us vs 20.1 us eager (speedup 1.63x)`` or the failure."""
     if not c.passed:
         return f"failed at stage '{c.stage}': {c.error or 'no detail'}"
+    if c.gen_time_us is None and c.modeled_time_us is not None:
+        ratio = f", {c.traffic_ratio:.2f}x the minimal bytes" if c.traffic_ratio else ""
+        return (f"passed; modeled {c.modeled_time_us:.1f} us on the target GPU{ratio} "
+                "(a model from counted traffic; interpreter timings are not meaningful)")
     if c.gen_time_us is None:
         return "passed (timings not meaningful on this backend)"
     base = f" vs {c.base_time_us:.1f} us eager" if c.base_time_us else ""

@@ -137,14 +137,15 @@ class EvolveJob:
         if state is not None:
             log.info("evolve_resumed", candidates=len(state.summary.candidates))
         mutator = LLMMutator(chat, builtin) if self.use_llm else BuiltinMutator(builtin)
-        fitness = "correctness" if self.submit.backend == "cpu" else "speedup"
+        fitness = "modeled_time" if self.submit.backend == "cpu" else "speedup"
         concurrency = await self.concurrency()
         await self.run.report(
             "progress", phase="evolving", max_rounds=self.submit.max_rounds,
             message=f"evolving: {self.submit.max_rounds} rounds x {self.submit.parallel_num} "
             f"candidates on {self.submit.num_islands} island(s), {concurrency} at once"
-            + ("; cpu backend: ranked by correctness only (interpreter timings are not "
-               "meaningful)" if fitness == "correctness" else ""))
+            + ("; cpu backend: ranked by correctness, then the modeled time of the "
+               "counted traffic on the target GPU (interpreter timings are not meaningful)"
+               if fitness == "modeled_time" else ""))
         search = EvolveSearch(self.submit, mutator, self.verify, self.run.report, self.checkpoint,
                               concurrency=concurrency, fitness=fitness, state=state, ids=self.ids)
         result = await search.run()

@@ -22,7 +22,8 @@ def evolve_record(fitness: str):
     record.status = "running"
     cands = [
         EvolveCandidate(candidate_id="c0", island=0, round=0, coder="builtin", code_hash="a",
-                        passed=True, speedup=1.5 if fitness == "speedup" else None),
+                        passed=True, speedup=1.5 if fitness == "speedup" else None,
+                        modeled_time_us=12.25 if fitness == "modeled_time" else None),
         EvolveCandidate(candidate_id="c1", island=1, round=0, coder="builtin", code_hash="b",
                         passed=False, stage="mismatch"),
         EvolveCandidate(candidate_id="c2", island=1, round=1, coder="builtin", code_hash="c",
@@ -58,6 +59,12 @@ def test_cpu_evolve_says_speedup_is_not_meaningful_and_lists_best() -> None:
     text = render(record_view(record))
     assert "n/a (cpu)" in text
     assert "best candidates" in text and "c0" in text
+
+
+def test_cpu_evolve_shows_the_best_modeled_time_as_a_model() -> None:
+    text = render(live_view(evolve_record("modeled_time")))
+    assert "best modeled time" in text and "12.25 us (model)" in text
+    assert "best speedup" not in text
 
 
 def _list_lines(width: int) -> list[str]:
