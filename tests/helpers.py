@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -70,17 +70,7 @@ async def services_running(settings: Settings, bus: Bus, *,
     if generator:
         tasks.append(asyncio.create_task(run_generator(settings, stop), name="generator"))
     try:
-        for _ in range(1200):
-            for t in tasks:
-                if t.done():
-                    t.result()
-            # The gateway's own check: a worker it would route a submission to.
-            with contextlib.suppress(Exception):
-                if await live_workers(bus):
-                    break
-            await asyncio.sleep(0.05)
-        else:
-            raise TimeoutError("worker never sent a heartbeat")
+        await wait_for_heartbeat(bus, tasks)
         yield
     finally:
         stop.set()
@@ -171,3 +161,18 @@ def get_inputs():
 def get_init_inputs():
     return []
 '''
+
+
+async def wait_for_heartbeat(bus: Bus, tasks: Sequence[asyncio.Task] = ()) -> None:
+    """Until a worker's heartbeat is in the ``workers`` bucket (the gateway's own check:
+    a worker it would route a submission to), for about 60 s, then TimeoutError. Raises
+    the error of any of ``tasks`` (services run in the test's loop) that ends first."""
+    for _ in range(1200):
+        for t in tasks:
+            if t.done():
+                t.result()
+        with contextlib.suppress(Exception):
+            if await live_workers(bus):
+                return
+        await asyncio.sleep(0.05)
+    raise TimeoutError("worker never sent a heartbeat")

@@ -42,7 +42,14 @@ from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import free_port, running_gateway
-from tests.helpers import CONV_TASK, LLM_ONLY_SOFTMAX_TASK, RELU_KERNEL, RELU_TASK, wait_terminal
+from tests.helpers import (
+    CONV_TASK,
+    LLM_ONLY_SOFTMAX_TASK,
+    RELU_KERNEL,
+    RELU_TASK,
+    wait_for_heartbeat,
+    wait_terminal,
+)
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
@@ -171,16 +178,7 @@ async def stack(settings: Settings, bus: Bus) -> AsyncIterator[str]:
              asyncio.create_task(run_queue_metrics(bus, interval_s=1.0), name="queue-metrics")]
     try:
         async with running_gateway(settings) as url:
-            for _ in range(1200):
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                with contextlib.suppress(Exception):
-                    if await bus.workers.keys():
-                        break
-                await asyncio.sleep(0.05)
-            else:
-                raise TimeoutError("worker never sent a heartbeat")
+            await wait_for_heartbeat(bus, tasks)
             yield url
     finally:
         stop.set()
