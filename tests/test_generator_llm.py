@@ -24,28 +24,20 @@ from schemas import JobRecord, VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
-from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests.fake_llm import (
+    SOFTMAX_BROKEN,
+    SOFTMAX_FIXED,
+    FakeLLM,
+    Reply,
+    fenced,
+    repair_script,
+)
 from tests.helpers import LLM_ONLY_SOFTMAX_TASK, job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-test-generator-SECRET-42"
-# What the worker's mismatch verdicts say; the scripted model only fixes its kernel
-# once it has been shown this.
-MISMATCH_MARK = "elements differ beyond"
-
-
-def repair_script(index: int, request: Recorded) -> Reply:
-    if "You are the designer" in request.agent_role:
-        return Reply(content="1. One program per row; subtract the row max; divide by the sum.")
-    if "You are the conductor" in request.agent_role:
-        return Reply(content="Divide num by den before storing.")
-    if MISMATCH_MARK in request.prompt:
-        return Reply(content=fenced(SOFTMAX_FIXED))
-    return Reply(content=fenced(SOFTMAX_BROKEN, "Here is a first version."))
-
-
 def llm_settings(settings: Settings, fake: FakeLLM, **extra) -> Settings:
     return msgspec.structs.replace(settings, llm_base_url=fake.url, llm_model="fake-coder",
                                    llm_api_key=KEY, llm_timeout_s=60.0, **extra)

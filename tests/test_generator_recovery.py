@@ -37,14 +37,21 @@ from schemas import JobRecord, JobSubmit, VerifyResult, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
 from tests.conftest import role_env
-from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests.fake_llm import (
+    MISMATCH_MARK,
+    SOFTMAX_BROKEN,
+    SOFTMAX_FIXED,
+    FakeLLM,
+    Recorded,
+    Reply,
+    fenced,
+)
 from tests.helpers import BUNDLED_RELU_TASK, job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 SOFTMAX = (ROOT / "tasks" / "softmax.py").read_text()
-MISMATCH_MARK = "elements differ beyond"
 JOB_ID = "recover-softmax"
 
 
