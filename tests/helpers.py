@@ -16,6 +16,7 @@ from services.common.bus import Bus
 from services.common.jobs import live_workers
 from services.common.settings import Settings
 from services.sdk.client import AsyncAIKGClient
+from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
@@ -27,32 +28,7 @@ RELU_TASK = (ROOT / "tests" / "corpus" / "tasks" / "relu.py").read_text()
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 
 # A correct hand-written candidate for tasks/relu.py (any shape: it runs flattened).
-RELU_KERNEL = '''\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out
-'''
+RELU_KERNEL = TRITON_IMPORTS + "\n\n" + relu_jit(pid=False) + "\n\n" + relu_model()
 # Runs, but clamps at 0.5 instead of 0: a mismatch on every value in (0, 0.5).
 WRONG_RELU_KERNEL = RELU_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5)")
 

@@ -22,40 +22,20 @@ import pytest
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_TASK
+from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, relu_jit
 
 SECRET = "sekrit"
 
 TASK = RELU_TASK
 
-PRELUDE = """\
-import time
-
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
+PRELUDE = "import time\n\n" + TRITON_IMPORTS + "\n\n" + relu_jit() + """
 
 @triton.jit
 def noop_kernel(out_ptr):
     pid = tl.program_id(0)
 
 
-def relu(x):
-    out = torch.empty_like(x)
-    n = x.numel()
-    relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-    return out
-"""
+""" + RELU_LAUNCHER
 
 CORRECT_FORWARD = "return relu(x.contiguous())"
 
