@@ -30,16 +30,8 @@ from services.generator.workflows import (
     coder_only_workflow,
     default_workflow,
 )
-from tests.fake_llm import (
-    REPAIR_GUIDANCE,
-    REPAIR_PLAN,
-    SOFTMAX_BROKEN,
-    SOFTMAX_FIXED,
-    FakeLLM,
-    Reply,
-    fenced,
-    repair_script,
-)
+from tests import fake_llm
+from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Reply, fenced
 
 SOFTMAX_TASK = (Path(__file__).resolve().parent.parent / "tasks" / "softmax.py").read_text()
 MISMATCH = ("output 0: 16384 of 16384 elements differ beyond atol=1e-4 rtol=1e-4; max abs error "
@@ -222,7 +214,7 @@ class Recorder:
 
 
 async def test_coder_only_repairs_with_the_verdict(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
     async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
@@ -233,7 +225,7 @@ async def test_coder_only_repairs_with_the_verdict(fake: FakeLLM) -> None:
 
 
 async def test_default_workflow_plans_and_conducts(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
     async with chat_with(fake) as chat:
         result = await default_workflow(WorkflowContext(
@@ -245,10 +237,10 @@ async def test_default_workflow_plans_and_conducts(fake: FakeLLM) -> None:
               "conductor" if "You are the conductor" in r.agent_role else "coder")
              for r in fake.requests]
     assert roles == ["designer", "coder", "conductor", "coder"]
-    assert REPAIR_PLAN in fake.requests[1].prompt
-    assert REPAIR_GUIDANCE in fake.requests[3].prompt
-    assert rec.verified[1].candidate.meta["guidance"] == REPAIR_GUIDANCE
-    assert any(f.get("plan") == REPAIR_PLAN for _, f in rec.events)
+    assert fake_llm.REPAIR_PLAN in fake.requests[1].prompt
+    assert fake_llm.REPAIR_GUIDANCE in fake.requests[3].prompt
+    assert rec.verified[1].candidate.meta["guidance"] == fake_llm.REPAIR_GUIDANCE
+    assert any(f.get("plan") == fake_llm.REPAIR_PLAN for _, f in rec.events)
 
 
 async def test_attempts_stop_at_max_attempts(fake: FakeLLM) -> None:
@@ -263,7 +255,7 @@ async def test_attempts_stop_at_max_attempts(fake: FakeLLM) -> None:
 
 
 async def test_init_code_is_the_first_candidate_of_an_llm_job(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
     async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
@@ -275,7 +267,7 @@ async def test_init_code_is_the_first_candidate_of_an_llm_job(fake: FakeLLM) -> 
 
 
 async def test_resume_reawaits_the_pending_attempt_and_goes_on(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
     done = Attempt(1, Candidate(code="", coder="llm"))  # earlier code is not kept
     done.verdict = verdict(Attempt(1, Candidate(code=SOFTMAX_BROKEN, coder="llm")))

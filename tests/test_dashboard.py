@@ -41,15 +41,9 @@ from services.common.queue_metrics import Snapshot, poll, register, run_queue_me
 from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
+from tests import helpers
 from tests.conftest import free_port, running_gateway
-from tests.helpers import (
-    CONV_TASK,
-    LLM_ONLY_SOFTMAX_TASK,
-    RELU_KERNEL,
-    RELU_TASK,
-    wait_for_heartbeat,
-    wait_terminal,
-)
+from tests.helpers import CONV_TASK, LLM_ONLY_SOFTMAX_TASK, RELU_KERNEL, RELU_TASK, wait_terminal
 from tests.test_deploy_files import (
     dashboard_exprs,
     defined_metrics,
@@ -178,7 +172,7 @@ async def stack(settings: Settings, bus: Bus) -> AsyncIterator[str]:
              asyncio.create_task(run_queue_metrics(bus, interval_s=1.0), name="queue-metrics")]
     try:
         async with running_gateway(settings) as url:
-            await wait_for_heartbeat(bus, tasks)
+            await helpers.wait_for_heartbeat(bus, tasks)
             yield url
     finally:
         stop.set()

@@ -24,14 +24,8 @@ from schemas import JobRecord, VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
-from tests.fake_llm import (
-    SOFTMAX_BROKEN,
-    SOFTMAX_FIXED,
-    FakeLLM,
-    Reply,
-    fenced,
-    repair_script,
-)
+from tests import fake_llm
+from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Reply, fenced
 from tests.helpers import LLM_ONLY_SOFTMAX_TASK, job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
@@ -52,7 +46,7 @@ async def test_softmax_job_completes_after_one_repair_round(
         tmp_path: Path) -> None:
     softmax = tmp_path / "softmax.py"
     softmax.write_text(LLM_ONLY_SOFTMAX_TASK)
-    with FakeLLM(repair_script) as fake:
+    with FakeLLM(fake_llm.repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.cli", "submit", str(softmax), "--coder", "llm",
@@ -108,7 +102,7 @@ async def test_softmax_job_completes_after_one_repair_round(
 
 async def test_default_workflow_uses_designer_and_conductor(
         settings: Settings, bus: Bus, gateway: str) -> None:
-    with FakeLLM(repair_script) as fake:
+    with FakeLLM(fake_llm.repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={

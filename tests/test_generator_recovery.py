@@ -36,16 +36,9 @@ import pytest
 from schemas import JobRecord, JobSubmit, VerifyResult, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
+from tests import fake_llm
 from tests.conftest import role_env
-from tests.fake_llm import (
-    MISMATCH_MARK,
-    SOFTMAX_BROKEN,
-    SOFTMAX_FIXED,
-    FakeLLM,
-    Recorded,
-    Reply,
-    fenced,
-)
+from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
 from tests.helpers import BUNDLED_RELU_TASK, job_events, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
@@ -107,7 +100,7 @@ def fake() -> Iterator[FakeLLM]:
     held = []
 
     def script(index: int, request: Recorded) -> Reply:
-        if MISMATCH_MARK not in request.prompt:
+        if fake_llm.MISMATCH_MARK not in request.prompt:
             return Reply(content=fenced(SOFTMAX_BROKEN))
         held.append(index)
         # The first repair request is held until its generator dies; later ones answer.
