@@ -13,28 +13,10 @@ import pytest
 from schemas import JobEvent, JobSubmit, decode, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
+from tests import support_gateway
 
-
-@pytest.fixture
-def job(relu_task: str):
-    """``job(**fields)``: a valid submission body with ``fields`` changed (None drops one)."""
-
-    def make(**fields: object) -> dict[str, object]:
-        body = {"op_name": "relu", "task_desc": relu_task, **fields}
-        return {k: v for k, v in body.items() if v is not None}
-
-    return make
-
-
-@pytest.fixture
-async def client(gateway: str) -> httpx.AsyncClient:
-    async with httpx.AsyncClient(base_url=gateway, timeout=10.0) as c:
-        yield c
-
-
-@pytest.fixture
-async def cpu_worker(bus: Bus, fake_worker_heartbeat) -> None:
-    await fake_worker_heartbeat(bus, "cpu", "x86_64")
+# The gateway tests' fixtures, shared with the other gateway test module.
+client, cpu_worker, job = support_gateway.client, support_gateway.cpu_worker, support_gateway.job
 
 
 async def test_submit_writes_record_publishes_job_and_event(
