@@ -185,11 +185,14 @@ async def test_allocating_until_killed(verifier):
     await still_serves(verifier)
 
 
-async def test_ctypes_is_static(verifier):
-    code = candidate("ctypes.string_at(0)\nreturn relu(x)", module="import ctypes\n")
-    result = await verifier.verify(request(code), device="0")
+@pytest.mark.parametrize(("forward", "module", "error"), [
+    ("ctypes.string_at(0)\nreturn relu(x)", "import ctypes\n", "import of ctypes is not allowed"),
+    ("os._exit(0)", "import os\n", "os._exit used"),
+], ids=["ctypes", "os_exit"])
+async def test_ctypes_and_os_exit_are_static(verifier, forward, module, error):
+    result = await verifier.verify(request(candidate(forward, module=module)), device="0")
     assert result.stage == "static"
-    assert "import of ctypes is not allowed" in result.error
+    assert error in result.error
     await still_serves(verifier)
 
 
@@ -217,14 +220,6 @@ async def test_segfault_past_the_static_check_is_a_crash(verifier, no_static_che
     assert "during trial 0: ModelNew.forward" in result.error
     # faulthandler's dump of the Python stack lands in the captured stderr.
     assert "Fatal Python error: Segmentation fault" in result.log
-    await still_serves(verifier)
-
-
-async def test_os_exit_is_static(verifier):
-    code = candidate("os._exit(0)", module="import os\n")
-    result = await verifier.verify(request(code), device="0")
-    assert result.stage == "static"
-    assert "os._exit used" in result.error
     await still_serves(verifier)
 
 
