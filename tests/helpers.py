@@ -152,3 +152,17 @@ async def wait_for_heartbeat(bus: Bus, tasks: Sequence[asyncio.Task] = ()) -> No
                 return
         await asyncio.sleep(0.05)
     raise TimeoutError("worker never sent a heartbeat")
+
+
+async def started_generator_pull(bus: Bus):
+    """A started :class:`~services.common.lanes.LanePull` of the generator's lanes of
+    JOBS_SUBMIT (30 s ack wait, 3 deliveries), its base consumer made first."""
+    from services.common.lanes import LanePull, lane_config
+
+    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
+        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))
+    pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
+                    consumer_of=subjects.generator_consumer,
+                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
+    await pull.start()
+    return pull
