@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench import stop_process
 from services.common.runtime import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,12 +151,7 @@ async def run(args: argparse.Namespace) -> int:
         with contextlib.suppress(asyncio.CancelledError):
             await beat
         await bus.close()
-        gateway.terminate()
-        try:
-            gateway.wait(15)
-        except subprocess.TimeoutExpired:
-            gateway.kill()
-            gateway.wait()
+        stop_process(gateway, 15)
         nats.stop()
         store.cleanup()
 

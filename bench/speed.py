@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import stop_process
 from bench.job_latency import measure as job_latencies
 from bench.job_latency import p95
 from bench.verify_throughput import Cold
@@ -81,12 +82,7 @@ def nats_and_worker(workdir: Path):
         asyncio.run(_wait_worker(server.url, proc, workdir / "worker.log"))
         yield server.url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, 60)
         log.close()
         server.stop()
 

@@ -272,3 +272,23 @@ class FakeLLM:
                 }, reply.headers)
 
         return Handler
+
+
+# What the worker's mismatch verdicts say; :func:`repair_script` only fixes its kernel
+# once it has been shown this.
+MISMATCH_MARK = "elements differ beyond"
+# The designer's plan and the conductor's guidance in :func:`repair_script`.
+REPAIR_PLAN = "1. One program per row; subtract the row max; divide by the sum."
+REPAIR_GUIDANCE = "Divide num by den before storing."
+
+
+def repair_script(index: int, request: Recorded) -> Reply:
+    """A scripted model that plans and conducts, writes SOFTMAX_BROKEN first and
+    SOFTMAX_FIXED only once it was shown a mismatch verdict."""
+    if "You are the designer" in request.agent_role:
+        return Reply(content=REPAIR_PLAN)
+    if "You are the conductor" in request.agent_role:
+        return Reply(content=REPAIR_GUIDANCE)
+    if MISMATCH_MARK in request.prompt:
+        return Reply(content=fenced(SOFTMAX_FIXED))
+    return Reply(content=fenced(SOFTMAX_BROKEN, "Here is a first version."))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -23,6 +23,7 @@ from services.common.bus import Bus
 from services.common.jobs import live_workers
 from services.common.settings import Settings
 from services.sdk.client import AsyncAIKGClient
+from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
 
 def _time_scale(raw: str | None) -> float:
@@ -58,32 +59,7 @@ RELU_TASK = (ROOT / "tests" / "corpus" / "tasks" / "relu.py").read_text()
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 
 # A correct hand-written candidate for tasks/relu.py (any shape: it runs flattened).
-RELU_KERNEL = '''\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out
-'''
+RELU_KERNEL = TRITON_IMPORTS + "\n\n" + relu_jit(pid=False) + "\n\n" + relu_model()
 # Runs, but clamps at 0.5 instead of 0: a mismatch on every value in (0, 0.5).
 WRONG_RELU_KERNEL = RELU_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5)")
 
@@ -101,18 +77,7 @@ async def services_running(settings: Settings, bus: Bus, *,
     if generator:
         tasks.append(asyncio.create_task(run_generator(settings, stop), name="generator"))
     try:
-        deadline = asyncio.get_running_loop().time() + scaled(60)
-        while True:
-            for t in tasks:
-                if t.done():
-                    t.result()
-            # The gateway's own check: a worker it would route a submission to.
-            with contextlib.suppress(Exception):
-                if await live_workers(bus):
-                    break
-            if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"worker sent no heartbeat within {scaled(60):g} s")
-            await asyncio.sleep(0.05)
+        await wait_for_heartbeat(bus, tasks)
         yield
     finally:
         stop.set()
@@ -203,3 +168,36 @@ def get_inputs():
 def get_init_inputs():
     return []
 '''
+
+
+async def wait_for_heartbeat(bus: Bus, tasks: Sequence[asyncio.Task] = ()) -> None:
+    """Until a worker's heartbeat is in the ``workers`` bucket (the gateway's own check:
+    a worker it would route a submission to), for ``scaled(60)`` s, then TimeoutError.
+    Raises the error of any of ``tasks`` (services run in the test's loop) that ends
+    first."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(60)
+    while True:
+        for t in tasks:
+            if t.done():
+                t.result()
+        with contextlib.suppress(Exception):
+            if await live_workers(bus):
+                return
+        if loop.time() > deadline:
+            raise TimeoutError(f"worker sent no heartbeat within {scaled(60):g} s")
+        await asyncio.sleep(0.05)
+
+
+async def started_generator_pull(bus: Bus):
+    """A started :class:`~services.common.lanes.LanePull` of the generator's lanes of
+    JOBS_SUBMIT (30 s ack wait, 3 deliveries), its base consumer made first."""
+    from services.common.lanes import LanePull, lane_config
+
+    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
+        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))
+    pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
+                    consumer_of=subjects.generator_consumer,
+                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
+    await pull.start()
+    return pull

@@ -200,13 +200,18 @@ _TL_NAMES = {"fp8e4nv": "float8e4nv", "fp8e5": "float8e5", "fp8e4b15": "float8e4
              "u8": "uint8", "u16": "uint16", "u32": "uint32", "u64": "uint64"}
 
 
-def flat_tensors(tree: Any) -> list[torch.Tensor]:
-    """The tensors of a value tree of nested lists and tuples, in order."""
-    if isinstance(tree, torch.Tensor):
+def flat_leaves(tree: Any, kind: type) -> list:
+    """The leaves of type ``kind`` of a value tree of nested lists and tuples, in order."""
+    if isinstance(tree, kind):
         return [tree]
     if isinstance(tree, (list, tuple)):
-        return [t for v in tree for t in flat_tensors(v)]
+        return [leaf for v in tree for leaf in flat_leaves(v, kind)]
     return []
+
+
+def flat_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of a value tree of nested lists and tuples, in order."""
+    return flat_leaves(tree, torch.Tensor)
 
 
 def tensors_in(tree: Any) -> list[dict[str, Any]]:

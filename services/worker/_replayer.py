@@ -69,7 +69,7 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
             raise ReplayError("trace", "a captured storage arrived with the wrong size")
         replayer.add_storage(storage_id, data)
     planned = values.decode(request.inputs, lambda ref: ref)
-    planned_refs = _flat_refs(planned)
+    planned_refs = values.flat_leaves(planned, values.TensorRef)
     real_tensors = values.flat_tensors(real)
     if len(planned_refs) != len(real_tensors):
         raise ReplayError("trace", f"the plan names {len(planned_refs)} input tensors; the "
@@ -81,14 +81,6 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
     outputs = replayer.outputs(request.outputs)
     after = [replayer.tensor(ref).detach().to("cpu").contiguous() for ref in planned_refs]
     return outputs, after
-
-
-def _flat_refs(tree: Any) -> list[values.TensorRef]:
-    if isinstance(tree, values.TensorRef):
-        return [tree]
-    if isinstance(tree, (list, tuple)):
-        return [r for v in tree for r in _flat_refs(v)]
-    return []
 
 
 def run_replayer(spec: ChildSpec, channel: Channel) -> None:

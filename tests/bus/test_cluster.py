@@ -32,7 +32,7 @@ from services.common.settings import Settings, load_settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
 from tests.conftest import free_port, running_gateway
-from tests.helpers import RELU_KERNEL, RELU_TASK, scaled
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, wait_for_heartbeat
 
 pytestmark = pytest.mark.slow
 
@@ -115,16 +115,7 @@ async def services(settings: Settings, bus: Bus) -> AsyncIterator[tuple[str, Cal
              asyncio.create_task(run_generator(settings, stop), name="generator")]
     try:
         async with running_gateway(settings) as url:
-            for _ in range(1200):
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                with contextlib.suppress(Exception):
-                    if await bus.workers.keys():
-                        break
-                await asyncio.sleep(0.05)
-            else:
-                raise TimeoutError("worker never sent a heartbeat")
+            await wait_for_heartbeat(bus, tasks)
 
             def check() -> None:
                 for t in tasks:

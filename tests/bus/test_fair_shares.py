@@ -21,18 +21,17 @@ import pytest
 
 from schemas import VerifyRequest, encode, subjects
 from services.common.bus import Bus
-from services.common.lanes import LanePull, lane_config
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter
-from services.generator.coders.base import lowering_sandbox as make_lowering_sandbox
 from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
 from services.sandbox.limits import ChildLimits, child_limits_from
 from services.worker.service import run_worker
 from services.worker.verifier import Verifier
+from tests import helpers
 from tests.conftest import TEST_WORKER_IDS
 from tests.helpers import RELU_KERNEL, RELU_TASK, services_running, wait_terminal
 
@@ -104,12 +103,7 @@ async def test_lane_pull_excludes_and_defers_tenants_at_their_share(bus: Bus) ->
         for i in range(n):
             await bus.js.publish(subjects.job_submit(tenant, "normal"), b"{}",
                                  headers={"Nats-Msg-Id": f"{tenant}-{i}"})
-    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
-        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))
-    pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
-                    consumer_of=subjects.generator_consumer,
-                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
-    await pull.start()
+    pull = await helpers.started_generator_pull(bus)
     taken: list = []
     try:
         # Excluded: never asked, even with nothing else to take.
@@ -196,28 +190,20 @@ async def test_a_10gb_allocation_in_get_inputs_fails_in_seconds_naming_the_limit
 # ------------------------------------------------------------------ lowering child
 
 
-@pytest.fixture(scope="module")
-def lowering():
-    sandbox = make_lowering_sandbox("fair-lowering")
-    sandbox.start()
-    yield sandbox
-    sandbox.close()
-
-
 async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limit(
-        lowering) -> None:
+        lowering_sandbox) -> None:
     started = time.monotonic()
     with pytest.raises(LoweringError) as failed:
-        await lower_in_sandbox(lowering, ALLOC_10GB, timeout_s=60,
+        await lower_in_sandbox(lowering_sandbox, ALLOC_10GB, timeout_s=60,
                              limits=ChildLimits(lower_address_space_bytes=2 << 30))
     assert "MemoryError" in str(failed.value)
     assert "AIKG_SANDBOX_LOWER_ADDRESS_SPACE_BYTES=2147483648 (2.0 GiB)" in str(failed.value)
     assert time.monotonic() - started < 30
 
 
-async def test_a_hang_while_lowering_is_named_after_the_task(lowering) -> None:
+async def test_a_hang_while_lowering_is_named_after_the_task(lowering_sandbox) -> None:
     with pytest.raises(LoweringError) as failed:
-        await lower_in_sandbox(lowering, HANG_IN_MODEL, timeout_s=3)
+        await lower_in_sandbox(lowering_sandbox, HANG_IN_MODEL, timeout_s=3)
     assert str(failed.value).startswith(
         "the task's Model(*get_init_inputs()) did not finish in 3 s (setting "
         "AIKG_LOWERING_TIMEOUT_S)"), failed.value

@@ -41,6 +41,7 @@ from services.common.queue_metrics import Snapshot, poll, register, run_queue_me
 from services.common.settings import Settings
 from services.generator.service import run_generator
 from services.worker.service import run_worker
+from tests import helpers
 from tests.conftest import free_port, running_gateway
 from tests.helpers import (
     CONV_TASK,
@@ -178,16 +179,7 @@ async def stack(settings: Settings, bus: Bus) -> AsyncIterator[str]:
              asyncio.create_task(run_queue_metrics(bus, interval_s=1.0), name="queue-metrics")]
     try:
         async with running_gateway(settings) as url:
-            for _ in range(1200):
-                for t in tasks:
-                    if t.done():
-                        t.result()
-                with contextlib.suppress(Exception):
-                    if await bus.workers.keys():
-                        break
-                await asyncio.sleep(0.05)
-            else:
-                raise TimeoutError("worker never sent a heartbeat")
+            await helpers.wait_for_heartbeat(bus, tasks)
             yield url
     finally:
         stop.set()

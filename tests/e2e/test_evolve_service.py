@@ -21,6 +21,7 @@ from schemas import JobRecord, JobSubmit, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
 from services.worker.service import run_worker
+from tests import helpers
 from tests.conftest import role_env
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
 from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, scaled, services_running, wait_terminal
@@ -131,11 +132,7 @@ async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
     worker_settings = msgspec.structs.replace(settings, worker_devices="0,1")
     worker = asyncio.create_task(run_worker(worker_settings, stop))
     try:
-        for _ in range(600):
-            with contextlib.suppress(Exception):
-                if await bus.workers.keys():
-                    break
-            await asyncio.sleep(0.05)
+        await helpers.wait_for_heartbeat(bus, [worker])
         submit = JobSubmit(op_name="relu", task_desc=RELU, job_id=job_id,
                            **{k: v for k, v in EVOLVE.items()})
         first = start_generator()

@@ -24,7 +24,8 @@ from schemas import JobRecord, VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.jobs import cancel_job
 from services.common.settings import Settings
-from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests import fake_llm
+from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Reply, fenced
 from tests.helpers import (
     LLM_ONLY_SOFTMAX_TASK,
     job_events,
@@ -37,21 +38,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-test-generator-SECRET-42"
-# What the worker's mismatch verdicts say; the scripted model only fixes its kernel
-# once it has been shown this.
-MISMATCH_MARK = "elements differ beyond"
-
-
-def repair_script(index: int, request: Recorded) -> Reply:
-    if "You are the designer" in request.agent_role:
-        return Reply(content="1. One program per row; subtract the row max; divide by the sum.")
-    if "You are the conductor" in request.agent_role:
-        return Reply(content="Divide num by den before storing.")
-    if MISMATCH_MARK in request.prompt:
-        return Reply(content=fenced(SOFTMAX_FIXED))
-    return Reply(content=fenced(SOFTMAX_BROKEN, "Here is a first version."))
-
-
 def llm_settings(settings: Settings, fake: FakeLLM, **extra) -> Settings:
     return msgspec.structs.replace(settings, llm_base_url=fake.url, llm_model="fake-coder",
                                    llm_api_key=KEY, llm_timeout_s=60.0, **extra)
@@ -66,7 +52,7 @@ async def test_softmax_job_completes_after_one_repair_round(
         tmp_path: Path) -> None:
     softmax = tmp_path / "softmax.py"
     softmax.write_text(LLM_ONLY_SOFTMAX_TASK)
-    with FakeLLM(repair_script) as fake:
+    with FakeLLM(fake_llm.repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.cli", "submit", str(softmax), "--coder", "llm",
@@ -122,7 +108,7 @@ async def test_softmax_job_completes_after_one_repair_round(
 
 async def test_default_workflow_uses_designer_and_conductor(
         settings: Settings, bus: Bus, gateway: str) -> None:
-    with FakeLLM(repair_script) as fake:
+    with FakeLLM(fake_llm.repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={

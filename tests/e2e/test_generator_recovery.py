@@ -33,19 +33,18 @@ from pathlib import Path
 import nats.js.errors
 import pytest
 
-from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, encode, subjects
+from schemas import JobRecord, JobSubmit, VerifyResult, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.settings import Settings
-from services.worker.service import run_worker
+from tests import fake_llm
 from tests.conftest import role_env
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
-from tests.helpers import BUNDLED_RELU_TASK, scaled
+from tests.helpers import BUNDLED_RELU_TASK, job_events, scaled, services_running, stream_messages
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SOFTMAX = (ROOT / "tasks" / "softmax.py").read_text()
-MISMATCH_MARK = "elements differ beyond"
 JOB_ID = "recover-softmax"
 
 
@@ -101,7 +100,7 @@ def fake() -> Iterator[FakeLLM]:
     held = []
 
     def script(index: int, request: Recorded) -> Reply:
-        if MISMATCH_MARK not in request.prompt:
+        if fake_llm.MISMATCH_MARK not in request.prompt:
             return Reply(content=fenced(SOFTMAX_BROKEN))
         held.append(index)
         # The first repair request is held until its generator dies; later ones answer.
@@ -111,43 +110,12 @@ def fake() -> Iterator[FakeLLM]:
         yield server
 
 
-@contextlib.asynccontextmanager
-async def worker(settings: Settings, bus: Bus) -> AsyncIterator[None]:
-    stop = asyncio.Event()
-    task = asyncio.create_task(run_worker(settings, stop), name="worker")
-    try:
-        for _ in range(1200):
-            if task.done():
-                task.result()
-            with contextlib.suppress(Exception):
-                if await bus.workers.keys():
-                    break
-            await asyncio.sleep(0.05)
-        yield
-    finally:
-        stop.set()
-        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 60)
-
-
 async def wait_for(predicate, timeout_s: float, what: str, logs=lambda: "") -> None:
     deadline = time.monotonic() + scaled(timeout_s)
     while not await predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} not within {timeout_s} s\n{logs()}")
         await asyncio.sleep(0.05)
-
-
-async def history(bus: Bus, subject: str) -> list[bytes]:
-    sub = await bus.js.subscribe(subject, ordered_consumer=True)
-    out = []
-    try:
-        while True:
-            out.append((await sub.next_msg(timeout=0.5)).data)
-    except Exception:  # noqa: BLE001 - timeout: no more history
-        pass
-    finally:
-        await sub.unsubscribe()
-    return out
 
 
 async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
@@ -165,7 +133,7 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
         return bool(r and r.progress.candidates and r.progress.candidates[0].verify_seq)
 
     try:
-        async with worker(settings, bus):
+        async with services_running(settings, bus, generator=False):
             submit = JobSubmit(op_name="softmax", task_desc=SOFTMAX, backend="cpu",
                                arch=settings.arch, coder="llm", init_code=SOFTMAX_BROKEN,
                                job_id=JOB_ID, max_attempts=3)
@@ -190,8 +158,8 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
             await wait_for(ended, 120, "job end", gens.logs)
             final = await record()
             await asyncio.sleep(1.0)  # a duplicate finish would show by now
-            events = [decode(m, JobEvent) for m in await history(bus, subjects.job_events(JOB_ID))]
-            results = [decode(m, VerifyResult) for m in await history(bus, subjects.results(JOB_ID))]
+            events = await job_events(bus, JOB_ID)
+            results = [decode(m, VerifyResult) for m in await stream_messages(bus, subjects.results(JOB_ID))]
             verify_info = await bus.js.stream_info(subjects.STREAM_VERIFY)
     finally:
         gens.stop_all()
@@ -277,7 +245,7 @@ async def test_corrupt_record_fails_the_job_once_without_redelivery(
             await wait_for(status_is(job_id, "failed"), 30, f"{job_id} failed")
         await asyncio.sleep(2 * 0.5 + 1.0)  # a second poll or a redelivery would show by now
         consumer = await bus.js.consumer_info(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
-        dlq = await history(bus, subjects.dlq(subjects.JOBS_SUBMIT))
+        dlq = await stream_messages(bus, subjects.dlq(subjects.JOBS_SUBMIT))
 
     for job_id in (pending, running):
         record = decode((await bus.jobs.get(job_id)).value, JobRecord)
@@ -286,7 +254,7 @@ async def test_corrupt_record_fails_the_job_once_without_redelivery(
         assert f"job record {job_id} is corrupt" in record.error, record.error
         assert "malformed" in record.error.lower()  # msgspec: "JSON is malformed: ..."
         assert record.request.op_name == "relu"  # the submission is kept
-        events = [decode(m, JobEvent) for m in await history(bus, subjects.job_events(job_id))]
+        events = await job_events(bus, job_id)
         failed = [e for e in events if e.event == "failed"]
         assert len(failed) == 1 and f"job record {job_id} is corrupt" in failed[0].message
     assert consumer.num_ack_pending == 0 and consumer.num_redelivered == 0, consumer
@@ -306,11 +274,11 @@ async def test_raw_submission_is_decoded_strictly(settings: Settings, bus: Bus) 
         await submit_raw(bus, job_id, json.dumps(body).encode())
 
         async def refused() -> bool:
-            return bool(await history(bus, subjects.job_events(job_id)))
+            return bool(await stream_messages(bus, subjects.job_events(job_id)))
 
         await wait_for(refused, 30, "refusal event")
         dlq = await bus.js.get_last_msg(subjects.STREAM_DLQ, subjects.dlq(subjects.JOBS_SUBMIT))
-    events = [decode(m, JobEvent) for m in await history(bus, subjects.job_events(job_id))]
+    events = await job_events(bus, job_id)
     assert [e.event for e in events] == ["failed"]
     assert "Expected `int`, got `str` - at `$.max_rounds`" in events[0].message
     assert "$.max_rounds" in dlq.headers["Aikg-Dlq-Reason"]

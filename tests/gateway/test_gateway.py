@@ -15,27 +15,16 @@ import pytest
 from schemas import JobEvent, JobSubmit, decode, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
+from tests import support_gateway
 
-
-@pytest.fixture
-def job(relu_task: str):
-    """``job(**fields)``: a valid submission body with ``fields`` changed (None drops one)."""
-
-    def make(**fields: object) -> dict[str, object]:
-        body = {"op_name": "relu", "task_desc": relu_task, **fields}
-        return {k: v for k, v in body.items() if v is not None}
-
-    return make
+# The gateway tests' fixtures shared with the other gateway test module; the routes run
+# in process here, on Litestar's test client.
+cpu_worker, job = support_gateway.cpu_worker, support_gateway.job
 
 
 @pytest.fixture
 def client(app_client: httpx.AsyncClient) -> httpx.AsyncClient:
     return app_client
-
-
-@pytest.fixture
-async def cpu_worker(bus: Bus, fake_worker_heartbeat) -> None:
-    await fake_worker_heartbeat(bus, "cpu", "x86_64")
 
 
 async def test_submit_writes_record_publishes_job_and_event(

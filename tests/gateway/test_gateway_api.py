@@ -20,26 +20,11 @@ from schemas import JobEvent, JobResult, VerifyResult, encode, subjects
 from services.common.bus import Bus, JobStore
 from services.common.jobs import publish_event
 from services.common.settings import Settings
+from tests import support_gateway
 from tests.helpers import scaled
 
-
-@pytest.fixture
-def job(relu_task: str):
-    def make(**fields: object) -> dict[str, object]:
-        return {"op_name": "relu", "task_desc": relu_task, **fields}
-
-    return make
-
-
-@pytest.fixture
-async def client(gateway: str) -> httpx.AsyncClient:
-    async with httpx.AsyncClient(base_url=gateway, timeout=10.0) as c:
-        yield c
-
-
-@pytest.fixture
-async def cpu_worker(bus: Bus, fake_worker_heartbeat) -> None:
-    await fake_worker_heartbeat(bus, "cpu", "x86_64")
+# The gateway tests' fixtures, shared with the other gateway test module.
+client, cpu_worker, job = support_gateway.client, support_gateway.cpu_worker, support_gateway.job
 
 
 async def submit(client: httpx.AsyncClient, body: dict) -> str:
@@ -188,14 +173,7 @@ async def test_event_stream_says_once_when_the_record_turns_corrupt(
     monkeypatch.setattr(events, "RECORD_CHECK_S", 0.1)
     job_id = await submit(client, job())
     got: list[dict] = []
-
-    async def follow() -> None:
-        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as c:
-            async with c.stream("GET", f"/api/v1/jobs/{job_id}/events") as r:
-                async for e in _iter_sse(r):
-                    got.append(e)
-
-    follower = asyncio.create_task(follow())
+    follower = asyncio.create_task(follow_events(client, job_id, got))
     await _until(lambda: len(got) == 1)
     await bus.jobs.put(job_id, GARBAGE)
     await _until(lambda: len(got) == 2)
@@ -299,14 +277,7 @@ async def test_events_of_running_job_arrive_live_until_cancel(
 ) -> None:
     job_id = await submit(client, job())
     got: list[dict] = []
-
-    async def follow() -> None:
-        async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as c:
-            async with c.stream("GET", f"/api/v1/jobs/{job_id}/events") as r:
-                async for e in _iter_sse(r):
-                    got.append(e)
-
-    follower = asyncio.create_task(follow())
+    follower = asyncio.create_task(follow_events(client, job_id, got))
     await _until(lambda: len(got) == 1)
     assert got[0]["event"] == "submitted"
     await publish_event(bus, JobEvent(job_id=job_id, event="started", status="running",
@@ -349,6 +320,14 @@ async def test_events_send_keepalive_comments(client: httpx.AsyncClient, cpu_wor
                 if comments == 2:
                     break
     assert comments == 2
+
+
+async def follow_events(client: httpx.AsyncClient, job_id: str, got: list[dict]) -> None:
+    """Appends each event of the job's SSE stream to ``got`` as it arrives."""
+    async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as c:
+        async with c.stream("GET", f"/api/v1/jobs/{job_id}/events") as r:
+            async for e in _iter_sse(r):
+                got.append(e)
 
 
 async def _iter_sse(response: httpx.Response):

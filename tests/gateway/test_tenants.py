@@ -24,7 +24,6 @@ from rich.console import Console
 from schemas import JobRecord, JobResult, VerifyResult, decode, subjects
 from services.cli_render import jobs_table, record_view
 from services.common.bus import Bus
-from services.common.lanes import LanePull, lane_config
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
 from services.common.tenants import hash_token, load_tenants
@@ -33,7 +32,7 @@ from services.generator.service import run_generator
 from services.sdk.client import AsyncAIKGClient
 from services.worker.service import Worker
 from tests.conftest import lend_verifier
-from tests.helpers import RELU_KERNEL, RELU_TASK
+from tests.helpers import RELU_KERNEL, RELU_TASK, started_generator_pull
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b", "team_c": "tok-c"}
 
@@ -219,12 +218,7 @@ async def test_lane_pull_takes_high_first_then_tenants_in_turn(bus: Bus) -> None
             await bus.js.publish(subjects.job_submit(tenant, priority), b"{}",
                                  headers={"Nats-Msg-Id": f"{tenant}-{i}"})
     await bus.js.publish(subjects.JOBS_SUBMIT, b"{}", headers={"Nats-Msg-Id": "raw-0"})
-    await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
-        subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))
-    pull = LanePull(bus.js, bus.nc, stream=subjects.STREAM_JOBS, base=subjects.JOBS_SUBMIT,
-                    consumer_of=subjects.generator_consumer,
-                    config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
-    await pull.start()
+    pull = await started_generator_pull(bus)
     order: list[str] = []
     try:
         for _ in range(7):

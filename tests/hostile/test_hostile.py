@@ -22,40 +22,20 @@ import pytest
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_TASK, scaled
+from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, relu_jit
 
 SECRET = "sekrit"
 
 TASK = RELU_TASK
 
-PRELUDE = """\
-import time
-
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
+PRELUDE = "import time\n\n" + TRITON_IMPORTS + "\n\n" + relu_jit() + """
 
 @triton.jit
 def noop_kernel(out_ptr):
     pid = tl.program_id(0)
 
 
-def relu(x):
-    out = torch.empty_like(x)
-    n = x.numel()
-    relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-    return out
-"""
+""" + RELU_LAUNCHER
 
 CORRECT_FORWARD = "return relu(x.contiguous())"
 
@@ -205,11 +185,14 @@ async def test_allocating_until_killed(verifier):
     await still_serves(verifier)
 
 
-async def test_ctypes_is_static(verifier):
-    code = candidate("ctypes.string_at(0)\nreturn relu(x)", module="import ctypes\n")
-    result = await verifier.verify(request(code), device="0")
+@pytest.mark.parametrize(("forward", "module", "error"), [
+    ("ctypes.string_at(0)\nreturn relu(x)", "import ctypes\n", "import of ctypes is not allowed"),
+    ("os._exit(0)", "import os\n", "os._exit used"),
+], ids=["ctypes", "os_exit"])
+async def test_ctypes_and_os_exit_are_static(verifier, forward, module, error):
+    result = await verifier.verify(request(candidate(forward, module=module)), device="0")
     assert result.stage == "static"
-    assert "import of ctypes is not allowed" in result.error
+    assert error in result.error
     await still_serves(verifier)
 
 
@@ -237,14 +220,6 @@ async def test_segfault_past_the_static_check_is_a_crash(verifier, no_static_che
     assert "during trial 0: ModelNew.forward" in result.error
     # faulthandler's dump of the Python stack lands in the captured stderr.
     assert "Fatal Python error: Segmentation fault" in result.log
-    await still_serves(verifier)
-
-
-async def test_os_exit_is_static(verifier):
-    code = candidate("os._exit(0)", module="import os\n")
-    result = await verifier.verify(request(code), device="0")
-    assert result.stage == "static"
-    assert "os._exit used" in result.error
     await still_serves(verifier)
 
 

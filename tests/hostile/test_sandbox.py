@@ -108,29 +108,10 @@ class ModelNew(nn.Module):''').replace("        return out\n", '''\
 # The same 4 x 8 relu task without the fact recording (imports only, then the model).
 PLAIN_TASK = FACTS_TASK.split("FACTS =")[0] + FACTS_TASK.split("END\")\n", 1)[1]
 
-HANGING_TASK = '''\
-import time
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self):
-        super().__init__()
-        while True:
-            time.sleep(1)
-
-    def forward(self, x):
-        return torch.relu(x)
-
-
-def get_inputs():
-    return [torch.randn(4, 8)]
-
-
-def get_init_inputs():
-    return []
-'''
+# A task whose constructor never returns.
+HANGING_TASK = PLAIN_TASK.replace("import json, os, socket\n", "import time\n").replace(
+    "class Model(nn.Module):\n", "class Model(nn.Module):\n    def __init__(self):\n"
+    "        super().__init__()\n        while True:\n            time.sleep(1)\n\n")
 
 
 def facts_of(text: str) -> dict:

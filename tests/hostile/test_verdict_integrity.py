@@ -23,8 +23,9 @@ from services.sandbox import wire
 from services.worker import correctness, rules
 from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
-from tests.corpus import TASKS
+from tests.corpus import CORPUS, TASKS
 from tests.helpers import RELU_TASK
+from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, relu_jit
 
 SOFTMAX_TASK = TASKS["softmax"]
 # Wide rows of small inputs: every softmax output is below float32's atol (1e-4).
@@ -32,22 +33,9 @@ WIDE_SOFTMAX_TASK = SOFTMAX_TASK.replace("dim = 1024", "dim = 16384").replace(
     "torch.randn(batch_size, dim)", "0.1 * torch.randn(batch_size, dim)")
 
 MATMUL_TASK = TASKS["matmul"]
-HEADER = """\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-"""
+HEADER = TRITON_IMPORTS
 
-RELU_KERNEL = """
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-
+RELU_KERNEL = ("\n" + relu_jit() + """
 
 @triton.jit
 def scratch_kernel(out_ptr, n, BLOCK_SIZE: tl.constexpr):
@@ -55,12 +43,7 @@ def scratch_kernel(out_ptr, n, BLOCK_SIZE: tl.constexpr):
     tl.store(out_ptr + offs, offs.to(tl.float32), mask=offs < n)
 
 
-def relu(x):
-    out = torch.empty_like(x)
-    n = x.numel()
-    relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-    return out
-"""
+""" + RELU_LAUNCHER)
 
 
 def relu_candidate(forward: str, module: str = "") -> str:
@@ -71,38 +54,8 @@ def relu_candidate(forward: str, module: str = "") -> str:
 
 HONEST_RELU = relu_candidate("return relu(x.contiguous())")
 
-SOFTMAX_CANDIDATE = HEADER + """
-
-@triton.jit
-def row_max_kernel(x_ptr, max_ptr, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + row * n_cols + offs, mask=offs < n_cols, other=-float("inf"))
-    tl.store(max_ptr + row, tl.max(x, axis=0))
-
-
-@triton.jit
-def softmax_kernel(x_ptr, max_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < n_cols
-    x = tl.load(x_ptr + row * n_cols + offs, mask=mask, other=-float("inf"))
-    e = tl.exp(x - tl.load(max_ptr + row))
-    e = tl.where(mask, e, 0.0)
-    tl.store(out_ptr + row * n_cols + offs, e / tl.sum(e, axis=0), mask=mask)
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        x = x.contiguous()
-        rows, cols = x.shape
-        maxes = torch.empty(rows, device=x.device, dtype=x.dtype)
-        out = torch.empty_like(x)
-        block = triton.next_power_of_2(cols)
-        row_max_kernel[(rows,)](x, maxes, cols, BLOCK=block)
-        softmax_kernel[(rows,)](x, maxes, out, cols, BLOCK=block)
-        return out
-"""
+# The honest two-pass softmax of the corpus.
+SOFTMAX_CANDIDATE = (CORPUS / "honest" / "softmax_two_pass.py").read_text()
 
 
 def matmul_candidate(advance_k: bool = True, all_tiles: bool = True) -> str:

@@ -22,55 +22,16 @@ from services.worker import correctness
 from services.worker.procedure import Outcome, Timings
 from services.worker.verifier import Verifier, _Verdict, speedup_fields
 from tests.helpers import RELU_TASK
+from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
-KERNEL = """\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, floor, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, floor), mask=m)
-"""
+KERNEL = TRITON_IMPORTS + "\n\n" + relu_jit("tl.maximum(x, floor)", params=", floor")
 
 
 def relu_candidate(floor: float = 0.0) -> str:
-    return KERNEL + f"""
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, {floor}, BLOCK_SIZE=1024)
-        return out
-"""
+    return KERNEL + "\n\n" + relu_model(args=f", {floor}")
 
 
-COMPILE_ERROR_CANDIDATE = """\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.no_such_function(x), mask=m)
-
+COMPILE_ERROR_CANDIDATE = TRITON_IMPORTS + "\n\n" + relu_jit("tl.no_such_function(x)") + """
 
 class ModelNew(nn.Module):
     def forward(self, x):

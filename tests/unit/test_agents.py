@@ -5,6 +5,7 @@ function standing in for the workers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,8 @@ from services.generator.workflows import (
     coder_only_workflow,
     default_workflow,
 )
-from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
+from tests import fake_llm
+from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Reply, fenced
 
 SOFTMAX_TASK = (Path(__file__).resolve().parents[2] / "tasks" / "softmax.py").read_text()
 MISMATCH = ("output 0: 16384 of 16384 elements differ beyond atol=1e-4 rtol=1e-4; max abs error "
@@ -111,25 +113,27 @@ def fake() -> Iterator[FakeLLM]:
         yield server
 
 
-def chat_for(fake: FakeLLM, **overrides):
+@contextlib.asynccontextmanager
+async def chat_with(fake: FakeLLM, **overrides):
+    """The agents' chat function on an LLM client of ``fake``, closed when the block ends."""
     client = LLMClient(load_settings(env={}, llm_base_url=fake.url, llm_model="fake-coder",
                                      llm_timeout_s=5.0, **overrides))
 
     async def chat(agent, messages):
         return await client.chat(agent, messages)
 
-    return client, chat
+    try:
+        yield chat
+    finally:
+        await client.aclose()
 
 
 async def test_coder_prompt_has_task_guide_hardware_and_the_failure(fake: FakeLLM) -> None:
-    client, chat = chat_for(fake)
     failed = Attempt(1, Candidate(code=SOFTMAX_BROKEN, coder="llm"))
     failed.verdict = verdict(failed)
-    try:
+    async with chat_with(fake) as chat:
         candidate = await LLMCoder(chat).write(softmax_job(), [failed], plan="one row per program",
                                                instruction="divide by the row sum")
-    finally:
-        await client.aclose()
     assert candidate.code == SOFTMAX_FIXED and candidate.coder == "llm"
     assert candidate.meta["guidance"] == "divide by the row sum"
     request = fake.requests[0]
@@ -152,11 +156,8 @@ async def test_unusable_replies_are_retried_then_a_good_one_is_used(fake: FakeLL
     fake.set_script([Reply(content="Let me think about softmax first."),
                      Reply(content=fenced(SOFTMAX_FIXED.replace("@triton.jit\n", ""))),
                      Reply(content=fenced(SOFTMAX_FIXED))])
-    client, chat = chat_for(fake)
-    try:
+    async with chat_with(fake) as chat:
         candidate = await LLMCoder(chat).write(softmax_job(), [])
-    finally:
-        await client.aclose()
     assert candidate.code == SOFTMAX_FIXED
     assert len(fake.requests) == 3
     second = fake.requests[1].body["messages"]
@@ -167,36 +168,27 @@ async def test_unusable_replies_are_retried_then_a_good_one_is_used(fake: FakeLL
 
 async def test_only_unusable_replies_fail_the_coder(fake: FakeLLM) -> None:
     fake.set_script([Reply(content="no code, sorry")])
-    client, chat = chat_for(fake)
-    try:
+    async with chat_with(fake) as chat:
         with pytest.raises(CoderError, match="3 unusable replies"):
             await LLMCoder(chat).write(softmax_job(), [])
-    finally:
-        await client.aclose()
     assert len(fake.requests) == 3
 
 
 async def test_coder_reports_a_dead_endpoint_as_a_coder_error(fake: FakeLLM) -> None:
     fake.set_script([Reply(status=401, error="bad key")])
-    client, chat = chat_for(fake)
-    try:
+    async with chat_with(fake) as chat:
         with pytest.raises(CoderError, match="refused the key"):
             await LLMCoder(chat).write(softmax_job(), [])
-    finally:
-        await client.aclose()
 
 
 async def test_designer_and_conductor_prompts(fake: FakeLLM) -> None:
     fake.set_script([Reply(content="<think>hmm</think>1. One program per row."),
                      Reply(content="Divide num by den before the store.")])
-    client, chat = chat_for(fake)
     failed = Attempt(2, Candidate(code=SOFTMAX_BROKEN, coder="llm"))
     failed.verdict = verdict(failed)
-    try:
+    async with chat_with(fake) as chat:
         plan = await Designer(chat).plan(softmax_job())
         instruction = await Conductor(chat).instruct(softmax_job(), failed)
-    finally:
-        await client.aclose()
     assert plan == "1. One program per row."
     assert instruction == "Divide num by den before the store."
     assert "You are the designer" in fake.requests[0].agent_role
@@ -206,17 +198,6 @@ async def test_designer_and_conductor_prompts(fake: FakeLLM) -> None:
 
 
 # --- workflows -----------------------------------------------------------------------
-
-
-def repair_script(index: int, request: Recorded) -> Reply:
-    """The scripted LLM: broken kernel first; fixed only once it was shown the error."""
-    if "You are the designer" in request.agent_role:
-        return Reply(content="Plan: one program per row, subtract the max, divide by the sum.")
-    if "You are the conductor" in request.agent_role:
-        return Reply(content="The output is never divided by the row sum: divide num by den.")
-    if MISMATCH in request.prompt:
-        return Reply(content=fenced(SOFTMAX_FIXED))
-    return Reply(content=fenced(SOFTMAX_BROKEN))
 
 
 class Recorder:
@@ -233,83 +214,68 @@ class Recorder:
 
 
 async def test_coder_only_repairs_with_the_verdict(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
-    client, chat = chat_for(fake)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
-    try:
+    async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
             submit=softmax_job(), verify=rec.verify, report=rec.report, coder=LLMCoder(chat)))
-    finally:
-        await client.aclose()
     assert result.passed and result.attempts == 2 and result.code == SOFTMAX_FIXED
     assert [a.number for a in rec.verified] == [1, 2]
     assert MISMATCH not in fake.requests[0].prompt and MISMATCH in fake.requests[1].prompt
 
 
 async def test_default_workflow_plans_and_conducts(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
-    client, chat = chat_for(fake)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
-    try:
+    async with chat_with(fake) as chat:
         result = await default_workflow(WorkflowContext(
             submit=softmax_job(workflow="default_workflow"), verify=rec.verify,
             report=rec.report, coder=LLMCoder(chat), designer=Designer(chat),
             conductor=Conductor(chat)))
-    finally:
-        await client.aclose()
     assert result.passed and result.attempts == 2
     roles = [("designer" if "You are the designer" in r.agent_role else
               "conductor" if "You are the conductor" in r.agent_role else "coder")
              for r in fake.requests]
     assert roles == ["designer", "coder", "conductor", "coder"]
-    assert "Plan: one program per row" in fake.requests[1].prompt
-    assert "divide num by den" in fake.requests[3].prompt
-    assert rec.verified[1].candidate.meta["guidance"].startswith("The output is never divided")
-    assert any(f.get("plan", "").startswith("Plan:") for _, f in rec.events)
+    assert fake_llm.REPAIR_PLAN in fake.requests[1].prompt
+    assert fake_llm.REPAIR_GUIDANCE in fake.requests[3].prompt
+    assert rec.verified[1].candidate.meta["guidance"] == fake_llm.REPAIR_GUIDANCE
+    assert any(f.get("plan") == fake_llm.REPAIR_PLAN for _, f in rec.events)
 
 
 async def test_attempts_stop_at_max_attempts(fake: FakeLLM) -> None:
     fake.set_script([Reply(content=fenced(SOFTMAX_BROKEN))])
-    client, chat = chat_for(fake)
     rec = Recorder()
-    try:
+    async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
             submit=softmax_job(max_attempts=2), verify=rec.verify, report=rec.report,
             coder=LLMCoder(chat)))
-    finally:
-        await client.aclose()
     assert not result.passed and result.attempts == 2 and len(rec.verified) == 2
     assert result.verdict is not None and result.verdict.stage == "mismatch"
 
 
 async def test_init_code_is_the_first_candidate_of_an_llm_job(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
-    client, chat = chat_for(fake)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
-    try:
+    async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
             submit=softmax_job(init_code=SOFTMAX_BROKEN), verify=rec.verify,
             report=rec.report, coder=LLMCoder(chat)))
-    finally:
-        await client.aclose()
     assert [a.candidate.coder for a in rec.verified] == ["init_code", "llm"]
     assert result.passed and result.coder == "llm"
     assert len(fake.requests) == 1 and MISMATCH in fake.requests[0].prompt
 
 
 async def test_resume_reawaits_the_pending_attempt_and_goes_on(fake: FakeLLM) -> None:
-    fake.set_script(repair_script)
-    client, chat = chat_for(fake)
+    fake.set_script(fake_llm.repair_script)
     rec = Recorder()
     done = Attempt(1, Candidate(code="", coder="llm"))  # earlier code is not kept
     done.verdict = verdict(Attempt(1, Candidate(code=SOFTMAX_BROKEN, coder="llm")))
     pending = Attempt(2, Candidate(code=SOFTMAX_BROKEN, coder="llm"))
-    try:
+    async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
             submit=softmax_job(), verify=rec.verify, report=rec.report,
             coder=LLMCoder(chat), history=[done, pending]))
-    finally:
-        await client.aclose()
     assert [a.number for a in rec.verified] == [2, 3]  # attempt 1 is not redone
     assert result.passed and result.attempts == 3
     assert MISMATCH in fake.requests[0].prompt and SOFTMAX_BROKEN.strip() in fake.requests[0].prompt
@@ -319,27 +285,21 @@ async def test_resume_of_a_passed_attempt_calls_nothing(fake: FakeLLM) -> None:
     rec = Recorder()
     passed = Attempt(1, Candidate(code=SOFTMAX_FIXED, coder="llm"))
     passed.verdict = verdict(passed)
-    client, chat = chat_for(fake)
-    try:
+    async with chat_with(fake) as chat:
         result = await coder_only_workflow(WorkflowContext(
             submit=softmax_job(), verify=rec.verify, report=rec.report, coder=LLMCoder(chat),
             history=[passed]))
-    finally:
-        await client.aclose()
     assert result.passed and rec.verified == [] and fake.requests == []
 
 
 async def test_coder_giving_up_fails_with_its_reason_and_the_last_verdict(fake: FakeLLM) -> None:
     fake.set_script(lambda i, r: Reply(content=fenced(SOFTMAX_BROKEN)) if i == 0
                     else Reply(content="no idea"))
-    client, chat = chat_for(fake)
     rec = Recorder()
-    try:
+    async with chat_with(fake) as chat:
         with pytest.raises(WorkflowError, match="unusable replies") as info:
             await coder_only_workflow(WorkflowContext(
                 submit=softmax_job(), verify=rec.verify, report=rec.report,
                 coder=LLMCoder(chat)))
-    finally:
-        await client.aclose()
     assert "mismatch" in str(info.value) and len(rec.verified) == 1
     assert info.value.result is not None and info.value.result.attempts == 1

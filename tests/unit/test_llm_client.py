@@ -40,6 +40,14 @@ def client_for(fake: FakeLLM, **overrides) -> LLMClient:
     return LLMClient(load_settings(env={}, **values))
 
 
+async def chat_once(client: LLMClient, agent: str = "coder") -> Completion:
+    """One call of ``agent`` with HELLO; the client is closed after it, however it ends."""
+    try:
+        return await client.chat(agent, HELLO)
+    finally:
+        await client.aclose()
+
+
 def sample(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -83,10 +91,7 @@ async def test_429_with_retry_after_is_honoured_then_succeeds(fake: FakeLLM) -> 
     before = sample("aikg_llm_requests_total", agent="coder", model="fake-coder",
                     outcome="rate_limited")
     started = time.monotonic()
-    try:
-        reply = await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    reply = await chat_once(client)
     assert reply.text == "after the wait" and reply.calls == 2
     gap = fake.requests[1].time - fake.requests[0].time
     # Our own backoff without Retry-After would be 0.5-1 s: 2 s is the header's.
@@ -100,32 +105,23 @@ async def test_5xx_is_retried_with_backoff(fake: FakeLLM) -> None:
     fake.set_script([Reply(status=503, error="overloaded"), Reply(status=500),
                      Reply(content="ok now")])
     client = client_for(fake)
-    try:
-        reply = await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    reply = await chat_once(client)
     assert reply.text == "ok now" and reply.calls == 3 and len(fake.requests) == 3
 
 
 async def test_5xx_until_retries_run_out_fails_with_status(fake: FakeLLM) -> None:
     fake.set_script([Reply(status=502, error="bad gateway")])
     client = client_for(fake, llm_max_retries=1)
-    try:
-        with pytest.raises(LLMError, match=r"HTTP 502 after 2 calls"):
-            await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    with pytest.raises(LLMError, match=r"HTTP 502 after 2 calls"):
+        await chat_once(client)
     assert len(fake.requests) == 2
 
 
 async def test_retry_after_beyond_limit_fails_at_once(fake: FakeLLM) -> None:
     fake.set_script([Reply(status=429, headers={"Retry-After": "86400"}, error="daily quota")])
     client = client_for(fake)
-    try:
-        with pytest.raises(LLMError, match=r"asks to wait 86400 s"):
-            await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    with pytest.raises(LLMError, match=r"asks to wait 86400 s"):
+        await chat_once(client)
     assert len(fake.requests) == 1
 
 
@@ -157,10 +153,7 @@ async def test_a_reply_that_never_comes_is_retried_after_the_timeout(fake: FakeL
     before = sample("aikg_llm_requests_total", agent="coder", model="fake-coder",
                     outcome="timeout")
     started = time.monotonic()
-    try:
-        reply = await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    reply = await chat_once(client)
     assert reply.text == "on time" and reply.calls == 2
     assert time.monotonic() - started < 10
     assert sample("aikg_llm_requests_total", agent="coder", model="fake-coder",
@@ -170,22 +163,16 @@ async def test_a_reply_that_never_comes_is_retried_after_the_timeout(fake: FakeL
 async def test_a_dead_endpoint_fails_clearly_after_its_timeouts(fake: FakeLLM) -> None:
     fake.set_script([Reply(content="never", delay_s=30)])
     client = client_for(fake, llm_timeout_s=0.5, llm_max_retries=1)
-    try:
-        with pytest.raises(LLMError, match=r"did not answer the coder within 0.5 s \(2 calls\)"):
-            await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    with pytest.raises(LLMError, match=r"did not answer the coder within 0.5 s \(2 calls\)"):
+        await chat_once(client)
 
 
 async def test_unreachable_endpoint_names_the_url() -> None:
     settings = load_settings(env={}, llm_base_url="http://127.0.0.1:9/v1", llm_model="m",
                              llm_max_retries=0, llm_timeout_s=2.0)
     client = LLMClient(settings)
-    try:
-        with pytest.raises(LLMError, match=r"cannot reach the LLM endpoint http://127.0.0.1:9/v1"):
-            await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    with pytest.raises(LLMError, match=r"cannot reach the LLM endpoint http://127.0.0.1:9/v1"):
+        await chat_once(client)
 
 
 @pytest.mark.parametrize(("value", "expected"), [
@@ -197,10 +184,7 @@ async def test_unreachable_endpoint_names_the_url() -> None:
 async def test_reasoning_switch_reaches_the_endpoint(fake: FakeLLM, value: str,
                                                      expected: dict) -> None:
     client = client_for(fake, llm_reasoning=value)
-    try:
-        await client.chat("coder", HELLO)
-    finally:
-        await client.aclose()
+    await chat_once(client)
     body = fake.requests[0].body
     for key in ("enable_thinking", "chat_template_kwargs", "reasoning_effort"):
         assert body.get(key) == expected.get(key), (key, body)

@@ -7,36 +7,12 @@ import textwrap
 import pytest
 
 from services.worker.static_check import RULES, RULES_BY_ID, Finding, check_candidate
+from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
-HEADER = """\
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-import triton
-import triton.language as tl
+HEADER = (TRITON_IMPORTS.replace("import triton\n", "import torch.nn.functional as F\nimport triton\n")
+          + "\n\n" + relu_jit())
 
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    x = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(x, 0.0), mask=m)
-"""
-
-GOOD_FORWARD = """
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK_SIZE=1024)
-        return out.view(x.shape)
-"""
+GOOD_FORWARD = "\n" + relu_model(returns="out.view(x.shape)")
 
 
 def candidate(body: str, header: str = HEADER) -> str:
