@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from services.generator.coders.builtin import LoweringError, lower_task  # noqa: E402
+from services.generator.lowering import LoweringError, lower_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tasks"
