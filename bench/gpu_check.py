@@ -117,7 +117,7 @@ Check = tuple[str, str, bool, str]  # (name, expected, held, what came)
 async def worker_checks(args: argparse.Namespace) -> list[Check]:
     """Part ``worker``: correct kernel, out-of-bounds store, correct kernel again."""
     from schemas import VerifyRequest
-    from services.generator.coders.builtin import lower_task
+    from services.generator.lowering import lower_task
     from services.worker.verifier import Verifier
 
     shapes = {"batch_size": args.batch, "dim": args.dim}

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from services.common.logging import configure_logging
     from services.generator.coders.base import launch_defaults
-    from services.generator.coders.builtin import lower_task
+    from services.generator.lowering import lower_task
 
     configure_logging("bench", "warning", "console")
     task = TASK_PATH.read_text()

@@ -154,7 +154,7 @@ class Warm:
 
 async def bench(warm_n: int, uncached_n: int, cold_n: int) -> int:
     from services.generator.coders.base import launch_defaults
-    from services.generator.coders.builtin import lower_task
+    from services.generator.lowering import lower_task
 
     task = TASK_PATH.read_text()
     candidate = lower_task(task, SHAPES, **launch_defaults("cpu"))

@@ -7,7 +7,7 @@ register a worker once (``await register_local_worker([0], backend=..., arch=...
 returns ``(op_name, passed, info)``.
 
 Candidates are, in order, ``init_code`` when given, then the built-in coder's kernel
-(:func:`services.generator.coders.builtin.lower_task`, which executes the task's code:
+(:func:`services.generator.lowering.lower_task`, which executes the task's code:
 it runs in a sandboxed child process, never here). The first candidate that passes ends the
 task; ``max_attempts`` bounds the verifications.
 """

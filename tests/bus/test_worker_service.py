@@ -34,7 +34,7 @@ from services.common.bus import Bus, JobStore, connect_bus
 from services.common.lanes import lane_config
 from services.common.provision import create_consumer
 from services.common.settings import Settings
-from services.generator.coders.builtin import lower_task
+from services.generator.lowering import lower_task
 from services.worker.service import Worker, run_worker
 from services.worker.verifier import Verifier
 from tests.conftest import lend_verifier

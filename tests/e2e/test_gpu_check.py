@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench import gpu_check
-from services.generator.coders.builtin import lower_task
+from services.generator.lowering import lower_task
 from tests.helpers import ROOT
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")

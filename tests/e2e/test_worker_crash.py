@@ -40,7 +40,7 @@ from services.common.nats_auth import BusCredentials
 from services.common.provision import create_consumer
 from services.common.runtime import cancel_and_wait, descendants, running
 from services.common.settings import Settings
-from services.generator.coders.builtin import lower_task
+from services.generator.lowering import lower_task
 from tests.conftest import role_env
 from tests.helpers import BUNDLED_RELU_TASK, scaled
 

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from services.generator.coders.builtin import LoweringError, lower_task  # noqa: E402
+from services.generator.lowering import LoweringError, lower_task  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"
@@ -213,6 +213,33 @@ def test_pooling_is_refused_with_op_name_and_family():
         lower_task(_zoo_task("F.adaptive_avg_pool2d(x.unsqueeze(0), (3, 5))"))
     assert info.value.op == "aten._adaptive_avg_pool2d.default"
     assert "pooling" in str(info.value) and "LLM coder" in str(info.value)
+
+
+def test_each_operator_has_one_schedule():
+    """The registry sends every operator the lowering knows to exactly one schedule:
+    element-wise rules to pointwise (alias too: a pass-through), the other reshapes to
+    view, and an operator with no schedule nowhere (refused)."""
+    from services.generator.lowering import registry
+
+    seen: dict[str, str] = {}
+    for schedule, ops in registry.SCHEDULE_OPS.items():
+        for op in ops:
+            assert op not in seen, (op, seen.get(op), schedule)
+            seen[op] = schedule
+            assert registry.schedule_of(op) == schedule
+    for op in registry.RULES:
+        expected = "view" if op in registry.RESHAPES and op != "aten.alias.default" \
+            else "pointwise"
+        assert registry.schedule_of(op) == expected, op
+    assert registry.schedule_of("aten.sum.dim_IntList") == "row reduction"
+    assert registry.schedule_of("aten.addmm.default") == "matmul"
+    assert registry.schedule_of("aten.cumprod.default") == "scan"
+    assert registry.schedule_of("aten.max_pool2d_with_indices.default") == "pooling"
+    assert registry.schedule_of("aten.flip.default") == "flip"
+    assert registry.schedule_of("aten.full_like.default") == "pointwise"
+    assert registry.schedule_of("aten.permute.default") == "view"
+    assert registry.schedule_of("aten.convolution.default") is None
+    assert "convolution" in str(registry.refuse("aten.convolution.default"))
 
 
 def test_syntax_error_is_refused():

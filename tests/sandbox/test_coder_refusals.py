@@ -185,7 +185,7 @@ def get_init_inputs():
 
 
 def test_a_task_whose_own_model_fails_is_blamed_not_the_coder():
-    from services.generator.coders.builtin import LoweringError, lower_task
+    from services.generator.lowering import LoweringError, lower_task
 
     with pytest.raises(LoweringError) as caught:
         lower_task(BROKEN_TASK)

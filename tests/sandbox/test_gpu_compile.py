@@ -43,7 +43,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from services.generator.coders.builtin import LoweringError, lower_task
+from services.generator.lowering import LoweringError, lower_task
 
 CONSTEXPRS = {"BLOCK_SIZE": 1024, "BLOCK_R": 64, "BLOCK_I": 16, "BLOCK_M": 32, "BLOCK_N": 32,
               "BLOCK_K": 32}

@@ -22,7 +22,7 @@ from schemas import JOB_PHASES, VERIFY_PHASES, VERIFY_PHASES_BESIDE, VerifyReque
 from schemas.events import phase_label
 from services.common.bus import Bus
 from services.common.settings import Settings
-from services.generator.coders.builtin import lower_task
+from services.generator.lowering import lower_task
 from services.worker.verifier import Verifier
 from tests.conftest import RELU_TASK
 from tests.helpers import WRONG_RELU_KERNEL, services_running, wait_terminal

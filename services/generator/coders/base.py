@@ -165,9 +165,9 @@ def _llm_hint(error: str) -> str:
 def lowering_sandbox(name: str, *, require: tuple[str, ...] = (),
                      env_allow: tuple[str, ...] = ()) -> Sandbox:
     """A (not yet started) cpu :class:`Sandbox` with the built-in coder preloaded and
-    warmed up (:func:`services.generator.coders.builtin.warm_up`: one lowering of a
+    warmed up (:func:`services.generator.lowering.warm_up`: one lowering of a
     task of ours in the fork server, so a child's lowering takes ~0.25 s, not ~0.8 s)."""
     return Sandbox("cpu", name=name, require=require, env_allow=env_allow,
-                   preload=("services.generator.coders.builtin",
+                   preload=("services.generator.lowering",
                             "services.generator.coders.lowering_role",
-                            "services.generator.coders.builtin:warm_up"))
+                            "services.generator.lowering:warm_up"))

@@ -29,7 +29,7 @@ def run_lower(spec: ChildSpec, channel: Channel) -> None:
     """Role ``lower``, in the child: the built-in coder on the task at
     ``spec.task_path``; sends a Lowered frame, or raises a Failure at stage ``lower``
     whose message says why (the op it cannot lower, the task's own error)."""
-    from services.generator.coders.builtin import lower_task
+    from services.generator.lowering import lower_task
 
     channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
     with open(spec.task_path, encoding="utf-8") as f:

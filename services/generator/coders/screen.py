@@ -4,7 +4,7 @@ without running the task (no torch import, no sandbox, microseconds).
 The built-in coder lowers a task by running it in a sandboxed child and exporting its
 graph, which costs a fork server start (seconds) the first time. A task whose ``Model``
 builds a module or calls a function that lowers to an operator with no schedule
-(:mod:`services.generator.coders.builtin`) is declined here instead, with the same
+(:mod:`services.generator.lowering`) is declined here instead, with the same
 message the lowering would give: the operator, its family, and that the LLM coder can
 take it. Anything not listed goes to the lowering, which has the last word.
 """

@@ -1,0 +1,125 @@
+"""``ModelNew.__init__``: the task Model's parameters declared again, in the same order.
+
+Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms) are
+constructed again from their attributes; each direct ``nn.Parameter`` is created with
+the function (``torch.randn``, ``rand``, ``zeros``, ``ones`` or its fixed values) that,
+from the same seed, gives the Model's values. Sizes equal to an init argument are read
+from ``args``, so ModelNew built at another size follows. Anything else raises
+:class:`LoweringError` tagged ``parameters``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from services.generator.coders.errors import LoweringError
+from services.generator.lowering.task import Task
+
+
+class _Args:
+    """Renders a constructor argument as ``args[i]`` when it is ModelNew's i-th init
+    argument, so ModelNew built with other init arguments (another size) follows them."""
+
+    def __init__(self, init_inputs: list[Any]) -> None:
+        self.init_inputs = init_inputs
+
+    def __call__(self, value: Any) -> str:
+        for i, arg in enumerate(self.init_inputs):
+            if type(arg) is bool or type(value) is bool:
+                continue
+            if isinstance(value, int) and type(arg) is int and arg == value:
+                return f"args[{i}]"
+            if (isinstance(value, tuple | list) and isinstance(arg, tuple | list)
+                    and tuple(arg) == tuple(value)):
+                return f"tuple(args[{i}])"
+        if isinstance(value, tuple | list):
+            return "(" + "".join(f"{self(v)}, " for v in value) + ")"
+        return repr(value)
+
+
+# Known parameterised modules and how to construct them again from their attributes.
+def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
+    nn = torch.nn
+    if type(module) is nn.Linear:
+        return (f"nn.Linear({a(module.in_features)}, {a(module.out_features)}, "
+                f"bias={module.bias is not None})")
+    if type(module) in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d,
+                        nn.InstanceNorm2d, nn.InstanceNorm3d):
+        return (f"nn.{type(module).__name__}({a(module.num_features)}, eps={module.eps}, "
+                f"momentum={module.momentum}, affine={module.affine}, "
+                f"track_running_stats={module.track_running_stats})")
+    if type(module) is nn.LayerNorm:
+        return (f"nn.LayerNorm({a(tuple(module.normalized_shape))}, eps={module.eps}, "
+                f"elementwise_affine={module.elementwise_affine}, bias={module.bias is not None})")
+    if type(module) is nn.GroupNorm:
+        return (f"nn.GroupNorm({a(module.num_groups)}, {a(module.num_channels)}, "
+                f"eps={module.eps}, affine={module.affine})")
+    if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
+        return None  # nothing to declare (activations, dropout, pooling)
+    raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
+                        "with parameters the built-in coder cannot declare again; use the "
+                        "LLM coder")
+
+
+def init_lines(task: Task) -> list[str]:
+    """ModelNew.__init__ lines declaring the Model's parameters in the same order.
+
+    Each direct parameter is created as the task does, with ``torch.randn`` (the usual
+    KernelBench spelling), ``torch.rand``, ``torch.zeros``, ``torch.ones`` of its shape or
+    its fixed values; which one is checked by building both models from the same seed.
+    Sizes equal to an init argument are read from ``args``.
+    """
+    a = _Args(task.init_inputs)
+    lines: list[str] = []
+    for kind, name, value in task.registered:
+        if kind == "module":
+            ctor = _module_ctor(value, a)
+            if ctor is not None:
+                lines.append(f"self.{name} = {ctor}")
+        else:
+            lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
+    if not lines:
+        return lines
+    return _match_parameters(task, lines)
+
+
+def _match_parameters(task: Task, lines: list[str]) -> list[str]:
+    """Pick the creating function of each direct parameter so that seeded construction
+    gives the Model's values; refuse when none does."""
+    try:
+        torch.manual_seed(0)
+        reference = task.module.Model(*task.module.get_init_inputs())
+    except Exception as exc:  # noqa: BLE001 - the task does not build on CPU
+        raise LoweringError("parameters", f"building the task's Model on CPU raised "
+                            f"{type(exc).__name__}: {exc}") from exc
+    state = reference.state_dict()
+    expected = [t.detach() for t in state.values()]
+    choices = ["randn", "rand", "zeros", "ones", "literal"]
+    param_lines = [k for k, line in enumerate(lines) if "nn.Parameter(torch.randn" in line]
+    for combo in itertools.islice(itertools.product(choices, repeat=len(param_lines)), 256):
+        trial = list(lines)
+        for k, fn in zip(param_lines, combo, strict=True):
+            if fn == "literal":
+                # a parameter the task fills with fixed values, e.g. torch.tensor(constant)
+                name = trial[k].split("=")[0].strip().removeprefix("self.")
+                value = state.get(name)
+                if value is None or value.numel() > 64:
+                    break
+                trial[k] = (f"self.{name} = nn.Parameter(torch.tensor({value.tolist()!r}, "
+                            f"dtype={value.dtype}))")
+            else:
+                trial[k] = trial[k].replace("torch.randn(", f"torch.{fn}(")
+        holder = torch.nn.Module()
+        scope = {"torch": torch, "nn": torch.nn, "self": holder, "args": task.init_inputs}
+        torch.manual_seed(0)
+        exec("\n".join(trial), scope)
+        got = [t.detach() for t in holder.state_dict().values()]
+        if len(got) == len(expected) and all(
+                g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected, strict=True)):
+            return trial
+    raise LoweringError("parameters", "the task's Model initialises its parameters in a way "
+                        "the built-in coder cannot reproduce from the same seed; use the LLM "
+                        "coder")

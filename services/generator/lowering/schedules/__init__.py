@@ -1,0 +1,13 @@
+"""The schedules: one module per family of operators that the built-in coder writes
+kernels for. Each exposes ``lower(lw, node, op)``, called by the lowerer for a node of
+its family (:data:`services.generator.lowering.registry.SCHEDULE_OPS`); it reads and
+extends the lowerer's state (values, forward lines, kernels).
+
+- :mod:`.pointwise`: element-wise chains with broadcasting (``lower(lw, node)``: written
+  when a tensor must exist, not where the node stands);
+- :mod:`.reduction`: row reductions over ``(outer, R, inner)``;
+- :mod:`.matmul`: ``tl.dot`` tiles with bias and element-wise epilogues;
+- :mod:`.scan`: cumsum, cumprod;
+- :mod:`.flip`: a copy reading reversed indices;
+- :mod:`.pooling`: max/avg pooling, 1-D to 3-D.
+"""

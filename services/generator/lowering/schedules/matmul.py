@@ -1,0 +1,167 @@
+"""Schedule ``matmul``: mm, bmm, addmm, baddbmm as ``tl.dot`` tiles.
+
+BLOCK_M x BLOCK_N output tiles, ``tl.dot`` over BLOCK_K slices of K, float32
+accumulation; alpha, the bias (addmm/baddbmm) and an element-wise chain that reads only
+the product (activation, scaling, residual add, clamp) run in registers as the
+kernel's epilogue, so the product never goes through memory. The kernel is written when
+the product is first read (:func:`emit`), which is when the epilogue is known.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+
+from services.generator.lowering.emit import add_kernel, cast_out, computed, literal
+from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
+from services.generator.lowering.registry import CONSTANTS
+
+if TYPE_CHECKING:
+    from services.generator.lowering.lowerer import Lowerer
+
+
+def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
+    """Schedule ``matmul`` (mm, bmm, addmm, baddbmm): operands are materialized now;
+    the kernel is written when the product is first read (:func:`emit`), so
+    an element-wise chain consuming it can become its epilogue."""
+    raw = bind_args(node)
+    name = op.split(".")[1]
+    a = lw.materialize(raw["mat1" if name == "addmm" else ("self" if name in ("mm", "bmm") else "batch1")])
+    b = lw.materialize(raw["mat2" if name in ("addmm", "mm", "bmm") else "batch2"])
+    batched = name in ("bmm", "baddbmm")
+    if batched:
+        out_shape = f"({a}.shape[0], {a}.shape[1], {b}.shape[2])"
+    else:
+        out_shape = f"({a}.shape[0], {b}.shape[1])"
+    bias = lw.materialize(raw["self"]) if name in ("addmm", "baddbmm") else None
+    lw.pending[node] = PendingMatmul(op, a, b, bias, out_shape, batched,
+                                     float(raw.get("alpha", 1)), float(raw.get("beta", 1)))
+    lw.values[node] = Value("matmul")
+
+
+def epilogue_of(lw: Lowerer, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The pending matmul whose epilogue the element-wise chain ``node`` can be.
+
+    The chain qualifies when it has the product's shape (no broadcasting past it)
+    and when neither the product nor any intermediate value of the chain is read by
+    anything outside the chain: then fusing computes each value once, and the
+    product never goes through memory.
+    """
+    chain: set[torch.fx.Node] = set()
+    products: list[torch.fx.Node] = []
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in chain:
+            continue
+        kind = lw.values[n].kind
+        if kind == "matmul":
+            if n not in products:
+                products.append(n)
+            continue
+        if kind != "pointwise":
+            continue
+        chain.add(n)
+        if str(n.target) not in CONSTANTS:
+            stack.extend(n.all_input_nodes)
+    shape = [str(s) for s in meta_val(node).shape]
+    for product in products:
+        if [str(s) for s in meta_val(product).shape] != shape:
+            continue
+        inside = chain | {product}
+        if all(user in chain or (user not in lw.needed and user.op != "output")
+               for n in inside - {node} for user in n.users):
+            return product
+    return None
+
+
+def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None) -> None:
+    """Write and launch a pending matmul: BLOCK_M x BLOCK_N output tiles, tl.dot over
+    BLOCK_K slices of K, float32 accumulation, then in registers: alpha, the bias
+    (addmm/baddbmm) and the element-wise chain ``epilogue`` (activation, scaling,
+    residual add, clamp, ...), whose other operands are loaded as tiles broadcast
+    to the product's shape. With an epilogue, its value is stored, not the product.
+    """
+    pm = lw.pending.pop(node)
+    op, a, b, batched, out_shape = pm.op, pm.a, pm.b, pm.batched, pm.out_shape
+    root = epilogue if epilogue is not None else node
+    dtype = meta_val(root).dtype
+    out = lw.alloc(out_shape, dtype)
+    av, bv, cv = (f"{t}.unsqueeze(0)" if not batched else t for t in (a, b, out))
+    lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
+             "batch = tl.program_id(2).to(tl.int64)",
+             "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+             "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+             "for k0 in range(0, K, BLOCK_K):",
+             "    rk = k0 + tl.arange(0, BLOCK_K)",
+             "    a = tl.load(a_ptr + batch * sab + rm[:, None] * sam + rk[None, :] * sak,",
+             "                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)",
+             "    b = tl.load(b_ptr + batch * sbb + rk[:, None] * sbk + rn[None, :] * sbn,",
+             "                mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)",
+             f"    acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=\"{lw.p['precision']}\")",
+             "mask = (rm[:, None] < M) & (rn[None, :] < N)"]
+    params = ["a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "sab", "sam", "sak", "sbb", "sbk",
+              "sbn", "scb", "scm", "scn"]
+    launch = [a, b, out, f"{out}.shape[-2]", f"{out}.shape[-1]", f"{a}.shape[-1]",
+              f"*{av}.stride()", f"*{bv}.stride()", f"*{cv}.stride()"]
+    ops = [op]
+    if pm.alpha != 1.0:
+        lines.append(f"acc = acc * {literal(pm.alpha)}")
+    if pm.bias is not None:
+        bias_view = f"{pm.bias}.expand({out_shape})" + ("" if batched else ".unsqueeze(0)")
+        params += ["bias_ptr", "sxb", "sxm", "sxn"]
+        launch += [pm.bias, f"*{bias_view}.stride()"]
+        lines += ["bias = tl.load(bias_ptr + batch * sxb + rm[:, None] * sxm + rn[None, :] * sxn,",
+                  "               mask=mask, other=0.0).to(tl.float32)",
+                  f"acc = acc + bias * {literal(pm.beta)}" if pm.beta != 1.0 else "acc = acc + bias"]
+    result = "acc"
+    if epilogue is not None:
+        product_dtype = meta_val(node).dtype
+        if product_dtype == torch.float16:  # the chain reads the product as torch stores it
+            lines.append("acc = acc.to(tl.float16).to(tl.float32)")
+        elif product_dtype == torch.bfloat16:
+            lines.append("acc = _round_to_bf16(acc)")
+        leaves, _ = lw.leaves(epilogue, keep=node)
+        load: dict[torch.fx.Node, str] = {node: "acc"}
+        for k, leaf in enumerate(leaf for leaf in leaves
+                                 if leaf is not node and lw.used_by_value(epilogue, leaf)):
+            expr = lw.values[leaf].expr
+            params += [f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"]
+            launch += [expr, f"*_strides({expr}, {out_shape})" if batched
+                       else f"0, *_strides({expr}, {out_shape})"]
+            ld = (f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
+                  f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
+            lines.append(f"v_e{k} = {computed(leaf, ld)}")
+            load[leaf] = f"v_e{k}"
+        body: list[str] = []
+        result = lw.kernel_chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops,
+                                 params, launch)
+        lines += body
+        result = cast_out(result, dtype, "")
+    lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
+                 f"({result}).to(c_ptr.dtype.element_ty), mask=mask)")
+    kname = lw.fresh("matmul_kernel_")
+    what = "c[b, m, n] = sum_k a[b, m, k] * b[b, k, n]" + (" + bias" if pm.bias else "")
+    if epilogue is not None:
+        what = ("c = epilogue(sum_k a[b, m, k] * b[b, k, n]"
+                + (" + bias" if pm.bias else "") + f"), epilogue: {' -> '.join(dict.fromkeys(ops[1:]))}")
+    add_kernel(lw, kname, [*params, "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
+                           "BLOCK_K: tl.constexpr"],
+               f"Matmul: {op}: {what}.\n\nOperands are read through "
+               "their strides, so transposed views cost nothing; masks cover the "
+               "ragged M, N and K edges.", lines, ops)
+    bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
+    batch = f"{out}.shape[0]" if batched else "1"
+    lw.forward += [
+        f"if {out}.numel() > 0:",
+        f"    {kname}[(triton.cdiv({out}.shape[-2], {bm}), triton.cdiv({out}.shape[-1], {bn}), {batch})](",
+        f"        {', '.join(launch)},",
+        f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
+        f"num_stages={lw.p['num_stages']})",
+    ]
+    lw.values[root] = Value("tensor", out)
+    if epilogue is not None:
+        lw.values[node] = Value("fused")  # read only by the epilogue, now stored

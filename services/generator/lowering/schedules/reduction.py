@@ -1,0 +1,215 @@
+"""Schedule ``row reduction``: sum, mean, amax/amin, max/min (values and indices),
+argmax/argmin, prod, var/var_mean, any/all over any dims.
+
+The input is seen as ``(outer, R, inner)`` with the reduced dims in the middle (permuted
+there when they are not adjacent); one program per outer row and BLOCK_I inner columns
+loops over R in BLOCK_R chunks, with the element-wise chain producing the input fused
+into its loads. max/min give NaN when a column holds one, as torch does. The row views
+and tiles (:func:`rows`, :func:`row_loads`, :func:`row_tiles`) are shared with
+:mod:`.scan`.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx
+
+from services.generator.lowering.emit import add_kernel, cast_out, computed, prod, triton_next_pow2
+from services.generator.lowering.ir import Value, bind_args, meta_val
+
+if TYPE_CHECKING:
+    from services.generator.lowering.lowerer import Lowerer
+
+
+def row_loads(lw: Lowerer, src: torch.fx.Node, views: list[tuple[torch.fx.Node, str]]
+               ) -> tuple[list[str], list[str], list[str], str, list[str], list[str]]:
+    """Loads of the leaves ``views`` as ``[BLOCK_R, BLOCK_I]`` tiles of the
+    ``(outer, R, inner)`` layout, and the element-wise chain computing ``src`` from
+    them: kernel params, launch args, load lines, the chain's expression, its body
+    lines and the ATen ops it covers."""
+    load: dict[torch.fx.Node, str] = {}
+    params, launch, loads = [], [], []
+    for k, (leaf, var) in enumerate(views):
+        params += [f"in{k}_ptr", f"in{k}_so", f"in{k}_sr", f"in{k}_si"]
+        launch += [var, f"*{var}.stride()"]
+        ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
+              f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
+        loads.append(f"v_in{k} = {computed(leaf, ld)}")
+        load[leaf] = f"v_in{k}"
+    body: list[str] = []
+    ops: list[str] = []
+    x = lw.kernel_chain(src, load, "[BLOCK_R, BLOCK_I]", body, ops, params, launch)
+    return params, launch, loads, x, body, ops
+
+def rows(lw: Lowerer, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[str], list[tuple[torch.fx.Node, str]]]:
+    """Forward lines viewing each leaf of ``node`` as (outer, R, inner) with the reduced
+    ``dims`` in the middle; returns the (outer, R, inner) sizes variable and views."""
+    val = meta_val(node)
+    rank = len(val.shape)
+    dims = sorted({d % rank for d in dims}) if rank else []
+    shape = lw.shape_of(node)
+    contiguous = dims == list(range(dims[0], dims[-1] + 1)) if dims else True
+    if contiguous:
+        perm = None
+        a, b = (dims[0], dims[-1] + 1) if dims else (0, 0)
+        outer = prod([f"{shape}[{d}]" for d in range(a)])
+        red = prod([f"{shape}[{d}]" for d in range(a, b)])
+        inner = prod([f"{shape}[{d}]" for d in range(b, rank)])
+    else:
+        keep = [d for d in range(rank) if d not in dims]
+        perm = keep + dims
+        outer = prod([f"{shape}[{d}]" for d in keep])
+        red = prod([f"{shape}[{d}]" for d in dims])
+        inner = "1"
+    sizes = lw.fresh("rows")
+    lw.forward.append(f"{sizes} = ({outer}, {red}, {inner})")
+    leaves, _ = lw.leaves(node)
+    views = []
+    for leaf in leaves:
+        if not lw.used_by_value(node, leaf) and lw.values[node].kind != "tensor":
+            continue
+        expr = f"{lw.values[leaf].expr}.expand({shape})"
+        if perm:
+            expr += f".permute({perm})"
+        var = lw.fresh("rows_view")
+        lw.forward.append(f"{var} = {expr}.reshape({sizes})")
+        views.append((leaf, var))
+    return sizes, dims, views
+
+
+def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
+    """Schedule ``row reduction``: the input seen as (outer, R, inner); one program
+    per outer row and BLOCK_I inner columns loops over R in BLOCK_R chunks."""
+    raw = bind_args(node)
+    src = raw["self"]
+    sval = meta_val(src)
+    rank = len(sval.shape)
+    name = op.split(".")[1]
+    dims = raw.get("dim", None)
+    if dims is None or dims == []:
+        dims = list(range(rank))
+    elif isinstance(dims, int):
+        dims = [dims]
+    dims = list(dims)
+    keepdim = bool(raw.get("keepdim", False))
+    if rank == 0:
+        dims = []
+    sizes, dims, views = rows(lw, src, dims)
+    if lw.values[src].kind == "tensor" and not views:
+        views = []
+    out_vals = meta_val(node)
+    out_vals = list(out_vals) if isinstance(out_vals, tuple | list) else [out_vals]
+    src_shape = lw.shape_of(src)
+    kept = [(f"{src_shape}[{d}]" if d not in dims else "1") for d in range(rank)
+            if keepdim or d not in dims]
+    out_shape = "(" + "".join(f"{k}, " for k in kept) + ")"
+    outs = [lw.alloc(out_shape, v.dtype) for v in out_vals]
+    # leaves loaded as tiles [BLOCK_R, BLOCK_I]
+    params, launch, loads, x, body, ops = row_loads(lw, src, views)
+    if sval.dtype == torch.bool:
+        x = f"({x}).to(tl.float32)"
+    loop_head = ["for r0 in range(0, R, BLOCK_R):",
+                 "    r = r0 + tl.arange(0, BLOCK_R)",
+                 "    mask = (r[:, None] < R) & i_mask[None, :]"]
+    loop_body = [*loads, *body]
+    kind = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "max": "max",
+            "min": "min", "argmax": "argmax", "argmin": "argmin", "prod": "prod",
+            "var": "var", "var_mean": "var", "any": "max", "all": "min"}[name]
+    lines = ["o = tl.program_id(0).to(tl.int64)",
+             "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
+             "i_mask = i < INNER"]
+    ident = {"sum": "0.0", "prod": "1.0", "max": '-float("inf")', "min": 'float("inf")',
+             "argmax": '-float("inf")', "argmin": 'float("inf")', "var": "0.0"}[kind]
+    results: list[str] = []
+    if kind in ("sum", "prod", "max", "min"):
+        lines.append(f"acc = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)")
+        combine = {"sum": "acc + x", "prod": "acc * x",
+                   "max": "tl.where((x > acc) | (x != x), x, acc)",
+                   "min": "tl.where((x < acc) | (x != x), x, acc)"}[kind]
+        lines += loop_head + textwrap.indent("\n".join(
+            [*loop_body, f"x = tl.where(mask, {x}, {ident})", f"acc = {combine}"]),
+            "    ").split("\n")
+        reducer = {"sum": "tl.sum(acc, axis=0)", "prod": "tl.reduce(acc, 0, _mul_combine)",
+                   "max": "tl.max(acc, axis=0)", "min": "tl.min(acc, axis=0)"}[kind]
+        if kind in ("max", "min"):  # NaN anywhere in a column gives NaN, as torch
+            lines.append("has_nan = tl.max((acc != acc).to(tl.int32), axis=0)")
+            lines.append(f"res = tl.where(has_nan > 0, float('nan'), {reducer})")
+        else:
+            lines.append(f"res = {reducer}")
+        if name == "mean":
+            lines.append("res = res / R")
+        results.append("res")
+        if name in ("max", "min") and len(outs) == 2:
+            kind = "arg" + name  # values and indices: add the index pass below
+    if kind in ("argmax", "argmin"):
+        better = ">" if kind == "argmax" else "<"
+        lines += [f"best = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)",
+                  "best_r = tl.zeros([BLOCK_R, BLOCK_I], tl.int64)"]
+        lines += loop_head + textwrap.indent("\n".join(
+            [*loop_body, f"x = tl.where(mask, {x}, {ident})",
+             f"take = ((x {better} best) | ((x != x) & (best == best))) & mask",
+             "best = tl.where(take, x, best)",
+             "best_r = tl.where(take, r[:, None].to(tl.int64) + tl.zeros_like(best_r), best_r)"]),
+            "    ").split("\n")
+        pick = "tl.max" if kind == "argmax" else "tl.min"
+        lines += [f"top = {pick}(tl.where(best != best, {ident}, best), axis=0)",
+                  "col_nan = tl.max((best != best).to(tl.int32), axis=0) > 0",
+                  "is_top = tl.where(col_nan[None, :], best != best, best == top[None, :])",
+                  "idx = tl.min(tl.where(is_top, best_r, 2**62), axis=0)"]
+        if name in ("max", "min"):
+            results = ["res", "idx"]
+        else:
+            results = ["idx"]
+    if kind == "var":
+        correction = raw.get("correction")
+        if correction is None:
+            correction = 0 if raw.get("unbiased") is False else 1
+        lines.append("acc = tl.zeros([BLOCK_R, BLOCK_I], tl.float32)")
+        lines += loop_head + textwrap.indent("\n".join(
+            [*loop_body, f"acc = acc + tl.where(mask, {x}, 0.0)"]), "    ").split("\n")
+        lines.append("mean = tl.sum(acc, axis=0) / R")
+        lines.append("acc = tl.zeros([BLOCK_R, BLOCK_I], tl.float32)")
+        lines += loop_head + textwrap.indent("\n".join(
+            [*loop_body, f"d = tl.where(mask, {x} - mean[None, :], 0.0)",
+             "acc = acc + d * d"]), "    ").split("\n")
+        lines.append(f"var = tl.sum(acc, axis=0) / tl.maximum(R - {float(correction)}, 0.0)")
+        results = ["var", "mean"] if name == "var_mean" else ["var"]
+    stores = []
+    for k, (res, v) in enumerate(zip(results, out_vals, strict=True)):
+        stores.append(f"tl.store(out{k}_ptr + o * INNER + i, "
+                      f"({cast_out(res, v.dtype, '')}).to(out{k}_ptr.dtype.element_ty), mask=i_mask)")
+    lines += stores
+    kname = lw.fresh("reduce_kernel_")
+    kparams = [*params, *(f"out{k}_ptr" for k in range(len(outs))), "R", "INNER",
+               "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr"]
+    doc = (f"Row reduction: {' -> '.join(dict.fromkeys([*ops, op]))}.\n\n"
+           "Input k is read as [outer, R, inner] through strides in{k}_so/sr/si; "
+           "out[o, i] reduces over r.")
+    add_kernel(lw, kname, kparams, doc, lines, [*ops, op])
+    block_r, block_i = row_tiles(lw, src, dims)
+    lw.forward += [
+        f"if {sizes}[0] * {sizes}[2] > 0:",
+        f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
+        f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
+        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={lw.p['num_warps']}, "
+        f"num_stages={lw.p['num_stages']})",
+    ]
+    if len(outs) == 1 and not isinstance(meta_val(node), tuple | list):
+        lw.values[node] = Value("tensor", outs[0])
+    else:
+        lw.values[node] = Value("tuple", items=[Value("tensor", o) for o in outs])
+
+
+def row_tiles(lw: Lowerer, src: torch.fx.Node, dims: list[int]) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_I) from block_size: all of it along R for last-dim rows."""
+    shape = [int(s) if not isinstance(s, torch.SymInt) else int(s.node.hint or 64)
+             for s in meta_val(src).shape]
+    inner = math.prod(shape[dims[-1] + 1:]) if dims and dims == list(
+        range(dims[0], dims[-1] + 1)) else 1
+    block = lw.p["block_size"]
+    block_i = 1 if inner == 1 else min(32, triton_next_pow2(inner), block)
+    return max(1, block // block_i), block_i
