@@ -251,13 +251,9 @@ class ModelNew(nn.Module):
         return out
 '''
 
-# Host code that goes for the counter: the interpreter's memory entry points and the
-# builder's dot, replaced by ones that count nothing, before and after its launch.
-RELU_FAKING_COUNTS = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
+# Host code that goes for the counter: the interpreter's memory entry points put back
+# and the running count zeroed, when the model is built and around its launch.
+BLIND = '''
 import triton.runtime.interpreter as interpreter
 
 
@@ -267,30 +263,14 @@ def _blind():
     counted = getattr(interpreter._interpreter, "count", None)
     if counted is not None:
         counted.loaded = counted.stored = 0
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    a = tl.load(x_ptr + offs, mask=m)
-    b = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(a, b * 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def __init__(self):
-        super().__init__()
-        _blind()
-
-    def forward(self, x):
-        _blind()
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        relu_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-        _blind()
-        return out
 '''
+RELU_FAKING_COUNTS = (RELU_TWICE.replace("\n\n@triton.jit", BLIND + "\n\n@triton.jit", 1)
+                      .replace("class ModelNew(nn.Module):\n", "class ModelNew(nn.Module):\n"
+                               "    def __init__(self):\n        super().__init__()\n"
+                               "        _blind()\n\n", 1)
+                      .replace("        x = x.contiguous()\n", "        _blind()\n"
+                               "        x = x.contiguous()\n", 1)
+                      .replace("        return out\n", "        _blind()\n        return out\n", 1))
 
 
 async def test_a_kernel_reading_its_input_twice_shows_ratio_two(shared_verifier) -> None:

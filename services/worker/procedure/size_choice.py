@@ -189,14 +189,27 @@ class SizeChoice:
         return None
 
     async def _second(self, key: str, overrides: dict[str, Any]) -> CheckedSize | None:
+        size, _ = await self._task_sizes(key, overrides)
+        return size
+
+    async def _task_sizes(self, key: str, overrides: dict[str, Any], *,
+                          limit: int | None = None, shown: dict[str, Any] | None = None,
+                          note: str = "") -> tuple[CheckedSize | None, bool]:
+        """:meth:`_reference_size`, with the task's own failure at these sizes noted
+        (after ``note``, naming ``shown`` or ``overrides``) instead of raised: the sizes
+        (None when refused or failed) and whether the task's Model failed.
+
+        Raises:
+            ChildFailed: the reference child itself failed (not the task at these sizes).
+        """
         try:
-            return await self._reference_size(key, overrides)
+            return await self._reference_size(key, overrides, limit), False
         except ChildFailed as exc:
             if exc.who != "reference" or self.ref.failure is not None:
                 raise
-            self.notes.append(f"the task's Model fails at {size_rules.text(overrides)}: "
-                              f"{exc.message}")
-            return None
+            named = size_rules.text(overrides if shown is None else shown)
+            self.notes.append(f"{note}the task's Model fails at {named}: {exc.message}")
+            return None, True
 
     async def _reference_size(self, key: str, overrides: dict[str, Any],
                               limit: int | None = None) -> CheckedSize | None:
@@ -230,13 +243,10 @@ class SizeChoice:
                                   "to vary")
                 return None
             overrides = {**main.overrides, **awkward}
-            try:
-                size = await self._reference_size("generic", overrides, limit=budget)
-            except ChildFailed as exc:
-                if exc.who != "reference" or self.ref.failure is not None:
-                    raise
-                self.notes.append(f"shape generality not checked: the task's Model fails at "
-                                  f"{size_rules.text(awkward)}: {exc.message}")
+            size, failed = await self._task_sizes("generic", overrides, limit=budget,
+                                                  shown=awkward,
+                                                  note="shape generality not checked: ")
+            if failed:
                 return None
             if size is not None:
                 self.shape_generic_sizes = awkward
