@@ -16,7 +16,7 @@ Fitness: correctness first, then speedup. On the ``cpu`` backend timings are not
 meaningful (Triton's interpreter), so candidates rank by correctness, then by the
 modeled time of their counted traffic (``modeled_time``: the verdict's
 ``traffic.modeled_time_us``, a model of the request's GPU, lower is better; see
-``services/worker/traffic.py``); among equally fit parents the least-used one is bred
+docs/verification.md, "Counted traffic"); among equally fit parents the least-used one is bred
 first, then a migrant, which spreads the search over islands and lineages instead of
 always re-breeding the oldest candidate.
 """
