@@ -65,6 +65,7 @@ class Reduction:
     correction: float = 0.0
     level: int = 0
     online_of: torch.fx.Node | None = None
+    shift: torch.fx.Node | None = None  # the c of an online sum(exp(y - c))
 
 
 @dataclass
@@ -120,7 +121,7 @@ def _dims(node: torch.fx.Node, rank: int) -> list[int]:
 def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     """The fused group starting at reduction ``node``, or None when there is nothing
     to fuse (then :mod:`.reduction` lowers it alone)."""
-    from services.generator.lowering.registry import POINTWISE_OPS, TL_DTYPES
+    from services.generator.lowering.registry import CONSTANTS, POINTWISE_OPS, TL_DTYPES
 
     first = _reduction(node)
     if first is None or not lw.p.get("row_fusion", 1):
@@ -147,6 +148,9 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
         if m.op != "call_function" or m not in lw.needed:
             continue
         ins = m.all_input_nodes
+        for a in ins:  # a constant (scalar_tensor) not reached yet: computed in place
+            if a not in lw.values and str(a.target) in CONSTANTS and not a.all_input_nodes:
+                lw.values[a] = Value("pointwise")
         if not any(a in g.level for a in ins) or not all(
                 a in g.level or a in lw.values for a in ins):
             continue
@@ -176,7 +180,8 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
                 g.level[m] = "full"
         elif key in (keep, squeezed) and all(
                 (a in g.level and g.level[a] == "reduced" and _key(meta_val(a)) == key)
-                or (a not in g.level and lw.values[a].kind in ("sym", "const")) for a in ins):
+                or (a not in g.level and (lw.values[a].kind in ("sym", "const")
+                                          or str(a.target) in CONSTANTS)) for a in ins):
             g.nodes.append(m)
             g.level[m] = "reduced"
     if len(g.nodes) == 1:
@@ -209,18 +214,38 @@ def _red_deps(g: Group, n: torch.fx.Node, seen: dict) -> set[torch.fx.Node]:
 
 
 def _online_max(g: Group, red: Reduction) -> torch.fx.Node | None:
-    """For ``sum(exp(y - m))`` with ``m = amax(y)`` in the group: that amax."""
+    """For ``sum(exp(y - c))`` with ``c`` the group's ``m = amax(y)`` or an element-wise
+    value of it alone: that amax (the sum is ``sum(exp(y - m)) * exp(m - c)``)."""
+    from services.generator.lowering.registry import POINTWISE_OPS
+
     e = red.src
     if red.name != "sum" or str(e.target) != "aten.exp.default":
         return None
     sub = e.all_input_nodes[0]
     if str(sub.target) != "aten.sub.Tensor" or bind_args(sub).get("alpha", 1) != 1:
         return None
-    y, m = sub.args[0], sub.args[1]
-    if m in g.reds and g.reds[m].name == "amax" and g.reds[m].src is y \
-            and g.level.get(y) != "reduced" and m not in _deps_of(g, y):
+    y, c = sub.args[0], sub.args[1]
+    deps = _deps_of(g, c)
+    if len(deps) != 1 or g.level.get(c) != "reduced":
+        return None
+    (m,) = deps  # c is the amax or a value of it alone (logsumexp's finite max)
+    if g.reds[m].name == "amax" and g.reds[m].src is y and m not in _deps_of(g, y) \
+            and all(str(n.target) in POINTWISE_OPS or n is m for n in _between(g, c, m)):
+        red.shift = c
         return m
     return None
+
+
+def _between(g: Group, c: torch.fx.Node, m: torch.fx.Node) -> list[torch.fx.Node]:
+    """Group nodes from ``c`` back to ``m``."""
+    out, stack = [], [c]
+    while stack:
+        n = stack.pop()
+        if n in g.level and n not in out:
+            out.append(n)
+            if n is not m:
+                stack.extend(n.all_input_nodes)
+    return out
 
 
 def _deps_of(g: Group, n: object) -> set[torch.fx.Node]:
@@ -422,6 +447,12 @@ def _loops(k: _Kernel, online: bool) -> list[str]:
                 pv = f"red_{partner.node.name}"
                 fin.append(f"{pv} = tl.sum(tl.where({a} == -float('inf'), 0.0, "
                            f"{s} * tl.exp({a} - {var})), axis=0)[None, :]")
+                _bind(k, red, var)
+                done.add(red.node)
+                if partner.shift is not None and partner.shift is not red.node:
+                    k.reduced_nodes(done, top, fin)
+                    cv = k.chain(partner.shift, _ROW, top, fin)
+                    fin.append(f"{pv} = tl.where({var} == {cv}, {pv}, {pv} * tl.exp({var} - {cv}))")
                 _bind(k, partner, pv)
                 done.add(partner.node)
         loop_body = k.loads("\n".join(body)) + body
