@@ -18,9 +18,15 @@ For every problem ``DIR/level<N>/<id>_<name>.py`` of a KernelBench checkout
    ``cpu`` backend (or ``--backend cuda``): correctness over ``--trials`` seeds, the op
    audit, the ghost replay and a second input size, as a worker does.
 
-Prints a table of families (pass / total), the refused operators by count and the
-total; ``--json`` prints one JSON object per problem instead (``problem``, ``family``,
-``status``: ``passed`` / ``refused`` / ``failed``, ``op``, ``error``, ``seconds``).
+Prints a table of families (pass / total, and the medians of the passing problems'
+``traffic_ratio`` and ``modeled_speedup``), the refused operators by count, every
+passing problem's ``traffic_ratio`` and ``modeled_speedup`` (from the verdict's counted
+traffic, ``VerifyResult.traffic``: bytes moved over the minimal bytes, and the modeled
+eager time over the candidate's; cpu backend only) and the total with the overall
+medians; ``--json`` prints one JSON object per problem instead (``problem``,
+``family``, ``status``: ``passed`` / ``refused`` / ``failed``, ``op``, ``error``,
+``seconds``, ``traffic_ratio``, ``modeled_speedup``), then one ``{"medians": ...}``
+object (per family and ``overall``).
 Nothing of the checkout is copied anywhere but the verifier's scratch directories.
 """
 
@@ -32,6 +38,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import sys
 import time
 import types
@@ -59,6 +66,8 @@ class Row:
     error: str = ""
     seconds: float = 0.0
     sizes: str = ""
+    traffic_ratio: float | None = None
+    modeled_speedup: float | None = None
 
 
 def family(level: int, name: str) -> str:
@@ -242,6 +251,9 @@ async def run(args: argparse.Namespace) -> list[Row]:
                 result = await verifier.verify(request, device="0")
                 if result.passed:
                     row.status = "passed"
+                    if result.traffic is not None:
+                        row.traffic_ratio = result.traffic.traffic_ratio
+                        row.modeled_speedup = result.traffic.modeled_speedup
                 else:
                     row.error = f"{result.stage}: {result.error}"[:500]
             row.seconds = round(time.monotonic() - started, 1)
@@ -256,15 +268,46 @@ async def run(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 4) if present else None
+
+
+def medians(rows: list[Row]) -> dict[str, dict[str, float | None]]:
+    """Median ``traffic_ratio`` and ``modeled_speedup`` of the passing problems, per
+    family and ``overall`` (None where no passing problem has counted traffic)."""
+    passed = [row for row in rows if row.status == "passed"]
+    groups = {fam: [r for r in passed if r.family == fam]
+              for fam in sorted({r.family for r in passed})}
+    groups["overall"] = passed
+    return {name: {"traffic_ratio": _median([r.traffic_ratio for r in group]),
+                   "modeled_speedup": _median([r.modeled_speedup for r in group])}
+            for name, group in groups.items()}
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def table(rows: list[Row]) -> str:
-    """Families (pass / total), refused operators by count, and the total, as text."""
+    """Families (pass / total, median traffic ratio and modeled speedup), refused
+    operators by count, each passing problem's traffic, and the total, as text."""
     fams: dict[str, list[int]] = {}
     for row in rows:
         counts = fams.setdefault(row.family, [0, 0])
         counts[0] += row.status == "passed"
         counts[1] += 1
-    lines = [f"{'family':28} pass / total"]
-    lines += [f"{fam:28} {p:4} / {t}" for fam, (p, t) in sorted(fams.items())]
+    med = medians(rows)
+    none = {"traffic_ratio": None, "modeled_speedup": None}
+    lines = [f"{'family':28} pass / total  median traffic_ratio  median modeled_speedup"]
+    lines += [f"{fam:28} {p:4} / {t:<5} {_num(med.get(fam, none)['traffic_ratio']):>20}  "
+              f"{_num(med.get(fam, none)['modeled_speedup']):>22}"
+              for fam, (p, t) in sorted(fams.items())]
+    passing = [row for row in rows if row.status == "passed"]
+    if passing:
+        lines += ["", f"{'passed':48} traffic_ratio  modeled_speedup"]
+        lines += [f"  {row.problem[:46]:46} {_num(row.traffic_ratio):>13}  "
+                  f"{_num(row.modeled_speedup):>15}" for row in passing]
     refused = Counter(row.op for row in rows if row.status == "refused")
     if refused:
         lines += ["", "refused operators (count):"]
@@ -274,7 +317,10 @@ def table(rows: list[Row]) -> str:
         lines += ["", "lowered but failed verification:"]
         lines += [f"  {row.problem}: {row.error[:150]}" for row in failed]
     passed = sum(row.status == "passed" for row in rows)
-    lines += ["", f"total: {passed} / {len(rows)} passed"]
+    overall = med["overall"]
+    lines += ["", f"total: {passed} / {len(rows)} passed; median traffic_ratio "
+              f"{_num(overall['traffic_ratio'])}, median modeled_speedup "
+              f"{_num(overall['modeled_speedup'])}"]
     return "\n".join(lines)
 
 
@@ -296,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for row in rows:
             print(json.dumps(asdict(row)))
+        print(json.dumps({"medians": medians(rows)}))
     else:
         print(table(rows))
     return 0

@@ -107,7 +107,12 @@ def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
 # block_size is a pointwise kernel's BLOCK_SIZE and a reduction/scan tile's
 # BLOCK_R * BLOCK_I; block_m/n/k are the matmul tiles (16 is tl.dot's smallest on
 # NVIDIA GPUs; 128 the largest of Triton's matmul tutorial configs). num_warps 1..16 and
-# num_stages 1..4 cover what Triton's own autotuning configs use.
+# num_stages 1..4 cover what Triton's own autotuning configs use. The schedule's fusion
+# choices are in the space too: row_fusion (1: a row reduction and the reductions and
+# element-wise nodes on its rows in one kernel; 0: a kernel per reduction) and online
+# (1: softmax's max and sum, and variance, in one loop over rows longer than a tile;
+# 0: a loop per reduction), so evolve compares them by modeled time. With block_size
+# they decide the passes over the input: a row that fits block_size is read once.
 SEARCH_SPACE: dict[str, list[int]] = {
     "block_size": [128, 256, 512, 1024, 2048, 4096],
     "num_warps": [1, 2, 4, 8, 16],
@@ -115,9 +120,12 @@ SEARCH_SPACE: dict[str, list[int]] = {
     "block_m": [16, 32, 64, 128],
     "block_n": [16, 32, 64, 128],
     "block_k": [16, 32, 64],
+    "row_fusion": [0, 1],
+    "online": [0, 1],
 }
 DEFAULT_PARAMS: dict[str, int] = {"block_size": 1024, "num_warps": 4, "num_stages": 1,
-                                  "block_m": 32, "block_n": 32, "block_k": 32}
+                                  "block_m": 32, "block_n": 32, "block_k": 32,
+                                  "row_fusion": 1, "online": 1}
 
 
 def _key(params: dict[str, int]) -> tuple[int | None, ...]:
@@ -140,7 +148,8 @@ def retune(code: str, params: dict[str, int]) -> str | None:
 
 
 class BuiltinMutator:
-    """Evolve without an LLM: a search over the built-in coder's launch parameters.
+    """Evolve without an LLM: a search over the built-in coder's launch parameters and
+    fusion choices.
 
     Seeds are random points of :data:`SEARCH_SPACE`; a child changes one or two of its
     parent's parameters to a neighbouring value, skipping points already tried.

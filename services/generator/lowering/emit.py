@@ -94,6 +94,17 @@ def _round_to_bf16(x):
 def _mul_combine(a, b):
     return a * b
 ''',
+    # tl.reduce combine of Welford partials (mean, M2, count): Chan et al.'s pairwise
+    # formula ("Updating formulae and a pairwise algorithm for computing sample
+    # variances", 1979); an empty partial (count 0) leaves the other as it is.
+    "_welford_combine": '''
+@triton.jit
+def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    n = n_a + n_b
+    w = tl.where(n == 0.0, 0.0, n_b / tl.maximum(n, 1.0))
+    delta = mean_b - mean_a
+    return mean_a + delta * w, m2_a + m2_b + delta * delta * n_a * w, n
+''',
     "_trunc": '''
 @triton.jit
 def _trunc(x):

@@ -23,6 +23,8 @@ def lower_task(
     block_m: int = 32,
     block_n: int = 32,
     block_k: int = 32,
+    row_fusion: int = 1,
+    online: int = 1,
     progress: Any = None,
 ) -> str:
     """Return candidate source (a Python module defining ``class ModelNew``) for a task.
@@ -54,6 +56,12 @@ def lower_task(
         num_stages: ``num_stages`` of every launch; at least 1.
         block_m, block_n, block_k: matmul tile sizes; powers of two, at least 16
             (``tl.dot``'s smallest tile on NVIDIA GPUs).
+        row_fusion: 1: a row reduction is fused with the reductions and element-wise
+            nodes on the same rows into one kernel (softmax, layer norm: one read of
+            the input when a row fits ``block_size``); 0: one kernel per reduction.
+        online: 1: in a fused kernel whose rows do not fit one tile, softmax's max and
+            sum share one loop (online softmax) and variance is Welford's (one loop);
+            0: one loop per reduction (variance: two).
         progress: called with a phase (``the task's get_inputs()``, ``the task's
             Model.forward ...``) as each call into the task's code starts, for a caller
             that must name what hangs.
@@ -75,12 +83,15 @@ def lower_task(
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
+    for name, value in (("row_fusion", row_fusion), ("online", online)):
+        if value not in (0, 1):
+            raise ValueError(f"{name} must be 0 or 1, not {value}")
     task = load_task(task_desc, shape_overrides, progress)
     if progress is not None:
         progress("the task's Model.forward (traced by torch.export)")
     params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
-              "precision": "ieee"}
+              "row_fusion": row_fusion, "online": online, "precision": "ieee"}
     scalars = scalar_tensors(task)
     if scalars is not None:
         try:

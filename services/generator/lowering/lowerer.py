@@ -285,8 +285,8 @@ class Lowerer:
         for node in graph.nodes:
             if node.op == "placeholder":
                 self.placeholder(node, kinds[node.name], user_pos)
-            elif node.op == "output" or node not in needed:
-                continue
+            elif node.op == "output" or node not in needed or node in self.values:
+                continue  # (a node in values was lowered with an earlier one: fused)
             elif node.op == "call_function":
                 self.call(node)
             else:

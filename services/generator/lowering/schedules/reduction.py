@@ -20,6 +20,7 @@ import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, computed, prod, triton_next_pow2
 from services.generator.lowering.ir import Value, bind_args, meta_val
+from services.generator.lowering.schedules import fused_rows
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -84,6 +85,8 @@ def rows(lw: Lowerer, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[s
 def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     """Schedule ``row reduction``: the input seen as (outer, R, inner); one program
     per outer row and BLOCK_I inner columns loops over R in BLOCK_R chunks."""
+    if fused_rows.try_lower(lw, node):  # with the nodes on the same rows, one kernel
+        return
     raw = bind_args(node)
     src = raw["self"]
     sval = meta_val(src)
