@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -70,11 +71,13 @@ def verdicts_table(names: list[str], verdicts: list[dict | None]) -> Table:
     kernel whose verdict it reuses, duration, speedup ("-" without one, e.g. on cpu,
     where Triton is interpreted)."""
     table = Table(title="verdicts", title_justify="left")
-    for column in ("#", "kernel", "passed", "stage"):
-        table.add_column(column, overflow="fold")
-    table.add_column("error", no_wrap=True, overflow="ellipsis", ratio=1)
-    for column in ("same as", "duration"):
-        table.add_column(column, overflow="fold")
+    table.add_column("#")
+    table.add_column("kernel", no_wrap=True)
+    table.add_column("passed")
+    table.add_column("stage")
+    table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=60)
+    table.add_column("same as", no_wrap=True)
+    table.add_column("duration")
     table.add_column("speedup", justify="right")
     for i, (name, v) in enumerate(zip(names, verdicts, strict=True)):
         if v is None:
@@ -161,7 +164,10 @@ def report(names: list[str], verdicts: list[dict | None], as_json: bool) -> Exit
         rows = [{"kernel": name, "verdict": v} for name, v in zip(names, verdicts, strict=True)]
         out.print(json.dumps(rows), markup=False, soft_wrap=True, highlight=False)
     else:
-        out.print(verdicts_table(names, verdicts))
+        shown = [Path(name).name for name in names]
+        if len(set(shown)) < len(shown):  # file names alike: show the paths given
+            shown = names
+        out.print(verdicts_table(shown, verdicts))
         passed = sum(bool(v and v.get("passed")) for v in verdicts)
         out.print(f"{passed} of {len(names)} kernels passed", markup=False)
     return ExitCode.OK if all(v and v.get("passed") for v in verdicts) else ExitCode.FAILED
