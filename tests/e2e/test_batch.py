@@ -20,7 +20,7 @@ from schemas import VerifyResult, decode, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
 from services.sdk import RemoteWorker
-from services.sdk.client import AsyncAIKGClient
+from services.sdk.client import AIKGClient, AsyncAIKGClient
 from tests.conftest import as_role
 from tests.helpers import (
     RELU_KERNEL,
@@ -152,12 +152,23 @@ async def test_cancel_mid_batch_stops_what_has_not_started_and_the_cli_shows_pro
     assert " good.py " in same_row, out  # its verdict is good.py's
 
 
-async def test_remote_worker_verify_many_sends_identical_candidates_once(
-        settings: Settings, bus: Bus) -> None:
+async def test_sdk_batch_calls_and_remote_worker_verify_many_send_identical_candidates_once(
+        settings: Settings, bus: Bus, gateway: str) -> None:
     codes = [RELU_KERNEL, WRONG_RELU_KERNEL, RELU_KERNEL + "\n# the same\n"]
     landed: list[int] = []
+    seen: list[dict] = []
     generator = as_role(settings, "generator")  # RemoteWorker acts with its rights
     async with services_running(settings, bus, generator=False):
+        # Through the gateway: the blocking client's wait, the async client's iterator.
+        def blocking() -> list:
+            with AIKGClient(gateway) as client:
+                return client.verify_batch("relu", RELU_TASK, codes, trials=1,
+                                           batch_id="sync-batch", on_verdict=seen.append,
+                                           timeout=scaled(300))
+        by_client = await asyncio.to_thread(blocking)
+        async with AsyncAIKGClient(gateway) as client:
+            streamed = [v async for v in client.verify_batch_stream(
+                "relu", RELU_TASK, codes[::-1], trials=1, batch_id="async-batch")]
         worker = RemoteWorker(settings.nats_url, backend="cpu", settings=generator)
         try:
             verdicts = await worker.verify_many(RELU_TASK, codes, "relu", trials=1,
@@ -165,6 +176,12 @@ async def test_remote_worker_verify_many_sends_identical_candidates_once(
                                                 on_verdict=lambda i, _: landed.append(i))
         finally:
             await worker.close()
+    assert [v["passed"] for v in by_client] == [True, False, True]
+    assert [v["index"] for v in by_client] == [0, 1, 2] and by_client[2]["duplicate_of"] == 0
+    assert sorted(v["index"] for v in seen) == [0, 1, 2]
+    assert sorted((v["index"], v["passed"]) for v in streamed) == [
+        (0, True), (1, False), (2, True)]
+    assert len(await results_of(bus, "async-batch")) == 2
     assert [v.passed for v in verdicts] == [True, False, True]
     assert verdicts[2] is verdicts[0] and verdicts[1].stage == "mismatch"
     assert sorted(landed) == [0, 1, 2]
