@@ -13,7 +13,8 @@ flags override them; ``up`` and ``demo`` run the local stack of
 code  meaning
 ====  =====================================================================
 0     the job completed and its kernel passed verification (``submit
-      --wait``, ``status``, ``events``, ``run``); ``list``, ``workers``
+      --wait``, ``status``, ``events``, ``run``; ``verify``: every kernel
+      passed); ``list``, ``workers``
       and ``cancel`` did what was asked (``cancel`` of a job that had
       already ended included: it prints how it ended)
 1     the job failed or was cancelled, or its kernel did not pass; ``run``:

@@ -490,7 +490,10 @@ async def submit_batch(
                 c.verify_seq = seqs.get(c.request_id, 0) if c.duplicate_of is None else 0
             return True
 
-        await batches.update(batch_id, record_seqs)
+        stored = await batches.update(batch_id, record_seqs)
+        if stored is not None and stored.status == "cancelled":
+            # Cancelled while its requests went out: the cancel saw no sequences yet.
+            await _cancel_unstarted(bus, batches, stored)
         await held.commit_batch(unique)
         _start_follower(state, bus, batch_id)
         label = tenant_label(tenant.name)
@@ -561,17 +564,23 @@ async def batch_cancel(batch_id: FromPath[str], bus: NamedDependency[Bus],
 
     record = await batches.update(batch_id, cancel) or record
     if record.status == "cancelled":
-        taken = await _take_back(bus, record)
-
-        def mark(r: BatchRecord) -> bool:
-            hit = [c for c in r.candidates if c.request_id in taken]
-            for c in hit:
-                c.cancelled = True
-            return bool(hit)
-
-        record = await batches.update(batch_id, mark) or record
-        log.info("batch_cancelled", batch_id=batch_id, taken_back=len(taken))
+        await _cancel_unstarted(bus, batches, record)
     return _load(await fold(bus, batches, batch_id), batch_id, viewer)
+
+
+async def _cancel_unstarted(bus: Bus, batches: BatchStore, record: BatchRecord) -> None:
+    """Take back the cancelled batch's requests no worker was given
+    (:func:`_take_back`) and mark their candidates (duplicates included) ``cancelled``."""
+    taken = await _take_back(bus, record)
+
+    def mark(r: BatchRecord) -> bool:
+        hit = [c for c in r.candidates if c.request_id in taken and not c.cancelled]
+        for c in hit:
+            c.cancelled = True
+        return bool(hit)
+
+    await batches.update(record.batch_id, mark)
+    log.info("batch_cancelled", batch_id=record.batch_id, taken_back=len(taken))
 
 
 def _verdict_message(verdict: BatchVerdict, number: int) -> ServerSentEventMessage:
