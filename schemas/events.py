@@ -523,6 +523,134 @@ class JobRecord(Struct, kw_only=True):
     schema_version: int = SCHEMA_VERSION
 
 
+BatchStatus = Literal["running", "completed", "cancelled"]
+# Largest candidate list one batch may carry, whatever the gateway's setting
+# (``batch_max_candidates``): the schema's own bound, so the OpenAPI document states
+# one; a batch is also bounded by the gateway's 2 MiB request body.
+BATCH_MAX_CANDIDATES = 4096
+# A batch id leaves room for the ``-r<index>`` / ``-c<index>`` of its request and
+# candidate ids within a subject token's 64 characters.
+BatchId = Annotated[str, Meta(pattern=_TOKEN_PATTERN, min_length=1, max_length=56,
+                              description="Client-chosen or generated batch id; also the "
+                              "job_id of the batch's verify requests")]
+
+
+class BatchSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Body of ``POST /api/v1/verify/batch``: one task and the candidates to verify
+    against it (each a module defining ``class ModelNew``).
+
+    The task fields mean what they mean in :class:`JobSubmit`; ``trials`` and
+    ``timeout_s`` (seconds) apply to each verification. ``batch_id``: client-chosen
+    (else a fresh one); it is the ``job_id`` of the batch's verify requests, so their
+    verdicts go on ``results.<batch_id>``.
+    """
+
+    op_name: OpName
+    task_desc: Source
+    candidates: Annotated[list[Source], Meta(min_length=1, max_length=BATCH_MAX_CANDIDATES)]
+    backend: Backend = "cpu"
+    arch: Token | None = None
+    dsl: Dsl = "triton"
+    framework: Framework = "torch"
+    shape_overrides: ShapeOverrides = field(default_factory=dict)
+    timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
+    trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    priority: Priority = "normal"
+    batch_id: BatchId | None = None
+    type: Literal["batch.submit"] = "batch.submit"
+    schema_version: int = SCHEMA_VERSION
+
+
+class BatchTask(Struct, kw_only=True):
+    """The task of a batch as kept in its record: :class:`BatchSubmit` without the
+    candidates' code (each is in its verify request)."""
+
+    op_name: str
+    task_desc: str
+    backend: str
+    arch: str
+    dsl: str = "triton"
+    framework: str = "torch"
+    shape_overrides: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 300.0
+    trials: int = 3
+    priority: Priority = "normal"
+
+
+class BatchCandidate(Struct, kw_only=True):
+    """One candidate of a batch: its place in the submitted list (``index``, from 0),
+    ``candidate_id`` (``<batch_id>-c<index>``), ``code_hash`` (sha256 of its
+    normalised AST) and the verify request that decides it: its own, or, for a
+    candidate identical to an earlier one, that one's (``duplicate_of`` names the
+    earlier index; no request of its own is sent). ``verify_seq``: the VERIFY stream
+    sequence of the request (0 for a duplicate, or before it was published).
+    ``cancelled``: the batch was cancelled before its request was delivered to a
+    worker, and the request was taken back: it gets no verdict."""
+
+    index: int
+    candidate_id: str
+    request_id: str
+    code_hash: str
+    duplicate_of: int | None = None
+    verify_seq: int = 0
+    cancelled: bool = False
+
+
+class BatchVerdict(Struct, kw_only=True):
+    """A candidate's verdict as kept in its batch record and streamed: a summary of
+    the :class:`VerifyResult` of its request (the whole result stays on
+    ``results.<batch_id>`` in the RESULTS stream). ``duplicate_of``: the verdict is
+    that earlier candidate's, reused. ``seq``: the RESULTS stream sequence of the
+    result (verdicts of one result share it). Times are microseconds, ``duration_s``
+    seconds."""
+
+    index: int
+    candidate_id: str
+    request_id: str
+    passed: bool
+    stage: Stage | None = None
+    error: str | None = None
+    duplicate_of: int | None = None
+    speedup: float | None = None
+    base_time_us: float | None = None
+    gen_time_us: float | None = None
+    max_abs_error: float | None = None
+    trials: int = 0
+    interpreted: bool = False
+    duration_s: float = 0.0
+    worker_id: str = ""
+    reference_source: str | None = None
+    baseline_source: str | None = None
+    finished_at: dt.datetime = field(default_factory=utcnow)
+    seq: int = 0
+
+
+class BatchRecord(Struct, kw_only=True):
+    """A batch verification, the value under ``<batch_id>`` in the ``batches`` bucket.
+
+    ``candidates``: every submitted candidate in submission order; ``verdicts``: one
+    per candidate whose verdict has landed, in the order they finished (the RESULTS
+    stream's order); ``status``: ``running`` until every candidate has a verdict
+    (``completed``), or ``cancelled`` (requests not yet delivered to a worker are
+    taken back; verdicts of verifications already started may still land).
+    ``unique``: verify requests sent (candidates less duplicates); ``backend`` and
+    ``arch`` are in ``task``.
+    """
+
+    batch_id: str
+    status: BatchStatus
+    tenant: str
+    submit_time: dt.datetime
+    task: BatchTask
+    candidates: list[BatchCandidate]
+    unique: int
+    verdicts: list[BatchVerdict] = field(default_factory=list)
+    end_time: dt.datetime | None = None
+    updated_at: dt.datetime = field(default_factory=utcnow)
+    type: Literal["batch.record"] = "batch.record"
+    schema_version: int = SCHEMA_VERSION
+
+
 JobEventKind = Literal[
     "submitted",
     "queued",
@@ -674,4 +802,6 @@ ALL_RECORDS: tuple[type[Struct], ...] = (
     VerifyResult,
     WorkerInfo,
     KernelRow,
+    BatchSubmit,
+    BatchRecord,
 )

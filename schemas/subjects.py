@@ -51,6 +51,8 @@ BUCKET_LEASES = "leases"
 # Eager baseline timings shared by every worker (services/worker/cache.py).
 BUCKET_BASELINES = "baselines"
 BUCKET_TENANT_USAGE = "tenant_usage"
+# Batch verifications (services/gateway/batches.py): one BatchRecord per batch id.
+BUCKET_BATCHES = "batches"
 
 # Object store bucket for kernel sources, logs and checkpoints.
 OBJECT_STORE_ARTIFACTS = "artifacts"

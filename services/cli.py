@@ -13,7 +13,8 @@ flags override them; ``up`` and ``demo`` run the local stack of
 code  meaning
 ====  =====================================================================
 0     the job completed and its kernel passed verification (``submit
-      --wait``, ``status``, ``events``, ``run``); ``list``, ``workers``
+      --wait``, ``status``, ``events``, ``run``; ``verify``: every kernel
+      passed); ``list``, ``workers``
       and ``cancel`` did what was asked (``cancel`` of a job that had
       already ended included: it prints how it ended)
 1     the job failed or was cancelled, or its kernel did not pass; ``run``:
@@ -57,6 +58,7 @@ from services.cli_common import (
     ShapesOption,
     TaskFileArgument,
     TimeoutOption,
+    TokenOption,
     TrialsOption,
     cli_settings,
     err,
@@ -437,10 +439,10 @@ async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
 @app.command()
 def verify(
     file: TaskFileArgument,
-    kernel: Annotated[Path, typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="KERNEL",
-        help="Your candidate: Python defining class ModelNew (Triton kernels launched "
-             "from forward).")],
+    kernels: Annotated[list[Path], typer.Argument(
+        exists=True, dir_okay=False, readable=True, metavar="KERNEL...",
+        help="Your candidates: Python defining class ModelNew (Triton kernels launched "
+             "from forward); more than one is a batch.")],
     op_name: OpNameOption = None,
     backend: BackendOption = "cpu",
     arch: ArchOption = None,
@@ -448,16 +450,28 @@ def verify(
     shape: ShapesOption = None,
     trials: TrialsOption = 3,
     timeout: TimeoutOption = 300.0,
+    gateway_url: Annotated[str | None, typer.Option(
+        "--gateway", show_default=False,
+        help="Verify on the AIKG workers behind this gateway (one batch verification) "
+             "instead of on this machine.")] = None,
+    token: TokenOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Verify KERNEL (your own ModelNew) against FILE's Model on this machine.
 
     The same checks a worker runs (docs/verification.md), in the same sandbox; no
     NATS, no network. Prints the verdict: the stage and message of a failure, errors,
-    sizes checked. Exit codes: 0 passed, 1 not passed, 2 bad input, 6 the sandbox
-    cannot start here, 130 Ctrl-C.
+    sizes checked. With several kernels (a batch), identical ones are verified once,
+    progress goes to stderr and a table of verdicts to stdout; with --gateway the
+    batch runs on the gateway's workers. Exit codes: 0 passed (every kernel), 1 not
+    passed, 2 bad input, 3 gateway unreachable, 6 the sandbox cannot start here, 130
+    Ctrl-C.
     """
+    if len(kernels) > 1 or gateway_url:
+        _verify_batch(file, kernels, op_name or file.stem, backend, arch, devices, shape,
+                      trials, timeout, gateway_url, token, as_json)
     task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
+    kernel = kernels[0]
     code = read_task(kernel)
     result = run_locally(
         f"verifying {kernel} against {file} on {backend} ...", as_json,
@@ -472,6 +486,37 @@ def verify(
 
         out.print(Panel(verdict_table(result), title=f"verdict: {kernel}", title_align="left"))
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
+
+
+def _verify_batch(file: Path, kernels: list[Path], op_name: str, backend: str,
+                  arch: str | None, devices: str, shape: list[str] | None, trials: int,
+                  timeout: float, gateway_url: str | None, token: str | None,
+                  as_json: bool) -> None:
+    """``aikg verify`` of several kernels, or of any through ``--gateway``
+    (:mod:`services.cli_batch`); exits with the batch's code."""
+    from services import cli_batch
+
+    task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
+    codes = [read_task(k) for k in kernels]
+    names = [str(k) for k in kernels]
+    live = not as_json and err.is_terminal
+    where = f"the workers of {gateway_url}" if gateway_url else backend
+    what = f"verifying {len(kernels)} kernels against {file} on {where}"
+    with cli_batch.progress(len(kernels), what, live) as tick:
+        if gateway_url:
+            try:
+                verdicts = cli_batch.gateway_batch(
+                    gateway_url, token, task_desc=task_desc, codes=codes, names=names,
+                    op_name=op_name, backend=backend, arch=arch, shape_overrides=overrides,
+                    trials=trials, timeout_s=timeout, tick=tick)
+            except KeyboardInterrupt:
+                fail(ExitCode.INTERRUPTED, "stopped; the batch was cancelled")
+        else:
+            verdicts = run_locally(what, True, cli_batch.verify_locally(
+                task_desc, codes, names, op_name, backend=backend, arch=arch,
+                devices=device_list, shape_overrides=overrides, trials=trials,
+                timeout_s=timeout, tick=tick))
+    raise typer.Exit(int(cli_batch.report(names, verdicts, as_json)))
 
 
 @app.command()

@@ -71,6 +71,8 @@ class Bus:
     settings: Settings
     # Per-tenant submission counts per hour (the gateway's jobs-per-hour limit).
     tenant_usage: KeyValue | None = None
+    # Batch verifications (services/gateway/batches.py).
+    batches: KeyValue | None = None
 
     async def close(self) -> None:
         """Flush and close the connection; safe to call twice."""
@@ -139,11 +141,12 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
 
 def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
-    """The ``jobs``, ``workers``, ``leases`` and ``tenant_usage`` buckets.
+    """The ``jobs``, ``workers``, ``leases``, ``tenant_usage`` and ``batches`` buckets.
 
     ``workers`` expires a key three heartbeats after its last put; ``leases`` after
     ten, so a crashed worker's leases go by themselves; ``tenant_usage`` (one counter
-    per tenant and clock hour) after two hours.
+    per tenant and clock hour) after two hours; ``batches`` (one record per batch
+    verification) after ``job_events_max_age_s`` (7 days), as a job's events do.
     """
     r = settings.stream_replicas
     hb = settings.worker_heartbeat_s
@@ -156,6 +159,9 @@ def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
                        storage=StorageType.FILE),
         KeyValueConfig(bucket=subjects.BUCKET_TENANT_USAGE, history=1, ttl=2 * 3600.0,
                        replicas=r, storage=StorageType.FILE),
+        KeyValueConfig(bucket=subjects.BUCKET_BATCHES, history=1,
+                       ttl=settings.job_events_max_age_s, replicas=r,
+                       storage=StorageType.FILE),
     ]
 
 
@@ -381,6 +387,7 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
         leases=buckets[subjects.BUCKET_LEASES],
         settings=settings,
         tenant_usage=buckets[subjects.BUCKET_TENANT_USAGE],
+        batches=buckets[subjects.BUCKET_BATCHES],
     )
 
 

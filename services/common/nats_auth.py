@@ -80,7 +80,8 @@ ADMIN_USER = "admin"
 DEPLOY_WORKERS = ("cpu", "cuda")
 
 _KV = {b: f"KV_{b}" for b in (subjects.BUCKET_JOBS, subjects.BUCKET_WORKERS,
-                               subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE)}
+                               subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE,
+                               subjects.BUCKET_BATCHES)}
 _OBJ = f"OBJ_{subjects.OBJECT_STORE_ARTIFACTS}"
 # The workers' shared cache of eager baselines (services/worker/cache.py): they decide
 # speedups, so only the worker user may create, write or read it.
@@ -152,9 +153,17 @@ PERMISSIONS: dict[str, Permissions] = {
     "gateway": Permissions(
         what="submits jobs (on tenant lanes too), writes job records (create, cancel) and "
              "tenant usage counts, reads the jobs/workers/leases buckets and JOB_EVENTS, "
-             "reads consumer info and waiting jobs for queue metrics and positions",
+             "reads consumer info and waiting jobs for queue metrics and positions; "
+             "publishes batch verify requests, writes batch records, reads their results "
+             "and deletes a cancelled batch's requests no worker was given yet",
         publish=(
             subjects.JOBS_SUBMIT, f"{subjects.JOBS_SUBMIT}.*.*",
+            # Batch verification (services/gateway/batches.py): its requests, its
+            # record, its verdicts, and a cancelled batch's requests taken back.
+            f"{subjects.VERIFY_PREFIX}.>", f"$KV.{subjects.BUCKET_BATCHES}.>",
+            *_read(_KV[subjects.BUCKET_BATCHES]), *_read(subjects.STREAM_RESULTS),
+            f"$JS.API.STREAM.MSG.DELETE.{subjects.STREAM_VERIFY}",
+            f"$JS.API.CONSUMER.INFO.{subjects.STREAM_VERIFY}.*",
             f"{subjects.JOB_EVENTS_PREFIX}.>",
             f"$KV.{subjects.BUCKET_JOBS}.>", f"$KV.{subjects.BUCKET_TENANT_USAGE}.>",
             *_common(),

@@ -3,8 +3,9 @@
 What both doors of a job (the gateway's HTTP submit and a raw ``nats pub`` on
 ``jobs.submit`` read by the generator) and the local path (``aikg run``, the SDK's
 ``Task``) need without a bus: checking a KernelBench-format task's source, building
-a ``pending`` record, decoding a stored record, and choosing an arch among live
-workers. The NATS side (the checked job store, events, cancel) is
+a ``pending`` record, decoding a stored record, choosing an arch among live
+workers, and the normalised hash by which identical candidates are recognised (an
+evolve job's duplicates, a batch verification's). The NATS side (the checked job store, events, cancel) is
 :mod:`services.common.jobs`.
 """
 
@@ -60,6 +61,22 @@ REQUIRED_TASK_NAMES = ("Model", "get_inputs", "get_init_inputs")
 
 class TaskError(ValueError):
     """The task source is not a usable KernelBench-format task; the message says why."""
+
+
+def normalised_hash(code: str) -> str:
+    """sha256 (hex) of the code's AST dump: comments, blank lines and formatting do
+    not count, names and constants do.
+
+    Falls back to the raw text for code that does not parse, or nests too deep for
+    the parser (:class:`SyntaxError`, :class:`ValueError` for a NUL byte,
+    :class:`RecursionError`, :class:`MemoryError`): such code fails verification at
+    the compile stage anyway, and equal text still hashes equal. Never raises.
+    """
+    try:
+        text = ast.dump(ast.parse(code), annotate_fields=False)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        text = code
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def check_task_source(task_desc: str) -> None:

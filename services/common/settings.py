@@ -83,7 +83,11 @@ class Settings(msgspec.Struct, kw_only=True):
             longer (consumers created with an older, longer default).
         verify_max_deliver: deliveries of a verify request before it is dead-lettered.
         job_events_max_age_s / results_max_age_s: how long JOB_EVENTS and RESULTS
-            keep messages (7 days / 1 day).
+            keep messages (7 days / 1 day); the ``batches`` bucket keeps a batch
+            verification's record as long as JOB_EVENTS keeps a job's events.
+        batch_max_candidates: most candidates one ``POST /api/v1/verify/batch`` may
+            carry (256: an RL step's or a leaderboard round's worth; at most 4096, the
+            schema's bound, ``schemas.events.BATCH_MAX_CANDIDATES``).
         memory_limit_bytes: bound on a task's input tensors on a worker (item 7 of
             the worker contract); 0 means 4 GiB on cpu.
         worker_id: this worker's id (letters, digits, '_' or '-'); empty derives one
@@ -195,6 +199,7 @@ class Settings(msgspec.Struct, kw_only=True):
     verify_max_deliver: int = 3
     job_events_max_age_s: float = 7 * 24 * 3600.0
     results_max_age_s: float = 24 * 3600.0
+    batch_max_candidates: int = 256
     memory_limit_bytes: int = 0
     worker_id: str = ""
     baseline_cache_bytes: int = 16 << 20

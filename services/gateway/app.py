@@ -4,12 +4,14 @@ and serves it.
 The routes live by resource, one Litestar ``Router`` each under the ``/api/v1`` router
 (https://docs.litestar.dev/2/usage/routing/overview.html):
 services/gateway/jobs.py (``/api/v1/jobs``: submit, list, status, cancel, events,
-kernel), workers.py (``/api/v1/workers``), kernels.py (``/api/v1/kernels``); the probes
+kernel), batches.py (``/api/v1/verify/batch``: batch verification), workers.py
+(``/api/v1/workers``), kernels.py (``/api/v1/kernels``); the probes
 and metrics (``/healthz``, ``/readyz``, ``/metrics``) in health.py. The router gives its
 routes the bus, the job store and the queue view as dependencies (deps.py); errors,
 including NATS trouble answered 503, are turned into JSON by exception handlers
 registered here by class (errors.py). The gateway holds no state of its own, so any
-number of them can run.
+number of them can run (a batch's follower task only hurries its record along; any
+read of the batch does the same).
 
 Errors are JSON ``{"status_code": ..., "detail": "<what was wrong and what to do>", ...}``;
 extra keys (``live``, ``errors``) add what a client needs to act on it.
@@ -41,6 +43,7 @@ from services.common.queue_metrics import run_queue_metrics
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.tenants import TenantTable, load_tenants
+from services.gateway.batches import stop_followers, verify_router
 from services.gateway.deps import DEPENDENCIES
 from services.gateway.errors import EXCEPTION_HANDLERS, REQUEST_MAX_BODY_BYTES
 from services.gateway.health import PROBE_HANDLERS
@@ -111,7 +114,8 @@ async def _count_response(message: Message, scope: Scope) -> None:
 def api_router() -> Router:
     """``/api/v1``: one router per resource, given the bus, job store and queue view as
     dependencies (services/gateway/deps.py)."""
-    return Router(path="/api/v1", route_handlers=[jobs_router, workers_router, kernels_router],
+    return Router(path="/api/v1", route_handlers=[jobs_router, verify_router, workers_router,
+                                                  kernels_router],
                   dependencies=DEPENDENCIES)
 
 
@@ -139,7 +143,10 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
         if bus is not None:
             app.state.bus = bus
             app.state.queue = QueueView(bus)
-            yield
+            try:
+                yield
+            finally:
+                await stop_followers(app.state)
             return
         own = await connect_bus(settings, "gateway", role="gateway")
         app.state.bus = own
@@ -147,6 +154,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
         try:
             yield
         finally:
+            await stop_followers(app.state)
             app.state.bus = None
             app.state.queue = None
             await own.close()
@@ -160,9 +168,10 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
         request_max_body_size=REQUEST_MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(title="AIKG gateway", version="1",
                                      description="Submit, list, follow and cancel jobs; "
-                                     "read their kernels; list workers."),
+                                     "read their kernels; verify batches of candidates; "
+                                     "list workers."),
         state=State({"bus": bus, "queue": QueueView(bus) if bus is not None else None,
-                     "tenants": tenants, "tenant_locks": {}}),
+                     "tenants": tenants, "tenant_locks": {}, "batch_followers": set()}),
         logging_config=None,
     )
 

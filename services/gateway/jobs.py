@@ -20,7 +20,7 @@ import contextlib
 import datetime as dt
 import re
 import time
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, TypeVar
 
 import msgspec
 import numpy as np
@@ -72,6 +72,8 @@ SUBMIT_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 
+T = TypeVar("T")
+
 # Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
 MAX_PAGE = 500
 
@@ -120,17 +122,27 @@ async def check_submit_body(request: Request) -> None:
     Raises:
         ValidationException: answered 400, naming the field at fault.
     """
-    depth = json_depth(await request.body())
-    if depth > MAX_JSON_DEPTH:
-        detail = (f"request body nests arrays/objects {depth} levels deep; at most "
-                  f"{MAX_JSON_DEPTH} are accepted")
-        raise ValidationException(detail=detail, extra=[
-            {"message": detail, "key": "data", "source": "body"}])
+    refuse_deep_body(await request.body())
     request.state.submit = await _strict_submit(request)
     # Which fields the body gave (top level only, values left undecoded): a default
     # the tenant's limits do not allow is lowered, an explicit value refused.
     request.state.given = set(msgspec.json.decode(await request.body(),
                                                   type=dict[str, msgspec.Raw]))
+
+
+def refuse_deep_body(body: bytes) -> None:
+    """400 when ``body`` nests arrays/objects deeper than :data:`MAX_JSON_DEPTH` (a
+    decoder would fail with ``RecursionError``).
+
+    Raises:
+        ValidationException: answered 400.
+    """
+    depth = json_depth(body)
+    if depth > MAX_JSON_DEPTH:
+        detail = (f"request body nests arrays/objects {depth} levels deep; at most "
+                  f"{MAX_JSON_DEPTH} are accepted")
+        raise ValidationException(detail=detail, extra=[
+            {"message": detail, "key": "data", "source": "body"}])
 
 
 def _name_shape_entry(body: bytes, text: str) -> str:
@@ -164,9 +176,19 @@ async def _strict_submit(request: Request) -> JobSubmit:
         ValidationException: answered 400, the message naming the field
             (``Expected `int`, got `str` - at `$.max_rounds```).
     """
-    body = await request.body()
+    return strict_decode(await request.body(), JobSubmit)
+
+
+def strict_decode(body: bytes, record_type: type[T]) -> T:
+    """``body`` decoded as ``record_type`` with msgspec's strict rules (as
+    :func:`_strict_submit` explains), for every body the gateway takes.
+
+    Raises:
+        ValidationException: answered 400, the message naming the field
+            (``Expected `str`, got `int` - at `$.candidates[3]```).
+    """
     try:
-        return decode(body, JobSubmit)
+        return decode(body, record_type)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         text = _name_shape_entry(body, str(exc))
         match = _FIELD_PATH_RE.match(text)
@@ -175,7 +197,7 @@ async def _strict_submit(request: Request) -> JobSubmit:
         raise ValidationException(detail=text, extra=[error]) from exc
 
 
-def _check_task(task_desc: str, shape_overrides: dict[str, object] | None = None) -> None:
+def check_task(task_desc: str, shape_overrides: dict[str, object] | None = None) -> None:
     """400 unless ``task_desc`` is a KernelBench-format task (static check, no run) and
     every ``shape_overrides`` name is one the task assigns at top level (the check
     ``aikg run --shape`` makes)."""
@@ -194,6 +216,27 @@ def _check_task(task_desc: str, shape_overrides: dict[str, object] | None = None
                   f"does not assign at top level; it assigns: {', '.join(defined) or '(none)'}")
         raise ValidationException(detail=detail, extra=[
             {"message": detail, "key": "shape_overrides", "source": "body"}])
+
+
+async def routed_arch(bus: Bus, backend: str, arch: str | None) -> str:
+    """The arch a submission of ``backend`` (and ``arch``, when given) goes to: the
+    least loaded live one (:func:`~services.common.jobs.live_arch`).
+
+    Raises:
+        HTTPException: 409 when no live worker offers it; ``live`` lists the live pairs.
+    """
+    chosen, workers = await live_arch(bus, backend, arch)
+    if chosen is not None:
+        return chosen
+    wanted = f"backend={backend}" + (f" arch={arch}" if arch else "")
+    live = describe_pairs(workers)
+    raise HTTPException(
+        status_code=409,
+        detail=f"no live worker for {wanted}; live backend/arch pairs: "
+        f"{', '.join(live) or 'none'}. Start one with `aikg worker --backend "
+        f"{backend}{' --arch ' + arch if arch else ''}` or submit to a live pair.",
+        extra={"live": live},
+    )
 
 
 async def _withdraw(bus: Bus, job_id: str, exc: Exception, subject: str,
@@ -296,20 +339,9 @@ async def submit_job(
     if "timeout_s" not in request.state.given and tenant.max_timeout_s:
         data.timeout_s = min(data.timeout_s, float(tenant.max_timeout_s))
     check_job_limits(tenant, data)
-    _check_task(data.task_desc, data.shape_overrides)
+    check_task(data.task_desc, data.shape_overrides)
 
-    arch, workers = await live_arch(bus, data.backend, data.arch)
-    if arch is None:
-        wanted = f"backend={data.backend}" + (f" arch={data.arch}" if data.arch else "")
-        live = describe_pairs(workers)
-        raise HTTPException(
-            status_code=409,
-            detail=f"no live worker for {wanted}; live backend/arch pairs: "
-            f"{', '.join(live) or 'none'}. Start one with `aikg worker --backend "
-            f"{data.backend}{' --arch ' + data.arch if data.arch else ''}` or submit to "
-            "a live pair.",
-            extra={"live": live},
-        )
+    arch = await routed_arch(bus, data.backend, data.arch)
 
     record = new_record(data, arch=arch, tenant=tenant.name)
     job_id = record.job_id

@@ -1,6 +1,7 @@
 """Tenant limits on job submissions (services/common/tenants.py names the limits).
 
-Checked by ``POST /api/v1/jobs/submit`` (services/gateway/jobs.py), in this order:
+Checked by ``POST /api/v1/jobs/submit`` (services/gateway/jobs.py) and
+``POST /api/v1/verify/batch`` (services/gateway/batches.py), in this order:
 
 - :func:`check_job_limits`: the job is no larger than the tenant may submit
   (``max_parallel_num``, ``max_rounds``, ``max_timeout_s``, ``max_priority``), else 403
@@ -15,6 +16,13 @@ Checked by ``POST /api/v1/jobs/submit`` (services/gateway/jobs.py), in this orde
 - after the publish, :meth:`Claim.commit` drops the claim (the job's message now
   counts in its lane); when the job is not queued after all (its id was taken, the
   publish failed), :meth:`Claim.withdraw` gives the slot back.
+
+A batch verification counts as many as it has candidates, against both limits: its
+claim has that *weight*, and once its requests are published
+(:meth:`Claim.commit_batch`) the claim becomes an open batch in the entry
+(``batches``: batch id -> ``[candidates, requests]``), counted in flight until its
+record says it ended or every request's verdict is in ``results.<batch_id>`` (checked
+by each admission, which then drops it).
 
 A claim records its expiry (:data:`CLAIM_TTL_S`). A gateway that dies between its
 claim and its commit leaves a claim nobody commits; the next admission of that tenant
@@ -49,7 +57,7 @@ from litestar.exceptions import HTTPException
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
-from schemas import JobSubmit, subjects, utcnow
+from schemas import BatchRecord, BatchSubmit, JobSubmit, subjects, utcnow
 from services.common.bus import Bus, JobNotFound
 from services.common.jobs import CheckedJobStore, JobRecordCorrupt
 from services.common.tenants import Tenant, tenant_label
@@ -80,13 +88,22 @@ class _Admission(msgspec.Struct, kw_only=True):
     """The value of ``admission.<tenant>`` in ``tenant_usage``.
 
     ``hour``: the clock hour (UTC, ``YYYYMMDDHH``) ``used`` counts; ``used``: jobs
-    admitted in that hour; ``claims``: job id -> ``[expiry (Unix time, seconds), hour
-    it was counted in]`` of admissions not yet committed.
+    (and batch candidates) admitted in that hour; ``claims``: job or batch id ->
+    ``[expiry (Unix time, seconds), hour it was counted in]`` of admissions not yet
+    committed; ``weights``: a batch's claim -> its candidates (a job's claim counts 1);
+    ``batches``: open batches, batch id -> ``[candidates, verify requests]``.
     """
 
     hour: str = ""
     used: int = 0
     claims: dict[str, tuple[float, str]] = {}
+    weights: dict[str, int] = {}
+    batches: dict[str, tuple[int, int]] = {}
+
+    def held(self) -> int:
+        """Slots held in this entry: claims (by weight) and open batches."""
+        return (sum(self.weights.get(job_id, 1) for job_id in self.claims)
+                + sum(candidates for candidates, _ in self.batches.values()))
 
 
 def _refuse(tenant: Tenant, limit: str, status: int, detail: str,
@@ -118,6 +135,22 @@ def check_job_limits(tenant: Tenant, data: JobSubmit) -> None:
         raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
                       f"priority up to {tenant.max_priority!r} (max_priority); this job asks "
                       f"for {data.priority!r}")
+
+
+def check_batch_limits(tenant: Tenant, data: BatchSubmit) -> None:
+    """Refuse (403) a batch verification its tenant may not submit: ``timeout_s`` over
+    ``max_timeout_s`` or a priority over ``max_priority`` (what :func:`check_job_limits`
+    says of a job); its candidates count against the in-flight and per-hour limits
+    (:func:`claim`)."""
+    if tenant.max_timeout_s and data.timeout_s > tenant.max_timeout_s:
+        raise _refuse(tenant, "max_timeout_s", 403, f"tenant {tenant.name!r} may verify "
+                      f"with timeout_s up to {tenant.max_timeout_s:g} s (max_timeout_s); this "
+                      f"batch asks for {data.timeout_s:g} s: lower it, or ask an operator to "
+                      "raise the limit")
+    if not tenant.allows_priority(data.priority):
+        raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
+                      f"priority up to {tenant.max_priority!r} (max_priority); this batch "
+                      f"asks for {data.priority!r}")
 
 
 def tenant_lock(state: State, name: str) -> asyncio.Lock:
@@ -178,11 +211,37 @@ async def _write(kv: KeyValue, key: str, state: _Admission, revision: int) -> bo
     return True
 
 
-async def _settle(store: CheckedJobStore, state: _Admission, now: float, hour: str) -> bool:
-    """Start a new hour's count and settle expired claims; True when ``state`` changed.
+async def _batch_requests(bus: Bus, batch_id: str) -> int | None:
+    """Verify requests of the batch ``batch_id`` while it runs; None when its record is
+    gone, ended or unreadable (the batch no longer counts)."""
+    if bus.batches is None:
+        return None
+    try:
+        entry = await bus.batches.get(batch_id)
+        record = msgspec.json.decode(entry.value or b"", type=BatchRecord)
+    except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError,
+            msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    return record.unique if record.status == "running" else None
 
-    An expired claim whose job has a record keeps its place in the hour's count (its
-    gateway got as far as writing the record); one without a record gives its slot back.
+
+async def _verdicts_in(bus: Bus, batch_id: str) -> int:
+    """Messages on ``results.<batch_id>`` in RESULTS (one per verified request, bar a
+    rare duplicate of a redelivered one)."""
+    subject = subjects.results(batch_id)
+    info = await bus.js.stream_info(subjects.STREAM_RESULTS, subjects_filter=subject)
+    return (info.state.subjects or {}).get(subject, 0)
+
+
+async def _settle(bus: Bus, store: CheckedJobStore, state: _Admission, now: float,
+                  hour: str) -> bool:
+    """Start a new hour's count, settle expired claims and drop ended batches; True
+    when ``state`` changed.
+
+    An expired claim whose job (or batch) has a record keeps its place in the hour's
+    count (its gateway got as far as writing the record; a batch's becomes an open
+    batch); one without a record gives its slots back. An open batch whose record
+    ended, or whose every request has a verdict, stops counting in flight.
     """
     changed = False
     if state.hour != hour:
@@ -191,17 +250,30 @@ async def _settle(store: CheckedJobStore, state: _Admission, now: float, hour: s
         if expiry > now:
             continue
         del state.claims[job_id]
+        is_batch = job_id in state.weights
+        weight = state.weights.pop(job_id, 1)
         changed = True
         exists = True
-        try:
-            await store.get(job_id)
-        except JobNotFound:
-            exists = False
-        except JobRecordCorrupt:
-            pass
+        if is_batch:
+            requests = await _batch_requests(bus, job_id)
+            exists = requests is not None
+            if exists:
+                state.batches[job_id] = (weight, requests or 0)
+        else:
+            try:
+                await store.get(job_id)
+            except JobNotFound:
+                exists = False
+            except JobRecordCorrupt:
+                pass
         if not exists and counted_in == state.hour:
-            state.used = max(0, state.used - 1)
+            state.used = max(0, state.used - weight)
         log.info("tenant_claim_settled", job_id=job_id, kept=exists)
+    for batch_id, (_, requests) in list(state.batches.items()):
+        if await _batch_requests(bus, batch_id) is None or \
+                await _verdicts_in(bus, batch_id) >= requests:
+            del state.batches[batch_id]
+            changed = True
     return changed
 
 
@@ -213,9 +285,11 @@ class Claim:
     tenant: str
     job_id: str
     active: bool = True
+    weight: int = 1
 
-    async def _release(self, give_back: bool) -> None:
-        """Drop the claim (``give_back``: and its place in the hour's count). Never
+    async def _release(self, give_back: bool, batch: tuple[int, int] | None = None) -> None:
+        """Drop the claim (``give_back``: and its place in the hour's count; ``batch``:
+        and hold its slots as an open batch of ``(candidates, requests)``). Never
         raises: a claim left behind is settled by an admission once it expires."""
         kv = self.bus.tenant_usage
         if not self.active or kv is None:
@@ -228,8 +302,11 @@ class Claim:
                 held = state.claims.pop(self.job_id, None)
                 if held is None:
                     return  # settled already by another admission
+                weight = state.weights.pop(self.job_id, 1)
                 if give_back and held[1] == state.hour:
-                    state.used = max(0, state.used - 1)
+                    state.used = max(0, state.used - weight)
+                if batch is not None:
+                    state.batches[self.job_id] = batch
                 if await _write(kv, key, state, revision):
                     return
                 await asyncio.sleep(random.uniform(0, CLAIM_RETRY_S))
@@ -247,9 +324,16 @@ class Claim:
         """The job is not queued after all: give its slot back."""
         await self._release(give_back=True)
 
+    async def commit_batch(self, requests: int) -> None:
+        """The batch's ``requests`` verify requests are published: its candidates
+        stay counted in flight as an open batch until it ends."""
+        await self._release(give_back=False, batch=(self.weight, requests))
 
-async def claim(bus: Bus, store: CheckedJobStore, tenant: Tenant, job_id: str) -> Claim:
-    """Take one of ``tenant``'s slots for job ``job_id``, or refuse.
+
+async def claim(bus: Bus, store: CheckedJobStore, tenant: Tenant, job_id: str,
+                batch_candidates: int | None = None) -> Claim:
+    """Take one of ``tenant``'s slots for job ``job_id`` or, with ``batch_candidates``,
+    that many for the batch verification ``job_id``, or refuse.
 
     Returns:
         The claim: :meth:`Claim.commit` it once the job is published,
@@ -263,37 +347,43 @@ async def claim(bus: Bus, store: CheckedJobStore, tenant: Tenant, job_id: str) -
             rounds were all lost to other submissions (retry).
     """
     kv = bus.tenant_usage
+    weight = 1 if batch_candidates is None else batch_candidates
     if kv is None or not (tenant.max_in_flight or tenant.max_jobs_per_hour):
-        return Claim(bus, tenant.name, job_id, active=False)
+        return Claim(bus, tenant.name, job_id, active=False, weight=weight)
     key = admission_key(tenant.name)
     for _ in range(CLAIM_ATTEMPTS):
         state, revision = await _read(kv, key)
         now = time.time()
         hour, left_s = _hour(utcnow())
-        changed = await _settle(store, state, now, hour)
+        changed = await _settle(bus, store, state, now, hour)
         refusal = None
+        asks = "" if batch_candidates is None else f"; this batch asks for {weight}"
         if tenant.max_in_flight:
-            busy = await in_flight(bus, tenant.name) + len(state.claims)
-            if busy >= tenant.max_in_flight:
+            busy = await in_flight(bus, tenant.name) + state.held()
+            if busy + weight > tenant.max_in_flight:
                 refusal = _refuse(tenant, "max_in_flight", 429, f"tenant {tenant.name!r} has "
-                                  f"{busy} jobs pending or running, its limit (max_in_flight) "
-                                  f"is {tenant.max_in_flight}: retry when one has ended, or "
-                                  "cancel one", retry_after_s=5)
+                                  f"{busy} jobs (or batch candidates) pending or running, its "
+                                  f"limit (max_in_flight) is {tenant.max_in_flight}{asks}: "
+                                  "retry when some have ended, or cancel one",
+                                  retry_after_s=5)
         if refusal is None and tenant.max_jobs_per_hour and \
-                state.used >= tenant.max_jobs_per_hour:
+                state.used + weight > tenant.max_jobs_per_hour:
             refusal = _refuse(tenant, "max_jobs_per_hour", 429, f"tenant {tenant.name!r} has "
-                              f"submitted {state.used} jobs this hour (UTC), its limit "
-                              f"(max_jobs_per_hour) is {tenant.max_jobs_per_hour}: retry "
-                              f"after {left_s:.0f} s", retry_after_s=left_s)
+                              f"submitted {state.used} jobs (or batch candidates) this hour "
+                              f"(UTC), its limit (max_jobs_per_hour) is "
+                              f"{tenant.max_jobs_per_hour}{asks}: retry after {left_s:.0f} s",
+                              retry_after_s=left_s)
         if refusal is not None:
             if changed:  # housekeeping only; a lost race leaves it to the next one
                 with contextlib.suppress(Exception):
                     await _write(kv, key, state, revision)
             raise refusal
         state.claims[job_id] = (now + CLAIM_TTL_S, hour)
-        state.used += 1
+        if batch_candidates is not None:
+            state.weights[job_id] = weight
+        state.used += weight
         if await _write(kv, key, state, revision):
-            return Claim(bus, tenant.name, job_id)
+            return Claim(bus, tenant.name, job_id, weight=weight)
         await asyncio.sleep(random.uniform(0, CLAIM_RETRY_S))
     raise HTTPException(status_code=503, headers={"Retry-After": "1"},
                         detail=f"tenant {tenant.name!r} has many submissions racing for its "

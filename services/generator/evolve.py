@@ -23,7 +23,6 @@ always re-breeding the oldest candidate.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import hashlib
 import random
@@ -42,6 +41,7 @@ from schemas import (
     ParentChoice,
     VerifyResult,
 )
+from services.common.records import normalised_hash
 from services.generator.coders.base import Candidate, CoderError
 
 # How many candidates the final result lists.
@@ -74,19 +74,6 @@ class Mutator(Protocol):
     async def mutate(self, submit: JobSubmit, parent: EvolveCandidate, parent_code: str,
                      inspirations: list[tuple[EvolveCandidate, str]],
                      rng: random.Random) -> Candidate: ...
-
-
-def normalised_hash(code: str) -> str:
-    """sha256 of the code's AST dump: comments, blank lines and formatting do not count.
-
-    Falls back to the raw text for code that does not parse (it will fail verification
-    at the compile stage anyway).
-    """
-    try:
-        text = ast.dump(ast.parse(code), annotate_fields=False)
-    except SyntaxError:
-        text = code
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def fitness_key(c: EvolveCandidate, mode: str) -> tuple:

@@ -7,7 +7,9 @@ backend=..., arch=..., dsl=..., framework=..., workflow=...)`` returns a job id 
 ``status.get("result")``). It adds ``list_jobs``, ``cancel_job``, ``stream_events``
 (Server-Sent Events), ``get_kernel``, ``list_kernels`` / ``iter_kernel_pages`` (every
 job's kernel with its verdict and provenance, by cursor; ``aikg export`` writes them to
-files with :mod:`services.sdk.export`) and bearer-token auth.
+files with :mod:`services.sdk.export`), batch verification (``verify_batch``: many
+candidates of one task, identical ones verified once; ``submit_batch``,
+``stream_batch_verdicts``, ``get_batch``, ``cancel_batch``) and bearer-token auth.
 
 Errors: :class:`AIKGHTTPError` when the gateway refuses a request (its ``status_code``
 and ``detail`` say why), :class:`AIKGConnectionError` when it cannot be reached.
@@ -67,6 +69,25 @@ def _kernel_params(passed: bool | None, op_name: str | None, backend: str | None
 
 def _path(job_id: str, suffix: str = "") -> str:
     return f"/api/v1/jobs/{quote(job_id, safe='')}{suffix}"
+
+
+def _batch_path(batch_id: str, suffix: str = "") -> str:
+    return f"/api/v1/verify/batch/{quote(batch_id, safe='')}{suffix}"
+
+
+def _batch_body(op_name: str, task_desc: str, candidates: list[str],
+                fields: dict[str, Any]) -> dict[str, Any]:
+    return {"op_name": op_name, "task_desc": task_desc, "candidates": list(candidates),
+            **{k: v for k, v in fields.items() if v is not None}}
+
+
+def _in_candidate_order(record: dict[str, Any]) -> list[dict[str, Any] | None]:
+    """A batch record's verdicts by candidate index (None: a candidate without one,
+    e.g. cancelled before it started)."""
+    verdicts: list[dict[str, Any] | None] = [None] * len(record["candidates"])
+    for verdict in record["verdicts"]:
+        verdicts[verdict["index"]] = verdict
+    return verdicts
 
 
 def _headers(token: str | None) -> dict[str, str]:
@@ -274,6 +295,109 @@ class AIKGClient:
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
+    def submit_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
+                     backend: str | None = None, arch: str | None = None,
+                     shape_overrides: dict[str, Any] | None = None, trials: int | None = None,
+                     timeout_s: float | None = None, priority: str | None = None,
+                     batch_id: str | None = None, **fields: Any) -> dict[str, Any]:
+        """Submit a batch verification (``POST /api/v1/verify/batch``); returns the
+        gateway's answer: ``batch_id``, ``status``, ``candidates``, ``unique`` (verify
+        requests sent: candidates less duplicates), ``backend``, ``arch``.
+
+        ``trials`` and ``timeout_s`` (seconds) apply to each verification; None leaves
+        a field to the gateway's default.
+
+        Raises:
+            AIKGHTTPError: 400 bad body (empty or too many candidates, a candidate not
+                a string), 403/429 a tenant limit (candidates count as jobs), 409 no
+                live worker or a taken ``batch_id``.
+            AIKGConnectionError: the gateway is unreachable.
+        """
+        body = _batch_body(op_name, task_desc, candidates, {
+            "backend": backend, "arch": arch, "shape_overrides": shape_overrides,
+            "trials": trials, "timeout_s": timeout_s, "priority": priority,
+            "batch_id": batch_id, **fields})
+        return self._request("POST", "/api/v1/verify/batch", json=body).json()
+
+    def get_batch(self, batch_id: str) -> dict[str, Any]:
+        """The batch's record: ``status``, ``task``, ``candidates`` and ``verdicts`` (in
+        the order they finished).
+
+        Raises:
+            AIKGHTTPError: 404 for an unknown batch (or another tenant's).
+        """
+        return self._request("GET", _batch_path(batch_id)).json()
+
+    def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        """Cancel the batch: what no worker has started is not verified; returns the
+        record."""
+        return self._request("POST", _batch_path(batch_id, "/cancel")).json()
+
+    def stream_batch_verdicts(self, batch_id: str, last_event_id: int | None = None
+                              ) -> Iterator[dict[str, Any]]:
+        """The batch's verdicts (BatchVerdict dicts, each with ``number``: its place in
+        the finish order, from 1) as they land; ends once no verdict is awaited.
+
+        Args:
+            last_event_id: resume after this ``number``.
+
+        Yields ``{}`` for each keepalive (every ~15 s while idle), so a caller can
+        check its own deadline; skip falsy items otherwise.
+        """
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
+        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+        try:
+            with connect_sse(self._http, "GET", _batch_path(batch_id, "/events"),
+                             headers=headers, timeout=timeout) as source:
+                _raise_for_stream(source.response)
+                for sse in source.iter_sse():
+                    if sse.event == "end":
+                        return
+                    yield _verdict(sse)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    def verify_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
+                     timeout: float = 1800, on_verdict: Any = None,
+                     cancel_on_interrupt: bool = True, **fields: Any
+                     ) -> list[dict[str, Any] | None]:
+        """Verify every candidate against the task through the gateway and wait.
+
+        Args:
+            candidates: sources, each defining ``ModelNew``; identical ones (same
+                normalised AST) are verified once and share the verdict.
+            timeout: seconds to wait for the whole batch at most.
+            on_verdict: called with each verdict dict as it lands.
+            fields: :meth:`submit_batch`'s (``backend``, ``arch``, ``trials``,
+                ``timeout_s``, ``shape_overrides``, ``priority``, ``batch_id``).
+
+        Returns:
+            One verdict dict per candidate, in the order of ``candidates`` (``passed``,
+            ``stage``, ``error``, ``duplicate_of``, timings ...); None for one that got
+            none (cancelled before it started).
+
+        Raises:
+            TimeoutError: the batch did not end within ``timeout``; it goes on.
+            AIKGHTTPError, AIKGConnectionError: as :meth:`submit_batch`.
+            KeyboardInterrupt: Ctrl-C; the batch is cancelled first
+                (``cancel_on_interrupt``).
+        """
+        batch_id = self.submit_batch(op_name, task_desc, candidates, **fields)["batch_id"]
+        deadline = time.monotonic() + timeout
+        try:
+            for verdict in self.stream_batch_verdicts(batch_id):
+                if verdict and on_verdict is not None:
+                    on_verdict(verdict)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"batch {batch_id} did not end within {timeout:g} s; "
+                                       "it goes on (get_batch shows its verdicts)")
+        except KeyboardInterrupt:
+            if cancel_on_interrupt:
+                with contextlib.suppress(AIKGError):
+                    self.cancel_batch(batch_id)
+            raise
+        return _in_candidate_order(self.get_batch(batch_id))
+
     def wait_for_completion(self, job_id: str, timeout: float = 1800, poll_interval: float = 1.0,
                             progress: bool = True, *, on_status: Any = None,
                             cancel_on_interrupt: bool = True,
@@ -412,6 +536,75 @@ class AsyncAIKGClient:
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
+    async def submit_batch(self, op_name: str, task_desc: str, candidates: list[str],
+                           **fields: Any) -> dict[str, Any]:
+        """See :meth:`AIKGClient.submit_batch` (same keyword arguments)."""
+        return (await self._request("POST", "/api/v1/verify/batch", json=_batch_body(
+            op_name, task_desc, candidates, fields))).json()
+
+    async def get_batch(self, batch_id: str) -> dict[str, Any]:
+        """See :meth:`AIKGClient.get_batch`."""
+        return (await self._request("GET", _batch_path(batch_id))).json()
+
+    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
+        """See :meth:`AIKGClient.cancel_batch`."""
+        return (await self._request("POST", _batch_path(batch_id, "/cancel"))).json()
+
+    async def stream_batch_verdicts(self, batch_id: str, last_event_id: int | None = None
+                                    ) -> AsyncIterator[dict[str, Any]]:
+        """See :meth:`AIKGClient.stream_batch_verdicts` (keepalives are not yielded)."""
+        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
+        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+        try:
+            async with aconnect_sse(self._http, "GET", _batch_path(batch_id, "/events"),
+                                    headers=headers, timeout=timeout) as source:
+                if source.response.status_code >= 400:
+                    await source.response.aread()
+                    _raise_for(source.response)
+                async for sse in source.aiter_sse():
+                    if sse.event == "end":
+                        return
+                    if sse.data:
+                        yield _verdict(sse)
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
+    async def verify_batch_stream(self, op_name: str, task_desc: str, candidates: list[str],
+                                  **fields: Any) -> AsyncIterator[dict[str, Any]]:
+        """Submit a batch (:meth:`submit_batch`'s arguments) and yield each verdict as
+        it lands, in the order they finish; ends once no verdict is awaited. The
+        batch is cancelled when the iteration is (task cancelled, Ctrl-C)."""
+        batch_id = (await self.submit_batch(op_name, task_desc, candidates,
+                                            **fields))["batch_id"]
+        try:
+            async for verdict in self.stream_batch_verdicts(batch_id):
+                yield verdict
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            with contextlib.suppress(AIKGError):
+                await asyncio.shield(self.cancel_batch(batch_id))
+            raise
+
+    async def verify_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
+                           timeout: float = 1800, on_verdict: Any = None, **fields: Any
+                           ) -> list[dict[str, Any] | None]:
+        """See :meth:`AIKGClient.verify_batch`; the batch is cancelled when the waiting
+        task is. Raises TimeoutError after ``timeout`` seconds (the batch goes on)."""
+        batch_id = (await self.submit_batch(op_name, task_desc, candidates,
+                                            **fields))["batch_id"]
+        try:
+            async with asyncio.timeout(timeout):
+                async for verdict in self.stream_batch_verdicts(batch_id):
+                    if on_verdict is not None:
+                        on_verdict(verdict)
+        except TimeoutError:
+            raise TimeoutError(f"batch {batch_id} did not end within {timeout:g} s; it goes "
+                               "on (get_batch shows its verdicts)") from None
+        except (KeyboardInterrupt, asyncio.CancelledError):
+            with contextlib.suppress(AIKGError):
+                await asyncio.shield(self.cancel_batch(batch_id))
+            raise
+        return _in_candidate_order(await self.get_batch(batch_id))
+
     async def wait_for_completion(self, job_id: str, timeout: float = 1800,
                                   poll_interval: float = 1.0, progress: bool = True, *,
                                   on_status: Any = None, cancel_on_interrupt: bool = True,
@@ -440,6 +633,15 @@ def _raise_for_stream(response: httpx.Response) -> None:
     if response.status_code >= 400:
         response.read()
         _raise_for(response)
+
+
+def _verdict(sse: Any) -> dict[str, Any]:
+    """A batch stream's message: the verdict with its ``number``; ``{}`` for a keepalive."""
+    if not sse.data:
+        return {}
+    verdict = json.loads(sse.data)
+    verdict["number"] = int(sse.id) if sse.id else None
+    return verdict
 
 
 def _event(sse: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import atexit
 import contextlib
 import os
 import socket
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
 from services.common.jobs import heartbeats
-from services.common.records import unknown_shape_names
+from services.common.records import normalised_hash, unknown_shape_names
 from services.common.settings import Settings, load_settings, machine_arch
 from services.common.verdicts import VerdictWaiter
 
@@ -293,6 +293,84 @@ class RemoteWorker:
                 await waiter.stop()
         finally:
             self._in_flight -= 1
+
+    async def verify_many(self, task_desc: str, codes: Sequence[str], op_name: str, *,
+                          dsl: str = "triton", framework: str = "torch",
+                          shape_overrides: dict[str, Any] | None = None,
+                          timeout_s: float = 300.0, trials: int = 3, mode: str = "verify",
+                          job_id: str | None = None,
+                          on_verdict: Callable[[int, VerifyResult], Any] | None = None,
+                          ) -> list[VerifyResult]:
+        """Check every code of ``codes`` against ``task_desc``'s ``Model``; identical
+        ones (same normalised AST, :func:`services.common.records.normalised_hash`)
+        once, sharing the verdict.
+
+        All requests go out at once under one job id (``results.<job_id>``; default a
+        fresh one); the workers of the pair take them as they have devices free.
+
+        Args:
+            codes: candidate sources, each defining ``ModelNew``.
+            timeout_s, trials, mode: as :meth:`verify`, for each verification.
+            on_verdict: called with ``(index in codes, verdict)`` for each code as its
+                verdict lands (a duplicate right after its original).
+
+        Returns:
+            One verdict per code, in the order of ``codes``; a duplicate's is its
+            original's (``candidate_id`` the original's).
+
+        Raises:
+            NoWorkerError, ConnectionError, ValueError: as :meth:`verify` (a bad field
+                before anything is sent).
+            TimeoutError: no verdict landed for ``result_timeout_s`` seconds while some
+                were still awaited (the ones still queued stay queued).
+        """
+        if not codes:
+            return []
+        arch = await self._target_arch()
+        job_id = job_id or new_id("sdk-")
+        first: dict[str, int] = {}
+        original = [first.setdefault(normalised_hash(code), i) for i, code in enumerate(codes)]
+        requests = {i: build_request(
+            task_desc, codes[i], op_name, backend=self.backend or "", arch=arch, mode=mode,
+            dsl=dsl, framework=framework, shape_overrides=shape_overrides,
+            timeout_s=timeout_s, trials=trials, job_id=job_id,
+            candidate_id=f"{job_id}-c{i}") for i in sorted(set(original))}
+        nc = await self._connection()
+        js = nc.jetstream(timeout=10)
+        results: dict[int, VerifyResult] = {}
+        self._in_flight += len(requests)
+        try:
+            async with VerdictWaiter(js, job_id) as waiter:
+                for request in requests.values():
+                    try:
+                        await js.publish(subjects.verify(request.backend, request.arch),
+                                         encode(request),
+                                         headers={"Nats-Msg-Id": request.request_id})
+                    except (nats.js.errors.NotFoundError, nats.js.errors.NoStreamResponseError,
+                            nats.errors.NoRespondersError) as exc:
+                        raise ConnectionError(
+                            f"NATS at {self.nats_url} has no AIKG streams "
+                            f"({exc.__class__.__name__}): is it the server the AIKG workers "
+                            "use? (`aikg worker` creates them)") from exc
+                pending = {waiter.expect(r.request_id): i for i, r in requests.items()}
+                while pending:
+                    done, _ = await asyncio.wait(pending, timeout=self.result_timeout_s,
+                                                 return_when=asyncio.FIRST_COMPLETED)
+                    if not done:
+                        raise TimeoutError(
+                            f"no verdict for {len(pending)} of {len(requests)} requests of "
+                            f"{job_id} within {self.result_timeout_s:g} s: is a worker for "
+                            f"{self.backend}/{arch} running and free? (`aikg workers`)")
+                    for future in done:
+                        index = pending.pop(future)
+                        for i, source in enumerate(original):
+                            if source == index:
+                                results[i] = future.result()
+                                if on_verdict is not None:
+                                    on_verdict(i, results[i])
+        finally:
+            self._in_flight -= len(requests)
+        return [results[i] for i in range(len(codes))]
 
     async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
                       ) -> VerifyResult:

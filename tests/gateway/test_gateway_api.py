@@ -394,9 +394,13 @@ async def test_openapi_lists_every_route(client: httpx.AsyncClient) -> None:
     for path in ("/api/v1/jobs", "/api/v1/jobs/submit", "/api/v1/jobs/{job_id}",
                  "/api/v1/jobs/{job_id}/status", "/api/v1/jobs/{job_id}/cancel",
                  "/api/v1/jobs/{job_id}/events", "/api/v1/jobs/{job_id}/kernel",
-                 "/api/v1/workers", "/api/v1/workers/status", "/healthz", "/readyz"):
+                 "/api/v1/workers", "/api/v1/workers/status", "/healthz", "/readyz",
+                 "/api/v1/verify/batch", "/api/v1/verify/batch/{batch_id}",
+                 "/api/v1/verify/batch/{batch_id}/cancel",
+                 "/api/v1/verify/batch/{batch_id}/events"):
         assert path in paths, path
     assert "text/event-stream" in json.dumps(paths["/api/v1/jobs/{job_id}/events"])
+    assert "text/event-stream" in json.dumps(paths["/api/v1/verify/batch/{batch_id}/events"])
 
 
 async def test_gateway_stops_promptly_with_an_event_stream_open(

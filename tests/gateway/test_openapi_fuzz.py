@@ -93,7 +93,8 @@ def test_no_input_gets_a_server_error(api_schema, method: str, path: str) -> Non
         # Random ids only reach the 404 branch; the known (ended) job reaches the rest.
         strategies.append(operation.as_strategy(GenerationMode.POSITIVE,
                                                 path_parameters={"job_id": KNOWN_JOB}))
-    if method == "POST" and "submit" in path or (method, path) == ("POST", "/api/v1/jobs"):
+    if method == "POST" and "submit" in path or (method, path) in (
+            ("POST", "/api/v1/jobs"), ("POST", "/api/v1/verify/batch")):
         # Random task sources stop at the task check; a real one goes on to the worker
         # check, the record and the publish, with every other field generated.
         strategies.append(operation.as_strategy(GenerationMode.POSITIVE).map(_with_real_task))
