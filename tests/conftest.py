@@ -31,12 +31,17 @@ from services.common.settings import Settings, load_settings
 from tests.helpers import RELU_TASK, TIME_SCALE, scaled  # noqa: F401 - RELU_TASK re-exported
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Scale every test's pytest-timeout limit (its ``timeout`` mark, else ``--timeout`` or
-    the ini's) by
-    ``AIKG_TEST_TIME_SCALE`` (tests/helpers.py), like the deadlines the tests wait under."""
+    """Mark every test of the ``tests/e2e/`` layer ``slow`` (several services end to end:
+    ``make test-fast`` leaves them out), and scale every test's pytest-timeout limit (its
+    ``timeout`` mark, else ``--timeout`` or the ini's) by ``AIKG_TEST_TIME_SCALE``
+    (tests/helpers.py), like the deadlines the tests wait under. Runs before pytest's
+    own ``-m`` selection."""
     default = float(config.getoption("timeout", None) or config.getini("timeout") or 0)
     for item in items:
+        if item.path.parent.name == "e2e":
+            item.add_marker(pytest.mark.slow)
         mark = item.get_closest_marker("timeout")
         limit = float(mark.args[0] if mark.args else mark.kwargs.get("timeout", default)) \
             if mark else default
