@@ -305,7 +305,7 @@ async def running_gateway(settings: Settings, timeout_s: float = 15.0) -> AsyncI
     task = asyncio.create_task(serve_gateway(settings, stop), name="test-gateway")
     base = f"http://{settings.gateway_host}:{settings.gateway_port}"
     try:
-        async with httpx.AsyncClient(base_url=base, timeout=2.0) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=scaled(2.0)) as client:
             timeout_s = scaled(timeout_s)
             deadline = asyncio.get_running_loop().time() + timeout_s
             while True:

@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from services.common.bus import Bus
+from tests.helpers import scaled
 
 
 @pytest.fixture
@@ -25,7 +26,7 @@ def job(relu_task: str):
 @pytest.fixture
 async def client(gateway: str) -> httpx.AsyncClient:
     """An HTTP client of the test's gateway."""
-    async with httpx.AsyncClient(base_url=gateway, timeout=10.0) as c:
+    async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10.0)) as c:
         yield c
 
 

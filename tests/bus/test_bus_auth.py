@@ -360,7 +360,7 @@ async def test_each_service_gets_replies_only_on_its_own_inbox(settings: Setting
             assert entry.value == b'{"task": "secret source"}'
         watcher = await services["gateway"].jobs.watch("job-1")
         try:
-            update = await watcher.updates(timeout=10)
+            update = await watcher.updates(timeout=scaled(10))
             assert update is not None and update.value == b'{"task": "secret source"}'
         finally:
             await watcher.stop()
@@ -388,7 +388,7 @@ async def test_a_worker_binds_the_provisioned_consumer_but_cannot_change_it(
         assert made.max_deliver == settings.verify_max_deliver + 1
         assert made.ack_wait == pytest.approx(settings.verify_ack_wait_s)
         await bus.js.publish(subject, b"{}", headers={"Nats-Msg-Id": "v-1"})
-        (msg,) = await psub.fetch(1, timeout=10)
+        (msg,) = await psub.fetch(1, timeout=scaled(10))
         await msg.ack()
         await psub.unsubscribe()
     finally:
@@ -418,14 +418,14 @@ async def test_a_worker_binds_the_provisioned_consumer_but_cannot_change_it(
         # anything that is no lane.
         ask = {"stream": subjects.STREAM_VERIFY, "subject": subject, "config": forged.as_dict()}
         reply = await client.nc.request(subjects.PROVISION_CONSUMER, json.dumps(ask).encode(),
-                                        timeout=10)
+                                        timeout=scaled(10))
         assert json.loads(reply.data) == {"consumer": durable}
         for stream, lane in ((subjects.STREAM_VERIFY, f"{subject}.acme.high"),
                              (subjects.STREAM_VERIFY, "verify.cpu"),
                              (f"KV_{subjects.BUCKET_JOBS}", "$KV.jobs.>")):
             reply = await client.nc.request(
                 subjects.PROVISION_CONSUMER,
-                json.dumps({"stream": stream, "subject": lane}).encode(), timeout=10)
+                json.dumps({"stream": stream, "subject": lane}).encode(), timeout=scaled(10))
             assert "error" in json.loads(reply.data), lane
     finally:
         await client.close()

@@ -76,7 +76,7 @@ class Cluster:
     async def meta_leader(self, timeout_s: float = 30.0) -> str:
         """Name of the JetStream meta leader, once every live node agrees on one."""
         deadline = time.monotonic() + scaled(timeout_s)
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with httpx.AsyncClient(timeout=scaled(2.0)) as client:
             while time.monotonic() < deadline:
                 leaders = set()
                 for node in self.nodes.values():
@@ -171,7 +171,7 @@ async def read_all(bus: Bus, subject: str) -> list[bytes]:
     out = []
     try:
         while True:
-            msg = await sub.next_msg(timeout=2.0)
+            msg = await sub.next_msg(timeout=scaled(2.0))
             out.append(msg.data)
     except Exception:  # noqa: BLE001 - timeout: the history is read
         pass
@@ -266,7 +266,7 @@ async def test_fifty_jobs_survive_a_node_kill_and_restart(
             assert (await bus.js.stream_info(name)).config.num_replicas == 3, name
         async with services(settings, bus) as (url, check):
             up = time.monotonic()
-            async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+            async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
                 submits = []
                 victim = ""
                 for i, job_id in enumerate(job_ids):

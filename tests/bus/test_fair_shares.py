@@ -33,7 +33,7 @@ from services.worker.service import run_worker
 from services.worker.verifier import Verifier
 from tests import helpers
 from tests.conftest import TEST_WORKER_IDS
-from tests.helpers import RELU_KERNEL, RELU_TASK, services_running, wait_terminal
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, services_running, wait_terminal
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b"}
 
@@ -225,7 +225,7 @@ async def test_timeout_above_the_tenants_cap_is_refused(tmp_path: Path, settings
         settings, tenants_file=tenants_toml(tmp_path, team_a={"max_timeout_s": 120}))
     await fake_worker_heartbeat(bus)
     url = await start_gateway(settings)
-    async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
         r = await client.post("/api/v1/jobs/submit", headers=auth("team_a"),
                               json=builtin_job(RELU_TASK, timeout_s=300))
         assert r.status_code == 403, r.text
@@ -267,7 +267,7 @@ async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
                                        lowering_timeout_s=hang_s)
     url = await start_gateway(settings)
     async with services_running(settings, bus), \
-            httpx.AsyncClient(base_url=url, timeout=15) as client:
+            httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
 
         async def run_b(task: str) -> tuple[dict, float]:
             started = time.monotonic()

@@ -20,6 +20,7 @@ from services.common.lanes import LanePull, lane_config
 from services.common.pull_loop import Delivery, PullLoop
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings
+from tests.helpers import scaled
 
 ACK_WAIT_S = 2.0
 MAX_DELIVER = 4
@@ -282,7 +283,7 @@ async def test_malformed_and_over_delivered_messages_are_dead_lettered(bus: Bus)
     psub = await bus.js.pull_subscribe_bind(durable=subjects.CONSUMER_GENERATOR,
                                             stream=subjects.STREAM_JOBS)
     for n in range(1, MAX_DELIVER + 1):  # each taker died before finishing it
-        (msg,) = await psub.fetch(1, timeout=10)
+        (msg,) = await psub.fetch(1, timeout=scaled(10))
         assert msg.metadata.num_delivered == n
         await msg.nak()
     await psub.unsubscribe()
@@ -316,7 +317,7 @@ async def test_malformed_and_over_delivered_messages_are_dead_lettered(bus: Bus)
     assert whys["malformed"][1].startswith("malformed test message: ")
     dlq = subjects.dlq(subjects.JOBS_SUBMIT)
     sub = await bus.js.subscribe(dlq, ordered_consumer=True)
-    moved = [await sub.next_msg(timeout=10) for _ in range(2)]
+    moved = [await sub.next_msg(timeout=scaled(10)) for _ in range(2)]
     await sub.unsubscribe()
     by_data = {m.data: m.headers for m in moved}
     poison = by_data[b'{"job": "poison"}']

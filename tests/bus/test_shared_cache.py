@@ -20,7 +20,7 @@ from services.common.settings import Settings
 from services.worker.cache import CACHE_FORMAT, Baseline, SharedCache, Versions, baseline_key
 from services.worker.verifier import Verifier
 from tests.conftest import as_role
-from tests.helpers import BUNDLED_RELU_TASK
+from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 SHAPES = {"batch_size": 16, "dim": 1024}
 VERSIONS = Versions(torch="2.13.0", cuda="12.8", driver="570.1", default_dtype="float32")
@@ -94,7 +94,7 @@ async def test_only_workers_may_touch_the_shared_cache(
     for role in ("gateway", "generator"):
         other = await connect_bus(as_role(settings, role), f"test-{role}")
         try:
-            js = other.nc.jetstream(timeout=1.0)
+            js = other.nc.jetstream(timeout=scaled(1.0))
             with pytest.raises((nats.errors.TimeoutError, nats.errors.Error)):
                 kv = await js.key_value(subjects.BUCKET_BASELINES)
                 await kv.put("forged", b"{}")

@@ -38,7 +38,7 @@ from services.generator.lowering import lower_task
 from services.worker.service import Worker, run_worker
 from services.worker.verifier import Verifier
 from tests.conftest import lend_verifier
-from tests.helpers import BUNDLED_RELU_TASK
+from tests.helpers import BUNDLED_RELU_TASK, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RELU_TASK = BUNDLED_RELU_TASK
@@ -190,7 +190,7 @@ async def running_worker(settings: Settings, bus: Bus, *, verifier: Verifier | N
 
 
 async def worker_status(bus: Bus, worker_id: str) -> dict[str, Any]:
-    reply = await bus.nc.request(f"{subjects.worker_service(worker_id)}.status", b"", timeout=10)
+    reply = await bus.nc.request(f"{subjects.worker_service(worker_id)}.status", b"", timeout=scaled(10))
     return json.loads(reply.data)
 
 
@@ -216,7 +216,7 @@ async def stream_messages(bus: Bus, subject: str, expect: int,
         deadline = time.monotonic() + timeout_s
         while len(out) < expect and time.monotonic() < deadline:
             with contextlib.suppress(nats.errors.TimeoutError, asyncio.TimeoutError):
-                out.append(await sub.next_msg(timeout=0.5))
+                out.append(await sub.next_msg(timeout=scaled(0.5)))
     finally:
         await sub.unsubscribe()
     return out
@@ -323,7 +323,7 @@ async def test_drain_finishes_in_flight_work_then_leaves_workers_bucket(
         await poll(lambda: lease_keys(bus, ws.worker_id), 60, "lease while running")
 
         reply = await bus.nc.request(f"{subjects.worker_service(ws.worker_id)}.drain", b"",
-                                     timeout=10)
+                                     timeout=scaled(10))
         answer = json.loads(reply.data)
         assert answer == {"worker_id": ws.worker_id, "status": "draining", "in_flight": 1}
         later = request_body(settings, "job-after-drain")
@@ -362,7 +362,7 @@ async def test_dead_lettered_requests_tell_their_jobs_and_the_next_is_served(
     body = request_body(settings, "job-poison")
     await publish_request(bus, settings, body)
     for n in range(1, max_deliver + 1):
-        (msg,) = await psub.fetch(1, timeout=10)
+        (msg,) = await psub.fetch(1, timeout=scaled(10))
         assert msg.metadata.num_delivered == n
         await msg.nak()
     await psub.unsubscribe()

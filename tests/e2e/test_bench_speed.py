@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import scaled
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,7 +29,7 @@ def test_bench_speed_prints_every_figure_with_its_phases() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "bench.speed", "--burst", "2", "--cold", "1", "--seq", "1",
          "--jobs", "2", "--checks", "1"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
-        capture_output=True, text=True, timeout=540)
+        capture_output=True, text=True, timeout=scaled(540))
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
     assert re.search(r"^\(a\) burst of 2 one-trial verifications through the bus: [\d.]+ s each "

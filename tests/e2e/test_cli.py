@@ -463,7 +463,7 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
         task = tmp_path / "relu.py"
         task.write_text(relu_task)
         code, out, err = await aikg("submit", str(task), "--wait", "--timeout", "400",
-                                    "--gateway", f"http://127.0.0.1:{port}", timeout=450)
+                                    "--gateway", f"http://127.0.0.1:{port}", timeout=scaled(450))
         assert code == 0, out + err
         assert proc.returncode is None, "aikg up stopped"
         async with httpx.AsyncClient() as client:
@@ -485,7 +485,7 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
 async def test_demo_is_the_main_job_end_to_end() -> None:
     """`make run` = `aikg demo tasks/relu.py`: a throw-away stack, a passed verdict and the
     kernel on stdout, and nothing left behind when the job passed."""
-    code, out, err = await aikg("demo", "tasks/relu.py", timeout=600)
+    code, out, err = await aikg("demo", "tasks/relu.py", timeout=scaled(600))
     assert code == 0, out + err
     assert "completed" in out and "passed" in out
     assert "@triton.jit" in out and "class ModelNew" in out

@@ -17,6 +17,7 @@ import pytest
 from schemas import JobEvent, JobResult, VerifyResult, encode, subjects
 from services.common.bus import Bus, JobStore
 from services.common.jobs import publish_event
+from tests.helpers import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCRIPT = Path(sys.executable).parent / "aikg"
@@ -196,7 +197,7 @@ async def test_run_verifies_relu_with_no_nats_and_no_network() -> None:
     machine permits) no network namespace at all."""
     prefix = _no_network_prefix()
     code, out, err = await aikg("run", "tasks/relu.py", "--shape", "batch_size=8",
-                                timeout=240, prefix=prefix)
+                                timeout=scaled(240), prefix=prefix)
     assert code == 0, err
     assert "passed" in out and "not passed" not in out
     assert "@triton.jit" in out and "class ModelNew" in out
@@ -212,7 +213,7 @@ async def test_verify_checks_your_own_kernel(tmp_path: Path) -> None:
     good = tmp_path / "good.py"
     good.write_text(RELU_KERNEL)
     code, out, err = await aikg("verify", task, str(good), *small, "--trials", "1", "--json",
-                                timeout=240)
+                                timeout=scaled(240))
     assert code == 0, err
     result = json.loads(out)
     assert result["passed"] and result["trials"] == 1 and result["stage"] is None, result
@@ -220,7 +221,7 @@ async def test_verify_checks_your_own_kernel(tmp_path: Path) -> None:
     # A kernel that hands tensor data to numpy: refused, with the line and the reason.
     bad = tmp_path / "bad.py"
     bad.write_text(RELU_KERNEL + "\n\ndef peek(t):\n    return t.numpy()\n")
-    code, out, err = await aikg("verify", task, str(bad), *small, timeout=240)
+    code, out, err = await aikg("verify", task, str(bad), *small, timeout=scaled(240))
     assert code == 1, err
     assert "not passed" in out or "static" in out, out
     assert ".numpy used (it hands tensor data to numpy or Python" in out, out

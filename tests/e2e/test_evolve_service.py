@@ -61,7 +61,7 @@ async def test_evolve_job_over_http_with_the_builtin_coder(settings: Settings, b
                                                            gateway: str) -> None:
     settings = msgspec.structs.replace(settings, worker_devices="0,1")
     async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
-                                                                  timeout=10) as client:
+                                                                  timeout=scaled(10)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "relu", "task_desc": RELU, "backend": "cpu", **EVOLVE})
         assert resp.status_code == 200, resp.text
@@ -84,7 +84,7 @@ async def test_evolve_job_with_a_scripted_llm(settings: Settings, bus: Bus, gate
         llm = msgspec.structs.replace(settings, worker_devices="0,1", llm_base_url=fake.url,
                                       llm_model="fake-coder")
         async with services_running(llm, bus), httpx.AsyncClient(base_url=gateway,
-                                                                 timeout=10) as client:
+                                                                 timeout=scaled(10)) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
                 "op_name": "relu", "task_desc": RELU, "backend": "cpu", "coder": "llm",
                 **EVOLVE})
@@ -170,7 +170,7 @@ async def test_generator_killed_in_round_2_keeps_every_verified_candidate(
         sub = await bus.js.subscribe(subjects.job_events(job_id), ordered_consumer=True)
         with contextlib.suppress(Exception):
             while True:
-                msg = await sub.next_msg(timeout=0.5)
+                msg = await sub.next_msg(timeout=scaled(0.5))
                 if decode(msg.data, dict).get("event") == "completed":
                     completed.append(msg)
         await sub.unsubscribe()
@@ -222,7 +222,7 @@ async def test_evolve_job_tunes_a_matmul_schedules_launch_parameters(
     job record keeps every point tried with its verdict, and the best is verified."""
     settings = msgspec.structs.replace(settings, worker_devices="0,1")
     async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
-                                                                  timeout=10) as client:
+                                                                  timeout=scaled(10)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "matmul_relu", "task_desc": MATMUL_TASK, "backend": "cpu",
             "job_type": "evolve", "max_rounds": 2, "parallel_num": 3, "num_islands": 1,

@@ -110,7 +110,7 @@ async def test_default_workflow_uses_designer_and_conductor(
         settings: Settings, bus: Bus, gateway: str) -> None:
     with FakeLLM(fake_llm.repair_script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
-            async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "workflow": "default_workflow", "init_code": SOFTMAX_BROKEN})
@@ -144,7 +144,7 @@ async def test_cancel_during_generation_stops_the_llm_call_and_verification(
     script = [Reply(content=fenced(SOFTMAX_FIXED), delay_s=30)]
     with FakeLLM(script) as fake:
         async with services_running(llm_settings(settings, fake), bus):
-            async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "coder": "llm", "init_code": SOFTMAX_BROKEN, "max_attempts": 5})
@@ -187,7 +187,7 @@ async def test_cancel_during_generation_stops_the_llm_call_and_verification(
 async def test_llm_job_without_an_llm_fails_saying_what_to_set(
         settings: Settings, bus: Bus, gateway: str) -> None:
     async with services_running(settings, bus):
-        async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
+        async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
                 "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                 "coder": "llm"})
@@ -205,7 +205,7 @@ async def test_an_llm_that_never_answers_fails_the_job_clearly(
         slow = llm_settings(settings, fake, llm_max_retries=1)
         slow = msgspec.structs.replace(slow, llm_timeout_s=1.0)
         async with services_running(slow, bus):
-            async with httpx.AsyncClient(base_url=gateway, timeout=10) as client:
+            async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
                     "coder": "llm", "init_code": SOFTMAX_BROKEN})

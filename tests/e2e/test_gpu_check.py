@@ -17,7 +17,7 @@ import torch
 
 from bench import gpu_check
 from services.generator.lowering import lower_task
-from tests.helpers import ROOT
+from tests.helpers import ROOT, scaled
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present")
 
@@ -25,7 +25,7 @@ needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is p
 @needs_no_cuda
 def test_exits_2_and_says_why_without_cuda() -> None:
     run = subprocess.run([sys.executable, "-m", "bench.gpu_check"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=scaled(120))
     assert run.returncode == 2, run.stdout + run.stderr
     assert "gpu_check: cannot run here:" in run.stderr
     assert "CUDA" in run.stderr or "GPU" in run.stderr
@@ -59,7 +59,7 @@ def test_evolve_part_runs_end_to_end_on_a_cpu_stack(tmp_path, capsys) -> None:
 
 
 async def test_corpus_part_runs_on_the_cpu_backend(capsys) -> None:
-    args = argparse.Namespace(device="0", arch=None, timeout=120.0)
+    args = argparse.Namespace(device="0", arch=None, timeout=scaled(120.0))
     checks = await gpu_check.corpus_checks(
         args, backend="cpu", only=["relu_wrong_above_six", "elementwise_relu"])
     assert [(name, held, got) for name, _, held, got in checks] == [

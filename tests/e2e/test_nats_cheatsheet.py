@@ -23,6 +23,7 @@ from schemas import JobRecord, VerifyRequest, decode, subjects
 from services.common.bus import Bus
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
+from tests.helpers import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -143,7 +144,7 @@ async def test_every_cheat_sheet_line_works(settings: Settings, bus: Bus, tmp_pa
         seen = []
         with contextlib.suppress(Exception):
             while True:
-                msg = await events.next_msg(timeout=1.0)
+                msg = await events.next_msg(timeout=scaled(1.0))
                 seen.append((msg.subject, json.loads(msg.data)["event"]))
         assert seen[0] == (f"jobs.events.{job_id}", "submitted")
         assert ("jobs.events." + job_id, "completed") in seen
@@ -163,7 +164,7 @@ async def test_every_cheat_sheet_line_works(settings: Settings, bus: Bus, tmp_pa
         req = cmds["req"]
         status_subject = req[2].replace("WORKER_ID", real)
         assert status_subject in [e["subject"] for e in info["endpoints"]]
-        reply = await nc.request(status_subject, req[3].encode(), timeout=5)
+        reply = await nc.request(status_subject, req[3].encode(), timeout=scaled(5))
         status = json.loads(reply.data)
         assert status["worker_id"] == real and status["leases"] == []
         kv_worker = sheet["kv get"][1]

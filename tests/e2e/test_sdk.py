@@ -37,7 +37,13 @@ from services.sdk import (
 )
 from services.sdk import client as client_module
 from tests.conftest import as_role
-from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, WRONG_RELU_KERNEL, services_running
+from tests.helpers import (
+    BUNDLED_RELU_TASK,
+    RELU_KERNEL,
+    WRONG_RELU_KERNEL,
+    scaled,
+    services_running,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 RELU = BUNDLED_RELU_TASK
@@ -136,7 +142,7 @@ async def test_wait_for_completion_cancels_on_ctrl_c_and_times_out(
             job_id = client.submit_job(op_name="relu", task_desc=RELU)
             monkeypatch.setattr(client_module.time, "sleep", interrupted)
             with pytest.raises(KeyboardInterrupt):
-                client.wait_for_completion(job_id, timeout=60)
+                client.wait_for_completion(job_id, timeout=scaled(60))
             return waiting, job_id
 
     waiting, job_id = await asyncio.to_thread(run)
@@ -405,5 +411,5 @@ def test_sdk_import_is_light() -> None:
     """Importing the SDK (for AIKGClient) does not import torch."""
     code = "import sys, services.sdk; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT,
-                                       capture_output=True, text=True, timeout=60)
+                                       capture_output=True, text=True, timeout=scaled(60))
     assert out.stdout.strip() == "False", out.stderr

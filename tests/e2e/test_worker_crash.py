@@ -389,7 +389,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
         psub = await durable_pull(bus.js, stream=subjects.STREAM_VERIFY, subject=subject,
                                   durable=subjects.verify_consumer("cpu", settings.arch),
                                   ack_wait_s=ack_wait, max_deliver=4)
-        (msg,) = await psub.fetch(1, timeout=10)
+        (msg,) = await psub.fetch(1, timeout=scaled(10))
         assert time.monotonic() - signalled < 20
         assert json.loads(msg.data)["request_id"] == request_id
         assert msg.metadata.num_delivered == 2

@@ -52,7 +52,7 @@ async def _gateways(start_gateway, settings: Settings, n: int):
             port = settings.gateway_port if i == 0 else free_port()
             url = await start_gateway(msgspec.structs.replace(settings, gateway_port=port))
             clients.append(await stack.enter_async_context(
-                httpx.AsyncClient(base_url=url, timeout=30)))
+                httpx.AsyncClient(base_url=url, timeout=scaled(30))))
         yield clients
 
 
@@ -234,11 +234,11 @@ async def test_jobs_that_cannot_run_fail_once_with_the_real_reason(
         # No stream takes it: no acknowledgement (the generator's wake-up subscription
         # hears it, so the publish times out rather than finding no responders).
         with pytest.raises((nats.errors.NoRespondersError, nats.errors.TimeoutError)):
-            await bus.js.publish("jobs.submit.team_a.urgent", b"{}", timeout=2)
+            await bus.js.publish("jobs.submit.team_a.urgent", b"{}", timeout=scaled(2))
         dlq = await bus.js.subscribe("dlq.jobs.submit.team-a.normal", durable=None)
         try:
             await bus.js.publish("jobs.submit.team-a.normal", json.dumps(job("bad")).encode())
-            moved = await dlq.next_msg(timeout=30)
+            moved = await dlq.next_msg(timeout=scaled(30))
             assert "no tenant name" in moved.headers["Aikg-Dlq-Reason"]
             # The copy goes first, then the original is deleted from JOBS.
             for _ in range(100):

@@ -23,7 +23,7 @@ from services.common.bus import Bus
 from services.common.settings import Settings
 from services.gateway.batches import plan_candidates
 from tests.gateway.test_tenants import auth, gateway, tenants_file
-from tests.helpers import RELU_KERNEL, RELU_TASK, WRONG_RELU_KERNEL
+from tests.helpers import RELU_KERNEL, RELU_TASK, WRONG_RELU_KERNEL, scaled
 
 
 async def queued_requests(bus: Bus, subject: str) -> list[VerifyRequest]:
@@ -59,7 +59,7 @@ async def test_bad_batches_are_refused_with_the_field_named(
     await fake_worker_heartbeat(bus)
     settings = msgspec.structs.replace(settings, batch_max_candidates=3)
     url = await start_gateway(settings)
-    async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
         cases = {
             "empty": (batch([]), 400, "candidates"),
             "missing": ({"op_name": "relu", "task_desc": RELU_TASK}, 400, "candidates"),
@@ -90,7 +90,7 @@ async def test_duplicates_are_sent_once_and_cancel_takes_back_what_did_not_start
     url = await start_gateway(settings)
     codes = [RELU_KERNEL, WRONG_RELU_KERNEL, RELU_KERNEL + "\n# the same kernel\n",
              RELU_KERNEL.replace("1024", "512")]
-    async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
         r = await client.post("/api/v1/verify/batch", json=batch(codes, batch_id="b-dup"))
         assert r.status_code == 200, r.text
         answer = r.json()

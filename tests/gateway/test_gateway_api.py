@@ -324,7 +324,7 @@ async def test_events_send_keepalive_comments(client: httpx.AsyncClient, cpu_wor
 
 async def follow_events(client: httpx.AsyncClient, job_id: str, got: list[dict]) -> None:
     """Appends each event of the job's SSE stream to ``got`` as it arrives."""
-    async with httpx.AsyncClient(base_url=str(client.base_url), timeout=10) as c:
+    async with httpx.AsyncClient(base_url=str(client.base_url), timeout=scaled(10)) as c:
         async with c.stream("GET", f"/api/v1/jobs/{job_id}/events") as r:
             async for e in _iter_sse(r):
                 got.append(e)
@@ -378,7 +378,7 @@ async def test_new_routes_want_the_token(start_gateway, settings: Settings, bus:
     await fake_worker_heartbeat(bus)
     url = await start_gateway(msgspec.structs.replace(settings, api_token="tok"))
     good = {"Authorization": "Bearer tok"}
-    async with httpx.AsyncClient(base_url=url, timeout=10) as c:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(10)) as c:
         job_id = (await c.post("/api/v1/jobs", json=job(), headers=good)).json()["job_id"]
         for method, path in (("GET", "/api/v1/jobs"), ("POST", f"/api/v1/jobs/{job_id}/cancel"),
                              ("GET", f"/api/v1/jobs/{job_id}/kernel"),
@@ -413,7 +413,7 @@ async def test_gateway_stops_promptly_with_an_event_stream_open(
     stop = asyncio.Event()
     serving = asyncio.create_task(gateway_app.serve_gateway(settings, stop))
     base = f"http://127.0.0.1:{settings.gateway_port}"
-    async with httpx.AsyncClient(base_url=base, timeout=10) as c:
+    async with httpx.AsyncClient(base_url=base, timeout=scaled(10)) as c:
         for _ in range(200):
             with contextlib.suppress(httpx.TransportError):
                 if (await c.get("/healthz")).status_code == 200:
@@ -429,7 +429,7 @@ async def test_gateway_stops_promptly_with_an_event_stream_open(
 async def test_nats_gone_answers_503_with_retry_after(nats_server, gateway: str) -> None:
     """With the NATS server killed, routes that need it answer 503 (retry), never 500."""
     nats_server.kill()
-    async with httpx.AsyncClient(base_url=gateway, timeout=30) as client:
+    async with httpx.AsyncClient(base_url=gateway, timeout=scaled(30)) as client:
         # Wait until the gateway's NATS client has noticed the closed socket.
         for _ in range(500):
             if (await client.get("/readyz")).status_code == 503:

@@ -14,6 +14,7 @@ from services.common.bus import Bus
 from services.common.settings import Settings, load_settings
 from services.gateway.app import create_app
 from services.gateway.errors import NATS_TROUBLE
+from tests.helpers import scaled
 
 
 async def test_routes_answer_503_before_nats_is_connected() -> None:
@@ -44,7 +45,7 @@ async def test_nats_error_raised_in_a_route_is_503_naming_the_route(
 
     @get("/nobody-answers")
     async def nobody_answers(state: State) -> str:
-        await state.bus.nc.request("aikg.test.nobody", b"", timeout=0.5)
+        await state.bus.nc.request("aikg.test.nobody", b"", timeout=scaled(0.5))
         return "unreachable"
 
     app = create_app(settings, bus)

@@ -32,7 +32,7 @@ from services.generator.service import run_generator
 from services.sdk.client import AsyncAIKGClient
 from services.worker.service import Worker
 from tests.conftest import lend_verifier
-from tests.helpers import RELU_KERNEL, RELU_TASK, started_generator_pull
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, started_generator_pull
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b", "team_c": "tok-c"}
 
@@ -66,7 +66,7 @@ def auth(tenant: str) -> dict[str, str]:
 @contextlib.asynccontextmanager
 async def gateway(start_gateway, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     url = await start_gateway(settings)
-    async with httpx.AsyncClient(base_url=url, timeout=15) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
         yield client
 
 

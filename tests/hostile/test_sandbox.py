@@ -26,7 +26,7 @@ import pytest
 from schemas import VerifyRequest
 from services.sandbox.pool import MECHANISMS
 from services.worker.verifier import Verifier
-from tests.helpers import RELU_KERNEL, ROOT, services_running, wait_terminal
+from tests.helpers import RELU_KERNEL, ROOT, scaled, services_running, wait_terminal
 
 SECRET = "sk-sandbox-test-secret"
 DB_URL = "postgres://aikg:hunter2@db.internal/aikg"
@@ -216,7 +216,7 @@ async def test_task_code_in_the_generator_through_the_gateway(
     gateway = await start_gateway(settings)
     task = FACTS_TASK.format(secret=SECRET, port=nats_server.port)
     async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
-                                                                  timeout=10) as client:
+                                                                  timeout=scaled(10)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "facts", "task_desc": task, "backend": "cpu", "arch": settings.arch})
         assert resp.status_code in (200, 201, 202), resp.text
@@ -248,7 +248,7 @@ async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gate
         return time.monotonic() - started
 
     async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
-                                                                  timeout=10) as client:
+                                                                  timeout=scaled(10)) as client:
         await timed(client)  # warm: the first job pays for the worker's first reference
         idle = await timed(client)
         hung = [await job(client, op_name="hang", task_desc=HANGING_TASK) for _ in range(2)]
@@ -267,7 +267,7 @@ def test_aikg_run_lowers_in_the_sandbox(tmp_path, secret_env, nats_server) -> No
     task.write_text(FACTS_TASK.format(secret=SECRET, port=nats_server.port))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "services.cli", "run", str(task), "--json"],
-                          capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=scaled(240), env=env, cwd=tmp_path)
     assert proc.returncode != 0
     assert_confined(facts_of(proc.stdout + proc.stderr))
 

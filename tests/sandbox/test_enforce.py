@@ -17,6 +17,8 @@ import textwrap
 
 import pytest
 
+from tests.helpers import scaled
+
 COMPUTE_SCRIPT = textwrap.dedent("""
     import json, threading
     import torch
@@ -111,7 +113,7 @@ THREADS_SCRIPT = textwrap.dedent("""
 
 def run(script: str) -> dict:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+                          timeout=scaled(300), check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
