@@ -201,3 +201,17 @@ async def started_generator_pull(bus: Bus):
                     config_of=lambda s, d: lane_config(s, d, ack_wait_s=30, max_deliver=3))
     await pull.start()
     return pull
+
+
+async def poll_until(check, timeout_s: float, what: str, every_s: float = 0.1):
+    """Await ``check()`` every ``every_s`` seconds until it returns something truthy, and
+    return that; TimeoutError naming ``what`` after ``scaled(timeout_s)`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + scaled(timeout_s)
+    while True:
+        value = await check()
+        if value:
+            return value
+        if loop.time() > deadline:
+            raise TimeoutError(f"{what}: not within {scaled(timeout_s):g} s")
+        await asyncio.sleep(every_s)

@@ -21,7 +21,7 @@ import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ from services.generator.lowering import lower_task
 from services.worker.service import Worker, run_worker
 from services.worker.verifier import Verifier
 from tests.conftest import lend_verifier
-from tests.helpers import BUNDLED_RELU_TASK, scaled
+from tests.helpers import BUNDLED_RELU_TASK, poll_until, scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 RELU_TASK = BUNDLED_RELU_TASK
@@ -97,19 +97,6 @@ async def publish_request(bus: Bus, settings: Settings, body: dict[str, Any] | b
     await bus.js.publish(subjects.verify("cpu", settings.arch), data, headers=headers)
 
 
-async def poll(check: Callable[[], Awaitable[Any]], timeout_s: float, what: str,
-               every_s: float = 0.1) -> Any:
-    """Await ``check()`` until it returns something truthy; that value is returned."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        await asyncio.sleep(every_s)
-
-
 class Results:
     """Every VerifyResult published on ``results.>`` while the test runs, by job id."""
 
@@ -130,7 +117,7 @@ class Results:
             got = self.by_job.get(job_id, [])
             return got if len(got) >= count else None
 
-        return await poll(enough, timeout_s, f"{count} result(s) for {job_id}")
+        return await poll_until(enough, timeout_s, f"{count} result(s) for {job_id}")
 
 
 @pytest.fixture
@@ -182,7 +169,7 @@ async def running_worker(settings: Settings, bus: Bus, *, verifier: Verifier | N
         return False
 
     try:
-        await poll(beating, START_TIMEOUT_S, "worker heartbeat")
+        await poll_until(beating, START_TIMEOUT_S, "worker heartbeat")
         yield worker_settings, task
     finally:
         stop.set()
@@ -256,7 +243,7 @@ async def test_raw_request_gets_passed_result_and_status_answers(
         assert result.worker_id == ws.worker_id and result.device == "0"
         assert result.interpreted is True and result.speedup is None
         assert result.trials == 3 and result.duration_s > 0
-        await poll(lambda: queue_drained(bus, settings), 10, "request acked")
+        await poll_until(lambda: queue_drained(bus, settings), 10, "request acked")
         assert await lease_keys(bus, ws.worker_id) == set()
 
         # A hand-written created_at without a UTC offset decodes as a naive datetime;
@@ -283,7 +270,7 @@ async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
             status = await worker_status(bus, ws.worker_id)
             return status if status["in_flight"] == 2 and len(status["leases"]) == 2 else None
 
-        status = await poll(both_busy, 60, "two verifications in flight")
+        status = await poll_until(both_busy, 60, "two verifications in flight")
         assert {lease["device"] for lease in status["leases"]} == {"0", "1"}
         assert {lease["request_id"] for lease in status["leases"]} <= \
             {b["request_id"] for b in bodies}
@@ -293,7 +280,7 @@ async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
         async def both_leased() -> bool:
             return await lease_keys(bus, ws.worker_id) == held
 
-        await poll(both_leased, 10, "both leases in the leases bucket")
+        await poll_until(both_leased, 10, "both leases in the leases bucket")
         entry = await bus.leases.get(f"{ws.worker_id}.0")
         lease = json.loads(entry.value)
         assert lease["worker_id"] == ws.worker_id and lease["job_id"].startswith("job-cap-")
@@ -320,7 +307,7 @@ async def test_drain_finishes_in_flight_work_then_leaves_workers_bucket(
     async with running_worker(settings, bus, verifier=shared_verifier) as (ws, task):
         busy = request_body(settings, "job-drain", slow_candidate(3.0), trials=1)
         await publish_request(bus, settings, busy)
-        await poll(lambda: lease_keys(bus, ws.worker_id), 60, "lease while running")
+        await poll_until(lambda: lease_keys(bus, ws.worker_id), 60, "lease while running")
 
         reply = await bus.nc.request(f"{subjects.worker_service(ws.worker_id)}.drain", b"",
                                      timeout=scaled(10))
@@ -375,7 +362,7 @@ async def test_dead_lettered_requests_tell_their_jobs_and_the_next_is_served(
                               verify_max_deliver=max_deliver):
         (result,) = await results.wait("job-poison")
         (served,) = await results.wait("job-good")
-        await poll(lambda: queue_drained(bus, settings), 10, "all three acked")
+        await poll_until(lambda: queue_drained(bus, settings), 10, "all three acked")
 
     assert served.passed, (served.stage, served.error)
     assert result.passed is False and result.stage == "infrastructure"
@@ -411,7 +398,7 @@ async def test_request_of_cancelled_job_is_acked_without_running(
         (result,) = await results.wait("job-live")
         assert result.passed, (result.stage, result.error)
         assert time.monotonic() - started < 30
-        await poll(lambda: queue_drained(bus, settings), 10, "both acked")
+        await poll_until(lambda: queue_drained(bus, settings), 10, "both acked")
         assert "job-cancelled" not in results.by_job
         with pytest.raises(nats.js.errors.NotFoundError):
             await bus.js.get_last_msg(subjects.STREAM_RESULTS, subjects.results("job-cancelled"))
@@ -453,7 +440,7 @@ async def test_heartbeat_is_back_promptly_after_nats_restarts(
                 return entry.value is not None and entry.revision > before
             return False
 
-        await poll(renewed, 15.0, "a heartbeat after the restart")
+        await poll_until(renewed, 15.0, "a heartbeat after the restart")
         elapsed = time.monotonic() - restarted
         print(f"heartbeat renewed {elapsed:.2f} s after NATS came back")
         assert elapsed < 3.0

@@ -42,7 +42,7 @@ from services.common.runtime import cancel_and_wait, descendants, running
 from services.common.settings import Settings
 from services.generator.lowering import lower_task
 from tests.conftest import role_env
-from tests.helpers import BUNDLED_RELU_TASK, scaled
+from tests.helpers import BUNDLED_RELU_TASK, poll_until, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -160,17 +160,6 @@ class WorkerProcess:
         return below
 
 
-async def wait_for(check, timeout_s: float, what: str, every_s: float = 0.05):
-    deadline = time.monotonic() + scaled(timeout_s)
-    while True:
-        value = await check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not within {timeout_s:g} s")
-        await asyncio.sleep(every_s)
-
-
 async def holder_of(bus: Bus, request_id: str) -> str | None:
     """The lease key held for ``request_id`` now, if any."""
     with contextlib.suppress(nats.js.errors.NoKeysError):
@@ -215,7 +204,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
         return worker
 
     async def check_lease_expiry(key: str, killed_at: float) -> None:
-        await wait_for(lambda: lease_gone(bus, key), LEASE_TTL_S + 5, f"lease {key} expiry",
+        await poll_until(lambda: lease_gone(bus, key), LEASE_TTL_S + 5, f"lease {key} expiry",
                        every_s=0.25)
         lease_expiries.append(time.monotonic() - killed_at)
 
@@ -224,7 +213,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
             return not running(pids)
 
         with contextlib.suppress(TimeoutError):
-            await wait_for(done, 20, "fork server exit", every_s=0.1)
+            await poll_until(done, 20, "fork server exit", every_s=0.1)
         left = running(pids)
         for pid in left:
             with contextlib.suppress(OSError):
@@ -244,7 +233,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
                 return {w.worker_id for w in workers.values()} <= keys
             return False
 
-        await wait_for(both_beating, START_TIMEOUT_S, "both workers' heartbeats", 0.2)
+        await poll_until(both_beating, START_TIMEOUT_S, "both workers' heartbeats", 0.2)
 
         for round_no in range(ROUNDS):
             job_id = f"job-crash-{round_no}"
@@ -257,7 +246,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
                                  json.dumps(body).encode(),
                                  headers={"Nats-Msg-Id": request_id})
 
-            key = await wait_for(functools.partial(holder_of, bus, request_id), 60,
+            key = await poll_until(functools.partial(holder_of, bus, request_id), 60,
                                  f"round {round_no}: a worker leasing a device")
             victim_id = key.rsplit(".", 1)[0]
             slot = next(s for s, w in workers.items() if w.worker_id == victim_id)
@@ -276,7 +265,7 @@ async def test_sigkilled_workers_lose_no_request(settings: Settings, bus: Bus, t
                 return results.get(job_id)
 
             try:
-                (result,) = await wait_for(answered, 90, f"round {round_no}: result")
+                (result,) = await poll_until(answered, 90, f"round {round_no}: result")
             except TimeoutError:
                 tails = "\n\n".join(f"{w.worker_id}:\n{w.log_tail()}"
                                     for w in workers.values())
@@ -342,7 +331,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
                 return (await bus.workers.get(worker.worker_id)).value is not None
             return False
 
-        await wait_for(beating, START_TIMEOUT_S, f"{worker.worker_id} heartbeat", 0.2)
+        await poll_until(beating, START_TIMEOUT_S, f"{worker.worker_id} heartbeat", 0.2)
 
     below: set[int] = set()
     await provision_verify(bus, settings, ack_wait)
@@ -351,7 +340,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
     try:
         await started(graceful)
         request_id = await publish("job-term-1", code)
-        await wait_for(functools.partial(holder_of, bus, request_id), 60, "lease")
+        await poll_until(functools.partial(holder_of, bus, request_id), 60, "lease")
         below |= descendants(graceful.proc.pid)
         graceful.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(graceful.proc.wait, 60) == 0, graceful.log_tail()
@@ -370,7 +359,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
     try:
         await started(abandoning)
         request_id = await publish("job-term-2", long_code)
-        key = await wait_for(functools.partial(holder_of, bus, request_id), 60, "lease")
+        key = await poll_until(functools.partial(holder_of, bus, request_id), 60, "lease")
         await asyncio.sleep(0.5)
         below |= descendants(abandoning.proc.pid)
         abandoning.proc.send_signal(signal.SIGTERM)
@@ -379,7 +368,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
             entry = await bus.workers.get("term-abandon")
             return json.loads(entry.value)["status"] == "draining"
 
-        await wait_for(draining, 10, "draining heartbeat", 0.1)
+        await poll_until(draining, 10, "draining heartbeat", 0.1)
         assert abandoning.proc.poll() is None
         abandoning.proc.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
@@ -403,7 +392,7 @@ async def test_sigterm_finishes_in_flight_and_a_second_one_hands_it_back(
     async def reaped() -> bool:
         return not running(below)
 
-    await wait_for(reaped, 20, "fork servers and children exit", 0.1)
+    await poll_until(reaped, 20, "fork servers and children exit", 0.1)
 
 
 @pytest.mark.timeout(300)
@@ -436,7 +425,7 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
                 return {w.worker_id for w in workers} <= set(await bus.workers.keys())
             return False
 
-        await wait_for(both_beating, START_TIMEOUT_S, "both workers' heartbeats", 0.2)
+        await poll_until(both_beating, START_TIMEOUT_S, "both workers' heartbeats", 0.2)
         info = await bus.js.consumer_info(subjects.STREAM_VERIFY, durable)
         assert info.config.ack_wait == pytest.approx(default_ack_wait)
 
@@ -447,7 +436,7 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
                 "trials": 1, "timeout_s": 120.0}
         await bus.js.publish(subject, json.dumps(body).encode(),
                              headers={"Nats-Msg-Id": request_id})
-        key = await wait_for(functools.partial(holder_of, bus, request_id), 60, "a lease")
+        key = await poll_until(functools.partial(holder_of, bus, request_id), 60, "a lease")
         victim = next(w for w in workers if key.startswith(f"{w.worker_id}."))
         await asyncio.sleep(0.5)
         below |= victim.kill()
@@ -457,7 +446,7 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
         async def answered() -> list[VerifyResult] | None:
             return results.get("job-prompt")
 
-        (result,) = await wait_for(answered, 60, "the redelivered request's result")
+        (result,) = await poll_until(answered, 60, "the redelivered request's result")
         took = time.monotonic() - killed_at
         assert result.passed and result.worker_id != victim.worker_id, result
         assert took <= 15.0, f"completed {took:.1f} s after the kill"
@@ -469,4 +458,4 @@ async def test_dead_workers_request_is_redelivered_within_seconds(
     async def reaped() -> bool:
         return not running(below)
 
-    await wait_for(reaped, 20, "fork servers and children exit", 0.1)
+    await poll_until(reaped, 20, "fork servers and children exit", 0.1)
