@@ -1,0 +1,435 @@
+"""The fleet's dispatch ceiling: verifications dispatched per second, 1 to 64 workers.
+
+``python -m bench.fleet`` starts one embedded nats-server (a fresh store per point)
+and real :class:`services.worker.service.Worker` s whose device is simulated: it
+sleeps ``--device-ms`` per verification instead of verifying. Everything else is the
+worker's own path: the tenant lanes and their pull asks, the cancelled-job lookup,
+the device lease put/renew/delete, the share watches, heartbeats, the result's
+JetStream publish and the ack. The driver keeps ``--depth`` requests per worker
+outstanding (closed loop: each result is answered by a new request), spread round-robin
+over ``--tenants`` tenant lanes and the default lane, and for each fleet size prints:
+
+- ``dispatched/s``: verifications started per second in the measured window;
+- ``ideal/s``: ``workers / device time``, what a free bus would allow;
+- ``p50`` / ``p99``: dispatch latency, ms, from the request's publish (its
+  ``created_at``, stamped just before) to the simulated device starting it;
+- ``bus share``: of each worker's time, the part its device was idle,
+  ``1 - dispatched/s x device time / workers``;
+- what the server handled per verification: client messages in and out
+  (``/varz``), JetStream API calls (``/jsz``) and KV writes (stored messages of the
+  ``KV_*`` streams).
+
+``--baseline REV`` runs every point a second time with the workers' code from
+``git archive`` of that revision (the bench itself, and the simulated device, from
+this checkout), so both curves come from one run on the same machine load.
+
+    python -m bench.fleet                          # 1 4 16 64 workers, 5 s each
+    python -m bench.fleet --workers 1 4 --seconds 2
+    python -m bench.fleet --baseline 51a5dbe       # beside the revision before the cuts
+
+Workers run several to a process (``--procs``, default 4): one worker process imports
+the verifier's modules (about 235 MB resident and 1.9 CPU-seconds each, measured on
+this project's 2-core machine), so 64 processes would take 15 GB and two minutes of
+CPU to start; each worker keeps its own NATS connection, as separate processes would.
+
+The simulated device (:class:`SimulatedDevice`) is reachable only from this bench:
+no setting or command of the services builds it (``aikg worker`` always runs the
+real verifier); the bench hands it to the workers it starts, on an embedded server of
+its own, on the arch :data:`SIM_ARCH`; and it runs only requests whose code is this
+bench run's marker with its random token, answering any other request with a failed
+``infrastructure`` result that names the refusal. Its results are failed
+``infrastructure`` verdicts that say they are simulated, so nothing can count them as
+passes. Measured figures, never a gate: exit status 0, or 2 when the fleet does not
+come up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a file by a worker host: the repository root
+    sys.path.append(str(ROOT))
+# The arch the simulated workers serve: no real worker or request uses it.
+SIM_ARCH = "fleet-sim"
+BACKEND = "cpu"
+JOB_ID = "fleet-bench"
+# A bench request's code: this prefix and the run's token; anything else is refused.
+MARKER = "# aikg bench.fleet simulated request, run "
+DEFAULT_SIZES = (1, 4, 16, 64)
+# How long the fleet of one point may take to register, seconds.
+READY_TIMEOUT_S = 120.0
+
+
+class _NoSandbox:
+    """What the worker's heartbeat reads of a verifier's sandbox: not started."""
+
+    started = False
+
+
+class SimulatedDevice:
+    """A verifier-shaped device for :class:`~services.worker.service.Worker` that
+    sleeps ``device_s`` seconds per request instead of verifying.
+
+    Args:
+        worker_id: the worker it is lent to (its results name it).
+        device_s: seconds one verification takes.
+        token: this bench run's secret; only requests whose ``code`` is
+            ``MARKER + token`` on ``SIM_ARCH`` are run.
+
+    Every result is a failed ``infrastructure`` verdict: ``error`` says it was
+    simulated (or refused), ``phases["simulated_dispatch"]`` holds the seconds from
+    the request's ``created_at`` to the device's start (wall clock, one machine).
+    """
+
+    sandbox = _NoSandbox()
+
+    def __init__(self, worker_id: str, device_s: float, token: str) -> None:
+        if not token:
+            raise ValueError("a simulated device needs the bench run's token")
+        self.worker_id = worker_id
+        self.device_s = device_s
+        self.expected = MARKER + token
+        self.shared_cache: Any = None
+        self.sandbox_notes = ["simulated device (bench/fleet.py): nothing is verified"]
+        self.runs = 0
+        self.refused = 0
+
+    def start(self) -> None:
+        """Nothing to start (the real verifier starts its fork server here)."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+    async def verify(self, request: Any, *, device: str) -> Any:
+        from schemas import VerifyResult, utcnow
+
+        started = utcnow()
+        created = request.created_at
+        dispatch = max(0.0, (started - created).total_seconds()) if created.tzinfo else 0.0
+        common = dict(request_id=request.request_id, job_id=request.job_id,
+                      candidate_id=request.candidate_id, worker_id=self.worker_id,
+                      device=device, passed=False, stage="infrastructure",
+                      interpreted=True)
+        if request.code != self.expected or request.arch != SIM_ARCH:
+            self.refused += 1
+            return VerifyResult(**common, error=(
+                "refused by the simulated device of bench/fleet.py: not a request of its "
+                "bench run; nothing was verified"), notes=["simulated device: refused"])
+        self.runs += 1
+        await asyncio.sleep(self.device_s)
+        return VerifyResult(
+            **common, error=f"simulated device: slept {self.device_s:g} s, nothing verified",
+            notes=["simulated device (bench/fleet.py)"], duration_s=self.device_s,
+            phases={"simulated_dispatch": round(dispatch, 6)})
+
+
+# ---------------------------------------------------------------- worker host process
+
+async def host(url: str, ids: list[str], device_s: float, token: str) -> None:
+    """Run the workers ``ids`` in this process until SIGTERM/SIGINT."""
+    from services.common.bus import connect_bus
+    from services.common.settings import load_settings
+    from services.worker.service import Worker
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    buses, runs = [], []
+    for worker_id in ids:
+        settings = load_settings(env={}, nats_url=url, worker_backend=BACKEND,
+                                 worker_arch=SIM_ARCH, worker_devices="0",
+                                 worker_id=worker_id, metrics_port=-1,
+                                 baseline_cache_bytes=0, log_format="console")
+        bus = await connect_bus(settings, f"aikg-bench-{worker_id}", role="worker")
+        buses.append(bus)
+        worker = Worker(bus, settings, verifier=SimulatedDevice(worker_id, device_s, token))
+        runs.append(asyncio.create_task(worker.run(stop)))
+    await stop.wait()
+    await asyncio.gather(*runs, return_exceptions=True)
+    for bus in buses:
+        with contextlib.suppress(Exception):
+            await bus.close()
+
+
+# ---------------------------------------------------------------- the driver
+
+@dataclass
+class Point:
+    """One fleet size under one code revision."""
+
+    config: str
+    workers: int
+    started: int = 0
+    dispatch: list[float] = field(default_factory=list)
+    refused: int = 0
+    seconds: float = 0.0
+    counts: dict[str, float] = field(default_factory=dict)
+
+    def rate(self) -> float:
+        return self.started / self.seconds if self.seconds else 0.0
+
+
+def export_revision(revision: str, into: Path) -> Path:
+    """``git archive`` of ``revision`` unpacked under ``into``.
+
+    Raises:
+        subprocess.CalledProcessError: git does not know the revision.
+    """
+    archive = into / "baseline.tar"
+    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive),
+                    revision], check=True, capture_output=True)
+    target = into / "baseline"
+    target.mkdir()
+    with tarfile.open(archive) as tar:
+        tar.extractall(target, filter="data")
+    return target
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 - loopback
+        return json.loads(answer.read())
+
+
+async def server_counts(monitor_url: str, js: Any) -> dict[str, float]:
+    """What the server has handled so far: client messages in/out, JetStream API calls,
+    messages stored in the ``KV_*`` streams."""
+    varz = await asyncio.to_thread(_get_json, f"{monitor_url}/varz")
+    jsz = await asyncio.to_thread(_get_json, f"{monitor_url}/jsz")
+    kv = 0
+    for name in ("KV_jobs", "KV_workers", "KV_leases"):
+        with contextlib.suppress(Exception):
+            kv += (await js.stream_info(name)).state.last_seq
+    return {"msgs in": float(varz.get("in_msgs", 0)), "msgs out": float(varz.get("out_msgs", 0)),
+            "js api": float((jsz.get("api") or {}).get("total", 0)), "kv writes": float(kv)}
+
+
+async def run_point(config: str, code_root: Path, workers: int, args: argparse.Namespace,
+                    workdir: Path) -> Point:
+    """Start a server and ``workers`` simulated workers running ``code_root``'s services,
+    drive them for ``args.seconds`` and measure.
+
+    Raises:
+        RuntimeError: the server or the fleet did not come up.
+    """
+    import msgspec
+
+    from schemas import VerifyRequest, VerifyResult, encode, subjects, utcnow
+    from services.common.bus import connect_bus
+    from services.common.embedded import EmbeddedNatsServer
+    from services.common.settings import load_settings
+
+    point = Point(config, workers)
+    token = secrets.token_hex(8)
+    server = EmbeddedNatsServer(workdir / f"nats-{config}-{workers}", die_with_parent=True)
+    url = server.start()
+    procs: list[subprocess.Popen] = []
+    try:
+        settings = load_settings(env={}, nats_url=url, metrics_port=-1, log_format="console")
+        bus = await connect_bus(settings, "aikg-bench-fleet")
+        nproc = max(1, min(workers, args.procs))
+        ids = [f"sim-{i:03d}" for i in range(workers)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+        env["PYTHONPATH"] = str(code_root)
+        for p in range(nproc):
+            mine = ids[p::nproc]
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__).resolve()), "--host", url,
+                 "--host-ids", ",".join(mine), "--device-ms", str(args.device_ms),
+                 "--token", token], env=env, cwd=workdir, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=(workdir / f"host-{config}-{workers}-{p}.log").open("wb")))
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            with contextlib.suppress(Exception):
+                if len(await bus.workers.keys()) >= workers:
+                    break
+            if time.monotonic() > deadline or any(pr.poll() is not None for pr in procs):
+                raise RuntimeError(f"{workers} simulated workers ({config}) did not come up; "
+                                   f"see {workdir}/host-{config}-{workers}-*.log")
+            await asyncio.sleep(0.2)
+
+        lanes = [subjects.verify(BACKEND, SIM_ARCH)] + [
+            subjects.verify_lane(BACKEND, SIM_ARCH, f"t{n}", "normal")
+            for n in range(args.tenants)]
+        tenants = [subjects.DEFAULT_TENANT] + [f"t{n}" for n in range(args.tenants)]
+        sent = 0
+        window = {"open": False}
+        publishes: set[asyncio.Task] = set()
+
+        async def publish_one() -> None:
+            nonlocal sent
+            i = sent
+            sent += 1
+            request = VerifyRequest(
+                request_id=f"r{i}", job_id=JOB_ID, candidate_id=f"c{i}", op_name="fleet",
+                task_desc="# simulated\n", code=MARKER + token, backend=BACKEND,
+                arch=SIM_ARCH, trials=1, tenant=tenants[i % len(lanes)],
+                created_at=utcnow())
+            await bus.js.publish(lanes[i % len(lanes)], encode(request),
+                                 headers={"Nats-Msg-Id": f"fleet-{token}-{i}"})
+
+        def spawn() -> None:
+            task = asyncio.create_task(publish_one())
+            publishes.add(task)
+            task.add_done_callback(publishes.discard)
+
+        async def on_result(msg) -> None:
+            result = msgspec.json.decode(msg.data, type=VerifyResult)
+            if window["open"]:
+                if result.error and result.error.startswith("refused"):
+                    point.refused += 1
+                else:
+                    point.started += 1
+                    point.dispatch.append(result.phases.get("simulated_dispatch", 0.0))
+            spawn()
+
+        sub = await bus.nc.subscribe(subjects.results(JOB_ID), cb=on_result)
+        for _ in range(workers * args.depth):
+            spawn()
+        await asyncio.sleep(args.warmup)
+        before = await server_counts(server.monitor_url, bus.js)
+        window["open"] = True
+        opened = time.monotonic()
+        await asyncio.sleep(args.seconds)
+        window["open"] = False
+        point.seconds = time.monotonic() - opened
+        after = await server_counts(server.monitor_url, bus.js)
+        point.counts = {k: after[k] - before[k] for k in after}
+        await sub.unsubscribe()
+        await asyncio.gather(*publishes, return_exceptions=True)
+        await bus.close()
+    finally:
+        for pr in procs:
+            with contextlib.suppress(ProcessLookupError):
+                pr.send_signal(signal.SIGTERM)
+        for pr in procs:
+            try:
+                pr.wait(30)
+            except subprocess.TimeoutExpired:
+                pr.kill()
+                pr.wait()
+        server.stop()
+    return point
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values``, nearest rank; 0 for none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+
+
+def print_curve(points: list[Point], device_s: float) -> None:
+    print(f"\n{'curve':<6}{'config':<10}{'workers':>8}{'dispatched/s':>14}{'ideal/s':>9}"
+          f"{'p50 ms':>8}{'p99 ms':>8}{'bus share':>10}{'msgs in':>9}{'msgs out':>9}"
+          f"{'js api':>8}{'kv writes':>10}  (per verification)")
+    for p in points:
+        rate = p.rate()
+        ideal = p.workers / device_s
+        share = max(0.0, 1.0 - rate * device_s / p.workers)
+        per = {k: (v / p.started if p.started else 0.0) for k, v in p.counts.items()}
+        print(f"{'curve':<6}{p.config:<10}{p.workers:>8}{rate:>14.1f}{ideal:>9.0f}"
+              f"{1000 * percentile(p.dispatch, 0.5):>8.1f}"
+              f"{1000 * percentile(p.dispatch, 0.99):>8.1f}{100 * share:>9.0f}%"
+              f"{per['msgs in']:>9.1f}{per['msgs out']:>9.1f}{per['js api']:>8.1f}"
+              f"{per['kv writes']:>10.1f}")
+        if p.refused:
+            print(f"  {p.refused} requests refused by the simulated device (a bench bug)")
+    by = {(p.config, p.workers): p for p in points}
+    for p in points:
+        base = by.get(("baseline", p.workers))
+        if p.config == "this" and base is not None and base.rate():
+            print(f"ratio this/baseline at {p.workers} workers: {p.rate() / base.rate():.2f}x")
+
+
+async def bench(args: argparse.Namespace) -> int:
+    configs: list[tuple[str, Path]] = [("this", ROOT)]
+    with tempfile.TemporaryDirectory(prefix="aikg-fleet-") as tmp:
+        workdir = Path(tmp)
+        if args.baseline:
+            try:
+                configs.insert(0, ("baseline", export_revision(args.baseline, workdir)))
+            except subprocess.CalledProcessError as exc:
+                print(f"git archive {args.baseline}: {exc.stderr.decode().strip()}",
+                      file=sys.stderr)
+                return 2
+        print(f"fleet: device {args.device_ms:g} ms per verification, {args.tenants} tenant "
+              f"lanes + the default lane, depth {args.depth} per worker, {args.seconds:g} s "
+              f"per point after {args.warmup:g} s warm-up, workers in at most {args.procs} "
+              f"processes; {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}", flush=True)
+        points = []
+        for workers in args.workers:
+            for config, root in configs:
+                try:
+                    point = await run_point(config, root, workers, args, workdir)
+                except RuntimeError as exc:
+                    print(exc, file=sys.stderr)
+                    for log in sorted(workdir.glob("host-*.log")):
+                        sys.stderr.write(log.read_text(errors="replace")[-2000:])
+                    return 2
+                points.append(point)
+                print(f"  {config} {workers} workers: {point.rate():.1f}/s", flush=True)
+        print_curve(points, args.device_ms / 1000)
+        print(f"load average after: {os.getloadavg()[0]:.1f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_SIZES),
+                        help="fleet sizes, one point each (default 1 4 16 64)")
+    parser.add_argument("--seconds", type=float, default=5.0,
+                        help="measured seconds per point (default 5)")
+    parser.add_argument("--warmup", type=float, default=1.0,
+                        help="seconds driven before the measured window (default 1)")
+    parser.add_argument("--device-ms", type=float, default=50.0,
+                        help="simulated device time per verification, ms (default 50)")
+    parser.add_argument("--tenants", type=int, default=3,
+                        help="tenant lanes besides the default lane (default 3)")
+    parser.add_argument("--depth", type=int, default=2,
+                        help="requests kept outstanding per worker (default 2)")
+    parser.add_argument("--procs", type=int, default=4,
+                        help="most worker processes; workers are spread over them (default 4)")
+    parser.add_argument("--baseline", default=None,
+                        help="also run every point with the workers of this git revision")
+    parser.add_argument("--host", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--host-ids", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--token", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    from services.common.logging import configure_logging
+
+    if args.host:
+        configure_logging("bench", "warning", "console")
+        asyncio.run(host(args.host, args.host_ids.split(","), args.device_ms / 1000,
+                         args.token))
+        return 0
+    if (min(args.workers) < 1 or args.seconds <= 0 or args.warmup < 0
+            or args.device_ms <= 0 or args.tenants < 0 or args.depth < 1 or args.procs < 1):
+        parser.error("--workers, --depth and --procs must be >= 1, --seconds and "
+                     "--device-ms > 0, --warmup and --tenants >= 0")
+    configure_logging("bench", "warning", "console")
+    return asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
