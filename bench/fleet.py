@@ -17,7 +17,8 @@ over ``--tenants`` tenant lanes and the default lane, and for each fleet size pr
   ``1 - dispatched/s x device time / workers``;
 - what the server handled per verification: client messages in and out
   (``/varz``), JetStream API calls (``/jsz``) and KV writes (stored messages of the
-  ``KV_*`` streams).
+  ``KV_*`` streams), and the CPU milliseconds the worker processes, the server and
+  this driver spent (``/proc/<pid>/stat``): on a small machine the sum is the ceiling.
 
 ``--baseline REV`` runs every point a second time with the workers' code from
 ``git archive`` of that revision (the bench itself, and the simulated device, from
@@ -202,21 +203,36 @@ def export_revision(revision: str, into: Path) -> Path:
     return target
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (``/proc/<pid>/stat``); 0 when
+    it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _get_json(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=5) as answer:  # noqa: S310 - loopback
         return json.loads(answer.read())
 
 
-async def server_counts(monitor_url: str, js: Any) -> dict[str, float]:
+async def server_counts(monitor_url: str, js: Any, server_pid: int,
+                        host_pids: list[int]) -> dict[str, float]:
     """What the server has handled so far: client messages in/out, JetStream API calls,
-    messages stored in the ``KV_*`` streams."""
+    messages stored in the ``KV_*`` streams; CPU seconds of the server, the worker
+    hosts and this driver."""
     varz = await asyncio.to_thread(_get_json, f"{monitor_url}/varz")
     jsz = await asyncio.to_thread(_get_json, f"{monitor_url}/jsz")
     kv = 0
     for name in ("KV_jobs", "KV_workers", "KV_leases"):
         with contextlib.suppress(Exception):
             kv += (await js.stream_info(name)).state.last_seq
-    return {"msgs in": float(varz.get("in_msgs", 0)), "msgs out": float(varz.get("out_msgs", 0)),
+    return {"server cpu": cpu_seconds(server_pid),
+            "workers cpu": sum(cpu_seconds(pid) for pid in host_pids),
+            "driver cpu": cpu_seconds(os.getpid()),
+            "msgs in": float(varz.get("in_msgs", 0)), "msgs out": float(varz.get("out_msgs", 0)),
             "js api": float((jsz.get("api") or {}).get("total", 0)), "kv writes": float(kv)}
 
 
@@ -304,13 +320,15 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
         for _ in range(workers * args.depth):
             spawn()
         await asyncio.sleep(args.warmup)
-        before = await server_counts(server.monitor_url, bus.js)
+        before = await server_counts(server.monitor_url, bus.js, server.pid or 0,
+                                     [pr.pid for pr in procs])
         window["open"] = True
         opened = time.monotonic()
         await asyncio.sleep(args.seconds)
         window["open"] = False
         point.seconds = time.monotonic() - opened
-        after = await server_counts(server.monitor_url, bus.js)
+        after = await server_counts(server.monitor_url, bus.js, server.pid or 0,
+                                    [pr.pid for pr in procs])
         point.counts = {k: after[k] - before[k] for k in after}
         await sub.unsubscribe()
         await asyncio.gather(*publishes, return_exceptions=True)
@@ -340,7 +358,8 @@ def percentile(values: list[float], q: float) -> float:
 def print_curve(points: list[Point], device_s: float) -> None:
     print(f"\n{'curve':<6}{'config':<10}{'workers':>8}{'dispatched/s':>14}{'ideal/s':>9}"
           f"{'p50 ms':>8}{'p99 ms':>8}{'bus share':>10}{'msgs in':>9}{'msgs out':>9}"
-          f"{'js api':>8}{'kv writes':>10}  (per verification)")
+          f"{'js api':>8}{'kv writes':>10}{'cpu ms: workers':>16}{'server':>7}{'driver':>7}"
+          "  (per verification)")
     for p in points:
         rate = p.rate()
         ideal = p.workers / device_s
@@ -350,7 +369,8 @@ def print_curve(points: list[Point], device_s: float) -> None:
               f"{1000 * percentile(p.dispatch, 0.5):>8.1f}"
               f"{1000 * percentile(p.dispatch, 0.99):>8.1f}{100 * share:>9.0f}%"
               f"{per['msgs in']:>9.1f}{per['msgs out']:>9.1f}{per['js api']:>8.1f}"
-              f"{per['kv writes']:>10.1f}")
+              f"{per['kv writes']:>10.1f}{1000 * per['workers cpu']:>16.2f}"
+              f"{1000 * per['server cpu']:>7.2f}{1000 * per['driver cpu']:>7.2f}")
         if p.refused:
             print(f"  {p.refused} requests refused by the simulated device (a bench bug)")
     by = {(p.config, p.workers): p for p in points}
