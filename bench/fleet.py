@@ -142,7 +142,8 @@ class SimulatedDevice:
 
 # ---------------------------------------------------------------- worker host process
 
-async def host(url: str, ids: list[str], device_s: float, token: str) -> None:
+async def host(url: str, ids: list[str], device_s: float, token: str,
+               replicas: int = 1) -> None:
     """Run the workers ``ids`` in this process until SIGTERM/SIGINT."""
     from services.common.bus import connect_bus
     from services.common.settings import load_settings
@@ -157,7 +158,8 @@ async def host(url: str, ids: list[str], device_s: float, token: str) -> None:
         settings = load_settings(env={}, nats_url=url, worker_backend=BACKEND,
                                  worker_arch=SIM_ARCH, worker_devices="0",
                                  worker_id=worker_id, metrics_port=-1,
-                                 baseline_cache_bytes=0, log_format="console")
+                                 baseline_cache_bytes=0, log_format="console",
+                                 stream_replicas=replicas)
         bus = await connect_bus(settings, f"aikg-bench-{worker_id}", role="worker")
         buses.append(bus)
         worker = Worker(bus, settings, verifier=SimulatedDevice(worker_id, device_s, token))
@@ -218,22 +220,26 @@ def _get_json(url: str) -> dict:
         return json.loads(answer.read())
 
 
-async def server_counts(monitor_url: str, js: Any, server_pid: int,
+async def server_counts(servers: list[Any], js: Any,
                         host_pids: list[int]) -> dict[str, float]:
-    """What the server has handled so far: client messages in/out, JetStream API calls,
-    messages stored in the ``KV_*`` streams; CPU seconds of the server, the worker
-    hosts and this driver."""
-    varz = await asyncio.to_thread(_get_json, f"{monitor_url}/varz")
-    jsz = await asyncio.to_thread(_get_json, f"{monitor_url}/jsz")
+    """What the servers have handled so far (summed over a cluster's nodes): client
+    messages in/out, JetStream API calls, messages stored in the ``KV_*`` streams (once,
+    not per replica); CPU seconds of the servers, the worker hosts and this driver."""
+    msgs_in = msgs_out = api = 0.0
+    for server in servers:
+        varz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/varz")
+        jsz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/jsz")
+        msgs_in += float(varz.get("in_msgs", 0))
+        msgs_out += float(varz.get("out_msgs", 0))
+        api += float((jsz.get("api") or {}).get("total", 0))
     kv = 0
     for name in ("KV_jobs", "KV_workers", "KV_leases"):
         with contextlib.suppress(Exception):
             kv += (await js.stream_info(name)).state.last_seq
-    return {"server cpu": cpu_seconds(server_pid),
+    return {"server cpu": sum(cpu_seconds(server.pid or 0) for server in servers),
             "workers cpu": sum(cpu_seconds(pid) for pid in host_pids),
             "driver cpu": cpu_seconds(os.getpid()),
-            "msgs in": float(varz.get("in_msgs", 0)), "msgs out": float(varz.get("out_msgs", 0)),
-            "js api": float((jsz.get("api") or {}).get("total", 0)), "kv writes": float(kv)}
+            "msgs in": msgs_in, "msgs out": msgs_out, "js api": api, "kv writes": float(kv)}
 
 
 async def run_point(config: str, code_root: Path, workers: int, args: argparse.Namespace,
@@ -248,16 +254,19 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
 
     from schemas import VerifyRequest, VerifyResult, encode, subjects, utcnow
     from services.common.bus import connect_bus
-    from services.common.embedded import EmbeddedNatsServer
     from services.common.settings import load_settings
 
     point = Point(config, workers)
     token = secrets.token_hex(8)
-    server = EmbeddedNatsServer(workdir / f"nats-{config}-{workers}", die_with_parent=True)
-    url = server.start()
+    servers = start_servers(workdir / f"nats-{config}-{workers}", args.cluster)
+    url = ",".join(server.url for server in servers)
+    replicas = 3 if args.cluster else 1
     procs: list[subprocess.Popen] = []
     try:
-        settings = load_settings(env={}, nats_url=url, metrics_port=-1, log_format="console")
+        if args.cluster:
+            await meta_leader(servers)
+        settings = load_settings(env={}, nats_url=url, metrics_port=-1, log_format="console",
+                                 stream_replicas=replicas)
         bus = await connect_bus(settings, "aikg-bench-fleet")
         nproc = max(1, min(workers, args.procs))
         ids = [f"sim-{i:03d}" for i in range(workers)]
@@ -268,7 +277,7 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
             procs.append(subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), "--host", url,
                  "--host-ids", ",".join(mine), "--device-ms", str(args.device_ms),
-                 "--token", token], env=env, cwd=workdir, stdin=subprocess.DEVNULL,
+                 "--token", token, "--replicas", str(replicas)], env=env, cwd=workdir, stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=(workdir / f"host-{config}-{workers}-{p}.log").open("wb")))
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -320,15 +329,13 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
         for _ in range(workers * args.depth):
             spawn()
         await asyncio.sleep(args.warmup)
-        before = await server_counts(server.monitor_url, bus.js, server.pid or 0,
-                                     [pr.pid for pr in procs])
+        before = await server_counts(servers, bus.js, [pr.pid for pr in procs])
         window["open"] = True
         opened = time.monotonic()
         await asyncio.sleep(args.seconds)
         window["open"] = False
         point.seconds = time.monotonic() - opened
-        after = await server_counts(server.monitor_url, bus.js, server.pid or 0,
-                                    [pr.pid for pr in procs])
+        after = await server_counts(servers, bus.js, [pr.pid for pr in procs])
         point.counts = {k: after[k] - before[k] for k in after}
         await sub.unsubscribe()
         await asyncio.gather(*publishes, return_exceptions=True)
@@ -343,8 +350,59 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
             except subprocess.TimeoutExpired:
                 pr.kill()
                 pr.wait()
-        server.stop()
+        for server in servers:
+            server.stop()
     return point
+
+
+def start_servers(root: Path, cluster: bool) -> list[Any]:
+    """One embedded nats-server, or three clustered on loopback (``--cluster``).
+
+    Raises:
+        RuntimeError: a server did not start.
+    """
+    from services.common.embedded import EmbeddedNatsServer
+    from services.common.runtime import free_port
+
+    if not cluster:
+        server = EmbeddedNatsServer(root, die_with_parent=True)
+        server.start()
+        return [server]
+    names = ["n1", "n2", "n3"]
+    route_ports = [free_port() for _ in names]
+    routes = ",".join(f"nats://127.0.0.1:{p}" for p in route_ports)
+    servers = [EmbeddedNatsServer(root / name, port=free_port(), die_with_parent=True,
+                                  extra_args=["-n", name, "--cluster_name", "aikg-bench",
+                                              "-cluster", f"nats://127.0.0.1:{route}",
+                                              "-routes", routes])
+               for name, route in zip(names, route_ports, strict=True)]
+    try:
+        for server in servers:
+            server.start()
+    except RuntimeError:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+async def meta_leader(servers: list[Any], timeout_s: float = 60.0) -> None:
+    """Wait until every node of a cluster names the same JetStream meta leader.
+
+    Raises:
+        RuntimeError: none within ``timeout_s`` seconds.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        leaders = set()
+        for server in servers:
+            with contextlib.suppress(Exception):
+                jsz = await asyncio.to_thread(_get_json, f"{server.monitor_url}/jsz")
+                leaders.add((jsz.get("meta_cluster") or {}).get("leader") or "")
+        if len(leaders) == 1 and "" not in leaders:
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError(f"the cluster elected no JetStream meta leader within {timeout_s} s")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -394,7 +452,8 @@ async def bench(args: argparse.Namespace) -> int:
         print(f"fleet: device {args.device_ms:g} ms per verification, {args.tenants} tenant "
               f"lanes + the default lane, depth {args.depth} per worker, {args.seconds:g} s "
               f"per point after {args.warmup:g} s warm-up, workers in at most {args.procs} "
-              f"processes; {os.cpu_count()} CPUs, load average "
+              f"processes, {'a 3-node cluster (R3)' if args.cluster else 'one server'}; "
+              f"{os.cpu_count()} CPUs, load average "
               f"{os.getloadavg()[0]:.1f}", flush=True)
         points = []
         for workers in args.workers:
@@ -432,7 +491,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="most worker processes; workers are spread over them (default 4)")
     parser.add_argument("--baseline", default=None,
                         help="also run every point with the workers of this git revision")
+    parser.add_argument("--cluster", action="store_true",
+                        help="a 3-node nats-server cluster on loopback, streams and buckets "
+                             "with 3 replicas, instead of one server")
     parser.add_argument("--host", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--replicas", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--host-ids", default="", help=argparse.SUPPRESS)
     parser.add_argument("--token", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -441,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         configure_logging("bench", "warning", "console")
         asyncio.run(host(args.host, args.host_ids.split(","), args.device_ms / 1000,
-                         args.token))
+                         args.token, args.replicas))
         return 0
     if (min(args.workers) < 1 or args.seconds <= 0 or args.warmup < 0
             or args.device_ms <= 0 or args.tenants < 0 or args.depth < 1 or args.procs < 1):

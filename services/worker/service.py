@@ -546,41 +546,41 @@ class Worker:
         received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
-        if await self._job_cancelled(request.job_id):
-            bound.info("skipped_cancelled_job")
-            await msg.ack()
-            return
-        cap = self.tenants.get(request.tenant).max_timeout_s
-        if cap and request.timeout_s > cap:
-            # The gateway refuses such jobs; a request sent another way (nats pub,
-            # RemoteWorker) runs within its tenant's limit all the same.
-            bound.warning("timeout_clamped", tenant=request.tenant, asked_s=request.timeout_s,
-                          max_timeout_s=cap)
-            request.timeout_s = cap
-        QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
-            _age_s(request.created_at))
-        bound.info("verify_started", deliveries=delivered)
-        IN_FLIGHT.labels(**self.labels).inc()
-        started = time.monotonic()
-        holder: dict[str, Any] = {}
-
-        async def work() -> None:
+        async with contextlib.AsyncExitStack() as held:
+            # The job's record is read while the lease is put (two round trips at
+            # once, not one after the other before every run); a cancelled job's lease
+            # is deleted again unused.
             leasing = time.monotonic()
-            async with self.lease(device, request):
-                holder["lease"] = time.monotonic() - leasing
-                holder["result"] = await self.verifier.verify(request, device=device)
-
-        try:
-            await work()
-        finally:
-            IN_FLIGHT.labels(**self.labels).dec()
+            cancelled, _ = await asyncio.gather(
+                self._job_cancelled(request.job_id),
+                held.enter_async_context(self.lease(device, request)))
+            lease_s = time.monotonic() - leasing
+            if cancelled:
+                bound.info("skipped_cancelled_job")
+                await msg.ack()
+                return
+            cap = self.tenants.get(request.tenant).max_timeout_s
+            if cap and request.timeout_s > cap:
+                # The gateway refuses such jobs; a request sent another way (nats pub,
+                # RemoteWorker) runs within its tenant's limit all the same.
+                bound.warning("timeout_clamped", tenant=request.tenant,
+                              asked_s=request.timeout_s, max_timeout_s=cap)
+                request.timeout_s = cap
+            QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
+                _age_s(request.created_at))
+            bound.info("verify_started", deliveries=delivered)
+            IN_FLIGHT.labels(**self.labels).inc()
+            started = time.monotonic()
+            try:
+                result: VerifyResult = await self.verifier.verify(request, device=device)
+            finally:
+                IN_FLIGHT.labels(**self.labels).dec()
         if release is not None:
             release()
-        result: VerifyResult = holder["result"]
         elapsed = time.monotonic() - started
         result.phases = {**_stored_wait(msg, request, received),
-                         "fetch_to_start": round(max(0.0, started - received), 6),
-                         "lease": round(holder["lease"], 6), **result.phases}
+                         "fetch_to_start": round(max(0.0, leasing - received), 6),
+                         "lease": round(lease_s, 6), **result.phases}
         VERIFY_SECONDS.labels(**self.labels).observe(elapsed)
         VERIFICATIONS.labels(**self.labels, outcome="passed" if result.passed else "failed",
                              stage=result.stage or "none").inc()
