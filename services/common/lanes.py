@@ -323,14 +323,18 @@ class LanePull:
                             **choose: Callable[[str], bool] | None) -> int:
         """:meth:`fetch` (``choose``: its ``exclude`` / ``defer``); when it takes
         nothing, :meth:`wait` and ask again a few times (a wake-up can precede the
-        message's store by a moment). A deafened pull listens again and asks once more
-        first: a message published before its subscription reached the server is in
-        the stream by then."""
+        message's store by a moment). Before it waits, a deafened pull listens again,
+        and the lanes are listed afresh and asked once more: a message published while
+        it was deaf, or since a reused listing, is in the stream by then."""
+        relisted = asyncio.get_running_loop().time() - self.listed_at >= LANE_LIST_S
         got = await self.fetch(want, take, **choose)
         if got:
             return got
-        if not self.wakeups:
+        if not relisted or not self.wakeups:
+            # Lanes filled while deaf, or after a listing reused, are in no listing
+            # yet: listen, list again and ask once more before sleeping.
             await self.listen()
+            self.listed_at = float("-inf")
             got = await self.fetch(want, take, **choose)
             if got:
                 return got
