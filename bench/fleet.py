@@ -28,10 +28,11 @@ this checkout), so both curves come from one run on the same machine load.
     python -m bench.fleet --workers 1 4 --seconds 2
     python -m bench.fleet --baseline 51a5dbe       # beside the revision before the cuts
 
-Workers run several to a process (``--procs``, default 4): one worker process imports
-the verifier's modules (about 235 MB resident and 1.9 CPU-seconds each, measured on
-this project's 2-core machine), so 64 processes would take 15 GB and two minutes of
-CPU to start; each worker keeps its own NATS connection, as separate processes would.
+Workers run several to a process (``--procs``, default 4): a worker process that
+imports the verifier's modules (revisions before the worker imported them only for a
+real verifier do, even here) takes about 235 MB resident and 1.9 CPU-seconds to start,
+measured on this project's 2-core machine, so 64 processes would take 15 GB and two
+minutes of CPU; each worker keeps its own NATS connection, as separate processes would.
 
 The simulated device (:class:`SimulatedDevice`) is reachable only from this bench:
 no setting or command of the services builds it (``aikg worker`` always runs the
