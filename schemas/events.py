@@ -217,9 +217,10 @@ class VerifyRequest(Struct, kw_only=True):
 VERIFY_PHASES: dict[str, str] = {
     "queue": "from the request's store in the VERIFY stream (its JetStream timestamp) "
              "to its delivery to this worker",
-    "fetch_to_start": "from delivery to the lease: decoding, the delivery count, the "
-                      "job-cancelled check, waiting for a free device",
-    "lease": "putting the device lease in the leases bucket",
+    "fetch_to_start": "from delivery to the lease: decoding, the delivery count, "
+                      "waiting for a free device",
+    "lease": "putting the device lease in the leases bucket, and beside it the "
+             "job-cancelled check",
     "static": "static checks of the candidate's source",
     "sandbox_start": "starting the fork server and probing the sandbox (a worker's "
                      "first request only, when it was not started before)",

@@ -21,7 +21,11 @@ a caller never holds more messages than it asked for (the reason the worker pull
 this way before; see :class:`services.worker.service.Worker`). While every lane is
 empty, :meth:`LanePull.wait` sleeps until a message is published on one of the
 lanes' subjects (a core NATS subscription used only as a wake-up) or
-``idle_poll_s`` passes (redeliveries after ack_wait publish nothing).
+``idle_poll_s`` passes (redeliveries after ack_wait publish nothing). A service with
+no free capacity unsubscribes those wake-ups (:meth:`LanePull.deafen`), and the
+listing of lanes is reused for :data:`LANE_LIST_S`: with n workers of a backend/arch,
+each request otherwise cost n wake-ups and every dispatch a ``STREAM.INFO`` round trip
+(bench/fleet.py measures both).
 
 nats-server 2.11+ also has consumer priority groups, but they order *consumers*
 of one subject (overflow, pinning), not tenants' messages, and nats-py 2.16's
@@ -53,6 +57,13 @@ ANSWER_TIMEOUT_S = 2.0
 # After a wake-up finds nothing (the stream stores a message a moment after core
 # subscribers see it), the next asks come after these pauses, seconds.
 WAKE_RETRY_S = (0.005, 0.02, 0.1)
+# How long one listing of the lanes holding messages (a STREAM.INFO) is used again,
+# seconds: a busy service fetching after each message asks for it at most this often.
+# A lane's first message published while a service is deaf (no free capacity) is
+# seen by it at most this much later; a listening one sees it at once (the wake-up
+# names the lane). Measured by bench/fleet.py: one STREAM.INFO per verification was
+# a sequential round trip before every dispatch.
+LANE_LIST_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -98,6 +109,13 @@ class LanePull:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.woken = asyncio.Event()
         self.subs: list[Any] = []
+        # The wake-up subscriptions (none while deafened).
+        self.wakeups: list[Any] = []
+        # The last listing of lanes holding messages (tenant, priority) and when it was
+        # taken (monotonic); lanes named by wake-ups since it was asked for.
+        self.listed: set[tuple[str, str]] = set()
+        self.listed_at = float("-inf")
+        self.seen: set[tuple[str, str]] = set()
         self.requests = 0
         # Consumers known to exist (the default lane's is bound by the caller).
         self.known: set[str] = {consumer_of(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY)}
@@ -117,14 +135,34 @@ class LanePull:
         async def on_reply(msg) -> None:
             self.queue.put_nowait(msg)
 
-        async def on_publish(_msg) -> None:
+        self.subs.append(await self.nc.subscribe(f"{self.inbox}.*", cb=on_reply))
+        await self.listen()
+
+    async def listen(self) -> None:
+        """Subscribe the wake-up subjects (again, after :meth:`deafen`)."""
+        async def on_publish(msg) -> None:
+            lane = subjects.parse_lane(self.base, msg.subject or "")
+            if lane is not None:
+                self.seen.add(lane)
             self.woken.set()
 
-        self.subs.append(await self.nc.subscribe(f"{self.inbox}.*", cb=on_reply))
+        if self.wakeups:
+            return
         for subject in (self.base, f"{self.base}.*.*"):
-            self.subs.append(await self.nc.subscribe(subject, cb=on_publish))
+            self.wakeups.append(await self.nc.subscribe(subject, cb=on_publish))
+
+    async def deafen(self) -> None:
+        """Unsubscribe the wake-up subjects while the caller has no capacity to take
+        anything: each publish on a lane reaches every subscriber, busy or not (n
+        workers of a backend/arch: n messages per request, most of them to workers
+        that cannot take it). :meth:`fetch_or_wait` listens again before it waits."""
+        wakeups, self.wakeups = self.wakeups, []
+        for sub in wakeups:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     async def stop(self) -> None:
+        await self.deafen()
         for sub in self.subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -137,21 +175,35 @@ class LanePull:
         return Lane(tenant, priority, subject, self.consumer_of(tenant, priority))
 
     async def lanes(self) -> list[Lane]:
-        """Lanes holding messages now (from the stream's per-subject counts), and the
+        """Lanes holding messages (from the stream's per-subject counts, listed at most
+        every :data:`LANE_LIST_S`, plus the lanes wake-ups named since), and the
         default lane; a subject under ``base`` that names no lane is left out."""
-        found = {(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY)}
-        try:
-            info = await self.js.stream_info(self.stream, subjects_filter=f"{self.base}.*.*")
-            for subject, count in (info.state.subjects or {}).items():
-                parsed = subjects.parse_lane(self.base, subject)
-                if parsed is not None and count:
-                    found.add(parsed)
-                elif parsed is None and count:
-                    self.strays.add(subject)
-        except Exception as exc:  # noqa: BLE001 - the default lane still works
-            log.warning("lane_listing_failed", stream=self.stream,
-                        error=f"{type(exc).__name__}: {exc}")
+        loop = asyncio.get_running_loop()
+        if loop.time() - self.listed_at >= LANE_LIST_S:
+            asked_at, self.seen = loop.time(), set()
+            try:
+                info = await self.js.stream_info(self.stream,
+                                                 subjects_filter=f"{self.base}.*.*")
+            except Exception as exc:  # noqa: BLE001 - the default lane still works
+                log.warning("lane_listing_failed", stream=self.stream,
+                            error=f"{type(exc).__name__}: {exc}")
+            else:
+                listed = set()
+                for subject, count in (info.state.subjects or {}).items():
+                    parsed = subjects.parse_lane(self.base, subject)
+                    if parsed is not None and count:
+                        listed.add(parsed)
+                    elif parsed is None and count:
+                        self.strays.add(subject)
+                self.listed, self.listed_at = listed, asked_at
+        found = self.listed | self.seen | {(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRIORITY)}
         return [self.lane(t, p) for t, p in sorted(found)]
+
+    def _emptied(self, lane: Lane) -> None:
+        """``lane`` had nothing to hand out: not asked again until a listing or a
+        wake-up names it (a lane a wake-up named stays asked until the next listing:
+        the wake-up can precede the message's store)."""
+        self.listed.discard((lane.tenant, lane.priority))
 
     def order(self, lanes: list[Lane]) -> list[list[Lane]]:
         """Lanes grouped by priority (high first), each group's tenants starting after
@@ -208,6 +260,7 @@ class LanePull:
                         if msg is None:
                             active.remove(lane)
                             lanes = [ln for ln in lanes if ln != lane]
+                            self._emptied(lane)
                             continue
                         self.last_served[lane.priority] = lane.tenant
                         take(msg)
@@ -270,10 +323,21 @@ class LanePull:
                             **choose: Callable[[str], bool] | None) -> int:
         """:meth:`fetch` (``choose``: its ``exclude`` / ``defer``); when it takes
         nothing, :meth:`wait` and ask again a few times (a wake-up can precede the
-        message's store by a moment)."""
+        message's store by a moment). Before it waits, a deafened pull listens again,
+        and the lanes are listed afresh and asked once more: a message published while
+        it was deaf, or since a reused listing, is in the stream by then."""
+        relisted = asyncio.get_running_loop().time() - self.listed_at >= LANE_LIST_S
         got = await self.fetch(want, take, **choose)
         if got:
             return got
+        if not relisted or not self.wakeups:
+            # Lanes filled while deaf, or after a listing reused, are in no listing
+            # yet: listen, list again and ask once more before sleeping.
+            await self.listen()
+            self.listed_at = float("-inf")
+            got = await self.fetch(want, take, **choose)
+            if got:
+                return got
         await self.wait()
         if not self.woken.is_set():
             return await self.fetch(want, take, **choose)

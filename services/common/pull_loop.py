@@ -7,7 +7,9 @@ is here:
   are asked for at most that many messages, in fair order
   (:class:`~services.common.lanes.LanePull`: high priority first, tenants in turn,
   lanes of tenants at their share left out or served last); while there is none, the
-  loop waits until a message's handling ends (or the service frees a slot);
+  loop waits until a message's handling ends (or the service frees a slot), deaf to
+  the lanes' publish wake-ups (:meth:`~services.common.lanes.LanePull.deafen`), which
+  would otherwise reach every busy worker of a backend/arch on every request;
 - **the consumer**: the default lane's durable consumer is bound with the one
   configuration policy (:func:`services.common.provision.consumer_for`, from the
   settings; the admin-side provisioner makes missing ones) and the ack wait and
@@ -312,9 +314,11 @@ class PullLoop(Generic[T]):
         while not stop.is_set() and not self.stopping():
             free = self.capacity()
             if free <= 0:
-                # Woken by the release itself, so the next ask follows it at once.
+                # Woken by the release itself, so the next ask follows it at once; no
+                # wake-ups from the lanes meanwhile (they would reach every busy one).
                 self.freed.clear()
                 if self.capacity() <= 0:
+                    await self.lanes.deafen()
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.freed.wait(), self.idle_s)
                 continue

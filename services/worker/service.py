@@ -52,7 +52,7 @@ from schemas import (
     utcnow,
 )
 from schemas.events import phase_label
-from services.common.bus import Bus, JobNotFound, JobStore, connect_bus
+from services.common.bus import Bus, JobNotFound, JobStore, bucket_entries, connect_bus
 from services.common.jobs import publish_event
 from services.common.metrics import start_metrics_server
 from services.common.pull_loop import PullLoop, deliveries, open_pull_loop
@@ -150,12 +150,18 @@ _DEVICE_NAME_CHARS = 32
 
 class DeviceShares:
     """The fleet's devices of one backend/arch and who holds them, as every worker sees
-    them: watches of the ``leases`` bucket (each lease names its tenant, backend and
-    arch) and of the ``workers`` bucket (each worker's capacity).
+    them: a read of the ``leases`` bucket every heartbeat period (each lease names its
+    tenant, backend and arch) and a watch of the ``workers`` bucket (each worker's
+    capacity).
 
-    An entry not renewed for :data:`SHARE_STALE_PERIODS` heartbeat periods counts as
-    gone (a bucket's TTL expiry sends watchers nothing). Until the watches answer, only
-    this worker's own devices and runs are known.
+    The leases are read, not watched: every verification puts and deletes a lease, so
+    a watch would deliver two messages per verification to every worker of the fleet
+    (n workers: 2n per verification, the first thing that bent the dispatch curve of
+    ``bench/fleet.py``); a read costs one pass over the held leases per period,
+    whatever the rate. Other workers' leases are thus up to one period old. A worker
+    entry not renewed for :data:`SHARE_STALE_PERIODS` heartbeat periods counts as gone
+    (a bucket's TTL expiry sends watchers nothing). Until the first read and the watch
+    answer, only this worker's own devices and runs are known.
 
     Args:
         worker_id / backend / arch: this worker (its own leases are counted by the
@@ -193,22 +199,43 @@ class DeviceShares:
                    and not key.startswith(f"{self.worker_id}."))
 
     async def start(self, bus: Bus) -> None:
-        """Start watching both buckets and wait (at most :data:`SHARE_WATCH_START_S`)
-        for their current entries; a failure leaves this worker's own view."""
-        loaded = []
-        for kv, on_entry in ((bus.leases, self._on_lease), (bus.workers, self._on_worker)):
-            try:
-                watcher = await kv.watchall()
-            except Exception as exc:  # noqa: BLE001 - shares then count this worker only
-                log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
-                continue
-            ready = asyncio.Event()
-            loaded.append(ready)
+        """Start watching the ``workers`` bucket and reading the ``leases`` bucket, and
+        wait (at most :data:`SHARE_WATCH_START_S`) for their current entries; a failure
+        leaves this worker's own view."""
+        loaded = [asyncio.Event()]
+        self.watches.append(asyncio.create_task(self._read_leases(bus, loaded[0])))
+        try:
+            watcher = await bus.workers.watchall()
+        except Exception as exc:  # noqa: BLE001 - shares then count this worker only
+            log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
+        else:
+            loaded.append(asyncio.Event())
             self.watchers.append(watcher)
-            self.watches.append(asyncio.create_task(self._follow(watcher, on_entry, ready)))
+            self.watches.append(asyncio.create_task(
+                self._follow(watcher, self._on_worker, loaded[-1])))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in loaded)),
                                    SHARE_WATCH_START_S)
+
+    async def _read_leases(self, bus: Bus, ready: asyncio.Event) -> None:
+        """Every ``period_s``: the ``leases`` bucket's entries of this backend/arch
+        replace :attr:`leases` (a failed read keeps the last, which goes stale)."""
+        while True:
+            try:
+                entries = await bucket_entries(bus.js, subjects.BUCKET_LEASES)
+            except Exception as exc:  # noqa: BLE001 - tried again next period
+                log.warning("lease_read_failed", error=str(exc) or type(exc).__name__)
+            else:
+                now = time.monotonic()
+                held = {}
+                for key, entry in entries.items():
+                    with contextlib.suppress(Exception):
+                        tenant = self._lease_tenant(entry.value)
+                        if tenant is not None:
+                            held[key] = (tenant, now)
+                self.leases = held
+            ready.set()
+            await asyncio.sleep(self.period_s)
 
     async def stop(self) -> None:
         await cancel_and_wait(*self.watches)
@@ -227,14 +254,14 @@ class DeviceShares:
             with contextlib.suppress(Exception):
                 on_entry(entry)
 
-    def _on_lease(self, entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.leases.pop(entry.key, None)
-            return
-        value = msgspec.json.decode(entry.value)
+    def _lease_tenant(self, raw: bytes | None) -> str | None:
+        """The tenant of a lease value of this backend/arch, else None."""
+        if not raw:
+            return None
+        value = msgspec.json.decode(raw)
         if value.get("backend") == self.backend and value.get("arch") == self.arch:
-            self.leases[entry.key] = (str(value.get("tenant") or subjects.DEFAULT_TENANT),
-                                      time.monotonic())
+            return str(value.get("tenant") or subjects.DEFAULT_TENANT)
+        return None
 
     def _on_worker(self, entry) -> None:
         if entry.operation in ("DEL", "PURGE") or not entry.value:
@@ -260,8 +287,6 @@ class Worker:
     """
 
     def __init__(self, bus: Bus, settings: Settings, verifier=None) -> None:
-        from services.worker.verifier import Verifier
-
         self.bus = bus
         self.settings = settings
         self.backend = settings.worker_backend
@@ -288,15 +313,19 @@ class Worker:
         self.loop: PullLoop | None = None
         self.draining = False
         memory = settings.memory_limit_bytes or (4 << 30 if self.backend == "cpu" else None)
-        self.verifier = verifier or Verifier(
-            self.backend, worker_id=self.worker_id, memory_limit_bytes=memory,
-            sandbox_require=settings.sandbox_require_list,
-            sandbox_env_allow=settings.sandbox_env_allow_list,
-            aot_target=settings.worker_aot_target,
-            scratch_bytes=settings.sandbox_scratch_bytes or None,
-            task_timeout_s=settings.task_timeout_s,
-            child_limits=child_limits_from(settings),
-        )
+        if verifier is None:
+            from services.worker.verifier import Verifier  # torch and the sandbox: slow
+
+            verifier = Verifier(
+                self.backend, worker_id=self.worker_id, memory_limit_bytes=memory,
+                sandbox_require=settings.sandbox_require_list,
+                sandbox_env_allow=settings.sandbox_env_allow_list,
+                aot_target=settings.worker_aot_target,
+                scratch_bytes=settings.sandbox_scratch_bytes or None,
+                task_timeout_s=settings.task_timeout_s,
+                child_limits=child_limits_from(settings),
+            )
+        self.verifier = verifier
         # Fair shares of this backend/arch's devices (services/common/shares.py).
         self.tenants = load_tenants(settings)
         self.fleet = DeviceShares(self.worker_id, self.backend, self.arch, len(self.devices),
@@ -517,41 +546,41 @@ class Worker:
         received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
-        if await self._job_cancelled(request.job_id):
-            bound.info("skipped_cancelled_job")
-            await msg.ack()
-            return
-        cap = self.tenants.get(request.tenant).max_timeout_s
-        if cap and request.timeout_s > cap:
-            # The gateway refuses such jobs; a request sent another way (nats pub,
-            # RemoteWorker) runs within its tenant's limit all the same.
-            bound.warning("timeout_clamped", tenant=request.tenant, asked_s=request.timeout_s,
-                          max_timeout_s=cap)
-            request.timeout_s = cap
-        QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
-            _age_s(request.created_at))
-        bound.info("verify_started", deliveries=delivered)
-        IN_FLIGHT.labels(**self.labels).inc()
-        started = time.monotonic()
-        holder: dict[str, Any] = {}
-
-        async def work() -> None:
+        async with contextlib.AsyncExitStack() as held:
+            # The job's record is read while the lease is put (two round trips at
+            # once, not one after the other before every run); a cancelled job's lease
+            # is deleted again unused.
             leasing = time.monotonic()
-            async with self.lease(device, request):
-                holder["lease"] = time.monotonic() - leasing
-                holder["result"] = await self.verifier.verify(request, device=device)
-
-        try:
-            await work()
-        finally:
-            IN_FLIGHT.labels(**self.labels).dec()
+            cancelled, _ = await asyncio.gather(
+                self._job_cancelled(request.job_id),
+                held.enter_async_context(self.lease(device, request)))
+            lease_s = time.monotonic() - leasing
+            if cancelled:
+                bound.info("skipped_cancelled_job")
+                await msg.ack()
+                return
+            cap = self.tenants.get(request.tenant).max_timeout_s
+            if cap and request.timeout_s > cap:
+                # The gateway refuses such jobs; a request sent another way (nats pub,
+                # RemoteWorker) runs within its tenant's limit all the same.
+                bound.warning("timeout_clamped", tenant=request.tenant,
+                              asked_s=request.timeout_s, max_timeout_s=cap)
+                request.timeout_s = cap
+            QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
+                _age_s(request.created_at))
+            bound.info("verify_started", deliveries=delivered)
+            IN_FLIGHT.labels(**self.labels).inc()
+            started = time.monotonic()
+            try:
+                result: VerifyResult = await self.verifier.verify(request, device=device)
+            finally:
+                IN_FLIGHT.labels(**self.labels).dec()
         if release is not None:
             release()
-        result: VerifyResult = holder["result"]
         elapsed = time.monotonic() - started
         result.phases = {**_stored_wait(msg, request, received),
-                         "fetch_to_start": round(max(0.0, started - received), 6),
-                         "lease": round(holder["lease"], 6), **result.phases}
+                         "fetch_to_start": round(max(0.0, leasing - received), 6),
+                         "lease": round(lease_s, 6), **result.phases}
         VERIFY_SECONDS.labels(**self.labels).observe(elapsed)
         VERIFICATIONS.labels(**self.labels, outcome="passed" if result.passed else "failed",
                              stage=result.stage or "none").inc()

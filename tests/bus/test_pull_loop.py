@@ -342,3 +342,33 @@ async def test_stops_when_told_or_draining(bus: Bus) -> None:
         await _publish(bus, "team_a", "normal", 1)
         await asyncio.sleep(0.3)
         assert taker.taken == []
+
+
+async def test_a_deaf_pull_gets_no_wake_ups_and_still_finds_a_new_lane_at_once(
+        bus: Bus) -> None:
+    """A pull with no capacity drops its wake-up subscriptions; a message published
+    then, on a lane the last (reused) listing did not have, is taken by the next
+    fetch_or_wait without sleeping out the idle poll."""
+    pull = await _lanes(bus)
+    pull.idle_poll_s = 30.0  # a sleep would fail the timing below
+    taken: list[Any] = []
+    try:
+        await _publish(bus, "team_a", "normal", 1)
+        assert await pull.fetch_or_wait(1, taken.append) == 1  # lists: team_a's lane
+        await pull.deafen()
+        assert pull.wakeups == []
+        pull.woken.clear()
+        await _publish(bus, "team_b", "normal", 1)
+        await bus.nc.flush()
+        await asyncio.sleep(0.1)
+        assert not pull.woken.is_set()  # nothing reached the deaf pull
+        started = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(pull.fetch_or_wait(1, taken.append), 10) == 1
+        assert asyncio.get_running_loop().time() - started < 5
+        assert [m.subject for m in taken] == [subjects.job_submit("team_a", "normal"),
+                                              subjects.job_submit("team_b", "normal")]
+        assert len(pull.wakeups) == 2  # listening again
+    finally:
+        for msg in taken:
+            await msg.ack()
+        await pull.stop()
