@@ -58,7 +58,8 @@ class PendingConv:
     x, w, bias: forward expressions (bias None without one); out_shape: a forward
     expression of the output's shape; n: spatial dims (1-3); stride, padding, dilation,
     output_padding: the operator's, one int per spatial dim; groups: a forward
-    expression of the group count; outs: forward variables of the output extents.
+    expression of the group count; outs: forward variables of the output extents;
+    direct: sum each output channel without ``tl.dot`` (few channels per group).
     """
 
     op: str
@@ -74,6 +75,7 @@ class PendingConv:
     output_padding: list[int]
     groups: str
     outs: list[str]
+    direct: bool = False
 
 
 @dataclass

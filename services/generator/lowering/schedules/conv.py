@@ -102,8 +102,11 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         outs.append(o)
     channels = f"{w}.shape[1] * {g}" if transposed else f"{w}.shape[0]"
     out_shape = f"({x}.shape[0], {channels}, {', '.join(outs)})"
+    # Few output channels per group (depthwise: one): a tl.dot tile of 16 or more
+    # columns would be mostly padding, so each program sums its channels directly.
+    direct = groups > 1 and int(meta_val(node).shape[1]) // groups < 16
     lw.pending[node] = PendingConv(op, x, w, bias, out_shape, n, transposed, stride,
-                                   padding, dilation, output_padding, g, outs)
+                                   padding, dilation, output_padding, g, outs, direct)
     lw.values[node] = Value("matmul")
 
 
@@ -117,25 +120,26 @@ def _affine(terms: list[tuple[str, int]], offset: int) -> str:
     return text + (f" + {offset}" if offset > 0 else f" - {-offset}" if offset < 0 else "")
 
 
-def _window_lines(pc: PendingConv) -> tuple[list[str], str]:
-    """Loop-body lines giving each reduction index's input channel ``ci``, window
-    offsets ``q<d>`` and input pixels ``i<d>`` ([BLOCK_M, BLOCK_K]); returns them and
-    the mask of the pixels that exist (padding and, transposed, divisibility)."""
-    n = pc.n
-    lines = ["    rest = rk"]
-    for d in reversed(range(n)):
+def _window_lines(pc: PendingConv, direct: bool) -> tuple[list[str], str]:
+    """Loop-body lines giving the reduction index's input channel ``ci``, window
+    offsets ``q<d>`` and input pixels ``i<d>``; returns them and the mask of the pixels
+    that exist (padding and, transposed, divisibility). Implicit GEMM: ``rk`` is a
+    [BLOCK_K] slice and the pixels [BLOCK_M, BLOCK_K]; direct: ``r`` is one index and
+    the pixels [BLOCK_M]."""
+    o, q = ("o{}", "q{}") if direct else ("o{}[:, None]", "q{}[None, :]")
+    lines = ["    rest = r" if direct else "    rest = rk"]
+    for d in reversed(range(pc.n)):
         lines += [f"    q{d} = rest % KS{d}", f"    rest = rest // KS{d}"]
     lines.append("    ci = rest")
-    masks = ["(rm[:, None] < M) & (rk[None, :] < KTOT)"]
-    for d in range(n):
+    masks = ["(rm < M)" if direct else "(rm[:, None] < M) & (rk[None, :] < KTOT)"]
+    for d in range(pc.n):
         s, p, dil = pc.stride[d], pc.padding[d], pc.dilation[d]
         if not pc.transposed:
-            terms = [(f"o{d}[:, None]", s), (f"q{d}[None, :]", dil)]
-            lines.append(f"    i{d} = {_affine(terms, -p)}")
+            lines.append(f"    i{d} = {_affine([(o.format(d), s), (q.format(d), dil)], -p)}")
             if p > 0:  # without padding every window of an output pixel is inside
                 masks.append(f"(i{d} >= 0) & (i{d} < L{d})")
         else:
-            lines.append(f"    t{d} = {_affine([(f'o{d}[:, None]', 1), (f'q{d}[None, :]', -dil)], p)}")
+            lines.append(f"    t{d} = {_affine([(o.format(d), 1), (q.format(d), -dil)], p)}")
             if s == 1:
                 lines.append(f"    i{d} = t{d}")
                 masks.append(f"(t{d} >= 0) & (t{d} < L{d})")
@@ -145,62 +149,99 @@ def _window_lines(pc: PendingConv) -> tuple[list[str], str]:
     return lines, " & ".join(masks)
 
 
-def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None) -> None:
-    """Write and launch a pending convolution: BLOCK_M output pixels x BLOCK_N output
-    channels of one group per program, ``tl.dot`` over BLOCK_K slices of the group's
-    input channels x kernel window, float32 accumulation; then in registers the bias
-    and the element-wise chain ``epilogue``, whose other operands are loaded as tiles
-    broadcast to the output's shape. With an epilogue, its value is stored."""
-    pc: PendingConv = lw.pending.pop(node)
-    n, x, w = pc.n, pc.x, pc.w
-    root = epilogue if epilogue is not None else node
-    dtype = meta_val(root).dtype
-    out = lw.alloc(pc.out_shape, dtype)
-    spatial = range(n)
-    lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)", "g = tl.program_id(2)",
-             "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-             "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
-             "rest = rm"]
-    for d in reversed(spatial):
-        lines += [f"o{d} = rest % O{d}", f"rest = rest // O{d}"]
-    lines += ["b = rest.to(tl.int64)  # int64: batch offsets may pass 2**31",
-              "co = g * COG + rn  # output channel",
-              "x_row = b * sxn + (g * CIG).to(tl.int64) * sxc",
-              "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-              "for k0 in range(0, KTOT, BLOCK_K):",
-              "    rk = k0 + tl.arange(0, BLOCK_K)"]
-    window, a_mask = _window_lines(pc)
-    lines += window
+def _gemm_lines(pc: PendingConv, precision: str) -> list[str]:
+    """Implicit GEMM: program axis 2 is the group, columns its COG output channels,
+    ``tl.dot`` over BLOCK_K slices of CIG x kernel window."""
+    spatial = range(pc.n)
+    lines = ["g = tl.program_id(2)",
+             "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel in the group",
+             "co = g * COG + rn",
+             "cmask = rn < COG",
+             "x_row = b * sxn + (g * CIG).to(tl.int64) * sxc",
+             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+             "for k0 in range(0, KTOT, BLOCK_K):",
+             "    rk = k0 + tl.arange(0, BLOCK_K)"]
+    window, a_mask = _window_lines(pc, direct=False)
     x_addr = " + ".join(["x_row[:, None] + ci[None, :] * sxc",
                          *(f"i{d} * sx{d}" for d in spatial)])
     # weight [C_out, C_in / groups, *kernel]; transposed [C_in, C_out / groups, *kernel]
     w_out, w_in = ("rn", "(g * CIG + ci)") if pc.transposed else ("co", "ci")
     w_addr = " + ".join([f"{w_out}[None, :] * swo", f"{w_in}[:, None] * swi",
                          *(f"q{d}[:, None] * sw{d}" for d in spatial)])
-    lines += [f"    a = tl.load(x_ptr + {x_addr},",
-              f"                mask={a_mask}, other=0.0)",
-              f"    wt = tl.load(w_ptr + {w_addr},",
-              "                 mask=(rk[:, None] < KTOT) & (rn[None, :] < COG), other=0.0)",
-              "    acc += tl.dot(a.to(tl.float32), wt.to(tl.float32), "
-              f"input_precision=\"{lw.p['precision']}\")",
-              "mask = (rm[:, None] < M) & (rn[None, :] < COG)",
+    return [*lines, *window,
+            f"    a = tl.load(x_ptr + {x_addr},",
+            f"                mask={a_mask}, other=0.0)",
+            f"    wt = tl.load(w_ptr + {w_addr},",
+            "                 mask=(rk[:, None] < KTOT) & cmask[None, :], other=0.0)",
+            "    acc += tl.dot(a.to(tl.float32), wt.to(tl.float32), "
+            f"input_precision=\"{precision}\")"]
+
+
+def _direct_lines(pc: PendingConv) -> list[str]:
+    """Direct: columns are BLOCK_N of all COUT output channels, each reading its own
+    group's channels; one multiply-add of [BLOCK_M, BLOCK_N] per input channel x window
+    offset. For few output channels per group (depthwise), where a ``tl.dot`` tile of
+    at least 16 columns would be mostly padding."""
+    spatial = range(pc.n)
+    lines = ["co = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel",
+             "cmask = co < COUT",
+             "g = co // COG",
+             "rn = co - g * COG  # output channel in its group",
+             "x_col = (g * CIG).to(tl.int64) * sxc",
+             "x_row = b * sxn",
+             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+             "for r in range(0, KTOT):"]
+    window, a_mask = _window_lines(pc, direct=True)
+    x_addr = " + ".join(["x_row", *(f"i{d} * sx{d}" for d in spatial)])
+    w_out, w_in = ("rn", "(g * CIG + ci)") if pc.transposed else ("co", "ci")
+    w_addr = " + ".join([f"{w_out} * swo", f"{w_in} * swi",
+                         *(f"q{d} * sw{d}" for d in spatial)])
+    return [*lines, *window,
+            f"    a = tl.load(x_ptr + ({x_addr})[:, None] + x_col[None, :] + ci * sxc,",
+            f"                mask=({a_mask})[:, None] & cmask[None, :], other=0.0)",
+            f"    wt = tl.load(w_ptr + {w_addr}, mask=cmask, other=0.0)",
+            "    acc += a.to(tl.float32) * wt.to(tl.float32)[None, :]"]
+
+
+def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None) -> None:
+    """Write and launch a pending convolution: BLOCK_M output pixels x BLOCK_N output
+    channels per program, float32 accumulation over the group's input channels x kernel
+    window (``tl.dot`` over BLOCK_K slices, or one multiply-add per step where a group
+    has fewer than 16 output channels: :func:`_direct_lines`); then in registers the
+    bias and the element-wise chain ``epilogue``, whose other operands are loaded as
+    tiles broadcast to the output's shape. With an epilogue, its value is stored."""
+    pc: PendingConv = lw.pending.pop(node)
+    n, x, w = pc.n, pc.x, pc.w
+    root = epilogue if epilogue is not None else node
+    dtype = meta_val(root).dtype
+    out = lw.alloc(pc.out_shape, dtype)
+    spatial = range(n)
+    lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
+             "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # output pixel",
+             "rest = rm"]
+    for d in reversed(spatial):
+        lines += [f"o{d} = rest % O{d}", f"rest = rest // O{d}"]
+    lines.append("b = rest.to(tl.int64)  # int64: batch offsets may pass 2**31")
+    lines += _direct_lines(pc) if pc.direct else _gemm_lines(pc, lw.p["precision"])
+    lines += ["mask = (rm[:, None] < M) & cmask[None, :]",
               "o_row = " + " + ".join(["b * son", *(f"o{d} * so{d}" for d in spatial)])]
     sizes = [f"L{d}" for d in spatial] + [f"O{d}" for d in spatial]
     w_strides = (["swi", "swo"] if pc.transposed else ["swo", "swi"]) + [f"sw{d}" for d in spatial]
-    params = ["x_ptr", "w_ptr", "out_ptr", "M", "COG", "CIG", "KTOT", *sizes,
+    params = ["x_ptr", "w_ptr", "out_ptr", "M", *(["COUT"] if pc.direct else []),
+              "COG", "CIG", "KTOT", *sizes,
               "sxn", "sxc", *(f"sx{d}" for d in spatial), *w_strides,
               "son", "soc", *(f"so{d}" for d in spatial)]
     cig = f"({x}.shape[1] // {pc.groups})"
     cog = f"{w}.shape[1]" if pc.transposed else f"({w}.shape[0] // {pc.groups})"
     ktot = " * ".join([cig, *(f"{w}.shape[{d + 2}]" for d in spatial)])
     m = " * ".join([f"{x}.shape[0]", *pc.outs])
-    launch = [x, w, out, m, cog, cig, ktot, *(f"{x}.shape[{d + 2}]" for d in spatial),
+    launch = [x, w, out, m, *([f"{out}.shape[1]"] if pc.direct else []), cog, cig, ktot, *(f"{x}.shape[{d + 2}]" for d in spatial),
               *pc.outs, f"*{x}.stride()", f"*{w}.stride()", f"*{out}.stride()"]
     ops = [pc.op]
     if pc.bias is not None:
         params.append("bias_ptr")
         launch.append(pc.bias)
-        lines.append("acc = acc + tl.load(bias_ptr + co, mask=rn < COG, other=0.0)"
+        lines.append("acc = acc + tl.load(bias_ptr + co, mask=cmask, other=0.0)"
                      ".to(tl.float32)[None, :]")
     result = "acc"
     if epilogue is not None:
@@ -240,20 +281,27 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
     gather = ("output pixel o gathers input pixel (o + padding - q * dilation) / stride "
               "where exact" if pc.transposed else
               "input pixel o * stride - padding + q * dilation")
-    doc = (f"Convolution: {pc.op}: {what}.\n\nImplicit GEMM per group (program axis 2): "
-           "rows are output pixels (batch, o...), columns the group's COG output "
-           "channels,\nthe reduction its CIG input channels x kernel window (KS...), "
-           f"{gather};\nmasks cover the padding and the ragged M, COG and KTOT edges.")
+    if pc.direct:
+        how = ("Direct: rows are output pixels (batch, o...), columns output channels,\n"
+               "each summing its group's CIG input channels x kernel window (KS...), ")
+    else:
+        how = ("Implicit GEMM per group (program axis 2): rows are output pixels (batch, "
+               "o...),\ncolumns the group's COG output channels, tl.dot over its CIG input "
+               "channels x kernel window (KS...),\n")
+    doc = (f"Convolution: {pc.op}: {what}.\n\n{how}{gather};\n"
+           "masks cover the padding and the ragged edges.")
     add_kernel(lw, kname, [*params, *(f"KS{d}: tl.constexpr" for d in spatial),
                            "BLOCK_M: tl.constexpr", "BLOCK_N: tl.constexpr",
-                           "BLOCK_K: tl.constexpr"], doc, lines, ops)
+                           *([] if pc.direct else ["BLOCK_K: tl.constexpr"])], doc, lines, ops)
     bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
+    cols, grid_z = (f"{out}.shape[1]", "1") if pc.direct else (cog, pc.groups)
     lw.forward += [
         f"if {out}.numel() > 0:",
-        f"    {kname}[(triton.cdiv({m}, {bm}), triton.cdiv({cog}, {bn}), {pc.groups})](",
+        f"    {kname}[(triton.cdiv({m}, {bm}), triton.cdiv({cols}, {bn}), {grid_z})](",
         f"        {', '.join(launch)},",
         f"        {''.join(f'KS{d}={w}.shape[{d + 2}], ' for d in spatial)}"
-        f"BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
+        f"BLOCK_M={bm}, BLOCK_N={bn}, {'' if pc.direct else f'BLOCK_K={bk}, '}"
+        f"num_warps={lw.p['num_warps']}, "
         f"num_stages={lw.p['num_stages']})",
     ]
     lw.values[root] = Value("tensor", out)
