@@ -127,10 +127,11 @@ def _window_lines(pc: PendingConv, direct: bool) -> tuple[list[str], str]:
     [BLOCK_K] slice and the pixels [BLOCK_M, BLOCK_K]; direct: ``r`` is one index and
     the pixels [BLOCK_M]."""
     o, q = ("o{}", "q{}") if direct else ("o{}[:, None]", "q{}[None, :]")
-    lines = ["    rest = r" if direct else "    rest = rk"]
+    # its own name: a variable keeps one type through a loop (rest is [BLOCK_M] here)
+    lines = ["    kr = r" if direct else "    kr = rk"]
     for d in reversed(range(pc.n)):
-        lines += [f"    q{d} = rest % KS{d}", f"    rest = rest // KS{d}"]
-    lines.append("    ci = rest")
+        lines += [f"    q{d} = kr % KS{d}", f"    kr = kr // KS{d}"]
+    lines.append("    ci = kr")
     masks = ["(rm < M)" if direct else "(rm[:, None] < M) & (rk[None, :] < KTOT)"]
     for d in range(pc.n):
         s, p, dil = pc.stride[d], pc.padding[d], pc.dilation[d]
