@@ -152,28 +152,53 @@ def _window_lines(pc: PendingConv, direct: bool) -> tuple[list[str], str]:
 
 def _gemm_lines(pc: PendingConv, precision: str) -> list[str]:
     """Implicit GEMM: program axis 2 is the group, columns its COG output channels,
-    ``tl.dot`` over BLOCK_K slices of CIG x kernel window."""
+    ``tl.dot`` over BLOCK_K slices of CIG x kernel window. Forward, an input address is
+    a row part (pixel) plus a column part (channel, window offset), added once per tile;
+    the row parts are computed before the loop."""
     spatial = range(pc.n)
     lines = ["g = tl.program_id(2)",
              "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # output channel in the group",
              "co = g * COG + rn",
              "cmask = rn < COG",
-             "x_row = b * sxn + (g * CIG).to(tl.int64) * sxc",
-             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-             "for k0 in range(0, KTOT, BLOCK_K):",
-             "    rk = k0 + tl.arange(0, BLOCK_K)"]
-    window, a_mask = _window_lines(pc, direct=False)
-    x_addr = " + ".join(["x_row[:, None] + ci[None, :] * sxc",
-                         *(f"i{d} * sx{d}" for d in spatial)])
+             "row_ok = rm < M",
+             "x_row = b * sxn + (g * CIG).to(tl.int64) * sxc"]
+    if not pc.transposed:
+        for d in spatial:
+            lines += [f"h{d} = {_affine([(f'o{d}', pc.stride[d])], -pc.padding[d])}"
+                      "  # window start", f"x_row += h{d} * sx{d}"]
     # weight [C_out, C_in / groups, *kernel]; transposed [C_in, C_out / groups, *kernel]
     w_out, w_in = ("rn", "(g * CIG + ci)") if pc.transposed else ("co", "ci")
-    w_addr = " + ".join([f"{w_out}[None, :] * swo", f"{w_in}[:, None] * swi",
-                         *(f"q{d}[:, None] * sw{d}" for d in spatial)])
-    return [*lines, *window,
+    lines += [f"w_col = {w_out} * swo",
+              "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+              "for k0 in range(0, KTOT, BLOCK_K):",
+              "    rk = k0 + tl.arange(0, BLOCK_K)",
+              "    kr = rk  # its own name: a loop variable keeps one type",
+              *(line for d in reversed(spatial)
+                for line in (f"    q{d} = kr % KS{d}", f"    kr = kr // KS{d}")),
+              "    ci = kr"]
+    masks = ["row_ok[:, None] & (rk < KTOT)[None, :]"]
+    if not pc.transposed:
+        x_col = " + ".join(["ci * sxc", *(f"q{d} * sx{d}" if pc.dilation[d] == 1
+                                          else f"q{d} * (sx{d} * {pc.dilation[d]})"
+                                          for d in spatial)])
+        for d in spatial:
+            if pc.padding[d] > 0:  # without padding every window of a pixel is inside
+                terms = [(f"h{d}[:, None]", 1), (f"q{d}[None, :]", pc.dilation[d])]
+                lines.append(f"    i{d} = {_affine(terms, 0)}")
+                masks.append(f"(i{d} >= 0) & (i{d} < L{d})")
+        x_addr = f"x_row[:, None] + ({x_col})[None, :]"
+    else:
+        window, a_mask = _window_lines(pc, direct=False)
+        lines += [line for line in window if not line.lstrip().startswith(("kr", "q", "ci"))]
+        masks = [a_mask]
+        x_addr = " + ".join(["x_row[:, None] + ci[None, :] * sxc",
+                             *(f"i{d} * sx{d}" for d in spatial)])
+    w_k = " + ".join([f"{w_in} * swi", *(f"q{d} * sw{d}" for d in spatial)])
+    return [*lines,
             f"    a = tl.load(x_ptr + {x_addr},",
-            f"                mask={a_mask}, other=0.0)",
-            f"    wt = tl.load(w_ptr + {w_addr},",
-            "                 mask=(rk[:, None] < KTOT) & cmask[None, :], other=0.0)",
+            f"                mask={' & '.join(masks)}, other=0.0)",
+            f"    wt = tl.load(w_ptr + ({w_k})[:, None] + w_col[None, :],",
+            "                 mask=(rk < KTOT)[:, None] & cmask[None, :], other=0.0)",
             "    acc += tl.dot(a.to(tl.float32), wt.to(tl.float32), "
             f"input_precision=\"{precision}\")"]
 
