@@ -13,7 +13,7 @@ For every problem ``DIR/level<N>/<id>_<name>.py`` of a KernelBench checkout
    source is the task, so names derived from the sizes (``bias_shape =
    (out_channels, 1, 1)``) follow them;
 2. **lower** it with the built-in coder in its sandbox (:meth:`Sandbox.lower`, as the
-   generator does);
+   generator does, with the backend's launch parameters, ``launch_defaults``);
 3. **verify** the candidate with :class:`services.worker.verifier.Verifier` on the
    ``cpu`` backend (or ``--backend cuda``): correctness over ``--trials`` seeds, the op
    audit, the ghost replay and a second input size, as a worker does.
@@ -209,7 +209,7 @@ def refused_op(message: str) -> str:
 
 async def run(args: argparse.Namespace) -> list[Row]:
     from schemas import VerifyRequest
-    from services.generator.coders.base import lowering_sandbox
+    from services.generator.coders.base import launch_defaults, lowering_sandbox
     from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
     from services.worker.verifier import Verifier
@@ -236,8 +236,9 @@ async def run(args: argparse.Namespace) -> list[Row]:
             try:
                 task, row.sizes = await asyncio.to_thread(
                     reduce_sizes, path.read_text(), args.max_elements)
-                code = await lower_in_sandbox(sandbox, task, {}, {}, timeout_s=args.timeout,
-                                           label=f"kb{path.stem.split('_')[0]}")
+                code = await lower_in_sandbox(sandbox, task, {}, launch_defaults(args.backend),
+                                              timeout_s=args.timeout,
+                                              label=f"kb{path.stem.split('_')[0]}")
             except LoweringError as exc:
                 row.status, row.op, row.error = "refused", refused_op(str(exc)), str(exc)
             except ValueError as exc:

@@ -113,34 +113,32 @@ async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
     return [decode(m, JobEvent) for m in await stream_messages(bus, subjects.job_events(job_id))]
 
 # Tasks the built-in coder declines, so a job of them needs the LLM coder (or fails).
-# A 2-D convolution: the built-in coder has no convolution schedule (aten.convolution).
-CONV_TASK = '''\
+# An embedding lookup: the built-in coder has no indexing schedule (aten.embedding).
+DECLINED_TASK = '''\
 import torch
 import torch.nn as nn
 
 
 class Model(nn.Module):
-    def __init__(self, in_channels, out_channels, kernel_size):
+    def __init__(self, num_embeddings, embedding_dim):
         super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.emb = nn.Embedding(num_embeddings, embedding_dim)
 
-    def forward(self, x):
-        return self.conv(x)
+    def forward(self, ids):
+        return self.emb(ids)
 
 
 batch_size = 2
-in_channels = 3
-out_channels = 4
-kernel_size = 3
-height = width = 8
+num_embeddings = 10
+embedding_dim = 8
 
 
 def get_inputs():
-    return [torch.randn(batch_size, in_channels, height, width)]
+    return [torch.randint(0, num_embeddings, (batch_size, 5))]
 
 
 def get_init_inputs():
-    return [in_channels, out_channels, kernel_size]
+    return [num_embeddings, embedding_dim]
 '''
 # A softmax over rows whose forward branches on a tensor's value: torch.export cannot
 # trace it, so the built-in coder declines it, while an LLM-written row softmax

@@ -44,7 +44,7 @@ from services.worker.service import run_worker
 from tests import helpers
 from tests.conftest import free_port, running_gateway
 from tests.helpers import (
-    CONV_TASK,
+    DECLINED_TASK,
     LLM_ONLY_SOFTMAX_TASK,
     RELU_KERNEL,
     RELU_TASK,
@@ -223,7 +223,8 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                 "dash-timeout-then-builtin": {
                     "op_name": "relu", "task_desc": RELU_TASK, "init_code": SPINNING_RELU,
                     "timeout_s": 3.0, "trials": 1, "coder": "builtin"},
-                "dash-conv": {"op_name": "conv", "coder": "builtin", "task_desc": CONV_TASK},
+                "dash-declined": {"op_name": "embedding", "coder": "builtin",
+                                  "task_desc": DECLINED_TASK},
             }
             if fake_llm is not None:
                 jobs["dash-llm-softmax"] = {"op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK,
@@ -242,7 +243,7 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                                      headers={"Nats-Msg-Id": "dash-malformed"})
                 finals = {job_id: await wait_terminal(client, job_id) for job_id in jobs}
             assert finals["dash-timeout-then-builtin"]["status"] == "completed", finals
-            assert finals["dash-conv"]["status"] == "failed", finals
+            assert finals["dash-declined"]["status"] == "failed", finals
             if fake_llm is not None:
                 assert fake_llm.chat_requests(), "the LLM job never called the LLM"
 

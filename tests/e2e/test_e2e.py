@@ -21,7 +21,7 @@ from schemas import JobRecord, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
 from tests.helpers import (
-    CONV_TASK,
+    DECLINED_TASK,
     WRONG_RELU_KERNEL,
     job_events,
     services_running,
@@ -109,12 +109,13 @@ async def test_large_task_unchanged_with_shape_overrides(stack: str) -> None:
 
 async def test_task_the_builtin_coder_cannot_lower_fails_naming_the_op(stack: str) -> None:
     async with httpx.AsyncClient(base_url=stack, timeout=10) as client:
-        body = {**submit_body(TASKS / "relu.py"), "op_name": "conv", "task_desc": CONV_TASK}
+        body = {**submit_body(TASKS / "relu.py"), "op_name": "embedding",
+                "task_desc": DECLINED_TASK}
         resp = await client.post("/api/v1/jobs/submit", json=body)
         assert resp.status_code in (200, 201), resp.text
         status = await wait_terminal(client, resp.json()["job_id"])
     assert status["status"] == "failed"
-    assert "aten.convolution" in status["error"], status["error"]
+    assert "aten.embedding" in status["error"], status["error"]
     assert "cannot lower" in status["error"] and "LLM coder" in status["error"]
 
 

@@ -26,7 +26,8 @@ from services.generator.lowering import LoweringError, lower_task  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parents[1] / "data"
-NOT_ELEMENTWISE = {"matmul.py", "softmax.py"}  # other schedules, tested below
+# other schedules, tested below and in test_conv_lowering.py
+NOT_ELEMENTWISE = {"matmul.py", "softmax.py", "conv_encoder.py"}
 ELEMENTWISE_TASKS = sorted(p.name for p in TASKS.glob("*.py") if p.name not in NOT_ELEMENTWISE)
 LARGE_TASKS = sorted(p.name for p in DATA.glob("*.py"))
 SMALL = {"batch_size": 16, "dim": 4096}
@@ -239,8 +240,9 @@ def test_each_operator_has_one_schedule():
     assert registry.schedule_of("aten.flip.default") == "flip"
     assert registry.schedule_of("aten.full_like.default") == "pointwise"
     assert registry.schedule_of("aten.permute.default") == "view"
-    assert registry.schedule_of("aten.convolution.default") is None
-    assert "convolution" in str(registry.refuse("aten.convolution.default"))
+    assert registry.schedule_of("aten.convolution.default") == "convolution"
+    assert registry.schedule_of("aten.convolution_backward.default") is None
+    assert "convolution" in str(registry.refuse("aten.convolution_backward.default"))
 
 
 def test_syntax_error_is_refused():
@@ -373,8 +375,8 @@ REFUSED = [
      "pooling"),
     ("torch.cat([x, y])", "", "aten.cat.default", "concatenation"),
     ("torch.sort(x, dim=1).values", "", "aten.sort.default", "sorting"),
-    ("self.conv(x.unsqueeze(0))", "        self.conv = nn.Conv1d(4, 4, 3)\n",
-     "aten.convolution.default", "convolution"),
+    ("self.conv(x.unsqueeze(0))", "        self.conv = nn.Conv1d(4, 4, 3, padding=1, "
+     "padding_mode='reflect')\n", "aten.index.Tensor", "indexing"),
 ]
 
 

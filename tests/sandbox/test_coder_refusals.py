@@ -17,7 +17,7 @@ from services.sdk import LocalWorker, Task, WorkerManager
 from tests.e2e.test_cli_more import aikg
 from tests.helpers import RELU_KERNEL, RELU_TASK
 
-CONV_TASK = """
+DECLINED_TASK = """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,27 +41,32 @@ def get_init_inputs():
 """
 
 
-def conv_task(init: str = "self.conv = nn.Conv1d(4, 4, 3)", body: str = "self.conv(x)") -> str:
-    return CONV_TASK.format(init=init, body=body)
+def declined_task(init: str = "self.emb = nn.Embedding(10, 4)",
+                  body: str = "self.emb(x.long().clamp(0, 9))") -> str:
+    return DECLINED_TASK.format(init=init, body=body)
 
 
 @pytest.mark.parametrize(("init", "body", "op", "spelled"), [
-    ("self.conv = nn.Conv1d(4, 4, 3)", "self.conv(x)", "aten.convolution.default", "nn.Conv1d"),
-    ("self.up = torch.nn.ConvTranspose1d(4, 2, 3)", "self.up(x)", "aten.convolution.default",
-     "nn.ConvTranspose1d"),
-    ("pass", "F.conv1d(x, torch.ones(4, 4, 3))", "aten.convolution.default", "F.conv1d"),
     ("self.emb = nn.Embedding(10, 4)", "self.emb(x.long())", "aten.embedding.default",
      "nn.Embedding"),
+    ("self.conv = torch.nn.LazyConv1d(4, 3)", "self.conv(x)", "aten.convolution.default",
+     "nn.LazyConv1d"),
+    ("pass", "F.unfold(x.unsqueeze(0), 3)", "aten.im2col.default", "F.unfold"),
+    ("self.rnn = nn.LSTM(16, 8)", "self.rnn(x)[0]", "aten.lstm.input", "nn.LSTM"),
 ])
 def test_source_shows_what_is_declined(init, body, op, spelled):
-    reason = decline(conv_task(init, body))
+    reason = decline(declined_task(init, body))
     assert reason is not None
     assert f"cannot lower {op}" in reason and spelled in reason
     assert reason.endswith("use the LLM coder")
 
 
-@pytest.mark.parametrize("source", [RELU_TASK, "class Model(:\n", "x = 1\n",
-                                    conv_task("pass", "torch.relu(x)")])
+@pytest.mark.parametrize("source", [
+    RELU_TASK, "class Model(:\n", "x = 1\n", declined_task("pass", "torch.relu(x)"),
+    # convolutions have a schedule (schedules/conv.py)
+    declined_task("self.conv = nn.Conv1d(4, 4, 3)", "self.conv(x)"),
+    declined_task("self.up = torch.nn.ConvTranspose1d(4, 2, 3)", "self.up(x)"),
+    declined_task("pass", "F.conv1d(x, torch.ones(4, 4, 3))")])
 def test_source_screen_leaves_the_rest_to_the_lowering(source):
     assert decline(source) is None
 
@@ -69,11 +74,11 @@ def test_source_screen_leaves_the_rest_to_the_lowering(source):
 async def test_generator_coder_declines_without_a_sandboxed_child():
     # Never started: a lowering would fail with "not started", not with the refusal.
     coder = BuiltinCoder(lowering_sandbox("refusal-test"))
-    submit = JobSubmit(op_name="conv", task_desc=conv_task(), job_id="refusal-1")
+    submit = JobSubmit(op_name="embedding", task_desc=declined_task(), job_id="refusal-1")
     with pytest.raises(CoderError) as info:
         await coder.generate(submit)
     message = str(info.value)
-    assert "aten.convolution.default" in message and "convolution" in message
+    assert "aten.embedding.default" in message and "indexing" in message
     assert "coder 'llm'" in message and "AIKG_LLM_BASE_URL" in message
     assert coder.lowerings == 0
 
@@ -82,9 +87,9 @@ async def test_sdk_task_declines_and_starts_no_sandbox():
     manager = WorkerManager()
     worker = LocalWorker([0], backend="cpu")
     manager.add(worker, "cpu", worker.arch, 1)
-    _, passed, info = await Task("conv", conv_task(), worker_manager=manager).run()
+    _, passed, info = await Task("embedding", declined_task(), worker_manager=manager).run()
     assert not passed and info["attempts"] == 0
-    assert "aten.convolution.default" in info["error"] and "`aikg submit --coder llm`" in info["error"]
+    assert "aten.embedding.default" in info["error"] and "`aikg submit --coder llm`" in info["error"]
     assert worker._verifier is None  # no verification sandbox was started for nothing
 
 
@@ -118,19 +123,19 @@ def test_abort_start_cuts_a_starting_sandbox_short(tmp_path):
 
 
 @pytest.mark.slow
-async def test_aikg_run_declines_a_convolution_without_importing_torch(tmp_path):
+async def test_aikg_run_declines_an_embedding_without_importing_torch(tmp_path):
     """The refusal comes from the task's source alone: with a ``torch`` on the path
-    whose import fails, ``aikg run`` still declines the convolution (and says why), so
+    whose import fails, ``aikg run`` still declines the embedding (and says why), so
     the answer takes Python's start and the CLI's imports, not torch's seconds."""
-    task = tmp_path / "conv.py"
-    task.write_text(conv_task())
+    task = tmp_path / "embedding.py"
+    task.write_text(declined_task())
     poisoned = tmp_path / "poison"
     (poisoned / "torch").mkdir(parents=True)
     (poisoned / "torch" / "__init__.py").write_text(
         "raise ImportError('torch imported by a refusal that needs only the source')\n")
     code, out, err = await aikg("run", str(task), "--json", env={"PYTHONPATH": str(poisoned)})
     assert code == 1, err
-    assert "aten.convolution.default" in out and "convolution operators" in out, out + err
+    assert "aten.embedding.default" in out and "indexing operators" in out, out + err
     assert "aikg submit --coder llm" in out
     assert "torch imported" not in out + err
 

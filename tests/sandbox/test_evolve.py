@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from schemas import JobSubmit, VerifyRequest, VerifyResult
-from services.generator.coders.base import CPU_BLOCK_SIZE, BuiltinCoder, Candidate
+from services.generator.coders.base import CPU_BLOCK_SIZE, CPU_TILES, BuiltinCoder, Candidate
 from services.generator.evolve import (
     BuiltinMutator,
     EvolveSearch,
@@ -183,11 +183,11 @@ def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:
 async def test_a_single_jobs_launch_parameters_follow_its_backend(coder) -> None:
     # cpu runs Triton's interpreter: larger blocks (fewer programs); GPUs keep 1024.
     cpu = await coder.generate(make_submit(job_type="single", backend="cpu"))
-    assert cpu.meta == {"block_size": CPU_BLOCK_SIZE}
+    assert cpu.meta == {"block_size": CPU_BLOCK_SIZE, **CPU_TILES}
     assert f"BLOCK_SIZE={CPU_BLOCK_SIZE}," in cpu.code
     assert f"triton.cdiv(n, {CPU_BLOCK_SIZE})" in cpu.code
     cuda = await coder.generate(make_submit(job_type="single", backend="cuda"))
     assert cuda.meta == {} and "BLOCK_SIZE=1024," in cuda.code
     # A job's own parameters win over the backend's defaults.
     tuned = await coder.generate(make_submit(job_type="single", backend="cpu"), block_size=256)
-    assert tuned.meta == {"block_size": 256} and "BLOCK_SIZE=256," in tuned.code
+    assert tuned.meta == {"block_size": 256, **CPU_TILES} and "BLOCK_SIZE=256," in tuned.code

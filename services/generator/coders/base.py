@@ -43,12 +43,19 @@ LOWERED_CACHE_ENTRIES = 256
 # a 2-core machine). 4096 is the largest block the evolve search space tries; GPU
 # backends keep lower_task's 1024.
 CPU_BLOCK_SIZE = 4096
+# Tiles of the built-in coder's tl.dot kernels (matmul, convolution) on ``cpu``, for the
+# same reason: the interpreter's cost is per operation on a tile, nearly whatever its
+# size. AlexNet's first convolution (KernelBench level 1, problem 50, at batch 2) took
+# 39 s at lower_task's 32 x 32 x 32 and 4.2 s at these tiles (measured on a loaded 2-core
+# machine); all three are in the evolve search space.
+CPU_TILES = {"block_m": 128, "block_n": 64, "block_k": 64}
 
 
 def launch_defaults(backend: str) -> dict[str, int]:
     """The built-in coder's launch parameters for ``backend`` when a job names none:
-    ``{"block_size": CPU_BLOCK_SIZE}`` on ``cpu``, else nothing (lower_task's own)."""
-    return {"block_size": CPU_BLOCK_SIZE} if backend == "cpu" else {}
+    ``{"block_size": CPU_BLOCK_SIZE, **CPU_TILES}`` on ``cpu``, else nothing
+    (lower_task's own)."""
+    return {"block_size": CPU_BLOCK_SIZE, **CPU_TILES} if backend == "cpu" else {}
 
 
 class CoderError(Exception):
@@ -120,7 +127,7 @@ class BuiltinCoder:
 
         Args:
             params: launch parameters passed to ``lower_task`` (``block_size``,
-                ``num_warps``, ``num_stages``); over :func:`launch_defaults` of the
+                ``num_warps``, ``num_stages``, ``block_m``/``block_n``/``block_k``); over :func:`launch_defaults` of the
                 job's backend. The candidate's ``meta`` records them.
 
         Raises:

@@ -16,11 +16,11 @@ import ast
 __all__ = ["decline"]
 
 # nn modules the built-in coder cannot declare again or lower (its parameterised modules
-# are Linear and the norms), with the core-ATen operator each one's forward becomes
-# (torch.nn.modules source; aten/src/ATen/native/native_functions.yaml).
+# are Linear, the norms and the convolutions), with the core-ATen operator each one's
+# forward becomes (torch.nn.modules source; aten/src/ATen/native/native_functions.yaml).
+# Lazy convolutions hold uninitialized parameters until their first forward: nothing
+# to declare again.
 _MODULES: dict[str, tuple[str, str]] = {
-    **{f"Conv{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
-    **{f"ConvTranspose{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
     **{f"LazyConv{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
     "Embedding": ("aten.embedding.default", "indexing"),
     "EmbeddingBag": ("aten._embedding_bag.default", "indexing"),
@@ -34,8 +34,6 @@ _MODULES: dict[str, tuple[str, str]] = {
 }
 # torch.nn.functional / torch functions of the same operators.
 _FUNCTIONS: dict[str, tuple[str, str]] = {
-    **{f"conv{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
-    **{f"conv_transpose{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
     "embedding": ("aten.embedding.default", "indexing"),
     "unfold": ("aten.im2col.default", "convolution"),
     "fold": ("aten.col2im.default", "convolution"),
@@ -61,8 +59,8 @@ def decline(task_desc: str) -> str | None:
     ``torch.nn.functional.<fn>(...)`` of a function in :data:`_FUNCTIONS`.
 
     Returns:
-        The refusal (``built-in coder cannot lower aten.convolution.default
-        (convolution: nn.Conv2d in Model; ...); use the LLM coder``), or None when
+        The refusal (``built-in coder cannot lower aten.embedding.default
+        (indexing: nn.Embedding in Model; ...); use the LLM coder``), or None when
         nothing here is surely declined (the lowering decides). None too for source
         that does not parse: the lowering reports that with its line number.
     """

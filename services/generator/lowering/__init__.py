@@ -8,7 +8,7 @@ operator, the schedule that handles a node group, a Triton source emitter)::
                  lowerer.Lowerer.run: each node, in order ──► registry.schedule_of(op)
                     element-wise (registry.RULES) ──► fused into the kernel that reads it
                     view / arange ──► a line of forward
-                    schedules.{pointwise, reduction, matmul, scan, flip, pooling}
+                    schedules.{pointwise, reduction, matmul, scan, flip, pooling, conv}
                         ──► a @triton.jit kernel (emit.add_kernel) and its launch
                  emit.render ──► the candidate: kernels + class ModelNew
                     (parameters.init_lines declares the Model's parameters again)
@@ -23,7 +23,7 @@ operator, the schedule that handles a node group, a Triton source emitter)::
 - :mod:`.parameters`: ``ModelNew.__init__``;
 - :mod:`.entry`: :func:`lower_task`, :func:`warm_up`.
 
-Anything the schedules do not cover (convolutions, adaptive pooling, indexing, sorting,
+Anything the schedules do not cover (adaptive pooling, indexing, sorting,
 ...) raises :class:`LoweringError` naming the operator and its family, so the caller
 can hand the task to the LLM coder. The lowering runs the task's code in this process:
 call it where that code is trusted, or from a subprocess (the sandbox role ``lower``,

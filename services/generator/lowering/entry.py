@@ -37,8 +37,10 @@ def lower_task(
     argmin, prod, var, any/all over any dims, with the element-wise chain producing its
     input fused in; softmax, log_softmax, layer/group/batch/instance and RMS norms and
     losses decompose into these), ``matmul`` (mm, bmm, addmm, baddbmm; ``tl.dot`` tiles,
-    bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip`` and ``pooling`` (max_pool1d/2d/3d with
-    or without indices, avg_pool1d/2d/3d). Views (permute, expand, slice, ...)
+    bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip``, ``pooling`` (max_pool1d/2d/3d with
+    or without indices, avg_pool1d/2d/3d) and ``convolution`` (aten.convolution forward,
+    1-D to 3-D, strided, padded, dilated, grouped, transposed; an implicit GEMM on
+    ``tl.dot`` with the bias and element-wise epilogues). Views (permute, expand, slice, ...)
     stay views in forward, and kernels read every operand through its strides;
     pointwise kernels read operands that are contiguous in the output's shape at the
     output's flat offsets instead (``FLAT``, chosen by forward per call).
@@ -54,8 +56,9 @@ def lower_task(
             reduction and scan tiles; a power of two.
         num_warps: ``num_warps`` of every launch; a power of two from 1 to 32.
         num_stages: ``num_stages`` of every launch; at least 1.
-        block_m, block_n, block_k: matmul tile sizes; powers of two, at least 16
-            (``tl.dot``'s smallest tile on NVIDIA GPUs).
+        block_m, block_n, block_k: matmul and convolution tile sizes (output rows,
+            output columns, reduction slice); powers of two, at least 16 (``tl.dot``'s
+            smallest tile on NVIDIA GPUs).
         row_fusion: 1: a row reduction is fused with the reductions and element-wise
             nodes on the same rows into one kernel (softmax, layer norm: one read of
             the input when a row fits ``block_size``); 0: one kernel per reduction.

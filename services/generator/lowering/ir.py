@@ -3,7 +3,7 @@
 The graph itself is torch.fx's (``torch.export``'s core-ATen graph): no IR of our own.
 :class:`Value` is what one node has become in the generated code so far,
 :class:`PendingMatmul` a matmul whose kernel is written when its product is first
-read, :class:`Kernel` one emitted ``@triton.jit`` function; :func:`meta_val`,
+read (:class:`PendingConv` the same for a convolution), :class:`Kernel` one emitted ``@triton.jit`` function; :func:`meta_val`,
 :func:`bind_args` and :func:`reachable` read fx nodes.
 """
 
@@ -22,8 +22,8 @@ class Value:
 
     kind: ``tensor`` (a forward expression: input, parameter, view or kernel output),
     ``pointwise`` (an element-wise node, computed inside the kernels that consume it),
-    ``matmul`` (a matmul not launched yet: the element-wise chain consuming it may
-    become its epilogue), ``sym`` (a Python int expression), ``const`` (a number),
+    ``matmul`` (a ``tl.dot`` product not launched yet, a matmul's or a convolution's:
+    the element-wise chain consuming it may become its epilogue), ``sym`` (a Python int expression), ``const`` (a number),
     ``tuple`` (``items``).
     """
 
@@ -48,6 +48,34 @@ class PendingMatmul:
     batched: bool
     alpha: float
     beta: float
+
+
+@dataclass
+class PendingConv:
+    """A convolution whose operands and output shape exist in forward but whose kernel
+    is not written yet (``schedules/conv.py``).
+
+    x, w, bias: forward expressions (bias None without one); out_shape: a forward
+    expression of the output's shape; n: spatial dims (1-3); stride, padding, dilation,
+    output_padding: the operator's, one int per spatial dim; groups: a forward
+    expression of the group count; outs: forward variables of the output extents;
+    direct: sum each output channel without ``tl.dot`` (few channels per group).
+    """
+
+    op: str
+    x: str
+    w: str
+    bias: str | None
+    out_shape: str
+    n: int
+    transposed: bool
+    stride: list[int]
+    padding: list[int]
+    dilation: list[int]
+    output_padding: list[int]
+    groups: str
+    outs: list[str]
+    direct: bool = False
 
 
 @dataclass

@@ -24,6 +24,7 @@ from services.generator.coders.errors import LoweringError
 from services.generator.lowering.emit import render, torch_dtype_name
 from services.generator.lowering.ir import (
     Kernel,
+    PendingConv,
     PendingMatmul,
     Value,
     bind_args,
@@ -42,7 +43,15 @@ from services.generator.lowering.registry import (
     refuse,
     schedule_of,
 )
-from services.generator.lowering.schedules import flip, matmul, pointwise, pooling, reduction, scan
+from services.generator.lowering.schedules import (
+    conv,
+    flip,
+    matmul,
+    pointwise,
+    pooling,
+    reduction,
+    scan,
+)
 from services.generator.lowering.task import Task
 
 
@@ -62,7 +71,7 @@ class Lowerer:
         self.symbols: dict[str, str] = {}
         self.scalars: list[tuple[str, str]] = []  # (kernel parameter, forward expression)
         self.specialized: dict[int, str] = {}
-        self.pending: dict[torch.fx.Node, PendingMatmul] = {}
+        self.pending: dict[torch.fx.Node, PendingMatmul | PendingConv] = {}
         self.needed: set[torch.fx.Node] = set()
         self.sizes = False  # while rendering a size list: ints may be specialized extents
 
@@ -479,4 +488,5 @@ _SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
     "scan": scan.lower,
     "pooling": pooling.lower,
     "flip": flip.lower,
+    "convolution": conv.lower,
 }

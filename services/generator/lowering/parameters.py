@@ -1,6 +1,7 @@
 """``ModelNew.__init__``: the task Model's parameters declared again, in the same order.
 
-Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms) are
+Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms,
+``nn.Conv*d`` and ``nn.ConvTranspose*d``) are
 constructed again from their attributes; each direct ``nn.Parameter`` is created with
 the function (``torch.randn``, ``rand``, ``zeros``, ``ones`` or its fixed values) that,
 from the same seed, gives the Model's values. Sizes equal to an init argument are read
@@ -57,11 +58,33 @@ def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
     if type(module) is nn.GroupNorm:
         return (f"nn.GroupNorm({a(module.num_groups)}, {a(module.num_channels)}, "
                 f"eps={module.eps}, affine={module.affine})")
+    if type(module) in _CONVS:
+        return _conv_ctor(module, a)
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
         return None  # nothing to declare (activations, dropout, pooling)
     raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
                         "with parameters the built-in coder cannot declare again; use the "
                         "LLM coder")
+
+
+_CONVS = tuple(getattr(torch.nn, f"Conv{t}{d}d") for t in ("", "Transpose") for d in (1, 2, 3))
+
+
+def _conv_ctor(module: torch.nn.Module, a: _Args) -> str:
+    """``nn.Conv*d`` / ``nn.ConvTranspose*d`` again. Channel counts follow the init
+    arguments; the window (kernel_size, stride, padding, dilation) is written as it is,
+    since an init argument that equals it by chance (``in_channels = kernel_size = 3``)
+    would make it follow a size; groups follows in_channels when it equals it
+    (depthwise)."""
+    groups = (a(module.in_channels) if module.groups == module.in_channels != 1
+              else a(module.groups))
+    window = (f"{tuple(module.kernel_size)!r}, stride={tuple(module.stride)!r}, "
+              f"padding={module.padding!r}, dilation={tuple(module.dilation)!r}")
+    extra = (f", output_padding={tuple(module.output_padding)!r}"
+             if isinstance(module, torch.nn.modules.conv._ConvTransposeNd) else "")
+    return (f"nn.{type(module).__name__}({a(module.in_channels)}, {a(module.out_channels)}, "
+            f"{window}{extra}, groups={groups}, bias={module.bias is not None}, "
+            f"padding_mode={module.padding_mode!r})")
 
 
 def init_lines(task: Task) -> list[str]:

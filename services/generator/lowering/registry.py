@@ -5,8 +5,8 @@ operator sets of the schedules.
 Triton expression over its operands (``"aten.mul.Tensor"`` -> ``{self} * {other}``);
 those nodes are fused into the kernel that consumes them. :func:`schedule_of` names the
 schedule that lowers any other operator (``row reduction``, ``matmul``, ``scan``,
-``pooling``, ``flip``), or ``pointwise`` / ``view`` / ``arange``; an operator with none
-is refused with :func:`refuse`, which names its family (``convolution``, ``indexing``,
+``pooling``, ``flip``, ``convolution``), or ``pointwise`` / ``view`` / ``arange``; an operator with none
+is refused with :func:`refuse`, which names its family (``indexing``, ``sorting``,
 ...) so the caller can hand the task to the LLM coder.
 
 Numerics follow torch's: NaN propagation in maximum/minimum/clamp, sign(NaN) = 0, gelu's
@@ -315,6 +315,7 @@ POOLS = frozenset({
 })
 ARANGES = frozenset({"aten.arange.start_step", "aten.arange.default", "aten.arange.start"})
 FLIPS = frozenset({"aten.flip.default"})
+CONVOLUTIONS = frozenset({"aten.convolution.default"})
 # Size arithmetic on SymInts, written as Python in the generated forward.
 SYM_OPS = {operator.mul: "*", operator.add: "+", operator.sub: "-",
            operator.floordiv: "//", operator.mod: "%"}
@@ -375,6 +376,7 @@ SCHEDULE_OPS: dict[str, frozenset[str]] = {
     "scan": SCANS,
     "pooling": POOLS,
     "flip": FLIPS,
+    "convolution": CONVOLUTIONS,
 }
 
 

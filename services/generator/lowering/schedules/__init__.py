@@ -11,5 +11,7 @@ extends the lowerer's state (values, forward lines, kernels).
 - :mod:`.matmul`: ``tl.dot`` tiles with bias and element-wise epilogues;
 - :mod:`.scan`: cumsum, cumprod;
 - :mod:`.flip`: a copy reading reversed indices;
-- :mod:`.pooling`: max/avg pooling, 1-D to 3-D.
+- :mod:`.pooling`: max/avg pooling, 1-D to 3-D;
+- :mod:`.conv`: convolutions, 1-D to 3-D, grouped and transposed, as an implicit GEMM
+  with bias and element-wise epilogues.
 """

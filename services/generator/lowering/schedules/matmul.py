@@ -15,8 +15,9 @@ import torch
 import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, computed, literal
-from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
+from services.generator.lowering.ir import PendingConv, PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.registry import CONSTANTS
+from services.generator.lowering.schedules import conv
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -83,7 +84,11 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
     (addmm/baddbmm) and the element-wise chain ``epilogue`` (activation, scaling,
     residual add, clamp, ...), whose other operands are loaded as tiles broadcast
     to the product's shape. With an epilogue, its value is stored, not the product.
+    A pending convolution is written by :func:`.conv.emit` instead.
     """
+    if isinstance(lw.pending[node], PendingConv):
+        conv.emit(lw, node, epilogue)
+        return
     pm = lw.pending.pop(node)
     op, a, b, batched, out_shape = pm.op, pm.a, pm.b, pm.batched, pm.out_shape
     root = epilogue if epilogue is not None else node
