@@ -412,9 +412,11 @@ class Worker:
                 capacity=self.free.qsize, claim=self._claim,
                 dead_lettered=self._dead_lettered, freed=self.freed, defer=self.at_share,
                 stopping=lambda: self.draining)
-            beat = asyncio.create_task(self.heartbeat())
             await self.fleet.start(self.bus)
+            # The control service answers before the first heartbeat says the worker is
+            # there (whoever sees the heartbeat may ask its status at once).
             service = await self.control_service()
+            beat = asyncio.create_task(self.heartbeat())
             self.log.info("worker_started", subject=subject, devices=self.devices,
                           ack_wait_s=loop.delivery.ack_wait_s,
                           max_deliver=loop.delivery.max_deliver)
