@@ -56,13 +56,14 @@ import secrets
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.job_latency import export_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a file by a worker host: the repository root
@@ -188,22 +189,6 @@ class Point:
 
     def rate(self) -> float:
         return self.started / self.seconds if self.seconds else 0.0
-
-
-def export_revision(revision: str, into: Path) -> Path:
-    """``git archive`` of ``revision`` unpacked under ``into``.
-
-    Raises:
-        subprocess.CalledProcessError: git does not know the revision.
-    """
-    archive = into / "baseline.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", "-o", str(archive),
-                    revision], check=True, capture_output=True)
-    target = into / "baseline"
-    target.mkdir()
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    return target
 
 
 def cpu_seconds(pid: int) -> float:

@@ -522,17 +522,26 @@ class AsyncAIKGClient:
     async def stream_events(self, job_id: str, last_event_id: int | None = None
                             ) -> AsyncIterator[dict[str, Any]]:
         """See :meth:`AIKGClient.stream_events`."""
+        async for sse in self._sse(_path(job_id, "/events"), last_event_id):
+            if sse.data:  # a keepalive comment decodes as an empty message
+                yield _event(sse)
+
+    async def _sse(self, path: str, last_event_id: int | None) -> AsyncIterator[Any]:
+        """The server-sent events of ``path`` (resumed after ``last_event_id``).
+
+        Raises:
+            AIKGHTTPError: the gateway answered 4xx/5xx; AIKGConnectionError: unreachable.
+        """
         headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
         timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
         try:
-            async with aconnect_sse(self._http, "GET", _path(job_id, "/events"),
-                                    headers=headers, timeout=timeout) as source:
+            async with aconnect_sse(self._http, "GET", path, headers=headers,
+                                    timeout=timeout) as source:
                 if source.response.status_code >= 400:
                     await source.response.aread()
                     _raise_for(source.response)
                 async for sse in source.aiter_sse():
-                    if sse.data:  # a keepalive comment decodes as an empty message
-                        yield _event(sse)
+                    yield sse
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
@@ -553,21 +562,11 @@ class AsyncAIKGClient:
     async def stream_batch_verdicts(self, batch_id: str, last_event_id: int | None = None
                                     ) -> AsyncIterator[dict[str, Any]]:
         """See :meth:`AIKGClient.stream_batch_verdicts` (keepalives are not yielded)."""
-        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
-        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
-        try:
-            async with aconnect_sse(self._http, "GET", _batch_path(batch_id, "/events"),
-                                    headers=headers, timeout=timeout) as source:
-                if source.response.status_code >= 400:
-                    await source.response.aread()
-                    _raise_for(source.response)
-                async for sse in source.aiter_sse():
-                    if sse.event == "end":
-                        return
-                    if sse.data:
-                        yield _verdict(sse)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
+        async for sse in self._sse(_batch_path(batch_id, "/events"), last_event_id):
+            if sse.event == "end":
+                return
+            if sse.data:
+                yield _verdict(sse)
 
     async def verify_batch_stream(self, op_name: str, task_desc: str, candidates: list[str],
                                   **fields: Any) -> AsyncIterator[dict[str, Any]]:

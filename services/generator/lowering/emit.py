@@ -266,3 +266,30 @@ def render(lw: Lowerer) -> str:
              *(k.source for k in lw.kernels),
              model_new]
     return "\n\n\n".join(parts) + "\n"
+
+
+def tile_epilogue(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node, lines: list[str],
+                  ops: set[str], params: list[str], launch: list[str], dtype: torch.dtype,
+                  load_leaf) -> str:
+    """The element-wise chain after a ``tl.dot`` product (a matmul's or a convolution's)
+    on the tile ``acc``: the product rounded as torch stores it, each other leaf the chain
+    reads by value loaded as ``load_leaf(k, expr)`` says (``(params, launch args, load
+    expression)``), then the chain itself; returns the result, cast for the store."""
+    product_dtype = meta_val(node).dtype
+    if product_dtype == torch.float16:  # the chain reads the product as torch stores it
+        lines.append("acc = acc.to(tl.float16).to(tl.float32)")
+    elif product_dtype == torch.bfloat16:
+        lines.append("acc = _round_to_bf16(acc)")
+    leaves, _ = lw.leaves(epilogue, keep=node)
+    load: dict[torch.fx.Node, str] = {node: "acc"}
+    for k, leaf in enumerate(leaf for leaf in leaves
+                             if leaf is not node and lw.used_by_value(epilogue, leaf)):
+        more_params, more_launch, ld = load_leaf(k, lw.values[leaf].expr)
+        params += more_params
+        launch += more_launch
+        lines.append(f"v_e{k} = {computed(leaf, ld)}")
+        load[leaf] = f"v_e{k}"
+    body: list[str] = []
+    result = lw.kernel_chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops, params, launch)
+    lines += body
+    return cast_out(result, dtype, "")

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
-from services.generator.lowering.emit import add_kernel, cast_out, computed
+from services.generator.lowering.emit import add_kernel, tile_epilogue
 from services.generator.lowering.ir import PendingConv, Value, bind_args, meta_val
 from services.generator.lowering.registry import check_dtype, refuse
 
@@ -271,29 +271,15 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
                      ".to(tl.float32)[None, :]")
     result = "acc"
     if epilogue is not None:
-        product_dtype = meta_val(node).dtype
-        if product_dtype == torch.float16:  # the chain reads the output as torch stores it
-            lines.append("acc = acc.to(tl.float16).to(tl.float32)")
-        elif product_dtype == torch.bfloat16:
-            lines.append("acc = _round_to_bf16(acc)")
-        leaves, _ = lw.leaves(epilogue, keep=node)
-        load: dict[torch.fx.Node, str] = {node: "acc"}
-        for k, leaf in enumerate(leaf for leaf in leaves
-                                 if leaf is not node and lw.used_by_value(epilogue, leaf)):
-            expr = lw.values[leaf].expr
+        def load_leaf(k: int, expr: str) -> tuple[list[str], list[str], str]:
             strides = [f"e{k}_sn", f"e{k}_sc", *(f"e{k}_s{d}" for d in spatial)]
-            params += [f"e{k}_ptr", *strides]
-            launch += [expr, f"*_strides({expr}, {pc.out_shape})"]
             row = " + ".join([f"b * e{k}_sn", *(f"o{d} * e{k}_s{d}" for d in spatial)])
-            ld = (f"tl.load(e{k}_ptr + ({row})[:, None] + co[None, :] * e{k}_sc, "
-                  "mask=mask, other=0)")
-            lines.append(f"v_e{k} = {computed(leaf, ld)}")
-            load[leaf] = f"v_e{k}"
-        body: list[str] = []
-        result = lw.kernel_chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops,
-                                 params, launch)
-        lines += body
-        result = cast_out(result, dtype, "")
+            return ([f"e{k}_ptr", *strides], [expr, f"*_strides({expr}, {pc.out_shape})"],
+                    f"tl.load(e{k}_ptr + ({row})[:, None] + co[None, :] * e{k}_sc, "
+                    "mask=mask, other=0)")
+
+        result = tile_epilogue(lw, node, epilogue, lines, ops, params, launch, dtype,
+                               load_leaf)
     lines.append("tl.store(out_ptr + o_row[:, None] + co[None, :] * soc, "
                  f"({result}).to(out_ptr.dtype.element_ty), mask=mask)")
     kname = lw.fresh("conv_kernel_")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from services.generator.lowering.emit import add_kernel, cast_out, computed, literal
+from services.generator.lowering.emit import add_kernel, literal, tile_epilogue
 from services.generator.lowering.ir import PendingConv, PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.registry import CONSTANTS
 from services.generator.lowering.schedules import conv
@@ -124,28 +124,15 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
                   f"acc = acc + bias * {literal(pm.beta)}" if pm.beta != 1.0 else "acc = acc + bias"]
     result = "acc"
     if epilogue is not None:
-        product_dtype = meta_val(node).dtype
-        if product_dtype == torch.float16:  # the chain reads the product as torch stores it
-            lines.append("acc = acc.to(tl.float16).to(tl.float32)")
-        elif product_dtype == torch.bfloat16:
-            lines.append("acc = _round_to_bf16(acc)")
-        leaves, _ = lw.leaves(epilogue, keep=node)
-        load: dict[torch.fx.Node, str] = {node: "acc"}
-        for k, leaf in enumerate(leaf for leaf in leaves
-                                 if leaf is not node and lw.used_by_value(epilogue, leaf)):
-            expr = lw.values[leaf].expr
-            params += [f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"]
-            launch += [expr, f"*_strides({expr}, {out_shape})" if batched
-                       else f"0, *_strides({expr}, {out_shape})"]
-            ld = (f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
-                  f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
-            lines.append(f"v_e{k} = {computed(leaf, ld)}")
-            load[leaf] = f"v_e{k}"
-        body: list[str] = []
-        result = lw.kernel_chain(epilogue, load, "[BLOCK_M, BLOCK_N]", body, ops,
-                                 params, launch)
-        lines += body
-        result = cast_out(result, dtype, "")
+        def load_leaf(k: int, expr: str) -> tuple[list[str], list[str], str]:
+            return ([f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"],
+                    [expr, f"*_strides({expr}, {out_shape})" if batched
+                     else f"0, *_strides({expr}, {out_shape})"],
+                    f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
+                    f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
+
+        result = tile_epilogue(lw, node, epilogue, lines, ops, params, launch, dtype,
+                               load_leaf)
     lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
                  f"({result}).to(c_ptr.dtype.element_ty), mask=mask)")
     kname = lw.fresh("matmul_kernel_")
