@@ -353,14 +353,8 @@ async def submit_job(
                 return await _resubmitted(bus, tenant, record, existing)
         async with tenant_lock(state, tenant.name):
             held = await claim(bus, store, tenant, job_id)
-        try:
-            created = await store.create(record)
-        except Exception:
-            await held.withdraw()
-            raise
-        if not created:
+        if not await held.withdraw_unless(store.create(record)):
             # Another submission with this job id won the race since the look above.
-            await held.withdraw()
             return await _resubmitted(bus, tenant, record, (await store.get(job_id))[0])
         try:
             # The event goes first so that a job's history starts with it: a generator
