@@ -22,20 +22,12 @@ def machine_arch() -> str:
 
 
 # Fields whose values are credentials: masked in repr(), never logged.
+SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "llm_designer_api_key",
+                           "llm_coder_api_key", "llm_conductor_api_key", "nats_password",
+                           "nats_token", "nats_gateway_password", "nats_generator_password",
+                           "nats_worker_password"})
 # Services with their own NATS user (nats_<role>_user / nats_<role>_password).
 NATS_ROLES = ("gateway", "generator", "worker")
-# Agents of the LLM workflows (services/generator/llm.py), each with its own
-# llm_<agent>_<name> settings, and those settings' types: each defaults to empty (or
-# None), which falls back to llm_<name>.
-LLM_AGENTS = ("designer", "coder", "conductor")
-LLM_AGENT_SETTINGS: dict[str, Any] = {"base_url": str, "api_key": str, "model": str,
-                                      "temperature": float | None,
-                                      "max_tokens": int | None, "reasoning": str}
-# Fields whose values are credentials: masked in repr(), never logged.
-SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "nats_password", "nats_token",
-                           *(f"llm_{agent}_api_key" for agent in LLM_AGENTS),
-                           "nats_gateway_password", "nats_generator_password",
-                           "nats_worker_password"})
 
 
 # Seconds one built-in coder lowering of a task (its code run and torch.export'ed in
@@ -44,7 +36,7 @@ SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "nats_password", "nats_to
 LOWERING_TIMEOUT_S = 120.0
 
 
-class _Settings(msgspec.Struct, kw_only=True):
+class Settings(msgspec.Struct, kw_only=True):
     """Configuration of a service process.
 
     Attributes:
@@ -250,6 +242,24 @@ class _Settings(msgspec.Struct, kw_only=True):
     llm_max_retries: int = 4
     llm_concurrency: int = 4
     llm_reasoning: str = ""
+    llm_designer_base_url: str = ""
+    llm_designer_api_key: str = ""
+    llm_designer_model: str = ""
+    llm_designer_temperature: float | None = None
+    llm_designer_max_tokens: int | None = None
+    llm_designer_reasoning: str = ""
+    llm_coder_base_url: str = ""
+    llm_coder_api_key: str = ""
+    llm_coder_model: str = ""
+    llm_coder_temperature: float | None = None
+    llm_coder_max_tokens: int | None = None
+    llm_coder_reasoning: str = ""
+    llm_conductor_base_url: str = ""
+    llm_conductor_api_key: str = ""
+    llm_conductor_model: str = ""
+    llm_conductor_temperature: float | None = None
+    llm_conductor_max_tokens: int | None = None
+    llm_conductor_reasoning: str = ""
 
     def __repr__(self) -> str:
         # Keys and tokens must never reach a log line or a traceback.
@@ -257,7 +267,7 @@ class _Settings(msgspec.Struct, kw_only=True):
             f"{name}={'***' if name in SECRET_FIELDS and getattr(self, name) else repr(getattr(self, name))}"
             for name in self.__struct_fields__
         )
-        return f"{type(self).__name__}({shown})"
+        return f"Settings({shown})"
 
     @property
     def arch(self) -> str:
@@ -278,14 +288,6 @@ class _Settings(msgspec.Struct, kw_only=True):
     def devices(self) -> list[str]:
         """``worker_devices`` as a list: ``"0,1,2"`` -> ``["0", "1", "2"]``."""
         return [d.strip() for d in self.worker_devices.split(",") if d.strip()]
-
-
-Settings = msgspec.defstruct(
-    "Settings",
-    [(f"llm_{agent}_{name}", kind, None if type(None) in typing.get_args(kind) else "")
-     for agent in LLM_AGENTS for name, kind in LLM_AGENT_SETTINGS.items()],
-    bases=(_Settings,), module=__name__, kw_only=True,
-    namespace={"__doc__": _Settings.__doc__})
 
 
 # Fields of type ``X | None``: an empty variable means None (fall back to the general

@@ -34,12 +34,11 @@ import structlog
 from prometheus_client import Counter, Histogram
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential_jitter
 
-from services.common.settings import LLM_AGENTS, Settings
+from services.common.settings import Settings
 
 log = structlog.get_logger("aikg.llm")
 
-# The agents with their own llm_<agent>_<name> settings.
-AGENTS = LLM_AGENTS
+AGENTS = ("designer", "coder", "conductor")
 # Values of AIKG_LLM_REASONING: on/off flip `enable_thinking`; the rest are OpenAI's
 # `reasoning_effort` levels.
 REASONING_SWITCH = ("on", "off")
