@@ -48,7 +48,6 @@ from litestar import Request, Router, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import (
-    ClientException,
     HTTPException,
     NotFoundException,
     ValidationException,
@@ -78,7 +77,13 @@ from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
 from services.gateway.deps import provide_tenant
-from services.gateway.jobs import check_task, refuse_deep_body, routed_arch, strict_decode
+from services.gateway.jobs import (
+    check_task,
+    refuse_deep_body,
+    resume_after,
+    routed_arch,
+    strict_decode,
+)
 from services.gateway.limits import check_batch_limits, claim, tenant_lock
 
 log = structlog.get_logger("aikg.gateway")
@@ -609,15 +614,7 @@ async def batch_events(
     ``id:`` its place in that order, from 1); then ``event: end`` (``data``:
     ``batch_id``, ``status``, ``candidates``, ``verdicts``, ``cancelled``) once no
     verdict is awaited. A comment line goes out every 15 s while idle."""
-    after = 0
-    if last_event_id:
-        try:
-            after = int(last_event_id)
-        except ValueError:
-            raise ClientException(detail="Last-Event-ID must be a verdict id (an integer) "
-                                  f"sent by this route, not {last_event_id[:40]!r}") from None
-        if after < 0:
-            raise ClientException(detail="Last-Event-ID must not be negative")
+    after = resume_after(last_event_id, "a verdict id")
     if not subjects.is_token(batch_id):
         _load(None, batch_id, viewer)
     found = await batches.get(batch_id)
