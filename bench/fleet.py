@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench import add_number_options
 from bench.job_latency import export_revision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -463,18 +464,14 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=list(DEFAULT_SIZES),
                         help="fleet sizes, one point each (default 1 4 16 64)")
-    parser.add_argument("--seconds", type=float, default=5.0,
-                        help="measured seconds per point (default 5)")
-    parser.add_argument("--warmup", type=float, default=1.0,
-                        help="seconds driven before the measured window (default 1)")
-    parser.add_argument("--device-ms", type=float, default=50.0,
-                        help="simulated device time per verification, ms (default 50)")
-    parser.add_argument("--tenants", type=int, default=3,
-                        help="tenant lanes besides the default lane (default 3)")
-    parser.add_argument("--depth", type=int, default=2,
-                        help="requests kept outstanding per worker (default 2)")
-    parser.add_argument("--procs", type=int, default=4,
-                        help="most worker processes; workers are spread over them (default 4)")
+    add_number_options(parser, (
+        ("--seconds", float, 5.0, "measured seconds per point"),
+        ("--warmup", float, 1.0, "seconds driven before the measured window"),
+        ("--device-ms", float, 50.0, "simulated device time per verification, ms"),
+        ("--tenants", int, 3, "tenant lanes besides the default lane"),
+        ("--depth", int, 2, "requests kept outstanding per worker"),
+        ("--procs", int, 4, "most worker processes; workers are spread over them"),
+    ))
     parser.add_argument("--baseline", default=None,
                         help="also run every point with the workers of this git revision")
     parser.add_argument("--cluster", action="store_true",

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import stop_process
+from bench import add_number_options, stop_process
 from services.common.runtime import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -169,14 +169,12 @@ async def run(args: argparse.Namespace) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=400,
-                        help="requests per route per round, at most (default 400)")
-    parser.add_argument("--seconds", type=float, default=20.0,
-                        help="time per route, all rounds together, at most (default 20)")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="rounds over the routes, interleaved (default 2)")
-    parser.add_argument("--concurrency", type=int, default=8,
-                        help="requests in flight (default 8)")
+    add_number_options(parser, (
+        ("--requests", int, 400, "requests per route per round, at most"),
+        ("--seconds", float, 20.0, "time per route, all rounds together, at most"),
+        ("--rounds", int, 2, "rounds over the routes, interleaved"),
+        ("--concurrency", int, 8, "requests in flight"),
+    ))
     sys.exit(asyncio.run(run(parser.parse_args())))
 
 

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import stop_process
+from bench import add_number_options, stop_process
 from bench.job_latency import measure as job_latencies
 from bench.job_latency import p95
 from bench.verify_throughput import Cold
@@ -219,15 +219,13 @@ async def checks(task: str, code: str, n: int) -> dict[str, tuple[list[float], l
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speed",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--burst", type=int, default=20,
-                        help="one-trial requests in the burst (default 20)")
-    parser.add_argument("--cold", type=int, default=3,
-                        help="cold-process verifications (default 3)")
-    parser.add_argument("--seq", type=int, default=20,
-                        help="sequential three-trial verifications per worker (default 20)")
-    parser.add_argument("--jobs", type=int, default=10, help="small jobs (default 10)")
-    parser.add_argument("--checks", type=int, default=10,
-                        help="in-process three-trial verifications for (d) (default 10)")
+    add_number_options(parser, (
+        ("--burst", int, 20, "one-trial requests in the burst"),
+        ("--cold", int, 3, "cold-process verifications"),
+        ("--seq", int, 20, "sequential three-trial verifications per worker"),
+        ("--jobs", int, 10, "small jobs"),
+        ("--checks", int, 10, "in-process three-trial verifications for (d)"),
+    ))
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"],
                         choices=["a", "b", "c", "d"])
     parser.add_argument("--block-size", type=int, default=None,

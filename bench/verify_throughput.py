@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import add_number_options
+
 ROOT = Path(__file__).resolve().parent.parent
 TASK_PATH = ROOT / "tasks" / "relu.py"
 SHAPES = {"batch_size": 16, "dim": 1024}
@@ -216,12 +218,11 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.verify_throughput",
         description="Verifications per minute of tasks/relu.py (16 x 1024) on the cpu "
                     "backend: the worker's warm pool vs one fresh python per candidate.")
-    parser.add_argument("--warm", type=int, default=20,
-                        help="warm-pool verifications with the reference cached (default 20)")
-    parser.add_argument("--uncached", type=int, default=10,
-                        help="warm-pool verifications computing the reference (default 10)")
-    parser.add_argument("--cold", type=int, default=5,
-                        help="cold-process verifications (default 5)")
+    add_number_options(parser, (
+        ("--warm", int, 20, "warm-pool verifications with the reference cached"),
+        ("--uncached", int, 10, "warm-pool verifications computing the reference"),
+        ("--cold", int, 5, "cold-process verifications"),
+    ))
     args = parser.parse_args(argv)
     if min(args.warm, args.uncached, args.cold) < 0 or args.cold == 0:
         parser.error("counts must be >= 0, and --cold >= 1 (the ratio needs it)")

@@ -52,9 +52,10 @@ def scaled(seconds: float) -> float:
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parent / "data"
+CORPUS_TASKS = Path(__file__).resolve().parent / "corpus" / "tasks"
 
 # A small KernelBench-format task: torch.relu on a 16 x 1024 float32 tensor.
-RELU_TASK = (ROOT / "tests" / "corpus" / "tasks" / "relu.py").read_text()
+RELU_TASK = (CORPUS_TASKS / "relu.py").read_text()
 # The bundled tasks/relu.py (16 x 4096), as `aikg run` and the README use it.
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 
@@ -114,58 +115,11 @@ async def job_events(bus: Bus, job_id: str) -> list[JobEvent]:
 
 # Tasks the built-in coder declines, so a job of them needs the LLM coder (or fails).
 # An embedding lookup: the built-in coder has no indexing schedule (aten.embedding).
-DECLINED_TASK = '''\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def __init__(self, num_embeddings, embedding_dim):
-        super().__init__()
-        self.emb = nn.Embedding(num_embeddings, embedding_dim)
-
-    def forward(self, ids):
-        return self.emb(ids)
-
-
-batch_size = 2
-num_embeddings = 10
-embedding_dim = 8
-
-
-def get_inputs():
-    return [torch.randint(0, num_embeddings, (batch_size, 5))]
-
-
-def get_init_inputs():
-    return [num_embeddings, embedding_dim]
-'''
+DECLINED_TASK = (CORPUS_TASKS / "embedding.py").read_text()
 # A softmax over rows whose forward branches on a tensor's value: torch.export cannot
 # trace it, so the built-in coder declines it, while an LLM-written row softmax
 # (tests/fake_llm.py) passes.
-LLM_ONLY_SOFTMAX_TASK = '''\
-import torch
-import torch.nn as nn
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        if x.abs().max() >= 0:  # always true; data-dependent, so not exportable
-            return torch.softmax(x, dim=1)
-        return x
-
-
-batch_size = 16
-dim = 1024
-
-
-def get_inputs():
-    return [torch.randn(batch_size, dim)]
-
-
-def get_init_inputs():
-    return []
-'''
+LLM_ONLY_SOFTMAX_TASK = (CORPUS_TASKS / "softmax_data_dependent.py").read_text()
 
 
 async def wait_for_heartbeat(bus: Bus, tasks: Sequence[asyncio.Task] = ()) -> None:

@@ -1,7 +1,8 @@
 """The pieces hand-written relu candidates are built from: Triton's imports, the
 ``relu_kernel`` (one program per 1024-element block), a ``relu(x)`` launcher and a
-``ModelNew`` that launches the kernel. A test writes the part it is about and takes
-the rest from here, so the honest parts read the same everywhere."""
+``ModelNew`` that launches the kernel, and the host lines of a forged wire frame. A test
+writes the part it is about and takes the rest from here, so the parts read the same
+everywhere."""
 
 from __future__ import annotations
 
@@ -49,3 +50,13 @@ class ModelNew(nn.Module):
         relu_kernel[(triton.cdiv(n, 1024),)](x, out, n{args}, BLOCK_SIZE=1024)
         return {returns}
 """
+
+
+def forged_frames(payload: str) -> str:
+    """Host lines that write ``payload`` (an expression of bytes) as a length-prefixed
+    frame of the sandbox's wire to every descriptor from 3 to 63, through the os module
+    reached as ``getattr(torch, "o" + "s")`` and bound to ``os_``."""
+    return (f'os_ = getattr(torch, "o" + "s")\npayload = {payload}\n'
+            'frame = len(payload).to_bytes(8, "big") + payload\n'
+            "for fd in range(3, 64):\n    try:\n        os_.write(fd, frame)\n"
+            "    except OSError:\n        pass\n")

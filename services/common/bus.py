@@ -11,10 +11,10 @@ import asyncio
 import contextlib
 import importlib.util
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -39,6 +39,8 @@ from services.common.runtime import cancel_and_wait
 from services.common.settings import NATS_ROLES, Settings
 
 log = structlog.get_logger("aikg.bus")
+# A record of a bucket (JobRecord, BatchRecord): a msgspec Struct with ``updated_at``.
+_Record = TypeVar("_Record")
 
 # Dedupe window of JOBS and VERIFY: a submit or verify request republished with the
 # same Nats-Msg-Id within this many seconds is dropped by the server.
@@ -85,84 +87,57 @@ class Bus:
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:
     """The five streams (docs/architecture.md, "Subjects and streams") with their
-    retention and limits."""
-    r = settings.stream_replicas
+    retention and limits; all are file-stored with ``stream_replicas`` replicas."""
+
+    def stream(name: str, filters: list[str], retention: RetentionPolicy, **limits: Any
+               ) -> StreamConfig:
+        return StreamConfig(name=name, subjects=filters, retention=retention,
+                            storage=StorageType.FILE, num_replicas=settings.stream_replicas,
+                            **limits)
+
     return [
-        StreamConfig(
-            name=subjects.STREAM_JOBS,
-            # jobs.submit (default tenant, normal priority) and the tenant lanes
-            # jobs.submit.<tenant>.<priority> (services/common/lanes.py): a publish with
-            # another priority token, or more tokens, is refused (no stream takes it).
-            # NATS subjects cannot say which characters a token holds, so a message on
-            # a lane whose tenant token is no tenant name is stored and moved to the
-            # DLQ by the generator (LanePull.sweep_strays).
-            subjects=[subjects.JOBS_SUBMIT,
-                      *(f"{subjects.JOBS_SUBMIT}.*.{p}" for p in subjects.PRIORITIES)],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            num_replicas=r,
-        ),
-        StreamConfig(
-            name=subjects.STREAM_JOB_EVENTS,
-            subjects=[f"{subjects.JOB_EVENTS_PREFIX}.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=settings.job_events_max_age_s,
-            num_replicas=r,
-        ),
-        StreamConfig(
-            name=subjects.STREAM_VERIFY,
-            subjects=[f"{subjects.VERIFY_PREFIX}.>"],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=StorageType.FILE,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            num_replicas=r,
-        ),
-        StreamConfig(
-            name=subjects.STREAM_RESULTS,
-            subjects=[f"{subjects.RESULTS_PREFIX}.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=settings.results_max_age_s,
-            duplicate_window=DUPLICATE_WINDOW_S,
-            num_replicas=r,
-        ),
-        StreamConfig(
-            name=subjects.STREAM_DLQ,
-            subjects=[f"{subjects.DLQ_PREFIX}.>"],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.FILE,
-            max_age=settings.job_events_max_age_s,
-            discard=DiscardPolicy.OLD,
-            num_replicas=r,
-        ),
+        # jobs.submit (default tenant, normal priority) and the tenant lanes
+        # jobs.submit.<tenant>.<priority> (services/common/lanes.py): a publish with
+        # another priority token, or more tokens, is refused (no stream takes it).
+        # NATS subjects cannot say which characters a token holds, so a message on
+        # a lane whose tenant token is no tenant name is stored and moved to the
+        # DLQ by the generator (LanePull.sweep_strays).
+        stream(subjects.STREAM_JOBS,
+               [subjects.JOBS_SUBMIT,
+                *(f"{subjects.JOBS_SUBMIT}.*.{p}" for p in subjects.PRIORITIES)],
+               RetentionPolicy.WORK_QUEUE, duplicate_window=DUPLICATE_WINDOW_S),
+        stream(subjects.STREAM_JOB_EVENTS, [f"{subjects.JOB_EVENTS_PREFIX}.>"],
+               RetentionPolicy.LIMITS, max_age=settings.job_events_max_age_s),
+        stream(subjects.STREAM_VERIFY, [f"{subjects.VERIFY_PREFIX}.>"],
+               RetentionPolicy.WORK_QUEUE, duplicate_window=DUPLICATE_WINDOW_S),
+        stream(subjects.STREAM_RESULTS, [f"{subjects.RESULTS_PREFIX}.>"],
+               RetentionPolicy.LIMITS,
+               max_age=settings.results_max_age_s, duplicate_window=DUPLICATE_WINDOW_S),
+        stream(subjects.STREAM_DLQ, [f"{subjects.DLQ_PREFIX}.>"],
+               RetentionPolicy.LIMITS,
+               max_age=settings.job_events_max_age_s, discard=DiscardPolicy.OLD),
     ]
 
 
 def bucket_configs(settings: Settings) -> list[KeyValueConfig]:
-    """The ``jobs``, ``workers``, ``leases``, ``tenant_usage`` and ``batches`` buckets.
+    """The ``jobs``, ``workers``, ``leases``, ``tenant_usage`` and ``batches`` buckets,
+    file-stored with ``stream_replicas`` replicas.
 
     ``workers`` expires a key three heartbeats after its last put; ``leases`` after
     ten, so a crashed worker's leases go by themselves; ``tenant_usage`` (one counter
     per tenant and clock hour) after two hours; ``batches`` (one record per batch
     verification) after ``job_events_max_age_s`` (7 days), as a job's events do.
+    ``jobs`` keeps five revisions of a key and never expires one.
     """
-    r = settings.stream_replicas
     hb = settings.worker_heartbeat_s
-    return [
-        KeyValueConfig(bucket=subjects.BUCKET_JOBS, history=5, replicas=r,
-                       storage=StorageType.FILE),
-        KeyValueConfig(bucket=subjects.BUCKET_WORKERS, history=1, ttl=3 * hb, replicas=r,
-                       storage=StorageType.FILE),
-        KeyValueConfig(bucket=subjects.BUCKET_LEASES, history=1, ttl=10 * hb, replicas=r,
-                       storage=StorageType.FILE),
-        KeyValueConfig(bucket=subjects.BUCKET_TENANT_USAGE, history=1, ttl=2 * 3600.0,
-                       replicas=r, storage=StorageType.FILE),
-        KeyValueConfig(bucket=subjects.BUCKET_BATCHES, history=1,
-                       ttl=settings.job_events_max_age_s, replicas=r,
-                       storage=StorageType.FILE),
-    ]
+    lives = {subjects.BUCKET_WORKERS: 3 * hb, subjects.BUCKET_LEASES: 10 * hb,
+             subjects.BUCKET_TENANT_USAGE: 2 * 3600.0,
+             subjects.BUCKET_BATCHES: settings.job_events_max_age_s}
+    return [KeyValueConfig(bucket=subjects.BUCKET_JOBS, history=5,
+                           replicas=settings.stream_replicas, storage=StorageType.FILE),
+            *(KeyValueConfig(bucket=bucket, history=1, ttl=ttl,
+                             replicas=settings.stream_replicas, storage=StorageType.FILE)
+              for bucket, ttl in lives.items())]
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
@@ -444,6 +419,60 @@ async def bucket_entries(js: JetStreamContext, bucket: str) -> dict[str, KeyValu
     return out
 
 
+async def create_record(kv: KeyValue, key: str, record: Any) -> bool:
+    """Write ``record`` as JSON under ``key`` unless the key holds a value already.
+
+    Returns:
+        True when written; False when ``key`` has a value (the record exists).
+
+    Raises:
+        nats.errors.Error: NATS trouble.
+    """
+    try:
+        await kv.create(key, encode(record))
+    except nats.js.errors.KeyWrongLastSequenceError:
+        return False
+    return True
+
+
+async def update_record(kv: KeyValue, key: str,
+                        read: Callable[[], Awaitable[tuple[_Record, int] | None]],
+                        change: Callable[[_Record], _Record | None], *, attempts: int,
+                        what: str) -> _Record | None:
+    """Change the record under ``key`` by compare-and-swap on its revision, reading it
+    again and retrying (after 10 ms) when another write won.
+
+    Args:
+        read: the current record and its revision, or None when there is none.
+        change: the new record (``updated_at`` is set here), or None to leave it as is.
+        attempts: writes tried before giving up.
+        what: the kind of record, for the error message (``job``, ``batch``).
+
+    Returns:
+        The record as stored (the old one when ``change`` left it), or None when
+        ``read`` found none.
+
+    Raises:
+        RuntimeError: ``attempts`` writes all lost a race.
+        nats.errors.Error: NATS trouble; whatever ``read`` raises.
+    """
+    for _ in range(attempts):
+        found = await read()
+        if found is None:
+            return None
+        record, revision = found
+        new = change(record)
+        if new is None:
+            return record
+        new.updated_at = utcnow()
+        try:
+            await kv.update(key, encode(new), last=revision)
+            return new
+        except nats.js.errors.KeyWrongLastSequenceError:
+            await asyncio.sleep(0.01)
+    raise RuntimeError(f"{what} {key}: {attempts} concurrent updates lost")
+
+
 class JobNotFound(KeyError):
     """No record for this job id in the ``jobs`` bucket."""
 
@@ -460,11 +489,7 @@ class JobStore:
 
     async def create(self, record: JobRecord) -> bool:
         """Write a new record; False when the id already has one (an idempotent resubmit)."""
-        try:
-            await self.kv.create(record.job_id, encode(record))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False
-        return True
+        return await create_record(self.kv, record.job_id, record)
 
     async def get(self, job_id: str) -> tuple[JobRecord, int]:
         """The record and its revision.
@@ -490,18 +515,10 @@ class JobStore:
             JobNotFound: no such job.
             RuntimeError: the key kept changing under us ``attempts`` times.
         """
-        for _ in range(attempts):
-            record, revision = await self.get(job_id)
-            new = change(record)
-            if new is None:
-                return record
-            new.updated_at = utcnow()
-            try:
-                await self.kv.update(job_id, encode(new), last=revision)
-                return new
-            except nats.js.errors.KeyWrongLastSequenceError:
-                await asyncio.sleep(0.01)
-        raise RuntimeError(f"job {job_id}: too many concurrent updates")
+        new = await update_record(self.kv, job_id, lambda: self.get(job_id), change,
+                                  attempts=attempts, what="job")
+        assert new is not None  # self.get raises instead of finding nothing
+        return new
 
 
 async def publish_json(js: JetStreamContext, subject: str, record: Any,

@@ -71,7 +71,8 @@ def hash_token(token: str) -> str:
 
 @dataclass(frozen=True)
 class Tenant:
-    """One tenant and its limits (0 means no limit).
+    """One tenant and its limits (0 means no limit), each given: a tenants file's entry
+    over the ``AIKG_TENANT_*`` settings (:func:`load_tenants`).
 
     Attributes:
         name: the tenant's name (:data:`schemas.subjects.TENANT_PATTERN`).
@@ -90,15 +91,15 @@ class Tenant:
     """
 
     name: str
-    token_sha256: str = ""
-    max_in_flight: int = 0
-    max_jobs_per_hour: int = 0
-    max_parallel_num: int = 0
-    max_rounds: int = 0
-    max_priority: str = "normal"
-    max_timeout_s: float = 0.0
-    max_generator_share: float = 1.0
-    max_device_share: float = 1.0
+    token_sha256: str
+    max_in_flight: int
+    max_jobs_per_hour: int
+    max_parallel_num: int
+    max_rounds: int
+    max_priority: str
+    max_timeout_s: float
+    max_generator_share: float
+    max_device_share: float
 
     def allows_priority(self, priority: str) -> bool:
         """Whether ``priority`` is at or below :attr:`max_priority`."""
@@ -147,14 +148,10 @@ class TenantTable:
 
 
 def _defaults(settings: Settings) -> dict[str, object]:
-    return {"max_in_flight": settings.tenant_max_in_flight,
-            "max_jobs_per_hour": settings.tenant_max_jobs_per_hour,
-            "max_parallel_num": settings.tenant_max_parallel_num,
-            "max_rounds": settings.tenant_max_rounds,
-            "max_priority": settings.tenant_max_priority,
-            "max_timeout_s": settings.tenant_max_timeout_s,
-            "max_generator_share": settings.tenant_max_generator_share,
-            "max_device_share": settings.tenant_max_device_share}
+    """Every limit's value for a tenant whose entry does not give it: setting
+    ``tenant_<limit>``."""
+    return {key: getattr(settings, f"tenant_{key}")
+            for key in (*_LIMIT_KEYS, "max_priority", *_SECONDS_KEYS, *_SHARE_KEYS)}
 
 
 def _check_limits(where: str, values: dict[str, object]) -> None:

@@ -140,24 +140,19 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        if bus is not None:
-            app.state.bus = bus
-            app.state.queue = QueueView(bus)
-            try:
-                yield
-            finally:
-                await stop_followers(app.state)
-            return
-        own = await connect_bus(settings, "gateway", role="gateway")
-        app.state.bus = own
-        app.state.queue = QueueView(own)
+        own = None if bus is not None else await connect_bus(settings, "gateway",
+                                                             role="gateway")
+        used = bus if own is None else own
+        app.state.bus = used
+        app.state.queue = QueueView(used)
         try:
             yield
         finally:
             await stop_followers(app.state)
-            app.state.bus = None
-            app.state.queue = None
-            await own.close()
+            if own is not None:
+                app.state.bus = None
+                app.state.queue = None
+                await own.close()
 
     return Litestar(
         route_handlers=[api_router(), *PROBE_HANDLERS],

@@ -48,7 +48,6 @@ from litestar import Request, Router, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
 from litestar.exceptions import (
-    ClientException,
     HTTPException,
     NotFoundException,
     ValidationException,
@@ -72,14 +71,20 @@ from schemas import (
     utcnow,
 )
 from schemas.events import BatchTask
-from services.common.bus import Bus
+from services.common.bus import Bus, create_record, update_record
 from services.common.jobs import CheckedJobStore
 from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
 from services.gateway.deps import provide_tenant
-from services.gateway.jobs import check_task, refuse_deep_body, routed_arch, strict_decode
-from services.gateway.limits import Claim, check_batch_limits, claim, tenant_lock
+from services.gateway.jobs import (
+    check_task,
+    refuse_deep_body,
+    resume_after,
+    routed_arch,
+    strict_decode,
+)
+from services.gateway.limits import check_batch_limits, claim, tenant_lock
 
 log = structlog.get_logger("aikg.gateway")
 
@@ -149,11 +154,7 @@ class BatchStore:
 
     async def create(self, record: BatchRecord) -> bool:
         """Create the record; False when the id is taken."""
-        try:
-            await self.kv.create(record.batch_id, encode(record))
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False
-        return True
+        return await create_record(self.kv, record.batch_id, record)
 
     async def update(self, batch_id: str,
                      change: Callable[[BatchRecord], bool]) -> BatchRecord | None:
@@ -163,20 +164,9 @@ class BatchStore:
         Raises:
             RuntimeError: :data:`CAS_ATTEMPTS` writes all lost, or the record is corrupt.
         """
-        for _ in range(CAS_ATTEMPTS):
-            found = await self.get(batch_id)
-            if found is None:
-                return None
-            record, revision = found
-            if not change(record):
-                return record
-            record.updated_at = utcnow()
-            try:
-                await self.kv.update(batch_id, encode(record), last=revision)
-                return record
-            except nats.js.errors.KeyWrongLastSequenceError:
-                await asyncio.sleep(0.01)
-        raise RuntimeError(f"batch {batch_id}: {CAS_ATTEMPTS} concurrent updates lost")
+        return await update_record(self.kv, batch_id, lambda: self.get(batch_id),
+                                   lambda record: record if change(record) else None,
+                                   attempts=CAS_ATTEMPTS, what="batch")
 
     async def delete(self, batch_id: str) -> None:
         """Remove the record (a batch withdrawn before its requests went out)."""
@@ -465,7 +455,7 @@ async def submit_batch(
         async with tenant_lock(state, tenant.name):
             held = await claim(bus, store, tenant, batch_id,
                                batch_candidates=len(candidates))
-        if not await _create(batches, record, held):
+        if not await held.withdraw_unless(batches.create(record)):
             existing = await batches.get(batch_id)
             if existing is None or not _same_batch(existing[0], record):
                 raise HTTPException(status_code=409, detail=f"batch id {batch_id!r} is "
@@ -514,18 +504,6 @@ async def _is_job(bus: Bus, job_id: str) -> bool:
     except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
         return False
     return True
-
-
-async def _create(batches: BatchStore, record: BatchRecord, held: Claim) -> bool:
-    """Create the record; on a taken id or a failure the tenant's slots go back."""
-    try:
-        created = await batches.create(record)
-    except Exception:
-        await held.withdraw()
-        raise
-    if not created:
-        await held.withdraw()
-    return created
 
 
 @get("/batch/{batch_id:str}", summary="Batch record with its verdicts")
@@ -636,15 +614,7 @@ async def batch_events(
     ``id:`` its place in that order, from 1); then ``event: end`` (``data``:
     ``batch_id``, ``status``, ``candidates``, ``verdicts``, ``cancelled``) once no
     verdict is awaited. A comment line goes out every 15 s while idle."""
-    after = 0
-    if last_event_id:
-        try:
-            after = int(last_event_id)
-        except ValueError:
-            raise ClientException(detail="Last-Event-ID must be a verdict id (an integer) "
-                                  f"sent by this route, not {last_event_id[:40]!r}") from None
-        if after < 0:
-            raise ClientException(detail="Last-Event-ID must not be negative")
+    after = resume_after(last_event_id, "a verdict id")
     if not subjects.is_token(batch_id):
         _load(None, batch_id, viewer)
     found = await batches.get(batch_id)

@@ -353,14 +353,8 @@ async def submit_job(
                 return await _resubmitted(bus, tenant, record, existing)
         async with tenant_lock(state, tenant.name):
             held = await claim(bus, store, tenant, job_id)
-        try:
-            created = await store.create(record)
-        except Exception:
-            await held.withdraw()
-            raise
-        if not created:
+        if not await held.withdraw_unless(store.create(record)):
             # Another submission with this job id won the race since the look above.
-            await held.withdraw()
             return await _resubmitted(bus, tenant, record, (await store.get(job_id))[0])
         try:
             # The event goes first so that a job's history starts with it: a generator
@@ -464,6 +458,22 @@ async def job_kernel(job_id: FromPath[str],
     }
     return Response(result.code, media_type="text/x-python", headers=headers)
 
+
+def resume_after(last_event_id: str | None, what: str) -> int:
+    """The ``Last-Event-ID`` an event stream resumes after (0: from the start); a 400
+    naming ``what`` the id must be (``an event id``) when it is not a whole number >= 0."""
+    if not last_event_id:
+        return 0
+    try:
+        after = int(last_event_id)
+    except ValueError:
+        raise ClientException(detail=f"Last-Event-ID must be {what} (an integer) sent by "
+                              f"this route, not {last_event_id[:40]!r}") from None
+    if after < 0:
+        raise ClientException(detail="Last-Event-ID must not be negative")
+    return after
+
+
 @get("/{job_id:str}/events", summary="Job events (Server-Sent Events)",
      media_type="text/event-stream")
 async def job_events_stream(
@@ -480,15 +490,7 @@ async def job_events_stream(
     after the terminal event (``completed``, ``failed``, ``cancelled``). ``event:`` is
     the event kind, ``data:`` the JobEvent JSON, ``id:`` its stream sequence. A
     comment line goes out every 15 s while idle."""
-    after = 0
-    if last_event_id:
-        try:
-            after = int(last_event_id)
-        except ValueError:
-            raise ClientException(detail=f"Last-Event-ID must be an event id (an integer) "
-                                  f"sent by this route, not {last_event_id[:40]!r}") from None
-        if after < 0:
-            raise ClientException(detail="Last-Event-ID must not be negative")
+    after = resume_after(last_event_id, "an event id")
     record = await load_record(store, job_id, viewer)
     try:
         sub = await job_events.open_event_subscription(bus, job_id, after)

@@ -47,6 +47,7 @@ import contextlib
 import datetime as dt
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import msgspec
@@ -116,6 +117,23 @@ def _refuse(tenant: Tenant, limit: str, status: int, detail: str,
                          extra={"tenant": tenant.name, "limit": limit})
 
 
+def _check_timeout_and_priority(tenant: Tenant, data: JobSubmit | BatchSubmit, doing: str,
+                                this: str, kind: str) -> None:
+    """Refuse (403) ``data`` (a job or a batch) whose ``timeout_s`` is over the tenant's
+    ``max_timeout_s`` or whose priority is over ``max_priority``; the messages say the
+    tenant may ``doing`` (``submit jobs``) and name ``data`` "this ``this``" (timeout)
+    and "this ``kind``" (priority)."""
+    if tenant.max_timeout_s and data.timeout_s > tenant.max_timeout_s:
+        raise _refuse(tenant, "max_timeout_s", 403, f"tenant {tenant.name!r} may {doing} "
+                      f"with timeout_s up to {tenant.max_timeout_s:g} s (max_timeout_s); this "
+                      f"{this} asks for {data.timeout_s:g} s: lower it, or ask an operator to "
+                      "raise the limit")
+    if not tenant.allows_priority(data.priority):
+        raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
+                      f"priority up to {tenant.max_priority!r} (max_priority); this {kind} "
+                      f"asks for {data.priority!r}")
+
+
 def check_job_limits(tenant: Tenant, data: JobSubmit) -> None:
     """Refuse (403) a job larger than the tenant may submit, naming the limit: retrying
     cannot help, so no ``Retry-After``."""
@@ -126,15 +144,7 @@ def check_job_limits(tenant: Tenant, data: JobSubmit) -> None:
             raise _refuse(tenant, limit, 403, f"tenant {tenant.name!r} may submit jobs with "
                           f"{limit.removeprefix('max_')} up to {bound} ({limit}); this one "
                           f"asks for {value}: lower it, or ask an operator to raise the limit")
-    if tenant.max_timeout_s and data.timeout_s > tenant.max_timeout_s:
-        raise _refuse(tenant, "max_timeout_s", 403, f"tenant {tenant.name!r} may submit jobs "
-                      f"with timeout_s up to {tenant.max_timeout_s:g} s (max_timeout_s); this "
-                      f"one asks for {data.timeout_s:g} s: lower it, or ask an operator to "
-                      "raise the limit")
-    if not tenant.allows_priority(data.priority):
-        raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
-                      f"priority up to {tenant.max_priority!r} (max_priority); this job asks "
-                      f"for {data.priority!r}")
+    _check_timeout_and_priority(tenant, data, "submit jobs", "one", "job")
 
 
 def check_batch_limits(tenant: Tenant, data: BatchSubmit) -> None:
@@ -142,15 +152,7 @@ def check_batch_limits(tenant: Tenant, data: BatchSubmit) -> None:
     ``max_timeout_s`` or a priority over ``max_priority`` (what :func:`check_job_limits`
     says of a job); its candidates count against the in-flight and per-hour limits
     (:func:`claim`)."""
-    if tenant.max_timeout_s and data.timeout_s > tenant.max_timeout_s:
-        raise _refuse(tenant, "max_timeout_s", 403, f"tenant {tenant.name!r} may verify "
-                      f"with timeout_s up to {tenant.max_timeout_s:g} s (max_timeout_s); this "
-                      f"batch asks for {data.timeout_s:g} s: lower it, or ask an operator to "
-                      "raise the limit")
-    if not tenant.allows_priority(data.priority):
-        raise _refuse(tenant, "max_priority", 403, f"tenant {tenant.name!r} may submit with "
-                      f"priority up to {tenant.max_priority!r} (max_priority); this batch "
-                      f"asks for {data.priority!r}")
+    _check_timeout_and_priority(tenant, data, "verify", "batch", "batch")
 
 
 def tenant_lock(state: State, name: str) -> asyncio.Lock:
@@ -323,6 +325,25 @@ class Claim:
     async def withdraw(self) -> None:
         """The job is not queued after all: give its slot back."""
         await self._release(give_back=True)
+
+    async def withdraw_unless(self, created: Awaitable[bool]) -> bool:
+        """Await ``created`` (the creation of the submission's record: False when its
+        id is taken) and :meth:`withdraw` when it is False or raises.
+
+        Returns:
+            What ``created`` returned.
+
+        Raises:
+            Whatever ``created`` raises, after the withdrawal.
+        """
+        try:
+            done = await created
+        except Exception:
+            await self.withdraw()
+            raise
+        if not done:
+            await self.withdraw()
+        return done
 
     async def commit_batch(self, requests: int) -> None:
         """The batch's ``requests`` verify requests are published: its candidates

@@ -27,12 +27,16 @@ import math
 import os
 from dataclasses import dataclass
 
+from services.common.settings import Settings
+
 ROLES = ("lower", "reference", "candidate")
 # The child roles that take a row of another (the replayer runs the candidate's kernels).
 ROW_OF = {"lower": "lower", "reference": "reference", "candidate": "candidate",
           "replay": "candidate"}
 # Seconds of CPU time beyond the wall-clock limit (interpreter start, teardown).
 CPU_SLACK_S = 10
+# The settings' defaults: those of the table's rows too.
+_DEFAULTS = Settings()
 
 
 def _gib(value: int) -> str:
@@ -50,14 +54,14 @@ class Limit:
 @dataclass(frozen=True)
 class ChildLimits:
     """The table: per role, address space (bytes; 0 derived) and CPU time (seconds; 0
-    derived). Defaults are the settings' defaults."""
+    derived). Defaults are the settings' defaults (:class:`Settings`)."""
 
-    lower_address_space_bytes: int = 4 << 30
-    lower_cpu_s: int = 0
-    reference_address_space_bytes: int = 8 << 30
-    reference_cpu_s: int = 0
-    candidate_address_space_bytes: int = 0
-    candidate_cpu_s: int = 0
+    lower_address_space_bytes: int = _DEFAULTS.sandbox_lower_address_space_bytes
+    lower_cpu_s: int = _DEFAULTS.sandbox_lower_cpu_s
+    reference_address_space_bytes: int = _DEFAULTS.sandbox_reference_address_space_bytes
+    reference_cpu_s: int = _DEFAULTS.sandbox_reference_cpu_s
+    candidate_address_space_bytes: int = _DEFAULTS.sandbox_candidate_address_space_bytes
+    candidate_cpu_s: int = _DEFAULTS.sandbox_candidate_cpu_s
 
     def address_space(self, role: str, backend: str, derived: int | None = None) -> Limit:
         """RLIMIT_AS headroom of a ``role`` child on ``backend``, bytes (None off cpu).
@@ -110,7 +114,7 @@ class ChildLimits:
         return space.value, int(cpu.value or 0), notes
 
 
-def child_limits_from(settings) -> ChildLimits:
+def child_limits_from(settings: Settings) -> ChildLimits:
     """The table from :class:`services.common.settings.Settings`.
 
     Raises:

@@ -96,7 +96,41 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
         raise ValueError(f"invalid verify request: {exc}") from exc
 
 
-class RemoteWorker:
+class _WorkerBase:
+    """What both workers share: ``backend`` / ``arch``, the count of verifications under
+    way, a repr naming where they run, and :meth:`profile` as :meth:`verify` in profile
+    mode. A subclass sets ``_where`` (the repr's first argument) and ``verify``."""
+
+    backend: str | None
+    arch: str | None
+    _in_flight = 0
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self._where()}, backend={self.backend!r}, "
+                f"arch={self.arch!r})")
+
+    @property
+    def in_flight(self) -> int:
+        """Verifications under way on this worker now (a LocalWorker: devices running a
+        candidate; a RemoteWorker: verdicts it is waiting on)."""
+        return self._in_flight
+
+    async def verify(self, task_desc: str, code: str, op_name: str, **kwargs: Any
+                     ) -> VerifyResult:
+        raise NotImplementedError
+
+    async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
+                      ) -> VerifyResult:
+        """:meth:`verify` with ``mode="profile"``: also times the candidate and the
+        reference on the same device (``base_time_us``, ``gen_time_us``, ``speedup``);
+        on ``cpu`` the result says ``interpreted`` and carries no timings."""
+        return await self.verify(task_desc, code, op_name, mode="profile", **kwargs)
+
+
+class RemoteWorker(_WorkerBase):
     """Verify candidates on AIKG workers over NATS (worker-only mode).
 
     Publishes each request on ``verify.<backend>.<arch>`` (stream VERIFY, shared by
@@ -149,15 +183,9 @@ class RemoteWorker:
         self.require_live_worker = require_live_worker
         self._nc: Any = None
         self._connect_lock: asyncio.Lock | None = None
-        self._in_flight = 0
 
-    def __repr__(self) -> str:
-        return f"RemoteWorker({self.nats_url!r}, backend={self.backend!r}, arch={self.arch!r})"
-
-    @property
-    def in_flight(self) -> int:
-        """Verifications this object is waiting on now."""
-        return self._in_flight
+    def _where(self) -> str:
+        return repr(self.nats_url)
 
     async def _connection(self):
         if self._nc is not None and not self._nc.is_closed:
@@ -372,13 +400,6 @@ class RemoteWorker:
             self._in_flight -= len(requests)
         return [results[i] for i in range(len(codes))]
 
-    async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
-                      ) -> VerifyResult:
-        """:meth:`verify` with ``mode="profile"``: also times the candidate and the
-        reference on the same device (``base_time_us``, ``gen_time_us``, ``speedup``);
-        on ``cpu`` the result says ``interpreted`` and carries no timings."""
-        return await self.verify(task_desc, code, op_name, mode="profile", **kwargs)
-
 
 class DevicePool:
     """The reference's device pool, kept for ``Task(device_pool=DevicePool([0]))``.
@@ -390,7 +411,7 @@ class DevicePool:
         self.devices = [str(d) for d in devices]
 
 
-class LocalWorker:
+class LocalWorker(_WorkerBase):
     """Verify candidates in this process's sandbox, with no NATS and no network.
 
     Uses the worker's :class:`services.worker.verifier.Verifier` (a warm fork server;
@@ -425,15 +446,9 @@ class LocalWorker:
         self._verifier: Any = None
         self._free: asyncio.Queue[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._busy = 0
 
-    def __repr__(self) -> str:
-        return f"LocalWorker(devices={self.devices!r}, backend={self.backend!r}, arch={self.arch!r})"
-
-    @property
-    def in_flight(self) -> int:
-        """Devices running a candidate now."""
-        return self._busy
+    def _where(self) -> str:
+        return f"devices={self.devices!r}"
 
     async def capacity(self) -> int:
         """Number of devices: candidates run at once."""
@@ -479,12 +494,12 @@ class LocalWorker:
     async def acquire_device(self) -> str:
         """Wait for a free device and take it (the reference's ``acquire_device``)."""
         device = await self._pool().get()
-        self._busy += 1
+        self._in_flight += 1
         return device
 
     def release_device(self, device: str) -> None:
         """Give a device back (the reference's ``release_device``)."""
-        self._busy -= 1
+        self._in_flight -= 1
         self._pool().put_nowait(device)
 
     async def verify(self, task_desc: str, code: str, op_name: str, *, dsl: str = "triton",
@@ -510,11 +525,6 @@ class LocalWorker:
             return await self._verifier.verify(request, device=device)
         finally:
             self.release_device(device)
-
-    async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
-                      ) -> VerifyResult:
-        """:meth:`verify` with ``mode="profile"`` (timings on GPU backends)."""
-        return await self.verify(task_desc, code, op_name, mode="profile", **kwargs)
 
 
 @dataclass

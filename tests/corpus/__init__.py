@@ -1,5 +1,6 @@
 """The corpus of candidates as files: ``hostile/`` and ``honest/`` (one candidate per
-file) and the tasks they are verified against (``tasks/``).
+file) and the tasks they are verified against (``tasks/``; other tests' jobs read their
+tasks from there too, through ``tests/helpers.py``).
 
 Read by ``tests/hostile/test_corpus.py`` (the cpu backend) and by ``bench/gpu_check.py``
 (part ``corpus``, on a GPU), so it imports nothing but the standard library.

@@ -225,7 +225,10 @@ def test_remote_worker_wants_a_nats_url(monkeypatch) -> None:
     with pytest.raises(ValueError, match="reached through NATS"):
         RemoteWorker("http://localhost:9001", backend="cpu")
     monkeypatch.setenv("AIKG_NATS_URL", "nats://127.0.0.1:4222")
-    assert RemoteWorker(backend="cpu").nats_url == "nats://127.0.0.1:4222"
+    worker = RemoteWorker(backend="cpu")
+    assert worker.nats_url == "nats://127.0.0.1:4222"
+    assert repr(worker) == "RemoteWorker('nats://127.0.0.1:4222', backend='cpu', arch=None)"
+    assert worker.in_flight == 0
 
 
 async def test_task_device_pool_is_deprecated_and_registers_one_local_worker(
@@ -240,6 +243,7 @@ async def test_task_device_pool_is_deprecated_and_registers_one_local_worker(
     (registration,) = fresh_manager.registrations
     assert isinstance(registration.worker, LocalWorker)
     assert (registration.worker.devices, registration.capacity) == (["0", "1"], 2)
+    assert repr(registration.worker).startswith("LocalWorker(devices=['0', '1'], backend='cpu'")
     with pytest.raises(ValueError, match="workflow"):
         Task(op_name="relu", task_desc=RELU, task_id="t3", workflow="magic")
 

@@ -124,6 +124,11 @@ async def test_duplicates_are_sent_once_and_cancel_takes_back_what_did_not_start
                       if sse.data]
         assert events == [("end", {"batch_id": "b-dup", "status": "cancelled",
                                    "candidates": 4, "verdicts": 0, "cancelled": 4})]
+        # A resume id that is not a verdict id is refused.
+        for bad, said in (("x", "must be a verdict id"), ("-1", "must not be negative")):
+            r = await client.get("/api/v1/verify/batch/b-dup/events",
+                                 headers={"Last-Event-ID": bad})
+            assert r.status_code == 400 and said in r.json()["detail"], r.text
         # Cancelling again changes nothing.
         assert (await client.post("/api/v1/verify/batch/b-dup/cancel")).json()["status"] \
             == "cancelled"

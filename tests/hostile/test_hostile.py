@@ -22,7 +22,7 @@ import pytest
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_TASK, scaled
-from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, relu_jit
+from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, forged_frames, relu_jit
 
 SECRET = "sekrit"
 
@@ -390,18 +390,8 @@ async def test_network_is_unreachable(verifier, no_static_check):
 
 
 async def test_forged_done_frame_does_not_pass(verifier, no_static_check):
-    code = candidate("""
-        sys_os = getattr(torch, "o" + "s")
-        payload = bytes([0x81, 0xA4]) + b"type" + bytes([0xA4]) + b"done"
-        frame = len(payload).to_bytes(8, "big") + payload
-        for fd in range(3, 64):
-            try:
-                sys_os.write(fd, frame)
-            except OSError:
-                pass
-        sys_os._exit(0)
-        return relu(x)
-    """)
+    code = candidate(forged_frames('bytes([0x81, 0xA4]) + b"type" + bytes([0xA4]) + b"done"')
+                     + "os_._exit(0)\nreturn relu(x)")
     result = await verifier.verify(request(code), device="0")
     assert not result.passed
     # The forged frame carries no tag of the harness's chain: the parent never takes it

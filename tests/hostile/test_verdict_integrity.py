@@ -25,7 +25,13 @@ from services.worker import verifier as verifier_module
 from services.worker.verifier import Verifier, _Verdict
 from tests.corpus import CORPUS, TASKS
 from tests.helpers import RELU_TASK
-from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, relu_jit
+from tests.support_candidates import (
+    RELU_LAUNCHER,
+    TRITON_IMPORTS,
+    forged_frames,
+    relu_jit,
+    relu_model,
+)
 
 SOFTMAX_TASK = TASKS["softmax"]
 # Wide rows of small inputs: every softmax output is below float32's atol (1e-4).
@@ -59,48 +65,15 @@ SOFTMAX_CANDIDATE = (CORPUS / "honest" / "softmax_two_pass.py").read_text()
 
 
 def matmul_candidate(advance_k: bool = True, all_tiles: bool = True) -> str:
-    """A tiled matmul; the flags write the bugs of real LLM kernels in."""
-    pid_m = "tl.program_id(0)" if all_tiles else "0"
-    pid_n = "tl.program_id(1)" if all_tiles else "0"
-    k_loop = ("for k in range(0, K, BLOCK_K):" if advance_k else "for k in range(0, 1):")
-    return HEADER + f"""
-
-@triton.jit
-def matmul_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
-    pid_m = {pid_m}
-    pid_n = {pid_n}
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    {k_loop}
-        rk = k + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr + rm[:, None] * K + rk[None, :],
-                    mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-        b = tl.load(b_ptr + rk[:, None] * N + rn[None, :],
-                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-        acc += tl.dot(a, b, input_precision="ieee")
-    tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-
-@triton.jit
-def zero_kernel(c_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(c_ptr + offs, tl.zeros((BLOCK,), dtype=tl.float32), mask=offs < n)
-
-
-class ModelNew(nn.Module):
-    def forward(self, A, B):
-        A = A.contiguous()
-        B = B.contiguous()
-        M, K = A.shape
-        _, N = B.shape
-        C = torch.empty((M, N), device=A.device, dtype=torch.float32)
-        zero_kernel[(triton.cdiv(M * N, 1024),)](C, M * N, BLOCK=1024)
-        grid = (triton.cdiv(M, 64), triton.cdiv(N, 64))
-        matmul_kernel[grid](A, B, C, M, N, K, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)
-        return C
-"""
+    """The corpus's tiled matmul with a zeroing kernel; the flags write the bugs of real
+    LLM kernels in."""
+    code = (CORPUS / "honest" / "tiled_matmul_zeroed_first.py").read_text()
+    if not advance_k:
+        code = code.replace("for k in range(0, K, BLOCK_K):", "for k in range(0, 1):")
+    if not all_tiles:
+        code = code.replace("pid_m = tl.program_id(0)", "pid_m = 0").replace(
+            "pid_n = tl.program_id(1)", "pid_n = 0")
+    return code
 
 
 def request(code: str, task: str = RELU_TASK, **kwargs) -> VerifyRequest:
@@ -330,19 +303,9 @@ async def test_a_few_scalar_reads_stay_allowed(verifier):
     assert result.passed, result
 
 
-FORGE_TIMING = """
-def forge():
-    import msgspec
-    os_ = getattr(torch, "o" + "s")
-    payload = msgspec.msgpack.encode({"type": "timing", "median_us": 0.5,
-                                      "samples_us": [0.5] * 20, "wall_s": 0.001})
-    frame = len(payload).to_bytes(8, "big") + payload
-    for fd in range(3, 64):
-        try:
-            os_.write(fd, frame)
-        except OSError:
-            pass
-"""
+FORGE_TIMING = "\ndef forge():\n    import msgspec\n" + textwrap.indent(forged_frames(
+    'msgspec.msgpack.encode({"type": "timing", "median_us": 0.5,\n'
+    '                        "samples_us": [0.5] * 20, "wall_s": 0.001})'), "    ")
 
 
 @pytest.mark.parametrize("mode", ["verify", "profile"])
@@ -444,49 +407,14 @@ async def test_huge_exception_message_is_a_runtime_error(verifier):
 
 
 async def test_interpreter_runtime_error_is_runtime(verifier):
-    code = HEADER + """
-
-@triton.jit
-def bad_mask_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    x = tl.load(x_ptr + offs, mask=offs)
-    tl.store(out_ptr + offs, x, mask=offs < n)
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        out = torch.empty_like(x)
-        bad_mask_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK_SIZE=1024)
-        return out
-"""
+    # A load masked by the offsets themselves, not by a comparison.
+    kernel = relu_jit("x", pid=False)
+    assert "x = tl.load(x_ptr + offs, mask=m)" in kernel
+    code = (HEADER + "\n\n" + kernel.replace("mask=m)\n    tl.store", "mask=offs)\n    tl.store")
+            + "\n\n" + relu_model())
     result = await verifier.verify(request(code), device="0")
     assert result.stage == "runtime", result
     assert "mask" in result.error
-
-
-async def test_multi_config_autotune_runs_on_the_interpreter(verifier):
-    code = HEADER + """
-
-@triton.autotune(configs=[triton.Config({"BLOCK_SIZE": 256}), triton.Config({"BLOCK_SIZE": 1024})],
-                 key=["n"])
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK_SIZE: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
-    m = offs < n
-    tl.store(out_ptr + offs, tl.maximum(tl.load(x_ptr + offs, mask=m), 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        n = x.numel()
-        relu_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_SIZE"]),)](x, out, n)
-        return out
-"""
-    result = await verifier.verify(request(code), device="0")
-    assert result.passed, result
-    assert any("each of 2 configs ran" in note for note in result.notes), result.notes
 
 
 # ------------------------------------------------------------------ pure rules

@@ -13,35 +13,16 @@ from schemas import JobSubmit, VerifyRequest, VerifyResult
 from services.generator.coders.base import BuiltinCoder, Candidate
 from services.generator.evolve import DEFAULT_PARAMS, BuiltinMutator, EvolveSearch, EvolveState
 from services.generator.lowering import lower_task
+from tests.corpus import TASKS
 
-# Our own tasks: a (batch, dim) input, the row-wise operator over dim.
-_TASK = '''
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-
-
-class Model(nn.Module):
-    def forward(self, x):
-        return {expr}
-
-
-batch = 4
-dim = 256
-
-
-def get_inputs():
-    return [torch.randn(batch, dim)]
-
-
-def get_init_inputs():
-    return []
-'''
+# Our own tasks: a (batch, dim) input, the row-wise operator over dim; each is the
+# corpus's layer norm task with its operator in place of the layer norm.
+LAYER_NORM = "F.layer_norm(x, (x.shape[-1],))"
 OPS = {
     "softmax": "torch.softmax(x, dim=1)",
     "log_softmax": "torch.log_softmax(x, dim=-1)",
     "logsumexp": "torch.logsumexp(x, dim=1, keepdim=True)",
-    "layer_norm": "F.layer_norm(x, (x.shape[-1],))",
+    "layer_norm": LAYER_NORM,
     "rms_norm": "x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)",
     "l1_norm": "x / torch.mean(torch.abs(x), dim=1, keepdim=True)",
     "l2_norm": "x / torch.norm(x, p=2, dim=1, keepdim=True)",
@@ -53,7 +34,8 @@ SIZES = [{"batch": 4, "dim": 256}, {"batch": 3, "dim": 200}]
 
 
 def task(name: str) -> str:
-    return _TASK.replace("{expr}", OPS[name])
+    assert LAYER_NORM in TASKS["layer_norm"]
+    return TASKS["layer_norm"].replace(LAYER_NORM, OPS[name])
 
 
 async def verify(verifier, source: str, overrides: dict, **params) -> VerifyResult:

@@ -3,7 +3,9 @@ the formulas, the eager graph's count, and the interpreter's counts of real kern
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch
 from schemas.events import EagerCount, LaunchTraffic
 from services.worker import traffic
 from services.worker.targets import TARGETS, target_for
+from tests.corpus import CORPUS, TASKS, load
 
 
 def test_modeled_time_follows_from_the_counts_and_the_arch_table() -> None:
@@ -120,24 +123,19 @@ def interpreter_counts():
     return count
 
 
+def kernel_of(path: Path, name: str):
+    """The ``@triton.jit`` function ``name`` of the candidate file at ``path``, imported."""
+    spec = importlib.util.spec_from_file_location(f"candidate_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
 def test_interpreted_loads_and_stores_are_counted_without_masked_lanes(
-        interpreter_counts) -> None:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def relu(x, y, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        tl.store(y + offsets, tl.maximum(tl.load(x + offsets, mask=mask), 0.0), mask=mask)
-
-    @triton.jit
-    def relu_reading_twice(x, y, n, BLOCK: tl.constexpr):
-        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        a = tl.load(x + offsets, mask=mask)
-        b = tl.load(x + offsets, mask=mask)
-        tl.store(y + offsets, tl.maximum(a, b * 0.0), mask=mask)
+        interpreter_counts, tmp_path) -> None:
+    relu = kernel_of(CORPUS / "honest" / "elementwise_relu.py", "relu_kernel")
+    (tmp_path / "relu_twice.py").write_text(RELU_TWICE)
+    relu_reading_twice = kernel_of(tmp_path / "relu_twice.py", "relu_twice_kernel")
 
     x, y = torch.randn(1000), torch.empty(1000)
     got = interpreter_counts("relu", lambda: relu[(4,)](x, y, 1000, BLOCK=256), [x, y])
@@ -174,7 +172,6 @@ def corpus_request(name: str, code: str | None = None, **fields):
     import uuid
 
     from schemas.events import VerifyRequest
-    from tests.corpus import CORPUS, TASKS, load
 
     source, meta = load(CORPUS / "honest" / f"{name}.py")
     return VerifyRequest(
@@ -227,29 +224,12 @@ async def test_a_tiled_matmul_counts_its_tile_loads_and_dot_flops(shared_verifie
     assert result.traffic.modeled_eager_time_us is not None
 
 
-RELU_TWICE = '''
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_twice_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    a = tl.load(x_ptr + offs, mask=m)
-    b = tl.load(x_ptr + offs, mask=m)
-    tl.store(out_ptr + offs, tl.maximum(a, b * 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        relu_twice_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
-        return out
-'''
+# The corpus's relu, its kernel loading each element twice.
+RELU_TWICE = load(CORPUS / "honest" / "elementwise_relu.py")[0].replace(
+    "relu_kernel", "relu_twice_kernel").replace(
+    "    tl.store(out_ptr + offs, tl.maximum(tl.load(x_ptr + offs, mask=m), 0.0), mask=m)\n",
+    "    a = tl.load(x_ptr + offs, mask=m)\n    b = tl.load(x_ptr + offs, mask=m)\n"
+    "    tl.store(out_ptr + offs, tl.maximum(a, b * 0.0), mask=m)\n")
 
 # Host code that goes for the counter: the interpreter's memory entry points put back
 # and the running count zeroed, when the model is built and around its launch.

@@ -7,6 +7,7 @@ import textwrap
 import pytest
 
 from services.worker.static_check import RULES, RULES_BY_ID, Finding, check_candidate
+from tests.corpus import CORPUS
 from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
 HEADER = (TRITON_IMPORTS.replace("import triton\n", "import torch.nn.functional as F\nimport triton\n")
@@ -540,42 +541,18 @@ def test_timing_events_sync_dtype_tables_and_autotune_are_not_compute():
 
 
 def test_matmul_with_several_kernels_and_layout_helpers_passes():
-    code = TRITON_HEADER + textwrap.dedent("""
-    @triton.jit
-    def zero_kernel(c_ptr, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(c_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n)
-
-    @triton.jit
-    def mm_kernel(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr):
-        rm = tl.program_id(0) * BM + tl.arange(0, BM)
-        rn = tl.program_id(1) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k in range(0, K, BK):
-            rk = k + tl.arange(0, BK)
-            a = tl.load(a_ptr + rm[:, None] * K + rk[None, :],
-                        mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
-            b = tl.load(b_ptr + rk[:, None] * N + rn[None, :],
-                        mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)
-            acc += tl.dot(a, b)
-        tl.store(c_ptr + rm[:, None] * N + rn[None, :], acc,
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    def launch(a, b, c):
-        M, K = a.shape
-        N = b.shape[1]
-        mm_kernel[(triton.cdiv(M, 32), triton.cdiv(N, 32))](a, b, c, M, N, K, BM=32, BN=32, BK=32)
-
-    class ModelNew(nn.Module):
-        def forward(self, a, b):
-            a = a.contiguous()
-            b = b.contiguous()
-            c = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=torch.float32)
-            zero_kernel[(triton.cdiv(c.numel(), 1024),)](c, c.numel(), BLOCK=1024)
-            launch(a, b, c)
-            return c.to(a.dtype)
-    """)
+    # The corpus's matmul with a zeroing kernel, its launch moved into a helper that reads
+    # the sizes off the tensors, and its output cast back.
+    code = (CORPUS / "honest" / "tiled_matmul_zeroed_first.py").read_text()
+    launch = ("        grid = (triton.cdiv(M, 64), triton.cdiv(N, 64))\n"
+              "        matmul_kernel[grid](A, B, C, M, N, K, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)\n"
+              "        return C\n")
+    assert launch in code
+    helper = ("def launch(a, b, c):\n    M, K = a.shape\n    N = b.shape[1]\n"
+              "    grid = (triton.cdiv(M, 64), triton.cdiv(N, 64))\n"
+              "    matmul_kernel[grid](a, b, c, M, N, K, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64)\n\n\n")
+    code = code.replace(launch, "        launch(A, B, C)\n        return C.to(A.dtype)\n").replace(
+        "class ModelNew", helper + "class ModelNew")
     assert check_candidate(code) == []
 
 

@@ -419,7 +419,18 @@ class Lowerer:
         raw = bind_args(node)
         src = self.materialize(raw["self"])
         name = op.split(".")[1]
-        if name in ("view", "_unsafe_view", "reshape"):
+        # Views that are one method call of the same name: its arguments.
+        calls = {
+            "unsqueeze": lambda: f"{raw['dim']}",
+            "permute": lambda: self.sym(list(raw["dims"])),
+            "expand": lambda: self.size_list(raw["size"]),
+            "t": lambda: "",
+            "transpose": lambda: f"{raw['dim0']}, {raw['dim1']}",
+            "select": lambda: f"{raw['dim']}, {self.sym(raw['index'])}",
+        }
+        if name in calls:
+            expr = f"{src}.{name}({calls[name]()})"
+        elif name in ("view", "_unsafe_view", "reshape"):
             expr = f"{src}.reshape({self.reshape_sizes(raw.get('size', raw.get('shape')))})"
         elif name == "alias":
             expr = src
@@ -427,18 +438,6 @@ class Lowerer:
             dims = raw.get("dim", raw.get("dims"))
             expr = f"{src}.squeeze()" if dims is None else (
                 f"{src}.squeeze({self.sym(dims)})")
-        elif name == "unsqueeze":
-            expr = f"{src}.unsqueeze({raw['dim']})"
-        elif name == "permute":
-            expr = f"{src}.permute({self.sym(list(raw['dims']))})"
-        elif name == "expand":
-            expr = f"{src}.expand({self.size_list(raw['size'])})"
-        elif name == "t":
-            expr = f"{src}.t()"
-        elif name == "transpose":
-            expr = f"{src}.transpose({raw['dim0']}, {raw['dim1']})"
-        elif name == "select":
-            expr = f"{src}.select({raw['dim']}, {self.sym(raw['index'])})"
         elif name == "slice":
             dim = raw.get("dim", 0)
             start = raw.get("start")
