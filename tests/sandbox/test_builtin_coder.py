@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
+from tests.helpers import representatives  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"
@@ -500,7 +501,11 @@ def verifier(tmp_path_factory):
     v.close()
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+# One schedule task of each family in the fast lane (pointwise, broadcast, column
+# reduction, index reduction, row softmax, scan, matmul epilogue, pooling).
+@pytest.mark.parametrize("name", representatives(sorted(SCHEDULES), (
+    "broadcast", "sum_mean", "argmax_argmin", "softmax", "cumsum", "linear_epilogue",
+    "max_pool2d")))
 def test_schedule_passes_the_worker(name, verifier):
     import asyncio
 
