@@ -83,6 +83,7 @@ def test_normalised_hash_ignores_comments_and_formatting() -> None:
     assert normalised_hash("x = 1") != normalised_hash("x = 2")
 
 
+@pytest.mark.slow
 async def test_islands_migration_and_elites_on_cpu(verifier, coder) -> None:
     submit = make_submit()
     rec = Recorder(verifier, submit)
