@@ -164,6 +164,23 @@ async def test_duplicate_code_reuses_the_verdict(verifier, lowering_sandbox) -> 
     assert len(rec.verified) == len(search.summary.candidates) - len(dups)
 
 
+async def test_a_point_with_other_fusion_choices_is_lowered_again(coder) -> None:
+    """A retune rewrites only the launch line: a point whose fusion choice differs from
+    every point lowered so far gets its own lowering, not the other's kernels."""
+    from tests.sandbox.test_fused_rows import task
+
+    submit = make_submit(task_desc=task("softmax"), op_name="softmax",
+                         shape_overrides={"batch": 2, "dim": 256})
+    mutator = BuiltinMutator(coder)
+    point = {"block_size": 256, "num_warps": 4, "num_stages": 1, "row_fusion": 0}
+    unfused = await mutator._render(submit, point)
+    fused = await mutator._render(submit, {**point, "row_fusion": 1})
+    retuned = await mutator._render(submit, {**point, "row_fusion": 1, "block_size": 512})
+    assert unfused.code.count("@triton.jit") == 3
+    assert fused.code.count("@triton.jit") == 1
+    assert retuned.code.count("@triton.jit") == 1 and retuned.code != fused.code
+
+
 def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:
     """Seeds of a matmul task carry different matmul tiles and warps into the code."""
     import random
