@@ -32,16 +32,17 @@ prometheus:
 run: venv
 	$(VENV)/bin/aikg demo $(TASK)
 
-# The suite runs on TEST_WORKERS pytest-xdist processes (default: one more than the
-# machine's cores, at most 8; most tests wait on subprocesses and the bus, not the CPU).
+# The suite runs on TEST_WORKERS pytest-xdist processes (default: two more than the
+# machine's cores, at most 8; many tests wait on subprocesses and the bus, not the CPU).
 # TEST_WORKERS=0 runs it in this one process. Each process starts its own warm sandbox.
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 1)); [ $$n -gt 8 ] && n=8; echo $$n)
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 2)); [ $$n -gt 8 ] && n=8; echo $$n)
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25
 
 test: venv prometheus
 	$(PYTEST)
 
-# Tests marked `slow` (several services end to end, clusters, wheel builds) left out.
+# Tests marked `slow` (several services end to end, clusters, wheel builds, the bulk of
+# each family of like tests) left out.
 test-fast: venv
 	$(PYTEST) -m "not slow"
 

@@ -127,6 +127,51 @@ def lowering_sandbox():
     sandbox.close()
 
 
+# What a worker's verifier or a generator's sandbox is built from (Worker, Generator):
+# a test that changes one of them cannot borrow the session's.
+_SANDBOX_SETTINGS = ("worker_backend", "memory_limit_bytes", "sandbox_require", "sandbox_env_allow",
+                     "worker_aot_target", "sandbox_scratch_bytes", "task_timeout_s",
+                     *(f"sandbox_{role}_{limit}" for role in ("lower", "reference", "candidate")
+                       for limit in ("address_space_bytes", "cpu_s")))
+
+
+class LentSandbox:
+    """The session's lowering sandbox lent to one generator: everything but
+    :meth:`close` goes to the sandbox, which the next borrower reuses."""
+
+    def __init__(self, sandbox: Any) -> None:
+        self._sandbox = sandbox
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sandbox, name)
+
+    def close(self) -> None:
+        """End the loan; the session closes the sandbox."""
+
+
+@pytest.fixture
+def shared_services(shared_verifier, lowering_sandbox) -> Callable[..., Any]:
+    """:func:`tests.helpers.services_running` with the session's started sandboxes lent
+    to its worker and generator (their fork servers take seconds of CPU to start).
+    Tests whose worker or generator needs sandbox settings of its own (memory, env,
+    required mechanisms) or that kill a sandbox use ``services_running`` itself."""
+    from services.worker.service import default_worker_id
+    from tests.helpers import services_running
+
+    defaults = load_settings(env={})
+
+    def running(settings: Settings, bus: Bus, **kwargs: Any) -> Any:
+        own = [name for name in _SANDBOX_SETTINGS
+               if getattr(settings, name) != getattr(defaults, name)]
+        assert not own, f"settings {own} need the worker's own sandbox: use services_running"
+        worker_id = settings.worker_id or default_worker_id()
+        return services_running(
+            settings, bus, verifier=lend_verifier(shared_verifier, worker_id),
+            lowering=LentSandbox(lowering_sandbox), **kwargs)
+
+    return running
+
+
 async def fake_worker_heartbeat(
     bus: Bus, backend: str = "cpu", arch: str = "x86_64", **fields: Any
 ) -> WorkerInfo:

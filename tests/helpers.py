@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from schemas import JobEvent, decode, subjects
 from services.common.bus import Bus
@@ -49,6 +51,21 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_SCALE
 
 
+def representatives(names: Iterable[str], fast: Iterable[str]) -> list[Any]:
+    """Parameters of a family of like tests for ``pytest.mark.parametrize``: the names
+    in ``fast`` run in every lane; the others are marked ``slow``, so ``make test``
+    runs the whole family and ``make test-fast`` its representatives.
+
+    Raises:
+        ValueError: a name in ``fast`` is not one of ``names``.
+    """
+    names, fast = list(names), set(fast)
+    if not fast <= set(names):
+        raise ValueError(f"representatives {sorted(fast - set(names))} are not in the family")
+    return [name if name in fast else pytest.param(name, marks=pytest.mark.slow)
+            for name in names]
+
+
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parent / "data"
@@ -66,17 +83,20 @@ WRONG_RELU_KERNEL = RELU_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5
 
 
 @contextlib.asynccontextmanager
-async def services_running(settings: Settings, bus: Bus, *,
-                           generator: bool = True) -> AsyncIterator[None]:
+async def services_running(settings: Settings, bus: Bus, *, generator: bool = True,
+                           verifier: Any = None, lowering: Any = None) -> AsyncIterator[None]:
     """A cpu worker (and a generator) as tasks of this loop until the block ends;
-    waits for the worker's first heartbeat."""
+    waits for the worker's first heartbeat. ``verifier`` and ``lowering``: the
+    worker's verifier and the generator's sandbox (default: their own, started here);
+    the ``shared_services`` fixture lends the session's."""
     from services.generator.service import run_generator
     from services.worker.service import run_worker
 
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(run_worker(settings, stop), name="worker")]
+    tasks = [asyncio.create_task(run_worker(settings, stop, verifier=verifier), name="worker")]
     if generator:
-        tasks.append(asyncio.create_task(run_generator(settings, stop), name="generator"))
+        tasks.append(asyncio.create_task(run_generator(settings, stop, sandbox=lowering),
+                                         name="generator"))
     try:
         await wait_for_heartbeat(bus, tasks)
         yield

@@ -124,9 +124,21 @@ _LAUNCH = re.compile(r"BLOCK_SIZE=(\d+), num_warps=(\d+), num_stages=(\d+)")
 _GRID = re.compile(r"triton\.cdiv\((n_elements|n), (\d+)\)")
 
 
+# The launch parameters retune() rewrites in lowered code; a point that differs from a
+# lowered one in any other parameter (tiles, fusion choices) is lowered anew.
+RETUNED = ("block_size", "num_warps", "num_stages")
+
+
+def _lowering_key(params: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """What a lowering of ``params`` depends on beyond :data:`RETUNED`."""
+    return tuple(sorted((name, value) for name, value in {**DEFAULT_PARAMS, **params}.items()
+                        if name not in RETUNED))
+
+
 def retune(code: str, params: dict[str, int]) -> str | None:
-    """Rewrite the launch parameters of a built-in coder kernel; None if the code does
-    not have the built-in coder's launch line (then lower the task again)."""
+    """Rewrite the :data:`RETUNED` launch parameters of a built-in coder kernel; None if
+    the code does not have the built-in coder's one launch line (then lower the task
+    again). The other parameters of ``params`` must be those ``code`` was lowered with."""
     if len(_LAUNCH.findall(code)) != 1 or len(_GRID.findall(code)) != 1:
         return None
     b, w, s = params["block_size"], params["num_warps"], params["num_stages"]
@@ -146,7 +158,9 @@ class BuiltinMutator:
 
     def __init__(self, coder) -> None:
         self.coder = coder
-        self.base_code: str | None = None
+        # Lowered code by what its lowering depended on (_lowering_key): a point that
+        # differs from one of them only in RETUNED parameters is a retune of it.
+        self.bases: dict[tuple[tuple[str, int], ...], str] = {}
         self.tried: set[tuple[int | None, ...]] = set()
 
     def remember(self, params: dict[str, int]) -> None:
@@ -155,12 +169,13 @@ class BuiltinMutator:
 
     async def _render(self, submit: JobSubmit, params: dict[str, int]) -> Candidate:
         self.remember(params)
-        if self.base_code is not None:
-            code = retune(self.base_code, params)
+        key = _lowering_key(params)
+        if key in self.bases:
+            code = retune(self.bases[key], params)
             if code is not None:
                 return Candidate(code=code, coder=self.name, meta=dict(params))
         candidate = await self.coder.generate(submit, **params)
-        self.base_code = candidate.code
+        self.bases[key] = candidate.code
         candidate.meta = dict(params)
         return candidate
 

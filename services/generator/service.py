@@ -114,6 +114,7 @@ from services.generator.workflows import (
     describe_failure,
 )
 from services.sandbox.limits import child_limits_from
+from services.sandbox.pool import Sandbox
 
 log = structlog.get_logger("aikg.generator")
 
@@ -160,13 +161,17 @@ class Generator:
     Args:
         bus: connected NATS bus.
         settings: concurrency, timeouts and the LLM endpoints (``llm_*``).
+        sandbox: the built-in coder's sandbox; default a new one
+            (:func:`~services.generator.coders.base.lowering_sandbox` with the settings'
+            ``sandbox_require`` and ``sandbox_env_allow``). The generator starts it before
+            its first job and closes it when it stops.
     """
 
-    def __init__(self, bus: Bus, settings: Settings) -> None:
+    def __init__(self, bus: Bus, settings: Settings, sandbox: Sandbox | None = None) -> None:
         self.bus = bus
         self.settings = settings
         self.jobs = CheckedJobStore(bus.jobs)
-        self.sandbox = lowering_sandbox(
+        self.sandbox = sandbox or lowering_sandbox(
             f"generator-{os.getpid()}", require=settings.sandbox_require_list,
             env_allow=settings.sandbox_env_allow_list)
         # Fair shares (services/common/shares.py): of this process's job slots (the
@@ -845,8 +850,10 @@ def _count(r: JobRecord) -> None:
     r.progress.candidates_passed = sum(bool(e.passed) for e in entries)
 
 
-async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Connect, serve jobs until ``stop`` is set (or SIGINT/SIGTERM), then exit.
+async def run_generator(settings: Settings, stop: asyncio.Event | None = None, *,
+                        sandbox: Sandbox | None = None) -> None:
+    """Connect, serve jobs until ``stop`` is set (or SIGINT/SIGTERM), then exit;
+    ``sandbox`` as :class:`Generator`'s.
 
     Raises:
         ConnectionError: NATS is unreachable at start.
@@ -860,7 +867,7 @@ async def run_generator(settings: Settings, stop: asyncio.Event | None = None) -
         start_metrics_server(settings.metrics_port)
         bus = await connect_bus(settings, "aikg-generator", role="generator")
         try:
-            await Generator(bus, settings).run(stop)
+            await Generator(bus, settings, sandbox).run(stop)
         finally:
             await bus.close()
     finally:

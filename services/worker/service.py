@@ -728,8 +728,10 @@ def _job_id_of(data: bytes) -> str | None:
     return None
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> None:
-    """Connect, serve verify requests until ``stop`` is set (or a signal), then exit.
+async def run_worker(settings: Settings, stop: asyncio.Event | None = None, *,
+                     verifier=None) -> None:
+    """Connect, serve verify requests until ``stop`` is set (or a signal), then exit;
+    ``verifier`` as :class:`Worker`'s.
 
     Without ``stop`` (a worker process), the first SIGINT/SIGTERM stops taking
     requests and lets the in-flight verifications finish (each within its request's
@@ -754,7 +756,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event | None = None) -> N
                                 f"aikg-worker-{settings.worker_id or default_worker_id()}",
                                 role="worker")
         try:
-            await Worker(bus, settings).run(stop, abandon)
+            await Worker(bus, settings, verifier).run(stop, abandon)
         finally:
             await bus.close()
     finally:

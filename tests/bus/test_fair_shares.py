@@ -33,7 +33,7 @@ from services.worker.service import run_worker
 from services.worker.verifier import Verifier
 from tests import helpers
 from tests.conftest import TEST_WORKER_IDS
-from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, services_running, wait_terminal
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, wait_terminal
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b"}
 
@@ -257,7 +257,7 @@ async def test_timeout_above_the_tenants_cap_is_refused(tmp_path: Path, settings
 
 @pytest.mark.slow
 async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
-        tmp_path: Path, settings: Settings, start_gateway, bus: Bus) -> None:
+        shared_services, tmp_path: Path, settings: Settings, start_gateway, bus: Bus) -> None:
     """Four jobs of team_a whose Model hangs (in the generator's lowering child) hold
     at most their share (0.75: three) of the generator's four slots: team_b's relu, measured alone and then
     behind them, stays within 2x its idle time (plus slack for a loaded machine);
@@ -266,7 +266,7 @@ async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
     settings = msgspec.structs.replace(settings, tenants_file=tenants_toml(tmp_path),
                                        lowering_timeout_s=hang_s)
     url = await start_gateway(settings)
-    async with services_running(settings, bus), \
+    async with shared_services(settings, bus), \
             httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
 
         async def run_b(task: str) -> tuple[dict, float]:

@@ -256,6 +256,7 @@ async def test_raw_request_gets_passed_result_and_status_answers(
         assert info.num_redelivered == 0 and info.num_pending == 0, info
 
 
+@pytest.mark.slow
 async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
         settings: Settings, bus: Bus, results: Results,
         shared_verifier: Verifier) -> None:

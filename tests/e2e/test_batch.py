@@ -27,7 +27,6 @@ from tests.helpers import (
     RELU_TASK,
     WRONG_RELU_KERNEL,
     scaled,
-    services_running,
     stream_messages,
 )
 
@@ -58,7 +57,7 @@ async def until_verify_is_empty(bus: Bus) -> None:
 
 @pytest.mark.timeout(900)
 async def test_a_batch_of_50_runs_45_verifications_and_returns_every_verdict_in_finish_order(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     # 40 distinct passing candidates, 5 distinct failing ones, and 5 copies of passing
     # ones (reformatted: the same AST) paired with their originals: 45 distinct of 50.
     codes = [variant(RELU_KERNEL, i) for i in range(40)]
@@ -66,7 +65,7 @@ async def test_a_batch_of_50_runs_45_verifications_and_returns_every_verdict_in_
     copies = {45 + k: 3 * k for k in range(5)}
     codes += [codes[original].replace("\n\n\n", "\n\n\n# the same kernel\n")
               for original in copies.values()]
-    async with services_running(settings, bus, generator=False), \
+    async with shared_services(settings, bus, generator=False), \
             AsyncAIKGClient(gateway) as client:
         answer = await client.submit_batch("relu", RELU_TASK, codes, trials=1)
         assert (answer["candidates"], answer["unique"]) == (50, 45)
@@ -103,9 +102,9 @@ async def test_a_batch_of_50_runs_45_verifications_and_returns_every_verdict_in_
 
 
 async def test_cancel_mid_batch_stops_what_has_not_started_and_the_cli_shows_progress(
-        settings: Settings, bus: Bus, gateway: str, tmp_path: Path) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str, tmp_path: Path) -> None:
     codes = [variant(RELU_KERNEL, i) for i in range(12)]
-    async with services_running(settings, bus, generator=False), \
+    async with shared_services(settings, bus, generator=False), \
             AsyncAIKGClient(gateway) as client:
         batch_id = (await client.submit_batch("relu", RELU_TASK, codes, trials=1))["batch_id"]
         stream = client.stream_batch_verdicts(batch_id)
@@ -153,12 +152,12 @@ async def test_cancel_mid_batch_stops_what_has_not_started_and_the_cli_shows_pro
 
 
 async def test_sdk_batch_calls_and_remote_worker_verify_many_send_identical_candidates_once(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     codes = [RELU_KERNEL, WRONG_RELU_KERNEL, RELU_KERNEL + "\n# the same\n"]
     landed: list[int] = []
     seen: list[dict] = []
     generator = as_role(settings, "generator")  # RemoteWorker acts with its rights
-    async with services_running(settings, bus, generator=False):
+    async with shared_services(settings, bus, generator=False):
         # Through the gateway: the blocking client's wait, the async client's iterator.
         def blocking() -> list:
             with AIKGClient(gateway) as client:

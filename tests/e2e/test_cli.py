@@ -311,56 +311,6 @@ async def test_up_with_tenant_tokens_only_comes_up(tmp_path: Path, free_port) ->
 
 
 @pytest.mark.slow
-async def test_up_runs_the_stack_and_stops_it_without_strays(tmp_path: Path, free_port) -> None:
-    """`aikg up` with an embedded NATS: ready line, a job id from `submit`, clean SIGTERM."""
-    port = free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
-    proc = await asyncio.create_subprocess_exec(
-        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-        env={**clean, "COLUMNS": "200"}, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        assert b"AIKG is up: gateway http://127.0.0.1:" in line, line
-        assert b"worker cpu/" in line
-        family = descendants(proc.pid)
-        assert len(family) >= 4  # nats-server, gateway, generator, worker
-        code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
-        assert code == 2, err
-        # The embedded NATS takes per-run credentials only; the admin's are in a 0600 file.
-        while b"NATS admin credentials" not in (said := await proc.stderr.readline()):
-            assert said, "aikg up never said where the NATS admin credentials are"
-        admin_env = Path(said.decode().split("(nats CLI): ")[1].split()[0])
-        assert admin_env.stat().st_mode & 0o777 == 0o600
-        env = dict(ln.split("=", 1) for ln in admin_env.read_text().splitlines())
-        assert env["NATS_USER"] == "admin"
-        anonymous = load_settings(env={}, nats_url=env["NATS_URL"])
-        with pytest.raises(ConnectionError, match="refused this client's credentials"):
-            await connect_bus(anonymous, "anonymous")
-        admin = await connect_bus(load_settings(env={}, nats_url=env["NATS_URL"],
-                                                nats_user=env["NATS_USER"],
-                                                nats_password=env["NATS_PASSWORD"]), "admin")
-        # The worker, connected as itself, beats. One read of the workers bucket can miss
-        # a live key (nats-py's KeyValue.keys() raced a heartbeat put once here), so the
-        # services' own look-again (live_arch) reads it.
-        arch, _ = await live_arch(admin, "cpu", None)
-        assert arch is not None, "no cpu worker heartbeat in the workers bucket"
-        await admin.close()
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        code = await asyncio.wait_for(proc.wait(), 60)
-    stderr = (await proc.stderr.read()).decode()
-    assert code == 0, stderr
-    assert f"service logs kept in {tmp_path / 'logs'}" in stderr
-    assert not running(family)
-    assert {"gateway.log", "generator.log", "worker.log"} <= {
-        p.name for p in (tmp_path / "logs").iterdir()}
-    assert not admin_env.exists(), "the per-run credentials outlived aikg up"
-
-
-@pytest.mark.slow
 async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None:
     """A gateway that cannot bind its port ends `aikg up` with exit 1, naming it; no strays."""
     with socket.socket() as busy:
@@ -436,11 +386,14 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_port,
-                                                          relu_task: str) -> None:
-    """SIGKILL of the worker under `aikg up`: the stack stays up, the worker is started
-    again, a job submitted after the kill completes, and the restart is counted in the
-    supervisor's metrics; SIGTERM then stops everything (the restarted worker too)."""
+async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_strays(
+        tmp_path: Path, free_port, relu_task: str) -> None:
+    """`aikg up` with an embedded NATS: the ready line, per-run NATS credentials (the
+    admin's in a 0600 file, no anonymous client), a heartbeating worker. SIGKILL of the
+    worker: the stack stays up, the worker is started again, a job submitted after the
+    kill completes, and the restart is counted in the supervisor's metrics; SIGTERM then
+    stops everything (the restarted worker too), keeps the logs and removes the
+    credentials."""
     port, metrics_port = free_port(), free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     proc = await asyncio.create_subprocess_exec(
@@ -451,8 +404,31 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
     family: set[int] = set()
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), 180)
-        assert b"AIKG is up" in line, line
+        assert b"AIKG is up: gateway http://127.0.0.1:" in line, line
+        assert b"worker cpu/" in line
         family = descendants(proc.pid)
+        assert len(family) >= 4  # nats-server, gateway, generator, worker
+        code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
+        assert code == 2, err
+        # The embedded NATS takes per-run credentials only; the admin's are in a 0600 file.
+        said = await _said(proc.stderr, b"NATS admin credentials", 10)
+        admin_env = Path(said.decode().split("(nats CLI): ")[1].split()[0])
+        assert admin_env.stat().st_mode & 0o777 == 0o600
+        env = dict(ln.split("=", 1) for ln in admin_env.read_text().splitlines())
+        assert env["NATS_USER"] == "admin"
+        anonymous = load_settings(env={}, nats_url=env["NATS_URL"])
+        with pytest.raises(ConnectionError, match="refused this client's credentials"):
+            await connect_bus(anonymous, "anonymous")
+        admin = await connect_bus(load_settings(env={}, nats_url=env["NATS_URL"],
+                                                nats_user=env["NATS_USER"],
+                                                nats_password=env["NATS_PASSWORD"]), "admin")
+        # The worker, connected as itself, beats. One read of the workers bucket can miss
+        # a live key (nats-py's KeyValue.keys() raced a heartbeat put once here), so the
+        # services' own look-again (live_arch) reads it.
+        arch, _ = await live_arch(admin, "cpu", None)
+        assert arch is not None, "no cpu worker heartbeat in the workers bucket"
+        await admin.close()
+
         (worker,) = [p for p in family
                      if _cmdline(p)[1:4] == ["-m", "services.cli", "worker"]]
         os.kill(worker, signal.SIGKILL)
@@ -474,11 +450,16 @@ async def test_up_restarts_a_killed_worker_and_jobs_go_on(tmp_path: Path, free_p
         if proc.returncode is None:
             proc.terminate()
         code = await asyncio.wait_for(proc.wait(), 60)
-    assert code == 0, (await proc.stderr.read()).decode()
+    stderr = (await proc.stderr.read()).decode()
+    assert code == 0, stderr
     deadline = asyncio.get_running_loop().time() + scaled(30)
     while running(family) and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.2)
     assert not running(family), f"still running: {sorted(running(family))}"
+    assert f"service logs kept in {tmp_path / 'logs'}" in stderr
+    assert {"gateway.log", "generator.log", "worker.log"} <= {
+        p.name for p in (tmp_path / "logs").iterdir()}
+    assert not admin_env.exists(), "the per-run credentials outlived aikg up"
 
 
 @pytest.mark.slow

@@ -24,7 +24,6 @@ from tests.helpers import (
     DECLINED_TASK,
     WRONG_RELU_KERNEL,
     job_events,
-    services_running,
     wait_terminal,
 )
 
@@ -36,9 +35,10 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture
-async def stack(settings: Settings, bus: Bus, gateway: str) -> AsyncIterator[str]:
+async def stack(shared_services, settings: Settings, bus: Bus,
+                gateway: str) -> AsyncIterator[str]:
     """Gateway + generator + one cpu worker; yields the gateway URL."""
-    async with services_running(settings, bus):
+    async with shared_services(settings, bus):
         yield gateway
 
 

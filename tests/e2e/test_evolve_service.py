@@ -24,7 +24,7 @@ from services.worker.service import run_worker
 from tests import helpers
 from tests.conftest import role_env
 from tests.fake_llm import FakeLLM, Recorded, Reply, fenced
-from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, scaled, services_running, wait_terminal
+from tests.helpers import BUNDLED_RELU_TASK, RELU_KERNEL, scaled, wait_terminal
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +57,10 @@ def check_summary(record: dict, candidates: int) -> None:
     assert any(entry["parent_id"] for c in [evolve["candidates"]] for entry in c)
 
 
-async def test_evolve_job_over_http_with_the_builtin_coder(settings: Settings, bus: Bus,
-                                                           gateway: str) -> None:
+async def test_evolve_job_over_http_with_the_builtin_coder(
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     settings = msgspec.structs.replace(settings, worker_devices="0,1")
-    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+    async with shared_services(settings, bus), httpx.AsyncClient(base_url=gateway,
                                                                   timeout=scaled(10)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "relu", "task_desc": RELU, "backend": "cpu", **EVOLVE})
@@ -73,7 +73,8 @@ async def test_evolve_job_over_http_with_the_builtin_coder(settings: Settings, b
     assert len(params) == 12, "the launch-parameter search must not repeat a point"
 
 
-async def test_evolve_job_with_a_scripted_llm(settings: Settings, bus: Bus, gateway: str) -> None:
+async def test_evolve_job_with_a_scripted_llm(shared_services, settings: Settings, bus: Bus,
+                                             gateway: str) -> None:
     def script(index: int, request: Recorded) -> Reply:
         block = [64, 128, 256, 512, 1024, 2048][index % 6]
         return Reply(content=fenced(LLM_RELU.replace("BLOCK)", f"{block})")
@@ -83,7 +84,7 @@ async def test_evolve_job_with_a_scripted_llm(settings: Settings, bus: Bus, gate
     with FakeLLM(script) as fake:
         llm = msgspec.structs.replace(settings, worker_devices="0,1", llm_base_url=fake.url,
                                       llm_model="fake-coder")
-        async with services_running(llm, bus), httpx.AsyncClient(base_url=gateway,
+        async with shared_services(llm, bus), httpx.AsyncClient(base_url=gateway,
                                                                  timeout=scaled(10)) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
                 "op_name": "relu", "task_desc": RELU, "backend": "cpu", "coder": "llm",
@@ -216,12 +217,12 @@ def get_init_inputs():
 
 
 async def test_evolve_job_tunes_a_matmul_schedules_launch_parameters(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     """Evolve with the built-in coder on a matmul task: each candidate is the tl.dot
     kernel at another point of (block_m, block_n, block_k, num_warps, num_stages), the
     job record keeps every point tried with its verdict, and the best is verified."""
     settings = msgspec.structs.replace(settings, worker_devices="0,1")
-    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+    async with shared_services(settings, bus), httpx.AsyncClient(base_url=gateway,
                                                                   timeout=scaled(10)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "matmul_relu", "task_desc": MATMUL_TASK, "backend": "cpu",

@@ -30,7 +30,6 @@ from tests.helpers import (
     LLM_ONLY_SOFTMAX_TASK,
     job_events,
     scaled,
-    services_running,
     stream_messages,
 )
 
@@ -48,12 +47,12 @@ async def verdicts(bus: Bus, job_id: str) -> list[VerifyResult]:
 
 
 async def test_softmax_job_completes_after_one_repair_round(
-        settings: Settings, bus: Bus, gateway: str, capfd: pytest.CaptureFixture[str],
+        shared_services, settings: Settings, bus: Bus, gateway: str, capfd: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
     softmax = tmp_path / "softmax.py"
     softmax.write_text(LLM_ONLY_SOFTMAX_TASK)
     with FakeLLM(fake_llm.repair_script) as fake:
-        async with services_running(llm_settings(settings, fake), bus):
+        async with shared_services(llm_settings(settings, fake), bus):
             proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "services.cli", "submit", str(softmax), "--coder", "llm",
                 "--wait", "--json", "--timeout", "240",
@@ -107,9 +106,9 @@ async def test_softmax_job_completes_after_one_repair_round(
 
 
 async def test_default_workflow_uses_designer_and_conductor(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     with FakeLLM(fake_llm.repair_script) as fake:
-        async with services_running(llm_settings(settings, fake), bus):
+        async with shared_services(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
@@ -139,11 +138,11 @@ async def wait_status(client: httpx.AsyncClient, job_id: str, statuses: tuple[st
 
 
 async def test_cancel_during_generation_stops_the_llm_call_and_verification(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     # The broken init_code is verified first; the LLM's repair then never comes.
     script = [Reply(content=fenced(SOFTMAX_FIXED), delay_s=30)]
     with FakeLLM(script) as fake:
-        async with services_running(llm_settings(settings, fake), bus):
+        async with shared_services(llm_settings(settings, fake), bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
@@ -185,8 +184,8 @@ async def test_cancel_during_generation_stops_the_llm_call_and_verification(
 
 
 async def test_llm_job_without_an_llm_fails_saying_what_to_set(
-        settings: Settings, bus: Bus, gateway: str) -> None:
-    async with services_running(settings, bus):
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
+    async with shared_services(settings, bus):
         async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
                 "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",
@@ -198,13 +197,13 @@ async def test_llm_job_without_an_llm_fails_saying_what_to_set(
 
 
 async def test_an_llm_that_never_answers_fails_the_job_clearly(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     script = [Reply(status=429, headers={"Retry-After": "0.2"}, error=f"busy, key {KEY}"),
               Reply(content="never", delay_s=30)]
     with FakeLLM(script) as fake:
         slow = llm_settings(settings, fake, llm_max_retries=1)
         slow = msgspec.structs.replace(slow, llm_timeout_s=1.0)
-        async with services_running(slow, bus):
+        async with shared_services(slow, bus):
             async with httpx.AsyncClient(base_url=gateway, timeout=scaled(10)) as client:
                 resp = await client.post("/api/v1/jobs/submit", json={
                     "op_name": "softmax", "task_desc": LLM_ONLY_SOFTMAX_TASK, "backend": "cpu",

@@ -39,7 +39,7 @@ from services.common.settings import Settings
 from tests import fake_llm
 from tests.conftest import role_env
 from tests.fake_llm import SOFTMAX_BROKEN, SOFTMAX_FIXED, FakeLLM, Recorded, Reply, fenced
-from tests.helpers import BUNDLED_RELU_TASK, job_events, scaled, services_running, stream_messages
+from tests.helpers import BUNDLED_RELU_TASK, job_events, scaled, stream_messages
 
 pytestmark = pytest.mark.slow
 
@@ -119,7 +119,7 @@ async def wait_for(predicate, timeout_s: float, what: str, logs=lambda: "") -> N
 
 
 async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
-        settings: Settings, bus: Bus, fake: FakeLLM, tmp_path: Path) -> None:
+        shared_services, settings: Settings, bus: Bus, fake: FakeLLM, tmp_path: Path) -> None:
     store = JobStore(bus.jobs)
     gens = Generators(settings, fake, tmp_path)
 
@@ -133,7 +133,7 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
         return bool(r and r.progress.candidates and r.progress.candidates[0].verify_seq)
 
     try:
-        async with services_running(settings, bus, generator=False):
+        async with shared_services(settings, bus, generator=False):
             submit = JobSubmit(op_name="softmax", task_desc=SOFTMAX, backend="cpu",
                                arch=settings.arch, coder="llm", init_code=SOFTMAX_BROKEN,
                                job_id=JOB_ID, max_attempts=3)

@@ -23,7 +23,7 @@ from services.common.bus import Bus
 from services.common.logging import configure_logging
 from services.common.settings import Settings
 from tests.conftest import running_gateway
-from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, services_running, wait_terminal
+from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, wait_terminal
 
 JOB_ID = "follow-me-relu"
 WORKER_IDS = ("worker_id", "request_id", "candidate_id")
@@ -61,8 +61,8 @@ def test_configure_logging_writes_json_with_bound_ids() -> None:
 
 @pytest.mark.slow
 async def test_one_job_is_followed_across_the_services_by_its_id(
-        settings: Settings, bus: Bus, log_file: Path) -> None:
-    async with services_running(settings, bus), running_gateway(settings) as url:
+        shared_services, settings: Settings, bus: Bus, log_file: Path) -> None:
+    async with shared_services(settings, bus), running_gateway(settings) as url:
         async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
             resp = await client.post("/api/v1/jobs/submit", json={
                 "op_name": "relu", "task_desc": RELU_TASK, "backend": "cpu",

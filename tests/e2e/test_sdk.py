@@ -42,7 +42,6 @@ from tests.helpers import (
     RELU_KERNEL,
     WRONG_RELU_KERNEL,
     scaled,
-    services_running,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -304,12 +303,12 @@ print(f"JOB_ID={{job_id}}")
 
 @pytest.mark.slow
 async def test_reference_client_script_and_event_streams_on_real_stack(
-    settings: Settings, bus: Bus, gateway: str, tmp_path: Path
+    shared_services, settings: Settings, bus: Bus, gateway: str, tmp_path: Path
 ) -> None:
     """The reference document's client script, import line changed, against a real
     gateway + generator + worker; then SSE: live events of a running job, and the
     whole history of a finished one for a fresh subscriber."""
-    async with services_running(settings, bus):
+    async with shared_services(settings, bus):
         script = tmp_path / "reference_client.py"
         script.write_text(REFERENCE_SCRIPT.format(url=gateway, task=RELU, arch=settings.arch))
         proc = await asyncio.create_subprocess_exec(
@@ -349,11 +348,11 @@ async def test_reference_client_script_and_event_streams_on_real_stack(
 
 @pytest.mark.slow
 async def test_worker_only_mode_remote_worker_and_task(
-    settings: Settings, bus: Bus, nats_url: str, fresh_manager: WorkerManager
+    shared_services, settings: Settings, bus: Bus, nats_url: str, fresh_manager: WorkerManager
 ) -> None:
     """RemoteWorker against a real worker (no gateway, no generator): verify, profile,
     status with leases, capacity from the worker, and Task.run with local generation."""
-    async with services_running(settings, bus, generator=False):
+    async with shared_services(settings, bus, generator=False):
         worker = await register_remote_worker(backend="cpu", arch=settings.arch,
                                               nats_url=nats_url,
                                               settings=as_role(settings, "generator"))

@@ -210,6 +210,7 @@ async def test_candidate_cannot_read_past_its_scratch_directory(verifier, nats_s
     assert ok.passed, ok
 
 
+@pytest.mark.slow
 async def test_task_code_in_the_generator_through_the_gateway(
         settings, bus, start_gateway, nats_server, secret_env) -> None:
     """Submitted over HTTP: the lowering runs the task's code in the sandbox only."""
@@ -262,6 +263,7 @@ async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gate
             record["error"]
 
 
+@pytest.mark.slow
 def test_aikg_run_lowers_in_the_sandbox(tmp_path, secret_env, nats_server) -> None:
     task = tmp_path / "facts.py"
     task.write_text(FACTS_TASK.format(secret=SECRET, port=nats_server.port))
@@ -272,6 +274,7 @@ def test_aikg_run_lowers_in_the_sandbox(tmp_path, secret_env, nats_server) -> No
     assert_confined(facts_of(proc.stdout + proc.stderr))
 
 
+@pytest.mark.slow
 async def test_local_worker_runs_task_code_in_the_sandbox(secret_env, nats_server) -> None:
     from services.sdk import LocalWorker, Task, WorkerManager
 

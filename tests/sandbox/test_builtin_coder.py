@@ -22,6 +22,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
+from tests.helpers import representatives  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TASKS = ROOT / "tasks"
@@ -89,7 +90,8 @@ def _assert_forward_only_launches(candidate_src: str, kernels: int = 1) -> None:
     assert launches == kernels
 
 
-@pytest.mark.parametrize("name", ELEMENTWISE_TASKS)
+@pytest.mark.parametrize("name", representatives(ELEMENTWISE_TASKS, (
+    "add_mul.py", "gelu.py", "relu.py", "scalar_ops.py", "swish_chain.py")))
 def test_task_lowers_to_matching_kernel(name):
     task_src = (TASKS / name).read_text()
     candidate = lower_task(task_src)
@@ -334,7 +336,12 @@ ZOO = [
 
 
 @pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")  # numpy on NaN / inf
-@pytest.mark.parametrize("body", ZOO)
+@pytest.mark.parametrize("body", representatives(ZOO, (
+    "torch.relu(x) + F.relu6(y)", "F.gelu(x, approximate='tanh')",
+    "torch.exp(x * 0.5) + torch.exp2(y)", "x ** 2 + x ** -1 + 2.0 ** y",
+    "torch.where((x > 0) & ~(y < 0) | (x == y) ^ (x != 0.5), x, y)",
+    "torch.isnan(x).float() + torch.isinf(y).float() + torch.nan_to_num(x)",
+    "x.half().float() + y.bfloat16().float()", "x > y")))
 def test_lowering_table_matches_torch(body):
     task_src = _zoo_task(body)
     _assert_matches(task_src, lower_task(task_src))
@@ -500,7 +507,11 @@ def verifier(tmp_path_factory):
     v.close()
 
 
-@pytest.mark.parametrize("name", sorted(SCHEDULES))
+# One schedule task of each family in the fast lane (pointwise, broadcast, column
+# reduction, index reduction, row softmax, scan, matmul epilogue, pooling).
+@pytest.mark.parametrize("name", representatives(sorted(SCHEDULES), (
+    "broadcast", "sum_mean", "argmax_argmin", "softmax", "cumsum", "linear_epilogue",
+    "max_pool2d")))
 def test_schedule_passes_the_worker(name, verifier):
     import asyncio
 

@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from services.generator.lowering import lower_task  # noqa: E402
-from tests.helpers import TASKS  # noqa: E402
+from tests.helpers import TASKS, representatives  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -106,7 +106,9 @@ def _overrides(name: str, sizes: dict) -> dict:
     return {k: v for k, v in sizes.items() if k == "batch" or k in _NAMES[-rank:]}
 
 
-@pytest.mark.parametrize("name", sorted(CONVS))
+# The implicit GEMM and the direct (depthwise) kernel in the fast lane.
+@pytest.mark.parametrize("name", representatives(sorted(CONVS), (
+    "conv2d_strided_padded_dilated", "conv2d_depthwise")))
 def test_convolution_passes_the_worker(name, shared_verifier):
     from schemas import VerifyRequest
 

@@ -83,6 +83,7 @@ def test_normalised_hash_ignores_comments_and_formatting() -> None:
     assert normalised_hash("x = 1") != normalised_hash("x = 2")
 
 
+@pytest.mark.slow
 async def test_islands_migration_and_elites_on_cpu(verifier, coder) -> None:
     submit = make_submit()
     rec = Recorder(verifier, submit)
@@ -161,6 +162,23 @@ async def test_duplicate_code_reuses_the_verdict(verifier, lowering_sandbox) -> 
     dups = [c for c in search.summary.candidates if c.duplicate_of]
     assert dups, "identical code must reuse the earlier verdict"
     assert len(rec.verified) == len(search.summary.candidates) - len(dups)
+
+
+async def test_a_point_with_other_fusion_choices_is_lowered_again(coder) -> None:
+    """A retune rewrites only the launch line: a point whose fusion choice differs from
+    every point lowered so far gets its own lowering, not the other's kernels."""
+    from tests.sandbox.test_fused_rows import task
+
+    submit = make_submit(task_desc=task("softmax"), op_name="softmax",
+                         shape_overrides={"batch": 2, "dim": 256})
+    mutator = BuiltinMutator(coder)
+    point = {"block_size": 256, "num_warps": 4, "num_stages": 1, "row_fusion": 0}
+    unfused = await mutator._render(submit, point)
+    fused = await mutator._render(submit, {**point, "row_fusion": 1})
+    retuned = await mutator._render(submit, {**point, "row_fusion": 1, "block_size": 512})
+    assert unfused.code.count("@triton.jit") == 3
+    assert fused.code.count("@triton.jit") == 1
+    assert retuned.code.count("@triton.jit") == 1 and retuned.code != fused.code
 
 
 def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:

@@ -14,6 +14,7 @@ from services.generator.coders.base import BuiltinCoder, Candidate
 from services.generator.evolve import DEFAULT_PARAMS, BuiltinMutator, EvolveSearch, EvolveState
 from services.generator.lowering import lower_task
 from tests.corpus import TASKS
+from tests.helpers import representatives
 
 # Our own tasks: a (batch, dim) input, the row-wise operator over dim; each is the
 # corpus's layer norm task with its operator in place of the layer norm.
@@ -61,7 +62,8 @@ def test_a_row_wise_operator_lowers_to_one_kernel(name) -> None:
     assert "ONE_PASS" in body and "200" not in body  # shape-generic: no size baked in
 
 
-@pytest.mark.parametrize("name", sorted(OPS))
+# A softmax (max, sum) and a layer norm (mean, variance) in the fast lane.
+@pytest.mark.parametrize("name", representatives(sorted(OPS), ("softmax", "layer_norm")))
 @pytest.mark.parametrize("sizes", SIZES, ids=["pow2", "odd"])
 async def test_a_row_that_fits_a_block_is_read_and_written_once(shared_verifier, name,
                                                                   sizes) -> None:
@@ -73,7 +75,8 @@ async def test_a_row_that_fits_a_block_is_read_and_written_once(shared_verifier,
     assert t.traffic_ratio <= 1.1, t
 
 
-@pytest.mark.parametrize("name", ["softmax", "layer_norm", "log_softmax"])
+@pytest.mark.parametrize("name", representatives(["softmax", "layer_norm", "log_softmax"],
+                                             ("softmax",)))
 async def test_long_rows_take_two_passes_online_and_more_without(shared_verifier,
                                                                  name) -> None:
     # 200-element rows in 64-element tiles: the loops' masks, a partial last tile.
@@ -122,10 +125,13 @@ class _Recorder:
         msgspec.json.encode(state)
 
 
+@pytest.mark.slow
 async def test_evolve_finds_the_one_pass_kernel_for_rows_longer_than_the_block(
         shared_verifier, lowering_sandbox) -> None:
     # 2048-element rows: the first candidate (block_size 1024) loops over each row
     # twice; a block of 2048 or more reads it once, and modeled time ranks it higher.
+    # One verification at a time: the search (seeded by the job id) then sees its
+    # results in one order, so the points it tries do not depend on the machine's load.
     assert DEFAULT_PARAMS["block_size"] < 2048
     submit = JobSubmit(op_name="softmax", task_desc=task("softmax"), job_type="evolve",
                        job_id="evo-rows", max_rounds=2, parallel_num=6, num_islands=1,
@@ -133,7 +139,7 @@ async def test_evolve_finds_the_one_pass_kernel_for_rows_longer_than_the_block(
                        shape_overrides={"batch": 2, "dim": 2048}, trials=1)
     rec = _Recorder(shared_verifier, submit)
     search = EvolveSearch(submit, BuiltinMutator(BuiltinCoder(lowering_sandbox)), rec.verify,
-                          rec.report, rec.checkpoint, concurrency=2, fitness="modeled_time")
+                          rec.report, rec.checkpoint, concurrency=1, fitness="modeled_time")
     result = await search.run()
     first = search.summary.candidates[0]
     assert first.params["block_size"] == DEFAULT_PARAMS["block_size"] and first.passed

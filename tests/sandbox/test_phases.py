@@ -25,7 +25,7 @@ from services.common.settings import Settings
 from services.generator.lowering import lower_task
 from services.worker.verifier import Verifier
 from tests.conftest import RELU_TASK
-from tests.helpers import WRONG_RELU_KERNEL, scaled, services_running, wait_terminal
+from tests.helpers import WRONG_RELU_KERNEL, scaled, wait_terminal
 
 SHAPES = {"batch_size": 16, "dim": 1024}
 # The rule: phases add up to the wall time within 10%.
@@ -92,11 +92,11 @@ def histogram_count(name: str, **labels: str) -> float:
 
 
 async def test_job_and_its_verification_record_their_phases(
-        settings: Settings, bus: Bus, gateway: str) -> None:
+        shared_services, settings: Settings, bus: Bus, gateway: str) -> None:
     task = (Path(__file__).resolve().parents[2] / "tasks" / "relu.py").read_text()
     labels = {"backend": "cpu", "arch": settings.arch}
     trials_before = histogram_count("aikg_verify_phase_seconds", phase="trials", **labels)
-    async with services_running(settings, bus), httpx.AsyncClient(base_url=gateway,
+    async with shared_services(settings, bus), httpx.AsyncClient(base_url=gateway,
                                                                   timeout=scaled(30)) as client:
         resp = await client.post("/api/v1/jobs/submit", json={
             "op_name": "relu", "task_desc": task, "backend": "cpu"})

@@ -473,6 +473,7 @@ def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):
     assert timing.wall_s * 1e6 >= sum(timing.samples_us)
 
 
+@pytest.mark.slow
 async def test_pool_recovers_after_the_fork_server_dies(verifier):
     """Last in this module: it costs a fork-server restart (~2 s)."""
     proc = verifier.sandbox.pool._proc
