@@ -134,7 +134,7 @@ async def test_evolve_finds_the_one_pass_kernel_for_rows_longer_than_the_block(
     # results in one order, so the points it tries do not depend on the machine's load.
     assert DEFAULT_PARAMS["block_size"] < 2048
     submit = JobSubmit(op_name="softmax", task_desc=task("softmax"), job_type="evolve",
-                       job_id="evo-rows", max_rounds=2, parallel_num=6, num_islands=1,
+                       job_id="evo-rows", max_rounds=2, parallel_num=3, num_islands=1,
                        migration_interval=1, elite_size=2, parent_selection_prob=0.5,
                        shape_overrides={"batch": 2, "dim": 2048}, trials=1)
     rec = _Recorder(shared_verifier, submit)
