@@ -14,6 +14,7 @@ Both workers answer ``verify(task_desc, code, op_name, ...)`` with a
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import atexit
 import contextlib
@@ -96,7 +97,7 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
         raise ValueError(f"invalid verify request: {exc}") from exc
 
 
-class _WorkerBase:
+class _WorkerBase(abc.ABC):
     """What both workers share: ``backend`` / ``arch``, the count of verifications under
     way, a repr naming where they run, and :meth:`profile` as :meth:`verify` in profile
     mode. A subclass sets ``_where`` (the repr's first argument) and ``verify``."""
@@ -105,8 +106,9 @@ class _WorkerBase:
     arch: str | None
     _in_flight = 0
 
+    @abc.abstractmethod
     def _where(self) -> str:
-        raise NotImplementedError
+        """Where verifications run, as the repr's first argument."""
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}({self._where()}, backend={self.backend!r}, "
@@ -118,9 +120,10 @@ class _WorkerBase:
         candidate; a RemoteWorker: verdicts it is waiting on)."""
         return self._in_flight
 
+    @abc.abstractmethod
     async def verify(self, task_desc: str, code: str, op_name: str, **kwargs: Any
                      ) -> VerifyResult:
-        raise NotImplementedError
+        """Verify ``code`` against the task (the subclass's own docstring says how)."""
 
     async def profile(self, task_desc: str, code: str, op_name: str, **kwargs: Any
                       ) -> VerifyResult:
