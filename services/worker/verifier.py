@@ -74,6 +74,11 @@ register_role("reference", "services.worker._reference:run_reference_role")
 register_role("candidate", "services.worker._planner:run_planner")
 register_role("replay", "services.worker._replayer:run_replayer")
 register_role("compile", "services.worker.aot:run_compile")
+# Imported by the fork server before it forks (plain imports: no tensor, no thread), so
+# each child starts with its role's code loaded instead of importing it: ~5-11 ms of
+# CPU per child, four or five children per verification.
+_ROLE_MODULES = ("services.worker._reference", "services.worker._planner",
+                 "services.worker._replayer")
 
 log = structlog.get_logger("aikg.worker.verifier")
 
@@ -248,7 +253,7 @@ class Verifier:
         self.candidate_runs = 0
         self.sandbox = Sandbox(backend, name=f"worker-{worker_id}", scratch_root=scratch_root,
                                require=sandbox_require, env_allow=sandbox_env_allow,
-                               preload=("services.worker.enforce:warm_up",
+                               preload=(*_ROLE_MODULES, "services.worker.enforce:warm_up",
                                         *(("services.worker.aot:warm_up",) if self.aot_target
                                           else ())),
                                scratch_bytes=scratch_bytes)
