@@ -231,12 +231,14 @@ class Procedure(SizeChoice, TrialRuns, Checks):
             specs.append(wire.RefTrialSpec(index=i, seed=self.decoy_seeds[i], decoy=True))
             specs.append(wire.RefTrialSpec(index=i, seed=self.seeds[i],
                                            distribution=self.schedule[i].name))
+        # The task's own sizes on meta tensors first (a few ms): the size choice waits
+        # for them once the candidate is built, the trials' inputs not before planning.
+        if request.shape_overrides:
+            await ref.send(wire.RefRequest(key="real", overrides={}, meta_only=True))
         await ref.send(wire.RefRequest(key="main", overrides=main.overrides, trials=specs,
                                        input_limit_bytes=self.v.memory_limit_bytes,
                                        count_eager=True),
                        answers=2 + len(specs))
-        if request.shape_overrides:
-            await ref.send(wire.RefRequest(key="real", overrides={}, meta_only=True))
         frame, raws = await self._await("reference", "size", "main")
         self._size_answer(main, frame, raws, self.v.memory_limit_bytes)
         self.clock.lap("reference_start")
