@@ -42,6 +42,7 @@ from services.sandbox.wire import (
     Done,
     Failure,
     Timing,
+    capture_tensor_methods,
 )
 
 # A scratch allocation released when a MemoryError is handled, so that the error
@@ -393,6 +394,8 @@ def main(spec: ChildSpec, result_fd: int) -> NoReturn:
     A process that dies without either (signal, ``os._exit``) is a crash; the
     parent learns how from the fork server's wait status.
     """
+    # Before any job code: the tensor methods the channel reads outputs with.
+    capture_tensor_methods()
     channel = Channel(result_fd, spec.frame_key)
     _limit_notes.update(spec.limit_notes)
     try:

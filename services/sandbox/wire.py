@@ -13,7 +13,9 @@ the number) break the chain and the parent sees them
 
 This module is imported by both sides: the parent decodes with it, the child's
 :class:`Channel` encodes with it (reading tensors through ``torch.Tensor`` methods
-captured at import, before any candidate code can reassign them).
+captured by :func:`capture_tensor_methods` when a child starts, before any candidate
+code can reassign them). It does not import torch itself: a parent that only lowers
+(the generator) never loads it (~3 s of CPU per process start).
 """
 
 from __future__ import annotations
@@ -24,22 +26,14 @@ import struct
 from typing import Any, Literal
 
 import msgspec
-import torch
 
 from schemas.events import EagerCount, LaunchTraffic
-from services.sandbox.values import dtype_from_name, dtype_name  # noqa: F401 - re-exported
 
 HEADER = struct.Struct("!Q")
 TAG_BYTES = 32
-# Tensor methods captured before any candidate code runs: candidates can reassign
-# ``torch.Tensor.contiguous`` and friends, not these references.
-_detach = torch.Tensor.detach
-_to = torch.Tensor.to
-_contiguous = torch.Tensor.contiguous
-_reshape = torch.Tensor.reshape
-_view = torch.Tensor.view
-_numpy = torch.Tensor.numpy
-_numel = torch.Tensor.numel
+# Tensor methods captured before any candidate code runs (capture_tensor_methods):
+# candidates can reassign ``torch.Tensor.contiguous`` and friends, not these references.
+_TENSOR_METHODS: tuple[Any, ...] | None = None
 # Files in the child's scratch directory that receive its stdout and stderr.
 STDOUT_FILE = "stdout.txt"
 STDERR_FILE = "stderr.txt"
@@ -485,11 +479,29 @@ def frame_tag(key: bytes, previous: bytes, header: bytes, payload: Any) -> bytes
     return h.digest()
 
 
-def tensor_bytes(t: torch.Tensor) -> Any:
-    """A buffer over ``t``'s bytes (CPU, contiguous), via methods captured at import."""
-    if not _numel(t):
+def capture_tensor_methods() -> None:
+    """Capture the ``torch.Tensor`` methods :func:`tensor_bytes` reads tensors with.
+
+    Called by every child at its start (:func:`services.sandbox.child.main`), before any
+    job code runs, and by a parent at its first :func:`tensor_bytes`; the fork server
+    never runs candidate code, so what its children capture is torch's own.
+    """
+    global _TENSOR_METHODS
+    import torch
+
+    t = torch.Tensor
+    _TENSOR_METHODS = (t.detach, t.to, t.contiguous, t.reshape, t.view, t.numpy, t.numel,
+                       torch.uint8, t)
+
+
+def tensor_bytes(t: Any) -> Any:
+    """A buffer over ``t``'s bytes (CPU, contiguous), via the captured methods."""
+    if _TENSOR_METHODS is None:
+        capture_tensor_methods()
+    detach, to, contiguous, reshape, view, numpy, numel, uint8, _ = _TENSOR_METHODS
+    if not numel(t):
         return b""
-    return _numpy(_view(_reshape(_contiguous(_to(_detach(t), "cpu")), -1), torch.uint8))
+    return numpy(view(reshape(contiguous(to(detach(t), "cpu")), -1), uint8))
 
 
 class Channel:
@@ -515,10 +527,12 @@ class Channel:
         if tag:
             self.sock.sendall(tag)
 
-    def send(self, frame: Any, raws: list[torch.Tensor] = ()) -> None:
+    def send(self, frame: Any, raws: list[Any] = ()) -> None:
+        """Write ``frame``, then each raw frame: a tensor's bytes, or a buffer as it is."""
         self._write(_encoder.encode(frame))
+        tensor = _TENSOR_METHODS[-1] if _TENSOR_METHODS is not None else ()
         for t in raws:
-            self._write(tensor_bytes(t) if isinstance(t, torch.Tensor) else t)
+            self._write(tensor_bytes(t) if isinstance(t, tensor) else t)
 
     def _read_exactly(self, n: int) -> bytearray | None:
         buf = bytearray(n)

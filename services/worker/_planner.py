@@ -58,7 +58,6 @@ from services.sandbox.wire import (
     Progress,
     TensorMeta,
     Traced,
-    dtype_name,
     tensor_bytes,
 )
 from services.worker import enforce, trace
@@ -253,7 +252,7 @@ class _Planner:
         record = recorder.end()
         if record.outputs is None:
             record.outputs = []
-        metas = [TensorMeta(dtype=dtype_name(o.dtype), shape=list(o.shape),
+        metas = [TensorMeta(dtype=values.dtype_name(o.dtype), shape=list(o.shape),
                             nbytes=o.numel() * o.element_size()) for o in outputs]
         frame = Traced(key=command.key, index=command.index, inputs=record.inputs,
                        events=record.events,

@@ -45,7 +45,6 @@ from services.sandbox.wire import (
     RefSize,
     RefTrial,
     TensorMeta,
-    dtype_name,
 )
 from services.worker import inputs as trial_inputs
 
@@ -74,7 +73,7 @@ def digest(t: torch.Tensor) -> str:
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+    return TensorMeta(dtype=values.dtype_name(t.dtype), shape=list(t.shape),
                       nbytes=t.numel() * t.element_size())
 
 

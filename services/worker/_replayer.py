@@ -33,7 +33,6 @@ from services.sandbox.wire import (
     ReplayFailed,
     ReplayRequest,
     TensorMeta,
-    dtype_name,
     tensor_bytes,
 )
 from services.worker import enforce
@@ -50,7 +49,7 @@ _FAILURE_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
-    return TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+    return TensorMeta(dtype=values.dtype_name(t.dtype), shape=list(t.shape),
                       nbytes=t.numel() * t.element_size())
 
 

@@ -17,7 +17,6 @@ from typing import Any
 from services.common.settings import LOWERING_TIMEOUT_S
 from services.generator.coders.errors import LoweringError
 from services.sandbox import wire
-from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
 from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
 from services.sandbox.roles import register_role
 from services.sandbox.wire import Channel, ChildSpec, Failure, Lowered, Progress
@@ -30,6 +29,7 @@ def run_lower(spec: ChildSpec, channel: Channel) -> None:
     ``spec.task_path``; sends a Lowered frame, or raises a Failure at stage ``lower``
     whose message says why (the op it cannot lower, the task's own error)."""
     from services.generator.lowering import lower_task
+    from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
 
     channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
     with open(spec.task_path, encoding="utf-8") as f:
