@@ -129,7 +129,9 @@ class Versions:
         import torch
 
         gpu = backend == "cuda"
-        return cls(torch=torch.__version__, cuda=(torch.version.cuda or "") if gpu else "",
+        # str(): torch.__version__ is a TorchVersion, which msgspec does not encode.
+        return cls(torch=str(torch.__version__),
+                   cuda=str(torch.version.cuda or "") if gpu else "",
                    driver=_driver_version() if gpu else "",
                    default_dtype=str(torch.get_default_dtype()).removeprefix("torch."))
 

@@ -59,8 +59,7 @@ from services.sandbox.pool import PoolBroken, Sandbox
 from services.sandbox.pool import settle as settle_children
 from services.sandbox.roles import register_role, runner_of
 from services.sandbox.wire import ChildSpec
-from services.worker import aot
-from services.worker.children import ChildFailed
+from services.worker import aot, profiling
 from services.worker.cache import (
     CACHE_FORMAT,
     CACHE_LOOKUPS,
@@ -69,7 +68,7 @@ from services.worker.cache import (
     Versions,
     baseline_key,
 )
-from services.worker import profiling
+from services.worker.children import ChildFailed
 from services.worker.procedure import Outcome, Procedure, Timings, Verdict
 from services.worker.rules import ALLOWED_OPS, impossible_timing
 from services.worker.static_check import check_candidate
