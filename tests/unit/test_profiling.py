@@ -223,3 +223,21 @@ def test_profiled_launches_read_cuda_device_events():
     assert got[1].device_us == 2.5
     audit = profiling.classify_launches(got, {"relu_kernel"}, ALLOWED_OPS, 1)
     assert audit.message() is None and audit.harness == 1
+
+
+def test_profile_frames_cross_the_wire():
+    """The new frames and commands encode and decode as the channel carries them, and
+    the worker keys each labelled timing apart."""
+    from services.worker.children import _key
+
+    timing = wire.Timing(median_us=3.0, samples_us=[3.0, 3.0], wall_s=0.01, label="floor",
+                         launches=[_launch("relu_kernel")], profiled=True)
+    decoded = wire.FRAME_DECODER.decode(wire.encode_frame(timing))
+    assert decoded == timing and decoded.launches[0].name == "relu_kernel"
+    assert _key(decoded) == ("timing", "floor")
+    assert _key(wire.Timing(median_us=1.0, samples_us=[1.0], wall_s=0.1)) == ("timing",)
+    command = wire.RefProfile(key="main", eager=False, compile=True)
+    assert wire.COMMAND_DECODER.decode(wire.encode_frame(command)) == command
+    # A command that names no parts means the eager baseline alone.
+    plain = wire.COMMAND_DECODER.decode(wire.encode_frame(wire.RefProfile(key="main")))
+    assert (plain.eager, plain.floor, plain.compile) == (True, False, False)
