@@ -322,7 +322,12 @@ def _time_compiled(model: Any, args: list[Any], spec: ChildSpec,
                       label="compile", error=message)
     if on_compiled is not None:
         on_compiled()
-    timing = _time_forward(compiled, args, spec)
+    try:
+        timing = _time_forward(compiled, args, spec)
+    except Exception as exc:  # noqa: BLE001 - the compiled code failed where eager ran
+        message = clip(f"{type(exc).__name__}: {exc}".strip(), 600)
+        return Timing(median_us=0.0, samples_us=[], wall_s=time.perf_counter() - started,
+                      label="compile", error=f"the compiled Model failed: {message}")
     timing.label = "compile"
     return timing
 

@@ -241,3 +241,35 @@ def test_profile_frames_cross_the_wire():
     # A command that names no parts means the eager baseline alone.
     plain = wire.COMMAND_DECODER.decode(wire.encode_frame(wire.RefProfile(key="main")))
     assert (plain.eager, plain.floor, plain.compile) == (True, False, False)
+
+
+def test_the_profiled_loop_runs_under_the_candidates_compute_block():
+    """In the candidate's process PyTorch compute is refused at the dispatcher before the
+    timed run: the profiler's start, stop and reading must not need it (a fresh process,
+    since the block cannot be lifted)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import torch
+        from services.sandbox import child, wire
+        from services.worker import enforce
+        from services.worker.profiling import profiled_launches
+        enforce.block_compute("cpu")
+        try:
+            torch.relu(torch.ones(2))
+            raise SystemExit("compute was not refused")
+        except RuntimeError:
+            pass
+        spec = wire.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=1, repeats=2,
+                              flush_bytes=1024)
+        timing = child._time_forward(lambda x: x.contiguous().clone(), [torch.ones(8)], spec,
+                                     profile=profiled_launches)
+        assert timing.profiled, timing.profiler_error
+        print(sorted({launch.op for launch in timing.launches}))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "aten::clone" in done.stdout and "aten::fill_" in done.stdout
