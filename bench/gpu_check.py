@@ -20,6 +20,15 @@ the fork server and sandbox a worker uses) checks, in order:
 3. the correct kernel again on the same Verifier: it must pass, showing that the
    device and the pool survived the faulting candidate.
 
+Part ``profile``: the built-in coder's kernel for three bundled tasks of different
+kinds (``tasks/gelu.py`` element-wise, ``tasks/softmax.py`` a row reduction,
+``tasks/matmul.py`` a matrix product), each verified in profile mode; it prints both
+speedups (over eager PyTorch and over ``torch.compile``), the peak fraction and its
+bound, the launch floor and the kernels the profiler recorded in the timed calls.
+Each must pass with an eager speedup and a kernel list holding a Triton kernel of
+the candidate and nothing ``forbidden``; ``speedup_compile`` is printed as it came
+(null, with its note, when torch.compile failed).
+
 Part ``corpus``: every candidate of ``tests/corpus`` on the same backend, with the
 static check off (the dynamic checks alone, as ``tests/hostile/test_corpus.py`` runs them on
 ``cpu``): each hostile one must fail (its stage and message are printed beside the
@@ -174,6 +183,66 @@ async def worker_checks(args: argparse.Namespace) -> list[Check]:
     return checks
 
 
+# Part profile: (task, its shapes) at sizes a large GPU times meaningfully.
+PROFILE_TASKS = (("gelu.py", {"batch_size": 4096, "dim": 16384}),
+                 ("softmax.py", {"batch_size": 4096, "dim": 16384}),
+                 ("matmul.py", {"N": 4096}))
+
+
+def describe_profile(result) -> str:
+    """The profile fields of a result, one line each after the first."""
+    def num(value, unit=""):
+        return "-" if value is None else f"{value:.3g}{unit}"
+
+    lines = [f"speedup_eager={num(result.speedup_eager, 'x')} "
+             f"speedup_compile={num(result.speedup_compile, 'x')} "
+             f"compile={num(result.compile_time_us, ' us')} "
+             f"peak_fraction={num(result.peak_fraction)} ({result.peak_bound or '-'}) "
+             f"launch_floor={num(result.launch_floor_us, ' us')}"]
+    for kernel in result.profiled_kernels:
+        lines.append(f"kernel {kernel.kind:<9} {kernel.name[:90]} x{kernel.count} over "
+                     f"{kernel.calls} calls, {kernel.device_time_us:.1f} us each"
+                     + (f" ({kernel.op})" if kernel.op else ""))
+    lines += [n for n in result.notes if n.startswith(("speedup_compile", "profiled_kernels"))]
+    return "\n   ".join(lines)
+
+
+async def profile_checks(args: argparse.Namespace) -> list[Check]:
+    """Part ``profile``: three bundled tasks, the built-in coder's kernel, profiled."""
+    from schemas import VerifyRequest
+    from services.generator.lowering import lower_task
+    from services.worker.verifier import Verifier
+
+    verifier = Verifier("cuda", worker_id="gpu-check-profile", memory_limit_bytes=8 << 30)
+    print(f"\npart profile: {len(PROFILE_TASKS)} bundled tasks on cuda device {args.device}",
+          flush=True)
+    verifier.start()
+    checks: list[Check] = []
+    try:
+        for name, shapes in PROFILE_TASKS:
+            task = (ROOT / "tasks" / name).read_text()
+            code = lower_task(task, shapes)
+            result = await verifier.verify(VerifyRequest(
+                request_id=f"gpu-check-profile-{Path(name).stem}", job_id="gpu-check",
+                candidate_id=Path(name).stem, op_name=Path(name).stem, task_desc=task,
+                code=code, backend="cuda", arch=args.arch, mode="profile",
+                shape_overrides=shapes, timeout_s=args.timeout, trials=args.trials),
+                device=args.device)
+            print(f"\n{name} at {shapes}: {describe(result)}\n   {describe_profile(result)}",
+                  flush=True)
+            kinds = {k.kind for k in result.profiled_kernels}
+            ok = (result.passed and result.speedup_eager is not None and "triton" in kinds
+                  and "forbidden" not in kinds and result.peak_fraction is not None
+                  and result.launch_floor_us is not None)
+            checks.append((f"{name} profiled: both speedups, peak fraction, kernel list",
+                           "passed, a Triton kernel listed, none forbidden", ok,
+                           f"passed={result.passed} stage={result.stage} kinds={sorted(kinds)} "
+                           f"speedup_compile={result.speedup_compile}"))
+    finally:
+        verifier.close()
+    return checks
+
+
 async def corpus_checks(args: argparse.Namespace, backend: str = "cuda",
                         only: list[str] | None = None) -> list[Check]:
     """Part ``corpus``: the hostile candidates fail, the honest ones pass (``only``: these
@@ -305,6 +374,9 @@ def run_checks(args: argparse.Namespace) -> int:
     if "worker" in args.parts:
         expected += 3
         checks += asyncio.run(worker_checks(args))
+    if "profile" in args.parts:
+        expected += len(PROFILE_TASKS)
+        checks += asyncio.run(profile_checks(args))
     if "corpus" in args.parts:
         expected += 2
         checks += asyncio.run(corpus_checks(args))
@@ -329,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Run AIKG's CUDA path on this machine's GPU. Part worker: a correct "
                     "kernel (profiled), an out-of-bounds store, the correct one again, on "
-                    "one Verifier. Part corpus: tests/corpus's hostile candidates must fail, "
+                    "one Verifier. Part profile: three bundled tasks profiled (both "
+                    "speedups, peak fraction, kernel list). Part corpus: tests/corpus's hostile candidates must fail, "
                     "its honest ones pass. Part evolve: an evolve job through a local stack whose "
                     "best candidate must beat eager PyTorch.",
         epilog="needs: an NVIDIA GPU, a CUDA build of torch and triton in this Python, the\n"
@@ -339,9 +412,10 @@ def main(argv: list[str] | None = None) -> int:
                "timed repeats; the evolve part verifies rounds x parallel candidates one after\n"
                "another on one device and is cancelled after --evolve-timeout seconds.\n"
                "exit status: 0 every expectation holds, 1 one does not, 2 no usable GPU here.")
-    parser.add_argument("--parts", nargs="+", choices=("worker", "corpus", "evolve"),
-                        default=["worker", "corpus", "evolve"],
-                        help="parts to run (default all three)")
+    parser.add_argument("--parts", nargs="+",
+                        choices=("worker", "profile", "corpus", "evolve"),
+                        default=["worker", "profile", "corpus", "evolve"],
+                        help="parts to run (default all four)")
     parser.add_argument("--device", default="0", help="CUDA device ordinal to use (default 0)")
     parser.add_argument("--arch", default="h200",
                         help="arch label of the worker and the requests, not a compile target "

@@ -311,6 +311,28 @@ class Traffic(Struct, kw_only=True):
     modeled_speedup: float | None = None
 
 
+class ProfiledKernel(Struct, kw_only=True):
+    """One kernel (or device copy) the profiler recorded in a candidate's timed calls
+    (``VerifyResult.profiled_kernels``; ``torch.profiler`` over the timed repeats, on
+    the device).
+
+    ``name``: the kernel's name as the profiler gives it (a Triton kernel's is its
+    function's name); ``count``: launches over all the timed calls (``calls`` of them);
+    ``device_time_us``: its mean device time per launch, microseconds; ``kind``:
+    ``triton`` (one of the candidate's Triton kernels), ``copy`` (a memcpy or memset),
+    ``op`` (a kernel of an allowlisted ATen operator: a fill, a layout or dtype copy;
+    ``op`` names it), ``forbidden`` (any other kernel: the verdict fails at ``audit``
+    naming it). The harness's own L2-flush kernel is not listed.
+    """
+
+    name: str
+    count: int
+    calls: int
+    kind: Literal["triton", "copy", "op", "forbidden"]
+    device_time_us: float = 0.0
+    op: str | None = None
+
+
 class VerifyResult(Struct, kw_only=True):
     """A worker's verdict on one candidate, published on ``results.<job_id>``.
 
@@ -344,6 +366,24 @@ class VerifyResult(Struct, kw_only=True):
     ``baseline_age_s``: likewise for the eager baseline behind ``base_time_us``
     (``measured`` now, ``worker_cache``, ``shared_cache``: the ``baselines``
     bucket) and seconds since it was measured; None when nothing was timed.
+
+    Profiled (``mode="profile"`` on a GPU): ``speedup_eager`` is ``base_time_us /
+    gen_time_us`` (``speedup`` repeats it); ``compile_time_us`` the median time of the
+    reference ``Model`` compiled with ``torch.compile`` (default mode), microseconds,
+    timed the same way and cached like the eager baseline, and ``speedup_compile``
+    ``compile_time_us / gen_time_us``: None, with a note, when ``torch.compile``
+    failed or did not finish (the candidate's verdict never depends on it).
+    ``peak_fraction``: the candidate's achieved bytes/s over the arch's peak memory
+    bandwidth or its FLOP/s over the arch's dense peak, whichever is larger
+    (``peak_bound`` says which: ``memory`` or ``compute``); the bytes are the task's
+    minimum (each input and parameter read once, each output written once), the
+    FLOPs the task's matrix-product FLOPs as ``torch.utils.flop_counter`` counts its
+    eager graph (none counted: memory alone); peaks from services/worker/targets.py.
+    ``launch_floor_us``: the time the same timing method gives a one-element fill
+    kernel on the same device (a launch doing no work), microseconds: a
+    ``gen_time_us`` near it is launch-bound. ``profiled_kernels``: what the profiler
+    recorded in the candidate's timed calls (:class:`ProfiledKernel`); empty when
+    nothing was profiled.
     """
 
     request_id: str
@@ -380,6 +420,13 @@ class VerifyResult(Struct, kw_only=True):
     baseline_source: Literal["measured", "worker_cache", "shared_cache"] | None = None
     baseline_age_s: float | None = None
     traffic: Traffic | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    compile_time_us: float | None = None
+    peak_fraction: float | None = None
+    peak_bound: Literal["memory", "compute"] | None = None
+    launch_floor_us: float | None = None
+    profiled_kernels: list[ProfiledKernel] = field(default_factory=list)
     finished_at: dt.datetime = field(default_factory=utcnow)
     type: Literal["verify.result"] = "verify.result"
     schema_version: int = SCHEMA_VERSION

@@ -93,8 +93,14 @@ class Settings(msgspec.Struct, kw_only=True):
         worker_id: this worker's id (letters, digits, '_' or '-'); empty derives one
             from the host name and process id.
         baseline_cache_bytes / baseline_cache_ttl_s: size bound (bytes) and life
-            (seconds) of the ``baselines`` bucket (eager timings of the reference,
-            shared by every worker); 0 bytes turns the shared tier off.
+            (seconds) of the ``baselines`` bucket (eager and ``torch.compile`` timings
+            of the reference, shared by every worker); 0 bytes turns the shared tier
+            off.
+        profile_compile_timeout_s: how long a profiled verification waits for the
+            ``torch.compile`` baseline (the compile and its timed calls), seconds, at
+            most what is left of the request's ``timeout_s``; past it, or on a compile
+            error, ``speedup_compile`` is None with a note (the verdict stands). 0
+            turns the compiled baseline off.
         up_metrics_port: Prometheus ``/metrics`` port of the ``aikg up`` supervisor
             (``aikg_service_restarts_total``); 0 picks a free port (printed at start),
             -1 turns it off.
@@ -204,6 +210,7 @@ class Settings(msgspec.Struct, kw_only=True):
     worker_id: str = ""
     baseline_cache_bytes: int = 16 << 20
     baseline_cache_ttl_s: float = 7 * 24 * 3600.0
+    profile_compile_timeout_s: float = 240.0
     up_metrics_port: int = 0
     up_restart_max: int = 5
     up_restart_window_s: float = 300.0

@@ -137,12 +137,39 @@ class TensorMeta(msgspec.Struct):
     nbytes: int
 
 
+class ProfiledLaunch(msgspec.Struct, array_like=True):
+    """One device activity ``torch.profiler`` recorded in a timing loop
+    (:func:`services.worker.profiling.profiled_launches`): ``name``, ``kind``
+    (``kernel``, ``memcpy``, ``memset``), ``op`` (the outermost ATen operator inside the
+    range that launched it; None: launched outside any operator, as Triton launches),
+    ``region`` (the harness range it ran in, None: outside both) and ``device_us``
+    (its device time, microseconds)."""
+
+    name: str
+    kind: str
+    op: str | None
+    region: str | None
+    device_us: float = 0.0
+
+
 class Timing(msgspec.Struct, tag="timing"):
-    """Device-event timings of the forward call, microseconds; ``wall_s`` the child's wall time."""
+    """Device-event timings of the forward call, microseconds; ``wall_s`` the child's wall time.
+
+    ``label``: what was timed (``""`` the model's forward; ``eager``, ``compile`` and
+    ``floor`` in answer to a :class:`RefProfile`); ``error``: why it could not be timed
+    (``compile``: torch.compile failed; no samples then). ``launches``: what the
+    profiler recorded over the timed calls when they ran under ``torch.profiler``;
+    ``profiler_error``: why the profiler recorded nothing (it could not start or stop).
+    """
 
     median_us: float
     samples_us: list[float]
     wall_s: float
+    label: str = ""
+    error: str = ""
+    launches: list[ProfiledLaunch] = []
+    profiled: bool = False
+    profiler_error: str = ""
 
 
 class Failure(msgspec.Struct, tag="failure"):
@@ -203,9 +230,15 @@ class RefRequest(msgspec.Struct, tag="ref.request"):
 
 class RefProfile(msgspec.Struct, tag="ref.profile"):
     """Parent -> reference child (GPU): time ``Model`` at sizes ``key`` on the last real
-    inputs it made there; answered with a :class:`Timing`."""
+    inputs it made there; answered with a :class:`Timing` per part asked for, in this
+    order: ``eager`` (``Model`` as it is; label ``""``), ``floor`` (a one-element fill
+    kernel, timed the same way under the profiler: the launch floor; label ``floor``),
+    ``compile`` (``torch.compile(Model)``, compiled first; label ``compile``)."""
 
     key: str
+    eager: bool = True
+    floor: bool = False
+    compile: bool = False
 
 
 class RefSize(msgspec.Struct, tag="ref.size"):

@@ -16,7 +16,9 @@ namespaces, the harness's modules hidden. Then the parent's commands:
   ``forward`` on decoys with a ghost
   :class:`~services.worker.trace.TraceRecorder`: the plan, its captured storages and
   the ghost outputs go to the parent (:class:`~services.sandbox.wire.Traced`).
-* :class:`~services.sandbox.wire.PlanProfile` (GPU): the launches really run, timed.
+* :class:`~services.sandbox.wire.PlanProfile` (GPU): the launches really run, timed,
+  the timed calls under ``torch.profiler`` (the kernels they launched go to the
+  parent with the timing).
 
 The outputs of ``forward`` must be exactly ``torch.Tensor``, or a plain tuple or list
 of them: a subclass or a lazy container would run candidate code after the record.
@@ -63,6 +65,7 @@ from services.sandbox.wire import (
 from services.worker import enforce, trace
 from services.worker import inputs as trial_inputs
 from services.worker.emulation import CudaEmulation
+from services.worker.profiling import profiled_launches
 from services.worker.targets import target_for
 
 _META = torch.device("meta")
@@ -283,7 +286,10 @@ class _Planner:
         launches = [e for e in recorder.end().events if "launch" in e]
         self.channel.send(DryRun(key="profile", launches=launches))
         try:
-            self.channel.send(_time_forward(model, args, self.spec))
+            # The timed calls run under torch.profiler: the parent lists and audits the
+            # kernels they launched (services/worker/profiling.py).
+            self.channel.send(_time_forward(model, args, self.spec, profile=profiled_launches,
+                                            harness=self.hook.harness))
         except Exception as exc:  # noqa: BLE001
             raise self.fail("timing ModelNew.forward", exc) from None
 

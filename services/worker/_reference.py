@@ -47,6 +47,7 @@ from services.sandbox.wire import (
     TensorMeta,
 )
 from services.worker import inputs as trial_inputs
+from services.worker.profiling import profiled_launches
 
 
 def size_names(task: Any) -> dict[str, Any]:
@@ -289,6 +290,29 @@ def _count_eager(task: _Task, model: Any, seed: int) -> EagerCount | None:
     return None
 
 
+def _profile(task: _Task, channel: Channel, spec: ChildSpec, command: RefProfile) -> None:
+    """Answer a :class:`RefProfile`: the eager ``Model``, the launch floor, the compiled
+    ``Model``, each a :class:`~services.sandbox.wire.Timing` (see RefProfile)."""
+    from services.sandbox.child import _time_compiled, _time_floor, _time_forward
+
+    if task.last is None:
+        raise JobFailure(Failure(stage="infrastructure", message="harness error: nothing to time"))
+    _, model, args = task.last
+    if command.eager:
+        channel.send(Progress(phase="profiling"))
+        channel.send(_time_forward(model, args, spec))
+    if command.floor:
+        channel.send(Progress(phase="profiling"))
+        # Under the profiler, as the candidate's timed calls are: the same per-launch cost.
+        channel.send(_time_floor(spec, profile=profiled_launches))
+    if command.compile:
+        # Not a task phase: the compile is the harness's, bounded by the worker's own
+        # wait (setting profile_compile_timeout_s), and its failure fails nothing.
+        channel.send(Progress(phase="compiling the task's Model with torch.compile"))
+        channel.send(_time_compiled(
+            model, args, spec, on_compiled=lambda: channel.send(Progress(phase="profiling"))))
+
+
 def run_reference_role(spec: ChildSpec, channel: Channel) -> None:
     """Role ``reference`` (registered by services/worker/verifier.py): load the task at
     ``spec.task_path``, then :func:`run_reference`.
@@ -327,14 +351,7 @@ def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
         if command is None or isinstance(command, Bye):
             return
         if isinstance(command, RefProfile):
-            from services.sandbox.child import _time_forward
-
-            if task.last is None:
-                raise JobFailure(Failure(stage="infrastructure",
-                                         message="harness error: nothing to time"))
-            _, model, args = task.last
-            channel.send(Progress(phase="profiling"))
-            channel.send(_time_forward(model, args, spec))
+            _profile(task, channel, spec, command)
             continue
         if isinstance(command, RefRequest):
             try:

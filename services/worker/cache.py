@@ -3,11 +3,14 @@
 A worker's :class:`~services.worker.verifier.Verifier` keeps baseline timings in its
 own process; this module adds a second tier that every worker reads and writes, so a
 profile of a task another worker (or this one, before a restart) has already timed
-does not time the reference again: key-value bucket ``baselines``, one key per eager
-baseline (the reference ``Model`` timed on a device), named by :func:`baseline_key`
-(task, shapes, backend, arch, torch, CUDA runtime and driver versions), value
-:class:`Baseline` with the time it was measured, so a result can say how old its
-baseline is.
+does not time the reference again: key-value bucket ``baselines``, one key per
+baseline (the reference ``Model`` timed on a device: ``eager`` as it is, ``compile``
+compiled with ``torch.compile``), named by :func:`baseline_key` (kind, task, shapes,
+backend, arch, torch, CUDA runtime and driver versions), value :class:`Baseline` with
+the time it was measured, so a result can say how old its baseline is. Eager entries
+written before compiled baselines existed keep their keys and decode unchanged
+(``kind`` defaults to ``eager``); a failed ``torch.compile`` is not shared (each
+worker process keeps its own failure).
 
 Reference *outputs* are not shared: every verification draws its inputs from secret
 seeds of its own (:mod:`services.worker.inputs`), so no two verifications have the
@@ -55,7 +58,8 @@ SHARED_CALL_TIMEOUT_S = 30.0
 CACHE_LOOKUPS = Counter(
     "aikg_worker_cache_lookups_total",
     "Lookups of reference outputs (kind=reference: always a miss, every verification "
-    "draws its own inputs) and eager baselines (kind=baseline) by one verification, by "
+    "draws its own inputs), eager baselines (kind=baseline) and torch.compile baselines "
+    "(kind=compile) by one verification, by "
     "where they were found: worker (this process), shared (the JetStream bucket), or "
     "miss (the reference ran).",
     ["backend", "arch", "kind", "result"],
@@ -69,7 +73,8 @@ CACHE_ERRORS = Counter(
 
 
 class Baseline(msgspec.Struct, kw_only=True):
-    """An eager baseline: median time of the reference ``Model``, microseconds.
+    """A baseline: median time of the reference ``Model``, microseconds, ``kind``
+    ``eager`` (as it is) or ``compile`` (``torch.compile(Model)``).
 
     ``measured_at``: when a worker measured it (UTC); ``versions``: the library and
     driver versions it was measured with (also in the key).
@@ -85,6 +90,7 @@ class Baseline(msgspec.Struct, kw_only=True):
     arch: str
     versions: dict[str, str]
     worker_id: str = ""
+    kind: str = "eager"
 
     def age_s(self, now: dt.datetime | None = None) -> float:
         """Seconds since it was measured (0 when the clocks disagree the other way)."""
@@ -123,7 +129,9 @@ class Versions:
         import torch
 
         gpu = backend == "cuda"
-        return cls(torch=torch.__version__, cuda=(torch.version.cuda or "") if gpu else "",
+        # str(): torch.__version__ is a TorchVersion, which msgspec does not encode.
+        return cls(torch=str(torch.__version__),
+                   cuda=str(torch.version.cuda or "") if gpu else "",
                    driver=_driver_version() if gpu else "",
                    default_dtype=str(torch.get_default_dtype()).removeprefix("torch."))
 
@@ -132,10 +140,21 @@ def _digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
+BASELINE_KINDS = ("eager", "compile")
+
+
 def baseline_key(*, task_sha256: str, shapes: str, backend: str, arch: str,
-                 versions: Versions) -> str:
-    """Key of an eager baseline in bucket ``baselines``: 64 hex digits."""
-    return _digest({"format": CACHE_FORMAT, "kind": "eager", "task": task_sha256,
+                 versions: Versions, kind: str = "eager") -> str:
+    """Key of a baseline of ``kind`` (:data:`BASELINE_KINDS`) in bucket ``baselines``:
+    64 hex digits (an eager key is what it was before compiled baselines existed).
+
+    Raises:
+        ValueError: an unknown ``kind``.
+    """
+    if kind not in BASELINE_KINDS:
+        raise ValueError(f"baseline kind must be one of {', '.join(BASELINE_KINDS)}, "
+                         f"not {kind!r}")
+    return _digest({"format": CACHE_FORMAT, "kind": kind, "task": task_sha256,
                     "shapes": shapes, "backend": backend, "arch": arch,
                     "torch": versions.torch, "cuda": versions.cuda,
                     "driver": versions.driver})
@@ -179,7 +198,7 @@ class SharedCache:
         except nats.js.errors.BucketNotFoundError:
             baselines = await js.create_key_value(KeyValueConfig(
                 bucket=subjects.BUCKET_BASELINES,
-                description="AIKG eager baseline timings shared by workers",
+                description="AIKG baseline timings (eager, torch.compile) shared by workers",
                 history=1, ttl=settings.baseline_cache_ttl_s,
                 max_bytes=settings.baseline_cache_bytes, storage=StorageType.FILE,
                 replicas=settings.stream_replicas))
@@ -200,7 +219,8 @@ class SharedCache:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             self._failed("baseline", "decode", key, exc)
             return None
-        if baseline.key != key or baseline.format != CACHE_FORMAT or not (
+        if baseline.key != key or baseline.format != CACHE_FORMAT or \
+                baseline.kind not in BASELINE_KINDS or not (
                 baseline.median_us > 0 and baseline.median_us < float("inf")):
             self._failed("baseline", "decode", key, MalformedEntry("key or time does not fit"))
             return None

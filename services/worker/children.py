@@ -96,7 +96,7 @@ def _key(frame: Any) -> tuple | None:
     if isinstance(frame, wire.Imported):
         return ("imported",)
     if isinstance(frame, wire.Timing):
-        return ("timing",)
+        return ("timing",) if not frame.label else ("timing", frame.label)
     if isinstance(frame, wire.Compiled):
         return ("compiled",)
     return None

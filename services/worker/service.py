@@ -324,6 +324,7 @@ class Worker:
                 scratch_bytes=settings.sandbox_scratch_bytes or None,
                 task_timeout_s=settings.task_timeout_s,
                 child_limits=child_limits_from(settings),
+                compile_timeout_s=settings.profile_compile_timeout_s,
             )
         self.verifier = verifier
         # Fair shares of this backend/arch's devices (services/common/shares.py).

@@ -19,8 +19,13 @@
    ``baseline_age_s`` say which and how old) on the same device: warm-up, L2 flush,
    device events, median of repeats. A child's reported total time must fit in the
    wall time this process observed, and the timed run must launch what the verified
-   plan launched. On ``cpu`` Triton runs in its interpreter: the result says
-   ``interpreted=True`` and carries no timings.
+   plan launched. The candidate's timed calls run under ``torch.profiler``: the
+   kernels it recorded are listed (``profiled_kernels``) and a non-Triton compute
+   kernel among them fails at ``audit`` (:mod:`services.worker.profiling`). Beside the
+   eager baseline: the reference compiled with ``torch.compile`` (cached the same way;
+   ``speedup_compile``, never a failure), the launch floor (``launch_floor_us``) and
+   the fraction of the arch's peak (``peak_fraction``). On ``cpu`` Triton runs in its
+   interpreter: the result says ``interpreted=True`` and carries no timings.
 
 Speedups above ``speedup_flag_bound`` keep ``passed=True`` (the numbers matched)
 but ``error`` starts with ``flagged:`` so a human or the generator can review the
@@ -54,7 +59,7 @@ from services.sandbox.pool import PoolBroken, Sandbox
 from services.sandbox.pool import settle as settle_children
 from services.sandbox.roles import register_role, runner_of
 from services.sandbox.wire import ChildSpec
-from services.worker import aot
+from services.worker import aot, profiling
 from services.worker.cache import (
     CACHE_FORMAT,
     CACHE_LOOKUPS,
@@ -63,10 +68,11 @@ from services.worker.cache import (
     Versions,
     baseline_key,
 )
+from services.worker.children import ChildFailed
 from services.worker.procedure import Outcome, Procedure, Timings, Verdict
-from services.worker.rules import impossible_timing
+from services.worker.rules import ALLOWED_OPS, impossible_timing
 from services.worker.static_check import check_candidate
-from services.worker.targets import GpuTarget
+from services.worker.targets import GpuTarget, target_for
 
 # The verification's child roles (services/sandbox/roles.py): the task's code alone,
 # the candidate planning on decoys, its kernels replaying the plan, and the GPU compile.
@@ -96,6 +102,12 @@ DEFAULT_SCRATCH_BYTES = 256 << 20
 # Limit on one call into the task's code in the reference child, seconds (setting
 # task_timeout_s).
 DEFAULT_TASK_TIMEOUT_S = 60.0
+# How long a profile waits for the torch.compile baseline, seconds (setting
+# profile_compile_timeout_s).
+DEFAULT_COMPILE_TIMEOUT_S = 240.0
+# What a profile leaves of the request's timeout_s when it waits for the compiled
+# baseline, seconds: the verdict after it (audit, outcome) still has to be sent.
+_COMPILE_MARGIN_S = 10.0
 
 # Kept for callers that catch it by this name.
 _Verdict = Verdict
@@ -126,30 +138,38 @@ class PhaseClock:
 
 @dataclass
 class _BaseTime:
-    """An eager baseline as this process holds it: median time (us), when it was
-    measured (UTC), and where this process got it (``measured`` here or ``shared``)."""
+    """A baseline as this process holds it: median time (us), when it was measured
+    (UTC), and where this process got it (``measured`` here or ``shared``); ``error``:
+    why it could not be measured (a failed ``torch.compile``, kept in this process
+    only; ``median_us`` is 0 then)."""
 
     median_us: float
     measured_at: dt.datetime
     origin: str
+    error: str = ""
 
 
-def speedup_fields(base_time_us: float, gen_time_us: float, bound: float) -> Timings:
-    """The times of a passed, profiled result (microseconds) and their speedup
-    ``base_time_us / gen_time_us`` (infinite when ``gen_time_us`` is not positive).
+def speedup_fields(base_time_us: float, gen_time_us: float, bound: float, *,
+                   compile_time_us: float | None = None, **fields: Any) -> Timings:
+    """The times of a passed, profiled result (microseconds) and their speedups
+    (:func:`services.worker.profiling.speedups`): ``speedup`` = ``speedup_eager`` =
+    ``base_time_us / gen_time_us``, ``speedup_compile`` = ``compile_time_us /
+    gen_time_us`` (None without a compiled baseline); infinite when ``gen_time_us`` is
+    not positive. ``fields``: more :class:`Timings` fields (``peak_fraction`` ...).
 
-    A speedup above ``bound`` keeps the pass but sets ``flag`` (the result's
+    A speedup over eager above ``bound`` keeps the pass but sets ``flag`` (the result's
     ``error``) to ``flagged: ...``: the numbers matched, yet such a speedup over eager
     PyTorch usually means skipped work or a gamed timer, so someone should look before
     trusting it (setting ``speedup_flag_bound``).
     """
-    speedup = base_time_us / gen_time_us if gen_time_us > 0 else math.inf
+    speedup, compiled = profiling.speedups(base_time_us, compile_time_us, gen_time_us)
     flag = None
     if speedup > bound:
         flag = (f"flagged: speedup {speedup:.1f} exceeds the bound {bound:g}; check that "
                 "the kernel does all the work and does not game the timer before trusting it")
     return Timings(base_time_us=base_time_us, gen_time_us=gen_time_us, speedup=speedup,
-                   flag=flag)
+                   flag=flag, speedup_eager=speedup, speedup_compile=compiled,
+                   compile_time_us=compile_time_us, **fields)
 
 
 def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | None) -> str:
@@ -211,6 +231,9 @@ class Verifier:
         child_limits: address space and CPU time of the reference and candidate
             children (:class:`services.sandbox.limits.ChildLimits`; default: the
             settings' defaults).
+        compile_timeout_s: how long a profile waits for the ``torch.compile``
+            baseline, seconds (setting ``profile_compile_timeout_s``; 0: no compiled
+            baseline).
 
     Attributes:
         shared_cache: the eager baselines every worker shares
@@ -229,7 +252,8 @@ class Verifier:
                  aot_target: str = DEFAULT_AOT_TARGET,
                  scratch_bytes: int | None = DEFAULT_SCRATCH_BYTES,
                  task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
-                 child_limits: ChildLimits | None = None) -> None:
+                 child_limits: ChildLimits | None = None,
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         from services.worker.targets import TARGETS
@@ -246,6 +270,7 @@ class Verifier:
         self.aot_target = "" if not aot_target or aot_target.lower() == "none" else aot_target
         self.scratch_bytes = scratch_bytes
         self.task_timeout_s = task_timeout_s
+        self.compile_timeout_s = compile_timeout_s
         self.child_limits = child_limits or ChildLimits()
         self.compare_threads = (1 if backend == "cpu" else None) if compare_threads == "auto" \
             else compare_threads
@@ -259,7 +284,7 @@ class Verifier:
                                scratch_bytes=scratch_bytes)
         self.scratch_root = self.sandbox.scratch_root
         self._compiled: dict[str, wire.CompileResult] = {}
-        self._base_times: dict[tuple[str, str, str], _BaseTime] = {}
+        self._base_times: dict[tuple[str, str, str, str], _BaseTime] = {}
         self.shared_cache: SharedCache | None = None
         self.versions = Versions.detect(backend)
 
@@ -492,45 +517,44 @@ class Verifier:
 
     # ------------------------------------------------------------ profile (GPUs)
 
-    def _baseline_key(self, request: VerifyRequest, task_sha: str, overrides: str) -> str:
+    def _baseline_key(self, request: VerifyRequest, task_sha: str, overrides: str,
+                      kind: str = "eager") -> str:
         return baseline_key(task_sha256=task_sha, shapes=overrides, backend=self.backend,
-                            arch=request.arch, versions=self.versions)
+                            arch=request.arch, versions=self.versions, kind=kind)
 
     async def profile(self, procedure: Procedure) -> Timings:
-        """Time the candidate (its launches running) and the eager baseline on this
-        device: median times, microseconds, and the speedup (:func:`speedup_fields`).
+        """Time the candidate (its launches running, under ``torch.profiler``), the eager
+        and the ``torch.compile`` baselines and the launch floor on this device: median
+        times, microseconds, both speedups (:func:`speedup_fields`), the fraction of the
+        arch's peak and the kernels the profiler recorded.
 
         Raises:
             Verdict: (audit) the timed run launched other kernels than the verified
-                plan, or its timing is impossible; (infrastructure) no timing came.
+                plan, a non-Triton compute kernel ran in its timed calls, or its timing
+                is impossible; (infrastructure) no timing came.
         """
         request = procedure.request
-        task_sha, overrides = _task_key(request)
-        key = (task_sha, request.arch, overrides)
+        ref = procedure.ref
         base, origin = await self.cached_baseline(request)
+        # One part per command: each check reads the phase start of its own part.
         if base is None:
-            ref = procedure.ref
             await ref.send(wire.RefProfile(key="main"))
             timing, _ = await ref.get("timing")
             self.check_timing(timing, ref.profiling_at, "the reference Model",
                               stage="infrastructure")
-            base = self._base_times[key] = _BaseTime(timing.median_us, utcnow(), "measured")
+            base = await self._keep_baseline(request, "eager", timing.median_us)
             origin = "measured"
-            if self.shared_cache is not None:
-                await self.shared_cache.put_baseline(Baseline(
-                    format=CACHE_FORMAT, key=self._baseline_key(request, task_sha, overrides),
-                    median_us=base.median_us, measured_at=base.measured_at,
-                    task_sha256=task_sha, shapes=overrides, backend=self.backend,
-                    arch=request.arch, versions={"torch": self.versions.torch,
-                                                 "cuda": self.versions.cuda,
-                                                 "driver": self.versions.driver}))
+        await ref.send(wire.RefProfile(key="main", eager=False, floor=True))
+        floor, _ = await ref.get("timing", "floor")
+        self.check_timing(floor, ref.profiling_at, "the launch floor", stage="infrastructure")
         CACHE_LOOKUPS.labels(backend=self.backend, arch=request.arch, kind="baseline", result={
             "measured": "miss", "shared_cache": "shared", "worker_cache": "worker"}[origin]).inc()
         planner = procedure.planner
         await planner.send(wire.PlanProfile(model="main"), answers=2)
         timed, _ = await planner.get("dry", "profile")
-        planned = [(e.get("launch"), e.get("grid")) for e in procedure.first_call.traced[0].events
-                   if isinstance(e, dict) and "launch" in e]
+        planned_events = [e for e in procedure.first_call.traced[0].events
+                          if isinstance(e, dict) and "launch" in e]
+        planned = [(e.get("launch"), e.get("grid")) for e in planned_events]
         ran = [(e.get("launch"), e.get("grid")) for e in timed.launches]
         if planned != ran:
             raise Verdict("audit", "the timed run launched other kernels than the verified "
@@ -538,6 +562,8 @@ class Verifier:
                           "it computes", trials=procedure.compared)
         timing, _ = await planner.get("timing")
         self.check_timing(timing, planner.profiling_at, "the candidate", stage="audit")
+        kernels = self._kernel_audit(procedure, timing, planned_events,
+                                     harness={launch.name for launch in floor.launches})
         inputs = procedure.sizes["main"].input_bytes
         real, raws = procedure.first_call.real
         outputs = sum(m.nbytes for m in real.outputs)
@@ -545,22 +571,140 @@ class Verifier:
         if impossible is not None:
             raise Verdict("audit", f"{impossible}; the kernel skips work or games the timer",
                           gen_time_us=timing.median_us, trials=procedure.compared)
+        eager_count = await procedure.eager_count()
+        compiled = await self._compiled_baseline(procedure)
+        params = sum(size for _, size in procedure.first_call.traced[0].captures)
+        fraction = profiling.peak_fraction(
+            inputs + params + outputs, dict(eager_count.dot_flops) if eager_count else {},
+            timing.median_us, target_for(request.arch))
         procedure.provenance = {"baseline_source": origin, "baseline_age_s": round(
             max(0.0, (utcnow() - base.measured_at).total_seconds()), 3)}
-        return speedup_fields(base.median_us, timing.median_us, self.speedup_flag_bound)
+        return speedup_fields(
+            base.median_us, timing.median_us, self.speedup_flag_bound,
+            compile_time_us=compiled, launch_floor_us=floor.median_us,
+            peak_fraction=round(fraction.fraction, 6) if fraction else None,
+            peak_bound=fraction.bound if fraction else None, profiled_kernels=kernels)
 
-    async def cached_baseline(self, request: VerifyRequest) -> tuple[_BaseTime | None, str]:
-        """The eager baseline of ``request``'s task, arch and shapes from this process
-        (``worker_cache``) or the shared bucket (``shared_cache``, then kept here), or
-        (None, ``measured``) when it must be measured."""
+    def _kernel_audit(self, procedure: Procedure, timing: wire.Timing,
+                      planned_events: list[dict[str, Any]],
+                      harness: set[str]) -> list[Any] | None:
+        """The kernels the profiler recorded in the candidate's timed calls
+        (:func:`services.worker.profiling.classify_launches`), or None with a note when
+        the profiler recorded nothing. ``harness``: the names of the kernels the timing
+        loop itself launched around the launch floor's call (its flushes), recognised
+        where the profiler linked a kernel to no operator.
+
+        Raises:
+            Verdict: (audit) a forbidden kernel ran, or the profiler recorded fewer
+                launches of a Triton kernel than the verified plan makes.
+        """
+        if not timing.profiled:
+            procedure.notes.append("profiled_kernels: the profiler recorded nothing"
+                                   + (f" ({timing.profiler_error})" if timing.profiler_error
+                                      else ""))
+            return None
+        calls = len(timing.samples_us)
+        triton = {e.get("launch") for e in planned_events} | set(procedure.kernels.kernels)
+        audit = profiling.classify_launches(timing.launches, triton, ALLOWED_OPS, calls,
+                                            harness_names=harness - triton)
+        problem = audit.message()
+        if problem is None and self.backend == "cuda":
+            planned: dict[str, int] = {}
+            for event in planned_events:
+                if math.prod(event.get("grid") or [1]) > 0:
+                    planned[event["launch"]] = planned.get(event["launch"], 0) + 1
+            problem = profiling.missing_launches(audit.kernels, planned, calls)
+        if problem is not None:
+            raise Verdict("audit", problem, gen_time_us=timing.median_us,
+                          profiled_kernels=audit.kernels, trials=procedure.compared)
+        return audit.kernels
+
+    async def _compiled_baseline(self, procedure: Procedure) -> float | None:
+        """The ``torch.compile`` baseline's median time, microseconds (cached like the
+        eager one), or None with a note: turned off, failed, or not finished within
+        ``compile_timeout_s`` (and what is left of the request's ``timeout_s``). Never
+        raises for the compile: the candidate's verdict does not depend on it."""
+        request = procedure.request
+        if not self.compile_timeout_s:
+            return None
+        base, origin = await self.cached_baseline(request, kind="compile")
+        if base is not None and not base.error:
+            CACHE_LOOKUPS.labels(backend=self.backend, arch=request.arch, kind="compile",
+                                 result={"shared_cache": "shared",
+                                         "worker_cache": "worker"}[origin]).inc()
+            return base.median_us
+        if base is not None:
+            procedure.notes.append(f"speedup_compile: torch.compile failed on the reference "
+                                   f"Model: {base.error}")
+            return None
+        CACHE_LOOKUPS.labels(backend=self.backend, arch=request.arch, kind="compile",
+                             result="miss").inc()
+        loop = asyncio.get_running_loop()
+        left = (procedure.deadline - loop.time() - _COMPILE_MARGIN_S
+                if procedure.deadline is not None else self.compile_timeout_s)
+        wait = min(self.compile_timeout_s, left)
+        if wait <= 0:
+            procedure.notes.append("speedup_compile: no time left in the request's timeout_s "
+                                   "for the torch.compile baseline")
+            return None
+        ref = procedure.ref
+        try:
+            async with asyncio.timeout(wait):
+                await ref.send(wire.RefProfile(key="main", eager=False, compile=True))
+                timing, _ = await ref.get("timing", "compile")
+        except TimeoutError:
+            # Nothing else is asked of the reference now: stop its compile.
+            ref.run.kill()
+            procedure.notes.append(f"speedup_compile: the torch.compile baseline did not "
+                                   f"finish within {wait:.0f} s (setting "
+                                   "AIKG_PROFILE_COMPILE_TIMEOUT_S)")
+            return None
+        except ChildFailed as exc:
+            procedure.notes.append(f"speedup_compile: the reference process failed while "
+                                   f"compiling: {exc.message}")
+            return None
+        if timing.error:
+            await self._keep_baseline(request, "compile", 0.0, error=timing.error)
+            procedure.notes.append(f"speedup_compile: torch.compile failed on the reference "
+                                   f"Model: {timing.error}")
+            return None
+        try:
+            self.check_timing(timing, ref.profiling_at, "the compiled reference Model")
+        except Verdict as verdict:
+            procedure.notes.append(f"speedup_compile: {verdict.outcome.error}")
+            return None
+        return (await self._keep_baseline(request, "compile", timing.median_us)).median_us
+
+    async def _keep_baseline(self, request: VerifyRequest, kind: str, median_us: float,
+                             error: str = "") -> _BaseTime:
+        """Keep a measured baseline of ``kind`` in this process and (not a failure) in
+        the shared bucket; returns it."""
         task_sha, overrides = _task_key(request)
-        key = (task_sha, request.arch, overrides)
+        base = self._base_times[kind, task_sha, request.arch, overrides] = _BaseTime(
+            median_us, utcnow(), "measured", error)
+        if self.shared_cache is not None and not error:
+            await self.shared_cache.put_baseline(Baseline(
+                format=CACHE_FORMAT, key=self._baseline_key(request, task_sha, overrides, kind),
+                median_us=median_us, measured_at=base.measured_at, task_sha256=task_sha,
+                shapes=overrides, backend=self.backend, arch=request.arch, kind=kind,
+                versions={"torch": self.versions.torch, "cuda": self.versions.cuda,
+                          "driver": self.versions.driver}))
+        return base
+
+    async def cached_baseline(self, request: VerifyRequest,
+                              kind: str = "eager") -> tuple[_BaseTime | None, str]:
+        """The baseline of ``kind`` (``eager``, ``compile``) of ``request``'s task, arch
+        and shapes from this process (``worker_cache``) or the shared bucket
+        (``shared_cache``, then kept here), or (None, ``measured``) when it must be
+        measured. A ``compile`` failure this process saw comes back with its ``error``."""
+        task_sha, overrides = _task_key(request)
+        key = (kind, task_sha, request.arch, overrides)
         base = self._base_times.get(key)
         if base is not None:
             return base, "worker_cache"
         if self.shared_cache is not None:
             shared = await self.shared_cache.get_baseline(
-                self._baseline_key(request, task_sha, overrides))
+                self._baseline_key(request, task_sha, overrides, kind))
             if shared is not None:
                 base = self._base_times[key] = _BaseTime(shared.median_us, shared.measured_at,
                                                          "shared")

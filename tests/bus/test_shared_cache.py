@@ -136,3 +136,57 @@ def _task_key(task: str, overrides: dict) -> tuple[str, str]:
     import json
 
     return hashlib.sha256(task.encode()).hexdigest(), json.dumps(overrides, sort_keys=True)
+
+
+def test_compile_baselines_have_keys_of_their_own() -> None:
+    base = dict(task_sha256="a" * 64, shapes="{}", backend="cuda", arch="h200",
+                versions=VERSIONS)
+    eager = baseline_key(**base)
+    # The eager key is the one entries had before compiled baselines existed.
+    assert eager == baseline_key(**base, kind="eager")
+    compiled = baseline_key(**base, kind="compile")
+    assert len(compiled) == 64 and compiled != eager
+    with pytest.raises(ValueError, match="baseline kind must be one of eager, compile"):
+        baseline_key(**base, kind="max-autotune")
+
+
+async def test_an_entry_written_before_compiled_baselines_still_reads(
+        cache: SharedCache, bus: Bus) -> None:
+    bkey = baseline_key(task_sha256="c" * 64, shapes="{}", backend="cuda", arch="h200",
+                        versions=VERSIONS)
+    old = {"format": CACHE_FORMAT, "key": bkey, "median_us": 7.5,
+           "measured_at": utcnow().isoformat(), "task_sha256": "c" * 64, "shapes": "{}",
+           "backend": "cuda", "arch": "h200", "versions": {}, "worker_id": "w-old"}
+    baselines = await bus.js.key_value(subjects.BUCKET_BASELINES)
+    await baselines.put(bkey, msgspec.json.encode(old))
+    baseline = await cache.get_baseline(bkey)
+    assert baseline is not None and baseline.kind == "eager" and baseline.median_us == 7.5
+
+
+async def test_compiled_baselines_are_shared_and_compile_failures_are_not(
+        shared_verifier: Verifier, cache: SharedCache) -> None:
+    from tests.sandbox.test_verifier import request
+
+    req = msgspec.structs.replace(request(task=BUNDLED_RELU_TASK + f"# {uuid.uuid4().hex}\n"),
+                                  trials=1, arch="x86_64")
+    shared_verifier.shared_cache = cache
+    try:
+        assert await shared_verifier.cached_baseline(req, kind="compile") == (None, "measured")
+        await shared_verifier._keep_baseline(req, "compile", 31.0)
+        await shared_verifier._keep_baseline(req, "eager", 62.0)
+        shared_verifier.clear_caches()
+        compiled, origin = await shared_verifier.cached_baseline(req, kind="compile")
+        assert origin == "shared_cache" and compiled.median_us == 31.0
+        eager, origin = await shared_verifier.cached_baseline(req)
+        assert origin == "shared_cache" and eager.median_us == 62.0
+        # A failed torch.compile stays in the process that saw it.
+        other = msgspec.structs.replace(req, task_desc=req.task_desc + "# failing\n")
+        await shared_verifier._keep_baseline(other, "compile", 0.0, error="TypeError: x")
+        failed, origin = await shared_verifier.cached_baseline(other, kind="compile")
+        assert origin == "worker_cache" and failed.error == "TypeError: x"
+        shared_verifier.clear_caches()
+        assert await shared_verifier.cached_baseline(other, kind="compile") == (None,
+                                                                               "measured")
+    finally:
+        shared_verifier.shared_cache = None
+        shared_verifier.clear_caches()

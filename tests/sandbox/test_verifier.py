@@ -421,7 +421,8 @@ def test_captured_output_is_capped(tmp_path):
 
 def test_speedup_flagging():
     timings = speedup_fields(1000.0, 100.0, bound=50.0)
-    assert timings == Timings(base_time_us=1000.0, gen_time_us=100.0, speedup=10.0, flag=None)
+    assert timings == Timings(base_time_us=1000.0, gen_time_us=100.0, speedup=10.0, flag=None,
+                              speedup_eager=10.0)
     flagged = speedup_fields(1000.0, 10.0, bound=50.0)
     assert flagged.speedup == 100.0
     assert flagged.flag.startswith("flagged: speedup 100.0 exceeds the bound 50")

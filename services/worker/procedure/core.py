@@ -79,6 +79,8 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.no_launch_variant = False
         self.declared = 0
         self._waiting = ""
+        # When the request's timeout_s runs out (the event loop's clock; set by run).
+        self.deadline: float | None = None
 
     # ------------------------------------------------------------ children
 
@@ -135,6 +137,7 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         Raises:
             Verdict: the candidate failed.
         """
+        self.deadline = asyncio.get_running_loop().time() + self.request.timeout_s
         watchdog = asyncio.ensure_future(self._watch_task_code())
         running = asyncio.ensure_future(self._run())
         try:
@@ -298,6 +301,15 @@ class Procedure(SizeChoice, TrialRuns, Checks):
 
     # ------------------------------------------------------------ counted traffic
 
+    async def eager_count(self) -> Any:
+        """The task's eager graph at the requested sizes as the reference counted it
+        (:class:`schemas.events.EagerCount`, None when it could not be counted); awaited
+        once, then kept."""
+        if not hasattr(self, "_eager"):
+            done, _ = await self._await("reference", "done", "main")
+            self._eager = done.eager
+        return self._eager
+
     async def _traffic(self) -> Traffic | None:
         """The first trial's call as the replayer counted it, with the time model on the
         request's arch (default h100) and the task's eager graph from the reference
@@ -308,12 +320,12 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         if first is None or not first[0].traffic:
             return None
         frame, real = first
-        done, _ = await self._await("reference", "done", "main")
+        eager = await self.eager_count()
         inputs = sum(math.prod(n["z"]) * values.dtype_from_name(n["d"]).itemsize
                      for n in values.tensors_in(real.inputs))
         outputs = sum(m.nbytes for m in real.outputs)
         summary = traffic.summarize(list(frame.traffic),
-                                    inputs + outputs + frame.captured_bytes, done.eager,
+                                    inputs + outputs + frame.captured_bytes, eager,
                                     target_for(self.request.arch, default="h100"))
         problem = traffic.check_counts(summary, outputs)
         if problem is not None:

@@ -13,11 +13,11 @@ failed left them unset. A misspelt field name fails where the outcome is made
 from __future__ import annotations
 
 import typing
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
-from schemas.events import Stage, Traffic, VerifyResult
+from schemas.events import ProfiledKernel, Stage, Traffic, VerifyResult
 
 # The verdict stages a child's failure may name (schemas.events.Stage, the one list).
 STAGES = frozenset(typing.get_args(Stage))
@@ -26,13 +26,24 @@ STAGES = frozenset(typing.get_args(Stage))
 class Timings(msgspec.Struct, kw_only=True, frozen=True):
     """The times of a profiled, passed verification: ``base_time_us`` (the eager
     reference) and ``gen_time_us`` (the candidate), microseconds; ``speedup`` their
-    ratio; ``flag`` the ``flagged: ...`` text when the speedup is above the worker's
-    bound (it becomes the result's ``error``; the pass stands), else None."""
+    ratio (``speedup_eager`` too); ``flag`` the ``flagged: ...`` text when the speedup
+    is above the worker's bound (it becomes the result's ``error``; the pass stands),
+    else None. The rest as the VerifyResult fields of the same names:
+    ``compile_time_us`` and ``speedup_compile`` (the ``torch.compile`` baseline; None
+    without one), ``peak_fraction`` / ``peak_bound``, ``launch_floor_us``,
+    ``profiled_kernels``."""
 
     base_time_us: float
     gen_time_us: float
     speedup: float
     flag: str | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    compile_time_us: float | None = None
+    peak_fraction: float | None = None
+    peak_bound: str | None = None
+    launch_floor_us: float | None = None
+    profiled_kernels: list[ProfiledKernel] | None = None
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -66,13 +77,25 @@ class Outcome(msgspec.Struct, kw_only=True):
     unchecked: list[str] | None = None
     notes: list[str] | None = None
     traffic: Traffic | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    compile_time_us: float | None = None
+    peak_fraction: float | None = None
+    peak_bound: Literal["memory", "compute"] | None = None
+    launch_floor_us: float | None = None
+    profiled_kernels: list[ProfiledKernel] | None = None
 
     def timed(self, timings: Timings) -> Outcome:
         """This outcome with the times of a profiled run; the speedup flag, or None,
         becomes ``error``."""
-        return msgspec.structs.replace(self, base_time_us=timings.base_time_us,
-                                       gen_time_us=timings.gen_time_us,
-                                       speedup=timings.speedup, error=timings.flag)
+        return msgspec.structs.replace(
+            self, base_time_us=timings.base_time_us, gen_time_us=timings.gen_time_us,
+            speedup=timings.speedup, error=timings.flag,
+            speedup_eager=timings.speedup if timings.speedup_eager is None
+            else timings.speedup_eager,
+            speedup_compile=timings.speedup_compile, compile_time_us=timings.compile_time_us,
+            peak_fraction=timings.peak_fraction, peak_bound=timings.peak_bound,
+            launch_floor_us=timings.launch_floor_us, profiled_kernels=timings.profiled_kernels)
 
     def set_fields(self) -> dict[str, Any]:
         """The fields that are set (not None), by name."""
