@@ -41,6 +41,7 @@ import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, computed, prod
 from services.generator.lowering.ir import Value, bind_args, meta_val
+from services.generator.lowering.schedules.row_layout import Layout
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -74,6 +75,7 @@ class Group:
 
     src: torch.fx.Node
     dims: list[int]
+    layout: Layout
     nodes: list[torch.fx.Node] = field(default_factory=list)
     level: dict[torch.fx.Node, str] = field(default_factory=dict)  # full | reduced
     reds: dict[torch.fx.Node, Reduction] = field(default_factory=dict)
@@ -118,6 +120,23 @@ def _dims(node: torch.fx.Node, rank: int) -> list[int]:
     return sorted({d % rank for d in dims}) if rank else []
 
 
+def _early_view(lw: Lowerer, n: torch.fx.Node) -> bool:
+    """Lower ``n`` now when it is a view (unsqueeze, reshape, ...) of tensors that
+    exist already (a parameter): a line of forward, no kernel, so a group may read it
+    before the lowerer reaches it. Returns whether ``n`` has its value."""
+    from services.generator.lowering.registry import schedule_of
+
+    if n in lw.values:
+        return True
+    if n.op != "call_function" or schedule_of(str(n.target)) != "view":
+        return False
+    for a in n.all_input_nodes:
+        if not (_early_view(lw, a) and lw.values[a].kind in ("tensor", "sym", "const")):
+            return False
+    lw.call(n)
+    return True
+
+
 def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     """The fused group starting at reduction ``node``, or None when there is nothing
     to fuse (then :mod:`.reduction` lowers it alone)."""
@@ -131,11 +150,12 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     if not rank:
         return None
     dims = _dims(node, rank)
-    if dims != list(range(dims[0], dims[-1] + 1)):
+    layout = Layout.of(dims, meta_val(first.src).shape, lw.p.get("rows", 1))
+    if layout is None:
         return None
     keep = tuple("1" if d in dims else dkey[d] for d in range(rank))
     squeezed = tuple(dkey[d] for d in range(rank) if d not in dims)
-    g = Group(first.src, dims, [node], {node: "reduced"}, {node: first})
+    g = Group(first.src, dims, layout, [node], {node: "reduced"}, {node: first})
 
     def fits_full(a: torch.fx.Node) -> bool:  # a group value broadcast over the rows
         if g.level.get(a) == "full":
@@ -151,6 +171,8 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
         for a in ins:  # a constant (scalar_tensor) not reached yet: computed in place
             if a not in lw.values and str(a.target) in CONSTANTS and not a.all_input_nodes:
                 lw.values[a] = Value("pointwise")
+            elif a not in g.level:
+                _early_view(lw, a)  # a parameter's unsqueeze (batch norm's affine)
         if not any(a in g.level for a in ins) or not all(
                 a in g.level or a in lw.values for a in ins):
             continue
@@ -282,14 +304,17 @@ class _Kernel:
                 self.scalars[n] = v
         return var
 
-    def loads(self, text: str) -> list[str]:
-        """Load lines of the leaves ``text`` reads."""
+    def loads(self, text: str, hoisted: bool = False) -> list[str]:
+        """Load lines of the leaves ``text`` reads: the ``col`` leaves (loaded once, at
+        the kernel's top) when ``hoisted``, else the others."""
         out = []
+        lay = self.g.layout
         for leaf, var in self.leaves.items():
-            if re.search(rf"\b{var}\b", text):
+            kind = lay.classes[leaf]
+            if (kind == "col") == hoisted and re.search(rf"\b{var}\b", text):
                 k = var.removeprefix("v_in")
-                ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
-                      f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
+                off, mask = lay.offset(f"in{k}", kind)
+                ld = f"tl.load(in{k}_ptr + {off}, mask={mask}, other=0)"
                 out.append(f"{var} = {computed(leaf, ld)}")
         return out
 
@@ -339,7 +364,7 @@ def _bind(k: _Kernel, red: Reduction, var: str, mean: str | None = None) -> None
 
 
 def _one_pass(k: _Kernel) -> list[str]:
-    lines = ["r = tl.arange(0, BLOCK_R)", "mask = (r[:, None] < R) & i_mask[None, :]"]
+    lines = k.g.layout.r_lines("tl.arange(0, BLOCK_R)")
     memo: dict = {}
     done: set = set()
     for red in k.g.reds.values():
@@ -363,7 +388,8 @@ def _one_pass(k: _Kernel) -> list[str]:
 
 def _with_loads(k: _Kernel, lines: list[str]) -> list[str]:
     """``lines`` with the leaf loads they need inserted after the mask (one pass)."""
-    return lines[:2] + k.loads("\n".join(lines[2:])) + lines[2:]
+    head = len(k.g.layout.r_lines(""))
+    return lines[:head] + k.loads("\n".join(lines[head:])) + lines[head:]
 
 
 def _stores(k: _Kernel, memo: dict, lines: list[str], full: bool) -> list[str]:
@@ -374,8 +400,10 @@ def _stores(k: _Kernel, memo: dict, lines: list[str], full: bool) -> list[str]:
         dtype = meta_val(n).dtype
         if full:
             v = k.chain(n, _TILE, memo, lines)
-            out.append(f"tl.store(out{j}_ptr + o * R * INNER + r[:, None] * INNER + i[None, :], "
-                       f"({cast_out(v, dtype, '')}).to(out{j}_ptr.dtype.element_ty), mask=mask)")
+            off, _ = k.g.layout.offset(f"out{j}")
+            out.append(f"tl.store(out{j}_ptr + {off}, tl.broadcast_to(("
+                       f"{cast_out(v, dtype, '')}).to(out{j}_ptr.dtype.element_ty), {_TILE}), "
+                       "mask=mask)")
         else:
             v = k.load.get(n) or k.chain(n, _ROW, memo, lines)
             out.append(f"tl.store(out{j}_ptr + o * INNER + i[None, :], tl.broadcast_to("
@@ -384,9 +412,10 @@ def _stores(k: _Kernel, memo: dict, lines: list[str], full: bool) -> list[str]:
     return out
 
 
-_LOOP = ["for r0 in range(0, R, BLOCK_R):",
-         "    r = r0 + tl.arange(0, BLOCK_R)",
-         "    mask = (r[:, None] < R) & i_mask[None, :]"]
+def _loop(k: _Kernel) -> list[str]:
+    """The head of a loop over R in BLOCK_R tiles."""
+    return ["for r0 in range(0, R, BLOCK_R):",
+            *("    " + line for line in k.g.layout.r_lines("r0 + tl.arange(0, BLOCK_R)"))]
 
 
 def _loops(k: _Kernel, online: bool) -> list[str]:
@@ -456,7 +485,7 @@ def _loops(k: _Kernel, online: bool) -> list[str]:
                 _bind(k, partner, pv)
                 done.add(partner.node)
         loop_body = k.loads("\n".join(body)) + body
-        lines += init + _LOOP + textwrap.indent("\n".join(loop_body), "    ").split("\n") + fin
+        lines += init + _loop(k) + textwrap.indent("\n".join(loop_body), "    ").split("\n") + fin
         done |= {red.node for red in group}
         k.reduced_nodes(done, top, lines)
     tail = _stores(k, top, lines, full=False)
@@ -465,7 +494,7 @@ def _loops(k: _Kernel, online: bool) -> list[str]:
         body = []
         stores = _stores(k, dict(top), body, full=True)
         loop_body = k.loads("\n".join(body + stores)) + body + stores
-        lines += _LOOP + textwrap.indent("\n".join(loop_body), "    ").split("\n")
+        lines += _loop(k) + textwrap.indent("\n".join(loop_body), "    ").split("\n")
     return lines
 
 
@@ -485,7 +514,7 @@ def _var_two_loops(k: _Kernel, red: Reduction, top: dict) -> list[str]:
                      f"acc_{name} = acc_{name} + d_{name} * d_{name}"]
             fin = [f"{var} = tl.sum(acc_{name}, axis=0)[None, :] / tl.maximum(R - {red.correction}, 0.0)"]
         loop_body = k.loads("\n".join(body)) + body
-        lines += [f"acc_{name} = tl.zeros({_TILE}, tl.float32)", *_LOOP,
+        lines += [f"acc_{name} = tl.zeros({_TILE}, tl.float32)", *_loop(k),
                   *textwrap.indent("\n".join(loop_body), "    ").split("\n"), *fin]
     _bind(k, red, var, mean)
     return lines
@@ -495,11 +524,10 @@ def lower(lw: Lowerer, g: Group) -> None:
     """Write the group's kernel and its launch; every group node gets its value."""
     src_shape = lw.shape_of(g.src)
     rank = len(meta_val(g.src).shape)
-    a, b = g.dims[0], g.dims[-1] + 1
-    sizes = lw.fresh("rows")
-    lw.forward.append(f"{sizes} = ({prod([f'{src_shape}[{d}]' for d in range(a)])}, "
-                      f"{prod([f'{src_shape}[{d}]' for d in range(a, b)])}, "
-                      f"{prod([f'{src_shape}[{d}]' for d in range(b, rank)])})")
+    lay = g.layout
+    three, sizes = lw.fresh("rows3_"), lw.fresh("rows")
+    three_expr, sizes_expr = lay.sizes(src_shape)
+    lw.forward += [f"{three} = {three_expr}", f"{sizes} = {sizes_expr}"]
     leaves: list[torch.fx.Node] = []
     for n in g.nodes:
         for arg in n.all_input_nodes:
@@ -507,6 +535,7 @@ def lower(lw: Lowerer, g: Group) -> None:
                 for leaf in lw.leaves(arg)[0]:
                     if leaf not in leaves:
                         leaves.append(leaf)
+                        lay.classes[leaf] = lay.classify(leaf)
     for n in g.nodes:  # element-wise group nodes are computed by the chains below
         lw.values[n] = Value("fused" if n in g.reds or n.target is operator.getitem
                              else "pointwise")
@@ -520,15 +549,14 @@ def lower(lw: Lowerer, g: Group) -> None:
     for j, leaf in enumerate(leaves):
         if not re.search(rf"\bv_in{j}\b", text):
             continue
-        expr = f"{lw.values[leaf].expr}.expand({src_shape})"
         var = lw.fresh("rows_view")
-        lw.forward.append(f"{var} = {expr}.reshape({sizes})")
-        params += [f"in{j}_ptr", f"in{j}_so", f"in{j}_sr", f"in{j}_si"]
+        lw.forward.append(f"{var} = {lay.view(f'{lw.values[leaf].expr}.expand({src_shape})', three)}")
+        params += [f"in{j}_ptr", *lay.stride_names(f"in{j}")]
         launch += [var, f"*{var}.stride()"]
     params += [name for name, _ in lw.scalars]
     launch += [expr for _, expr in lw.scalars]
-    outs = []
-    for n in g.outputs:
+    outs, out_params, out_launch = [], [], []
+    for j, n in enumerate(g.outputs):
         val = meta_val(n)
         if g.level[n] == "full":
             shape = src_shape
@@ -538,6 +566,11 @@ def lower(lw: Lowerer, g: Group) -> None:
                     if keepdim or d not in g.dims]
             shape = "(" + "".join(f"{s}, " for s in kept) + ")"
         outs.append(lw.alloc(shape, val.dtype))
+        out_params.append(f"out{j}_ptr")
+        out_launch.append(outs[-1])
+        if g.level[n] == "full":  # stored through strides, as the layout views it
+            out_params += lay.stride_names(f"out{j}")
+            out_launch.append(f"*{lay.view(outs[-1], three)}.stride()")
     for n, out in zip(g.outputs, outs, strict=True):
         lw.values[n] = Value("tensor", out)
     for n in g.nodes:
@@ -545,30 +578,46 @@ def lower(lw: Lowerer, g: Group) -> None:
             lw.values[n] = Value("fused")
         if n in g.reds and g.reds[n].name == "var_mean":
             lw.values[n] = Value("tuple", items=[Value("fused"), Value("fused")])
+    top = k.loads(text, hoisted=True)  # the leaves the same along R: loaded once
     lines = ["o = tl.program_id(0).to(tl.int64)",
              "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
-             "i_mask = i < INNER", "if ONE_PASS:",
+             "i_mask = i < INNER", *top, "if ONE_PASS:",
              *textwrap.indent("\n".join(one), "    ").split("\n"), "else:",
              *textwrap.indent("\n".join(many), "    ").split("\n")]
     kname = lw.fresh("fused_rows_kernel_")
     ops = list(dict.fromkeys(k.ops + [str(n.target) for n in g.reds]))
-    kparams = [*params, *(f"out{j}_ptr" for j in range(len(outs))), "R", "INNER",
+    split = ["R_LO"] if lay.mode == "split" else []
+    kparams = [*params, *out_params, "R", "INNER", *split,
                "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr", "ONE_PASS: tl.constexpr"]
+    views = {"rows": "[outer, R, inner]", "cols": "[1, R, rows] (a program reduces BLOCK_I "
+             "rows)", "split": "[kept, R_hi, R_lo] (r = r_hi * R_LO + r_lo)"}[lay.mode]
     doc = (f"Fused rows: {' -> '.join(ops)}.\n\n"
-           "Input k is read as [outer, R, inner] through strides in{k}_so/sr/si; ONE_PASS: "
-           "the row fits one [BLOCK_R, BLOCK_I] tile, loaded once; else loops over R.")
+           f"Tensor k is read as {views} through its strides; ONE_PASS: the row fits one "
+           "[BLOCK_R, BLOCK_I] tile, loaded once; else loops over R.")
     add_kernel(lw, kname, kparams, doc, lines, ops)
     block = lw.p["block_size"]
-    from services.generator.lowering.schedules.reduction import row_tiles
+    args = ", ".join([*launch, *out_launch, f"{sizes}[1]", f"{sizes}[2]",
+                      *([f"{three}[2]"] if split else [])])
+    np2 = f"triton.next_power_of_2(max(1, {sizes}[1]))"
+    if lay.mode == "cols":  # rows per program: as many as fit a one-pass tile, <= rows
+        most = f"min({lw.p.get('rows', 1)}, triton.next_power_of_2({sizes}[2]))"
+        bi = lw.fresh("rows_per_program")
+        head = [f"    {bi} = max(1, min({most}, {block} // {np2}))",
+                f"    one_pass = {np2} * {bi} <= {block}",
+                f"    {bi} = {bi} if one_pass else {most}"]
+        block_i = bi
+    else:
+        from services.generator.lowering.schedules.reduction import row_tiles
 
-    _, block_i = row_tiles(lw, g.src, g.dims)
+        block_i = str(row_tiles(lw, g.src, list(range(lay.a, lay.b)))[1]
+                      if lay.mode == "rows" else 1)
+        head = [f"    one_pass = {np2} * {block_i} <= {block}"]
     lw.forward += [
-        f"if {sizes}[0] * {sizes}[2] > 0:",
-        f"    one_pass = triton.next_power_of_2(max(1, {sizes}[1])) * {block_i} <= {block}",
+        f"if {sizes}[0] * {sizes}[2] > 0:", *head,
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
-        f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
-        f"        BLOCK_R=triton.next_power_of_2(max(1, {sizes}[1])) if one_pass else "
-        f"{max(1, block // block_i)}, BLOCK_I={block_i}, ONE_PASS=one_pass,",
+        f"        {args},",
+        f"        BLOCK_R={np2} if one_pass else max(1, {block} // {block_i}), "
+        f"BLOCK_I={block_i}, ONE_PASS=one_pass,",
         f"        num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})",
     ]
 
