@@ -602,9 +602,9 @@ def lower(lw: Lowerer, g: Group) -> None:
     if lay.mode == "cols":  # rows per program: as many as fit a one-pass tile, <= rows
         most = f"min({lw.p.get('rows', 1)}, triton.next_power_of_2({sizes}[2]))"
         bi = lw.fresh("rows_per_program")
-        head = [f"    {bi} = max(1, min({most}, {block} // {np2}))",
-                f"    one_pass = {np2} * {bi} <= {block}",
-                f"    {bi} = {bi} if one_pass else {most}"]
+        head = [f"    {bi} = max(1, min({most}, {block} // {np2}))",  # longer rows loop,
+                f"    one_pass = {np2} * {bi} <= {block}",  # a program each (parallelism)
+                f"    {bi} = {bi} if one_pass else 1"]
         block_i = bi
     else:
         from services.generator.lowering.schedules.reduction import row_tiles
