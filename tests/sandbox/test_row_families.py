@@ -107,6 +107,24 @@ async def test_layer_norm_affine_is_shared_by_the_rows_of_a_program(shared_verif
         lower_task(task("layer_norm"), rows=3)
 
 
+GROUP_NORM = ("c", "        self.norm = nn.GroupNorm(2, c)\n", "self.norm(x)", NCHW, "features")
+
+
+@pytest.mark.parametrize("sizes", [SIZES[0], {**SIZES[1], "features": 6}], ids=["pow2", "odd"])
+async def test_group_norm_and_its_affine_after_the_view_are_one_kernel(shared_verifier,
+                                                                       sizes) -> None:
+    # The statistics over the view (N, G, 1, C / G * H * W), the affine over the view
+    # back to (N, C, H, W): per-channel weight and bias are read at each element's
+    # channel, so they count as much as the input (ratio 2, not 3 of a second kernel).
+    FAMILIES["group_norm"] = GROUP_NORM
+    t = (await verify(shared_verifier, task("group_norm"), sizes)).traffic
+    assert t.launches == 1 and t.traffic_ratio <= 2.01, t
+    FAMILIES["group_norm"] = (*GROUP_NORM[:2], "self.norm(x) + 2.0 * x", *GROUP_NORM[3:])
+    t = (await verify(shared_verifier, task("group_norm"), sizes)).traffic
+    assert t.launches == 1 and t.traffic_ratio <= 2.51, t
+    del FAMILIES["group_norm"]
+
+
 async def test_batch_norm_rows_longer_than_a_tile_take_two_passes(shared_verifier) -> None:
     # 4 x 8 x 8 = 256 elements per channel in 64-element tiles: Welford's loop, then
     # the normalizing loop; the input read twice, the output written once.

@@ -65,6 +65,9 @@ class _Kernel:
 
     def chain(self, node: torch.fx.Node, tile: str, memo: dict, body: list[str]) -> str:
         memo.update(self.scalars)
+        if self.g.view2 is not None and self.g.view2 not in memo and node in self.g.frame2:
+            # the view's elements are its source's, in the same order
+            memo[self.g.view2] = self.chain(self.g.view2.args[0], tile, memo, body)
         var = self.lw.chain(node, self.load, tile, body, self.ops, memo)
         for n, v in memo.items():
             if self.lw.values.get(n) is not None and self.lw.values[n].kind in ("sym", "const"):
@@ -74,16 +77,39 @@ class _Kernel:
     def loads(self, text: str, hoisted: bool = False) -> list[str]:
         """Load lines of the leaves ``text`` reads: the ``col`` leaves (loaded once, at
         the kernel's top) when ``hoisted``, else the others."""
-        out = []
+        out: list[str] = []
         lay = self.g.layout
         for leaf, var in self.leaves.items():
             kind = lay.classes[leaf]
             if (kind == "col") == hoisted and re.search(rf"\b{var}\b", text):
                 k = var.removeprefix("v_in")
+                if kind == "f2":
+                    out += self._frame2_load(leaf, var, k, not any("f2_" in x for x in out))
+                    continue
                 off, mask = lay.offset(f"in{k}", kind)
                 ld = f"tl.load(in{k}_ptr + {off}, mask={mask}, other=0)"
                 out.append(f"{var} = {computed(leaf, ld)}")
         return out
+
+    def _frame2_load(self, leaf: torch.fx.Node, var: str, k: str, index: bool) -> list[str]:
+        """A leaf read after the group's view: the element's row-major index in the
+        source (``f``) split into the view's indices ``f2_d``, then its strides
+        (its extent-1 dims skipped). ``index``: write the index lines too."""
+        rank2 = len(meta_val(self.g.view2).shape)
+        lines = []
+        if index:
+            lines.append(f"f = {self.g.layout.offset('f')[0]}")
+            for d in range(rank2 - 1, -1, -1):
+                lines.append(f"f2_{d} = f % F2_{d}" if d else f"f2_{d} = f")
+                if d:
+                    lines.append(f"f = f // F2_{d}")
+        shape = meta_val(leaf).shape
+        off = rank2 - len(shape)
+        terms = [f"f2_{d} * in{k}_t{d}" for d in range(rank2)
+                 if d >= off and not (not isinstance(shape[d - off], torch.SymInt)
+                                      and int(shape[d - off]) == 1)]
+        ld = f"tl.load(in{k}_ptr + {' + '.join(terms) or 'f2_0 * 0'}, mask=mask, other=0)"
+        return [*lines, f"{var} = {computed(leaf, ld)}"]
 
     def src_expr(self, red: Reduction, memo: dict, body: list[str]) -> str:
         x = self.chain(red.src, _TILE, memo, body)

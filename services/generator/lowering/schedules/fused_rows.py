@@ -81,6 +81,10 @@ class Group:
     level: dict[torch.fx.Node, str] = field(default_factory=dict)  # full | reduced
     reds: dict[torch.fx.Node, Reduction] = field(default_factory=dict)
     outputs: list[torch.fx.Node] = field(default_factory=list)
+    # Nodes after a view of a full-shaped node to another shape of the same elements
+    # (group norm's view back to N, C, H, W before its affine): ``view2`` is that view.
+    frame2: set[torch.fx.Node] = field(default_factory=set)
+    view2: torch.fx.Node | None = None
 
 
 def _key(val: object) -> tuple[str, ...] | None:
@@ -123,19 +127,47 @@ def _dims(node: torch.fx.Node, rank: int) -> list[int]:
 
 def _early_view(lw: Lowerer, n: torch.fx.Node) -> bool:
     """Lower ``n`` now when it is a view (unsqueeze, reshape, ...) of tensors that
-    exist already (a parameter): a line of forward, no kernel, so a group may read it
-    before the lowerer reaches it. Returns whether ``n`` has its value."""
+    exist already (a parameter: a line of forward, no kernel) or an element-wise node
+    of such values (deferred: computed by the kernels that read it), so a group may
+    read it before the lowerer reaches it. Returns whether ``n`` has its value."""
     from services.generator.lowering.registry import schedule_of
 
     if n in lw.values:
         return True
-    if n.op != "call_function" or schedule_of(str(n.target)) != "view":
+    schedule = schedule_of(str(n.target)) if n.op == "call_function" else None
+    if schedule not in ("view", "pointwise"):
         return False
+    kinds = ("tensor", "sym", "const") + (("pointwise",) if schedule == "pointwise" else ())
     for a in n.all_input_nodes:
-        if not (_early_view(lw, a) and lw.values[a].kind in ("tensor", "sym", "const")):
+        if not (_early_view(lw, a) and lw.values[a].kind in kinds):
             return False
     lw.call(n)
     return True
+
+
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+
+
+def _view_size(m: torch.fx.Node) -> list:
+    raw = bind_args(m)
+    return list(raw.get("size", raw.get("shape")))
+
+
+def _frame2_leaves_apart(lw: Lowerer, g: Group) -> None:
+    """Drop the nodes after the group's view when a tensor is read both before and
+    after it (it would need two loads of one leaf, at two indexings)."""
+    if not g.frame2:
+        return
+    seen: dict[bool, set[torch.fx.Node]] = {True: set(), False: set()}
+    for n in g.nodes:
+        for a in n.all_input_nodes:
+            if a not in g.level:
+                seen[n in g.frame2] |= set(lw.leaves(a)[0])
+    if seen[True] & seen[False]:
+        g.nodes = [n for n in g.nodes if n not in g.frame2]
+        for n in g.frame2:
+            del g.level[n]
+        g.frame2, g.view2 = set(), None
 
 
 def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
@@ -195,7 +227,21 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
                 g.level[m] = "reduced"
                 g.reds[m] = red
             continue
+        if str(m.target) in _VIEWS and g.view2 is None and g.level.get(ins[0]) == "full" \
+                and ins[0] not in g.frame2 and "-1" not in lw.reshape_sizes(_view_size(m)):
+            g.nodes.append(m)
+            g.level[m] = "full"
+            g.frame2.add(m)
+            g.view2 = m
+            continue
         if str(m.target) not in POINTWISE_OPS or isinstance(val, tuple | list):
+            continue
+        if any(a in g.frame2 for a in ins):  # after the view: the view's shape
+            if key == _key(meta_val(g.view2)) and all(a in g.frame2 for a in ins
+                                                       if a in g.level):
+                g.nodes.append(m)
+                g.level[m] = "full"
+                g.frame2.add(m)
             continue
         if key == dkey:
             if all(fits_full(a) for a in ins if a in g.level):
@@ -207,6 +253,7 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
                                           or str(a.target) in CONSTANTS)) for a in ins):
             g.nodes.append(m)
             g.level[m] = "reduced"
+    _frame2_leaves_apart(lw, g)
     if len(g.nodes) == 1:
         return None
     for m in g.nodes:
@@ -281,7 +328,7 @@ def lower(lw: Lowerer, g: Group) -> None:
                 for leaf in lw.leaves(arg)[0]:
                     if leaf not in leaves:
                         leaves.append(leaf)
-                        lay.classes[leaf] = lay.classify(leaf)
+                        lay.classes[leaf] = "f2" if n in g.frame2 else lay.classify(leaf)
     for n in g.nodes:  # element-wise group nodes are computed by the chains below
         lw.values[n] = Value("fused" if n in g.reds or n.target is operator.getitem
                              else "pointwise")
@@ -292,10 +339,22 @@ def lower(lw: Lowerer, g: Group) -> None:
     many = _loops(k, bool(lw.p.get("online", 1)))
     text = "\n".join(one + many)
     params, launch = [], []
+    frame2 = ""
+    if g.view2 is not None:  # its extents, and the flat index of the source's elements
+        frame2 = lw.fresh("frame")
+        lw.forward.append(f"{frame2} = {lw.reshape_sizes(_view_size(g.view2))}")
+        rank2 = len(meta_val(g.view2).shape)
+        params += lay.stride_names("f") + [f"F2_{d}" for d in range(rank2)]
+        launch += [lay.flat_strides(three), f"*{frame2}"]
     for j, leaf in enumerate(leaves):
         if not re.search(rf"\bv_in{j}\b", text):
             continue
         var = lw.fresh("rows_view")
+        if lay.classes[leaf] == "f2":  # read at the view's indices
+            lw.forward.append(f"{var} = {lw.values[leaf].expr}.expand({frame2})")
+            params += [f"in{j}_ptr", *(f"in{j}_t{d}" for d in range(rank2))]
+            launch += [var, f"*{var}.stride()"]
+            continue
         lw.forward.append(f"{var} = {lay.view(f'{lw.values[leaf].expr}.expand({src_shape})', three)}")
         params += [f"in{j}_ptr", *lay.stride_names(f"in{j}")]
         launch += [var, f"*{var}.stride()"]
@@ -305,7 +364,7 @@ def lower(lw: Lowerer, g: Group) -> None:
     for j, n in enumerate(g.outputs):
         val = meta_val(n)
         if g.level[n] == "full":
-            shape = src_shape
+            shape = frame2 if n in g.frame2 else src_shape
         else:
             keepdim = len(val.shape) == rank
             kept = [(f"{src_shape}[{d}]" if d not in g.dims else "1") for d in range(rank)

@@ -140,6 +140,13 @@ class Layout:
         perm = {"rows": "", "cols": ".permute(2, 1, 0)", "split": ".permute(1, 0, 2)"}
         return f"{expr}.reshape({three}){perm[self.mode]}"
 
+    def flat_strides(self, three: str) -> str:
+        """A forward expression: the strides, in the kernel's order, of a contiguous
+        tensor of the source's shape (its elements' row-major index)."""
+        base = [f"{three}[1] * {three}[2]", f"{three}[2]", "1"]
+        order = {"rows": base, "cols": base[::-1], "split": [base[1], base[0], base[2]]}
+        return f"*({', '.join(order[self.mode])})"
+
     # ---- kernel text ------------------------------------------------------------
 
     def stride_names(self, base: str) -> list[str]:
