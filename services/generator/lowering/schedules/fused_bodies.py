@@ -93,16 +93,16 @@ class _Kernel:
 
     def _frame2_load(self, leaf: torch.fx.Node, var: str, k: str, index: bool) -> list[str]:
         """A leaf read after the group's view: the element's row-major index in the
-        source (``f``) split into the view's indices ``f2_d``, then its strides
+        source (``flat``) split into the view's indices ``f2_d``, then its strides
         (its extent-1 dims skipped). ``index``: write the index lines too."""
         rank2 = len(meta_val(self.g.view2).shape)
         lines = []
         if index:
-            lines.append(f"f = {self.g.layout.offset('f')[0]}")
+            lines.append(f"flat = {self.g.layout.offset('flat')[0]}")
             for d in range(rank2 - 1, -1, -1):
-                lines.append(f"f2_{d} = f % F2_{d}" if d else f"f2_{d} = f")
+                lines.append(f"f2_{d} = flat % F2_{d}" if d else f"f2_{d} = flat")
                 if d:
-                    lines.append(f"f = f // F2_{d}")
+                    lines.append(f"flat = flat // F2_{d}")
         shape = meta_val(leaf).shape
         off = rank2 - len(shape)
         terms = [f"f2_{d} * in{k}_t{d}" for d in range(rank2)

@@ -344,7 +344,7 @@ def lower(lw: Lowerer, g: Group) -> None:
         frame2 = lw.fresh("frame")
         lw.forward.append(f"{frame2} = {lw.reshape_sizes(_view_size(g.view2))}")
         rank2 = len(meta_val(g.view2).shape)
-        params += lay.stride_names("f") + [f"F2_{d}" for d in range(rank2)]
+        params += lay.stride_names("flat") + [f"F2_{d}" for d in range(rank2)]
         launch += [lay.flat_strides(three), f"*{frame2}"]
     for j, leaf in enumerate(leaves):
         if not re.search(rf"\bv_in{j}\b", text):
