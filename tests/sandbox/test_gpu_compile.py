@@ -48,7 +48,7 @@ from triton.runtime.jit import JITFunction
 from services.generator.lowering import LoweringError, lower_task
 
 CONSTEXPRS = {"BLOCK_SIZE": 1024, "BLOCK_R": 64, "BLOCK_I": 16, "BLOCK_M": 32, "BLOCK_N": 32,
-              "BLOCK_K": 32, "KS0": 3, "KS1": 3, "KS2": 3}
+              "BLOCK_K": 32, "KS0": 3, "KS1": 3, "KS2": 3, "BLOCK_G": 4}
 out, scratch = {}, Path(sys.argv[1])
 dtype_tasks = sys.argv[4].split(",")
 paths = sorted(Path("tasks").glob("*.py")) + sorted(Path(sys.argv[3]).glob("*.py"))

@@ -53,6 +53,21 @@ def _deps_of(g: Group, n: object) -> set[torch.fx.Node]:
     return _red_deps(g, n, {}) if isinstance(n, torch.fx.Node) else set()
 
 
+def _varying(leaf: torch.fx.Node, rank: int) -> list[int]:
+    """The dims of a ``rank``-d shape along which ``leaf`` (broadcast to it) varies."""
+    shape = meta_val(leaf).shape
+    off = rank - len(shape)
+    return [d for d in range(off, rank)
+            if isinstance(shape[d - off], torch.SymInt) or int(shape[d - off]) != 1]
+
+
+def gather_dim(leaf: torch.fx.Node, rank: int) -> int | None:
+    """The one dim (not the last) of the group's ``rank``-d view along which a leaf
+    read after it varies, or None (then it is loaded per element)."""
+    dims = _varying(leaf, rank)
+    return dims[0] if len(dims) == 1 and dims[0] < rank - 1 else None
+
+
 class _Kernel:
     """Lines of one fused kernel being written: leaf loads, chains, reductions."""
 
@@ -62,6 +77,7 @@ class _Kernel:
         self.load = dict(self.leaves)  # and the reductions, once computed
         self.scalars: dict[torch.fx.Node, str] = {}
         self.ops: list[str] = []
+        self.gather: dict[torch.fx.Node, int] = {}  # leaf after the view -> its one dim
 
     def chain(self, node: torch.fx.Node, tile: str, memo: dict, body: list[str]) -> str:
         memo.update(self.scalars)
@@ -84,32 +100,48 @@ class _Kernel:
             if (kind == "col") == hoisted and re.search(rf"\b{var}\b", text):
                 k = var.removeprefix("v_in")
                 if kind == "f2":
-                    out += self._frame2_load(leaf, var, k, not any("f2_" in x for x in out))
+                    self._frame2_load(leaf, var, k, out)
                     continue
                 off, mask = lay.offset(f"in{k}", kind)
                 ld = f"tl.load(in{k}_ptr + {off}, mask={mask}, other=0)"
                 out.append(f"{var} = {computed(leaf, ld)}")
         return out
 
-    def _frame2_load(self, leaf: torch.fx.Node, var: str, k: str, index: bool) -> list[str]:
-        """A leaf read after the group's view: the element's row-major index in the
-        source (``flat``) split into the view's indices ``f2_d``, then its strides
-        (its extent-1 dims skipped). ``index``: write the index lines too."""
+    def _frame2_load(self, leaf: torch.fx.Node, var: str, k: str, out: list[str]) -> None:
+        """Lines loading a leaf read after the group's view into ``out``: the element's
+        row-major index in the source (``flat``) split into the view's indices
+        ``f2_d``, then the leaf's strides (its extent-1 dims skipped).
+
+        A leaf that varies along one dim ``d`` of the view only (group norm's
+        per-channel weight) is loaded compactly instead: each column of the tile
+        spans a run of consecutive values of ``flat // (extent of the dims after
+        d)``, so the ``BLOCK_G`` values of that run are loaded once per column and
+        spread over the tile with ``tl.gather``; each lane of a load counts (the
+        traffic counter's rule), so a per-element load would cost a full tile."""
         rank2 = len(meta_val(self.g.view2).shape)
-        lines = []
-        if index:
-            lines.append(f"flat = {self.g.layout.offset('flat')[0]}")
-            for d in range(rank2 - 1, -1, -1):
-                lines.append(f"f2_{d} = flat % F2_{d}" if d else f"f2_{d} = flat")
-                if d:
-                    lines.append(f"flat = flat // F2_{d}")
-        shape = meta_val(leaf).shape
-        off = rank2 - len(shape)
-        terms = [f"f2_{d} * in{k}_t{d}" for d in range(rank2)
-                 if d >= off and not (not isinstance(shape[d - off], torch.SymInt)
-                                      and int(shape[d - off]) == 1)]
+        if not any(line.startswith("f2_0 = ") for line in out):
+            out += [f"flat = {self.g.layout.offset('flat')[0]}", "rest = flat"]
+            for d in range(rank2 - 1, 0, -1):
+                out += [f"f2_{d} = rest % F2_{d}", f"rest = rest // F2_{d}"]
+            out.append("f2_0 = rest")
+        d = self.gather.get(leaf)
+        if d is not None:
+            g = f"g{d}_"
+            if not any(line.startswith(f"{g}at = ") for line in out):
+                suf = " * ".join(f"F2_{e}" for e in range(d + 1, rank2))
+                out += [f"{g}blk = flat // ({suf})",
+                        f"{g}base = tl.min(tl.where(mask, {g}blk, 2**62), axis=0)",
+                        f"{g}top = tl.max(tl.where(mask, {g}blk, -1), axis=0)",
+                        f"{g}k = tl.arange(0, BLOCK_G)",
+                        f"{g}c = ({g}base[None, :] + {g}k[:, None]) % F2_{d}",
+                        f"{g}mask = i_mask[None, :] & ({g}k[:, None] <= ({g}top - {g}base)[None, :])",
+                        f"{g}at = tl.where(mask, {g}blk - {g}base[None, :], 0).to(tl.int32)"]
+            ld = f"tl.load(in{k}_ptr + {g}c * in{k}_t{d}, mask={g}mask, other=0)"
+            out.append(f"{var} = tl.gather({computed(leaf, ld)}, {g}at, 0)")
+            return
+        terms = [f"f2_{e} * in{k}_t{e}" for e in _varying(leaf, rank2)]
         ld = f"tl.load(in{k}_ptr + {' + '.join(terms) or 'f2_0 * 0'}, mask=mask, other=0)"
-        return [*lines, f"{var} = {computed(leaf, ld)}"]
+        out.append(f"{var} = {computed(leaf, ld)}")
 
     def src_expr(self, red: Reduction, memo: dict, body: list[str]) -> str:
         x = self.chain(red.src, _TILE, memo, body)

@@ -44,9 +44,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from services.generator.lowering.emit import add_kernel
+from services.generator.lowering.emit import add_kernel, prod
 from services.generator.lowering.ir import Value, bind_args, meta_val
-from services.generator.lowering.schedules.fused_bodies import _deps_of, _Kernel, _loops, _one_pass
+from services.generator.lowering.schedules.fused_bodies import (
+    _deps_of,
+    _Kernel,
+    _loops,
+    _one_pass,
+    gather_dim,
+)
 from services.generator.lowering.schedules.row_layout import Layout
 
 if TYPE_CHECKING:
@@ -333,6 +339,9 @@ def lower(lw: Lowerer, g: Group) -> None:
         lw.values[n] = Value("fused" if n in g.reds or n.target is operator.getitem
                              else "pointwise")
     k = _Kernel(lw, g, leaves)
+    if lay.mode != "split":  # a column's flat indices run in order: gather a run
+        k.gather = {leaf: d for leaf in leaves if lay.classes[leaf] == "f2"
+                    and (d := gather_dim(leaf, len(meta_val(g.view2).shape))) is not None}
     lw.scalars = []
     one = _one_pass(k)
     k.load = dict(k.leaves)
@@ -392,8 +401,10 @@ def lower(lw: Lowerer, g: Group) -> None:
     kname = lw.fresh("fused_rows_kernel_")
     ops = list(dict.fromkeys(k.ops + [str(n.target) for n in g.reds]))
     split = ["R_LO"] if lay.mode == "split" else []
+    gathered = ["BLOCK_G: tl.constexpr"] if k.gather and "tl.gather(" in text else []
     kparams = [*params, *out_params, "R", "INNER", *split,
-               "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr", "ONE_PASS: tl.constexpr"]
+               "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr", "ONE_PASS: tl.constexpr",
+               *gathered]
     views = {"rows": "[outer, R, inner]", "cols": "[1, R, rows] (a program reduces BLOCK_I "
              "rows)", "split": "[kept, R_hi, R_lo] (r = r_hi * R_LO + r_lo)"}[lay.mode]
     doc = (f"Fused rows: {' -> '.join(ops)}.\n\n"
@@ -417,12 +428,22 @@ def lower(lw: Lowerer, g: Group) -> None:
         block_i = str(row_tiles(lw, g.src, list(range(lay.a, lay.b)))[1]
                       if lay.mode == "rows" else 1)
         head = [f"    one_pass = {np2} * {block_i} <= {block}"]
+    block_r = lw.fresh("block_r")
+    head.append(f"    {block_r} = {np2} if one_pass else max(1, {block} // {block_i})")
+    extra = ""
+    if gathered:  # the most runs a tile column spans: (its flat extent) // run + 2
+        rank2 = len(meta_val(g.view2).shape)
+        step = "1" if lay.mode == "cols" else f"{sizes}[2]"
+        runs = [prod([f"{frame2}[{e}]" for e in range(d + 1, rank2)])
+                for d in sorted(set(k.gather.values()))]
+        exprs = [f"triton.next_power_of_2(min({block_r}, max(1, {sizes}[1])) * {step} "
+                 f"// ({run}) + 2)" for run in runs]
+        extra = f" BLOCK_G={exprs[0] if len(exprs) == 1 else f'max({chr(44).join(exprs)})'},"
     lw.forward += [
         f"if {sizes}[0] * {sizes}[2] > 0:", *head,
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
         f"        {args},",
-        f"        BLOCK_R={np2} if one_pass else max(1, {block} // {block_i}), "
-        f"BLOCK_I={block_i}, ONE_PASS=one_pass,",
+        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, ONE_PASS=one_pass,{extra}",
         f"        num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})",
     ]
 
