@@ -438,7 +438,8 @@ def lower(lw: Lowerer, g: Group) -> None:
                 for d in sorted(set(k.gather.values()))]
         exprs = [f"triton.next_power_of_2(min({block_r}, max(1, {sizes}[1])) * {step} "
                  f"// ({run}) + 2)" for run in runs]
-        extra = f" BLOCK_G={exprs[0] if len(exprs) == 1 else f'max({chr(44).join(exprs)})'},"
+        most_runs = exprs[0] if len(exprs) == 1 else "max(" + ", ".join(exprs) + ")"
+        extra = f" BLOCK_G={most_runs},"
     lw.forward += [
         f"if {sizes}[0] * {sizes}[2] > 0:", *head,
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
