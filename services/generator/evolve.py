@@ -100,6 +100,8 @@ def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
 # (1: softmax's max and sum, and variance, in one loop over rows longer than a tile;
 # 0: a loop per reduction), so evolve compares them by modeled time. With block_size
 # they decide the passes over the input: a row that fits block_size is read once.
+# rows: the rows one fused-rows program reduces together (short trailing rows: an
+# operand shared by the rows, layer norm's weight, is loaded once per program).
 SEARCH_SPACE: dict[str, list[int]] = {
     "block_size": [128, 256, 512, 1024, 2048, 4096],
     "num_warps": [1, 2, 4, 8, 16],
@@ -109,10 +111,11 @@ SEARCH_SPACE: dict[str, list[int]] = {
     "block_k": [16, 32, 64],
     "row_fusion": [0, 1],
     "online": [0, 1],
+    "rows": [1, 2, 4, 8, 16],
 }
 DEFAULT_PARAMS: dict[str, int] = {"block_size": 1024, "num_warps": 4, "num_stages": 1,
                                   "block_m": 32, "block_n": 32, "block_k": 32,
-                                  "row_fusion": 1, "online": 1}
+                                  "row_fusion": 1, "online": 1, "rows": 8}
 
 
 def _key(params: dict[str, int]) -> tuple[int | None, ...]:

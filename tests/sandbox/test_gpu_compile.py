@@ -7,8 +7,9 @@ through the real compiler, ahead of time, to a cubin: ``triton.compile`` for tar
 ptxas bundled with the triton wheel, and needs no driver. Run in a fresh interpreter
 (no TRITON_INTERPRET), with its own Triton cache.
 
-Every kernel of every bundled task, schedule task and convolution task
-(``test_conv_lowering.CONVS``) compiles in float32, both
+Every kernel of every bundled task, schedule task, convolution task
+(``test_conv_lowering.CONVS``) and row-family task (``test_row_families.FAMILIES``)
+compiles in float32, both
 ``FLAT`` variants of a pointwise kernel included. Kernels compute in float32 whatever
 their tensors' dtype, so float16 and bfloat16 change only the loads, the stores and
 ``tl.dot``'s inputs: those two are compiled for every kernel of :data:`DTYPE_TASKS`
@@ -47,7 +48,7 @@ from triton.runtime.jit import JITFunction
 from services.generator.lowering import LoweringError, lower_task
 
 CONSTEXPRS = {"BLOCK_SIZE": 1024, "BLOCK_R": 64, "BLOCK_I": 16, "BLOCK_M": 32, "BLOCK_N": 32,
-              "BLOCK_K": 32, "KS0": 3, "KS1": 3, "KS2": 3}
+              "BLOCK_K": 32, "KS0": 3, "KS1": 3, "KS2": 3, "BLOCK_G": 4}
 out, scratch = {}, Path(sys.argv[1])
 dtype_tasks = sys.argv[4].split(",")
 paths = sorted(Path("tasks").glob("*.py")) + sorted(Path(sys.argv[3]).glob("*.py"))
@@ -112,6 +113,8 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the test module below sets it anyway
     from tests.sandbox.test_builtin_coder import SCHEDULES, schedule_task
     from tests.sandbox.test_conv_lowering import CONVS, conv_task
+    from tests.sandbox.test_row_families import FAMILIES
+    from tests.sandbox.test_row_families import task as family_task
 
     schedules = tmp_path / "schedules"
     schedules.mkdir()
@@ -119,6 +122,8 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
         (schedules / f"schedule_{name}.py").write_text(schedule_task(name))
     for name in CONVS:  # the convolution kernels' variants (direct, transposed, 1-D to 3-D)
         (schedules / f"conv_{name}.py").write_text(conv_task(name))
+    for name in FAMILIES:  # fused rows' layouts (several rows a program, split, a view)
+        (schedules / f"rows_{name}.py").write_text(family_task(name))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, str(tmp_path), ",".join(DTYPES),
@@ -129,7 +134,7 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path) -> None:
     results = report["tasks"]
 
     expected = ({p.stem for p in TASKS.glob("*.py")} | {f"schedule_{n}" for n in SCHEDULES}
-                | {f"conv_{n}" for n in CONVS})
+                | {f"conv_{n}" for n in CONVS} | {f"rows_{n}" for n in FAMILIES})
     assert set(results) == expected
     not_lowered = sorted(name for name, r in results.items() if not r["lowered"])
     assert not_lowered == [], not_lowered

@@ -25,6 +25,7 @@ def lower_task(
     block_k: int = 32,
     row_fusion: int = 1,
     online: int = 1,
+    rows: int = 8,
     progress: Any = None,
 ) -> str:
     """Return candidate source (a Python module defining ``class ModelNew``) for a task.
@@ -65,6 +66,10 @@ def lower_task(
         online: 1: in a fused kernel whose rows do not fit one tile, softmax's max and
             sum share one loop (online softmax) and variance is Welford's (one loop);
             0: one loop per reduction (variance: two).
+        rows: rows a fused-rows program reduces at once where the rows are the
+            trailing dims and fit a one-pass tile together (at most ``block_size //
+            next_pow2(row length)``): an operand the same for every row (layer norm's
+            weight and bias) is loaded once per program; a power of two from 1 to 64.
         progress: called with a phase (``the task's get_inputs()``, ``the task's
             Model.forward ...``) as each call into the task's code starts, for a caller
             that must name what hangs.
@@ -86,6 +91,8 @@ def lower_task(
     for name, value in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
         if value < 16 or value & (value - 1):
             raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
+    if rows not in (1, 2, 4, 8, 16, 32, 64):
+        raise ValueError(f"rows must be a power of two from 1 to 64, not {rows}")
     for name, value in (("row_fusion", row_fusion), ("online", online)):
         if value not in (0, 1):
             raise ValueError(f"{name} must be 0 or 1, not {value}")
@@ -94,7 +101,7 @@ def lower_task(
         progress("the task's Model.forward (traced by torch.export)")
     params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
-              "row_fusion": row_fusion, "online": online, "precision": "ieee"}
+              "row_fusion": row_fusion, "online": online, "rows": rows, "precision": "ieee"}
     scalars = scalar_tensors(task)
     if scalars is not None:
         try:

@@ -7,7 +7,8 @@ extends the lowerer's state (values, forward lines, kernels).
   when a tensor must exist, not where the node stands);
 - :mod:`.reduction`: row reductions over ``(outer, R, inner)``;
 - :mod:`.fused_rows`: row reductions with the reductions and element-wise nodes on the
-  same rows, one kernel (softmax, norms); entered from :mod:`.reduction`;
+  same rows, one kernel (softmax, norms); entered from :mod:`.reduction`; its kernel
+  bodies in :mod:`.fused_bodies`, its row layouts in :mod:`.row_layout`;
 - :mod:`.matmul`: ``tl.dot`` tiles with bias and element-wise epilogues;
 - :mod:`.scan`: cumsum, cumprod;
 - :mod:`.flip`: a copy reading reversed indices;

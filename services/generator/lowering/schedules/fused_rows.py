@@ -6,9 +6,12 @@ When the lowerer reaches a reduction (:mod:`.reduction`), :func:`plan` looks ahe
 the graph for the nodes that work on the same rows: further reductions over the same
 dims of a value of the same shape (softmax's sum after its amax), element-wise nodes
 of the row's shape (the epilogue ``exp(x - max) / sum``) and element-wise nodes of
-the reduced shape (``rsqrt(var + eps)``). The group becomes one kernel over the
-``(outer, R, inner)`` view of the rows; a group node is stored only where something
-outside the group (or the Model's output) reads it.
+the reduced shape (``rsqrt(var + eps)``); views of parameters the group reads (batch
+norm's ``weight.unsqueeze(-1)``) are lowered early to join it. The group becomes one
+kernel over the ``(outer, R, inner)`` view of the rows (:mod:`.row_layout`: a row per
+program, several short trailing rows per program, or reduced dims split around the
+kept ones as batch norm's); a group node is stored only where something outside the
+group (or the Model's output) reads it.
 
 The kernel has two bodies, chosen per launch by ``ONE_PASS`` (a ``tl.constexpr``):
 
@@ -22,10 +25,12 @@ The kernel has two bodies, chosen per launch by ``ONE_PASS`` (a ``tl.constexpr``
   2018) and variance is Welford's (Welford 1962; the lanes' partial results combined by
   Chan et al.'s pairwise formula), so softmax and layer norm read their input twice.
 
-The block size thus decides the passes, and ``online`` and ``row_fusion`` (0: each
-reduction its own kernel, :mod:`.reduction`) are schedule choices the evolve search
-compares by modeled time. Reductions over non-adjacent dims, index-valued reductions
-and groups of one node are left to :mod:`.reduction`.
+The bodies are written by :mod:`.fused_bodies`. The block size thus decides the
+passes, and ``online``, ``rows`` and ``row_fusion`` (0: each reduction its own kernel,
+:mod:`.reduction`) are schedule choices the evolve search compares by modeled time.
+Reductions over dims interleaved with kept ones (other than batch norm's two blocks
+around the kept ones), index-valued reductions and groups of one node are left to
+:mod:`.reduction`.
 """
 
 from __future__ import annotations
@@ -39,8 +44,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from services.generator.lowering.emit import add_kernel, cast_out, computed, prod
+from services.generator.lowering.emit import add_kernel, prod
 from services.generator.lowering.ir import Value, bind_args, meta_val
+from services.generator.lowering.schedules.fused_bodies import (
+    _deps_of,
+    _Kernel,
+    _loops,
+    _one_pass,
+    gather_dim,
+)
+from services.generator.lowering.schedules.row_layout import Layout
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -48,11 +61,6 @@ if TYPE_CHECKING:
 # Reduction operator name -> the accumulator kind it uses here.
 KINDS = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "prod": "prod",
          "var": "var", "var_mean": "var", "any": "max", "all": "min"}
-_IDENT = {"sum": "0.0", "prod": "1.0", "max": '-float("inf")', "min": 'float("inf")'}
-_TILE = "[BLOCK_R, BLOCK_I]"
-_ROW = "[1, BLOCK_I]"
-
-
 @dataclass
 class Reduction:
     """One reduction of the group: its node, source node, accumulator kind and, for
@@ -74,10 +82,15 @@ class Group:
 
     src: torch.fx.Node
     dims: list[int]
+    layout: Layout
     nodes: list[torch.fx.Node] = field(default_factory=list)
     level: dict[torch.fx.Node, str] = field(default_factory=dict)  # full | reduced
     reds: dict[torch.fx.Node, Reduction] = field(default_factory=dict)
     outputs: list[torch.fx.Node] = field(default_factory=list)
+    # Nodes after a view of a full-shaped node to another shape of the same elements
+    # (group norm's view back to N, C, H, W before its affine): ``view2`` is that view.
+    frame2: set[torch.fx.Node] = field(default_factory=set)
+    view2: torch.fx.Node | None = None
 
 
 def _key(val: object) -> tuple[str, ...] | None:
@@ -118,6 +131,51 @@ def _dims(node: torch.fx.Node, rank: int) -> list[int]:
     return sorted({d % rank for d in dims}) if rank else []
 
 
+def _early_view(lw: Lowerer, n: torch.fx.Node) -> bool:
+    """Lower ``n`` now when it is a view (unsqueeze, reshape, ...) of tensors that
+    exist already (a parameter: a line of forward, no kernel) or an element-wise node
+    of such values (deferred: computed by the kernels that read it), so a group may
+    read it before the lowerer reaches it. Returns whether ``n`` has its value."""
+    from services.generator.lowering.registry import schedule_of
+
+    if n in lw.values:
+        return True
+    schedule = schedule_of(str(n.target)) if n.op == "call_function" else None
+    if schedule not in ("view", "pointwise"):
+        return False
+    kinds = ("tensor", "sym", "const") + (("pointwise",) if schedule == "pointwise" else ())
+    for a in n.all_input_nodes:
+        if not (_early_view(lw, a) and lw.values[a].kind in kinds):
+            return False
+    lw.call(n)
+    return True
+
+
+_VIEWS = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+
+
+def _view_size(m: torch.fx.Node) -> list:
+    raw = bind_args(m)
+    return list(raw.get("size", raw.get("shape")))
+
+
+def _frame2_leaves_apart(lw: Lowerer, g: Group) -> None:
+    """Drop the nodes after the group's view when a tensor is read both before and
+    after it (it would need two loads of one leaf, at two indexings)."""
+    if not g.frame2:
+        return
+    seen: dict[bool, set[torch.fx.Node]] = {True: set(), False: set()}
+    for n in g.nodes:
+        for a in n.all_input_nodes:
+            if a not in g.level:
+                seen[n in g.frame2] |= set(lw.leaves(a)[0])
+    if seen[True] & seen[False]:
+        g.nodes = [n for n in g.nodes if n not in g.frame2]
+        for n in g.frame2:
+            del g.level[n]
+        g.frame2, g.view2 = set(), None
+
+
 def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     """The fused group starting at reduction ``node``, or None when there is nothing
     to fuse (then :mod:`.reduction` lowers it alone)."""
@@ -131,11 +189,12 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     if not rank:
         return None
     dims = _dims(node, rank)
-    if dims != list(range(dims[0], dims[-1] + 1)):
+    layout = Layout.of(dims, meta_val(first.src).shape, lw.p.get("rows", 1))
+    if layout is None:
         return None
     keep = tuple("1" if d in dims else dkey[d] for d in range(rank))
     squeezed = tuple(dkey[d] for d in range(rank) if d not in dims)
-    g = Group(first.src, dims, [node], {node: "reduced"}, {node: first})
+    g = Group(first.src, dims, layout, [node], {node: "reduced"}, {node: first})
 
     def fits_full(a: torch.fx.Node) -> bool:  # a group value broadcast over the rows
         if g.level.get(a) == "full":
@@ -151,6 +210,8 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
         for a in ins:  # a constant (scalar_tensor) not reached yet: computed in place
             if a not in lw.values and str(a.target) in CONSTANTS and not a.all_input_nodes:
                 lw.values[a] = Value("pointwise")
+            elif a not in g.level:
+                _early_view(lw, a)  # a parameter's unsqueeze (batch norm's affine)
         if not any(a in g.level for a in ins) or not all(
                 a in g.level or a in lw.values for a in ins):
             continue
@@ -172,7 +233,21 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
                 g.level[m] = "reduced"
                 g.reds[m] = red
             continue
+        if str(m.target) in _VIEWS and g.view2 is None and g.level.get(ins[0]) == "full" \
+                and ins[0] not in g.frame2 and "-1" not in lw.reshape_sizes(_view_size(m)):
+            g.nodes.append(m)
+            g.level[m] = "full"
+            g.frame2.add(m)
+            g.view2 = m
+            continue
         if str(m.target) not in POINTWISE_OPS or isinstance(val, tuple | list):
+            continue
+        if any(a in g.frame2 for a in ins):  # after the view: the view's shape
+            if key == _key(meta_val(g.view2)) and all(a in g.frame2 for a in ins
+                                                       if a in g.level):
+                g.nodes.append(m)
+                g.level[m] = "full"
+                g.frame2.add(m)
             continue
         if key == dkey:
             if all(fits_full(a) for a in ins if a in g.level):
@@ -184,6 +259,7 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
                                           or str(a.target) in CONSTANTS)) for a in ins):
             g.nodes.append(m)
             g.level[m] = "reduced"
+    _frame2_leaves_apart(lw, g)
     if len(g.nodes) == 1:
         return None
     for m in g.nodes:
@@ -194,23 +270,6 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
             g.outputs.append(m)
     _levels(g)
     return g
-
-
-def _red_deps(g: Group, n: torch.fx.Node, seen: dict) -> set[torch.fx.Node]:
-    """The group's reductions ``n`` depends on through group nodes (a getitem is its
-    var_mean)."""
-    if n not in g.level:
-        return set()
-    if n in seen:
-        return seen[n]
-    if n.target is operator.getitem:
-        out = {n.all_input_nodes[0]}
-    elif n in g.reds:
-        out = {n}
-    else:
-        out = set().union(*(_red_deps(g, a, seen) for a in n.all_input_nodes))
-    seen[n] = out
-    return out
 
 
 def _online_max(g: Group, red: Reduction) -> torch.fx.Node | None:
@@ -248,10 +307,6 @@ def _between(g: Group, c: torch.fx.Node, m: torch.fx.Node) -> list[torch.fx.Node
     return out
 
 
-def _deps_of(g: Group, n: object) -> set[torch.fx.Node]:
-    return _red_deps(g, n, {}) if isinstance(n, torch.fx.Node) else set()
-
-
 def _levels(g: Group) -> None:
     for node in g.nodes:
         red = g.reds.get(node)
@@ -264,242 +319,14 @@ def _levels(g: Group) -> None:
             red.online_of = m
 
 
-class _Kernel:
-    """Lines of one fused kernel being written: leaf loads, chains, reductions."""
-
-    def __init__(self, lw: Lowerer, g: Group, leaves: list[torch.fx.Node]) -> None:
-        self.lw, self.g = lw, g
-        self.leaves = {leaf: f"v_in{k}" for k, leaf in enumerate(leaves)}
-        self.load = dict(self.leaves)  # and the reductions, once computed
-        self.scalars: dict[torch.fx.Node, str] = {}
-        self.ops: list[str] = []
-
-    def chain(self, node: torch.fx.Node, tile: str, memo: dict, body: list[str]) -> str:
-        memo.update(self.scalars)
-        var = self.lw.chain(node, self.load, tile, body, self.ops, memo)
-        for n, v in memo.items():
-            if self.lw.values.get(n) is not None and self.lw.values[n].kind in ("sym", "const"):
-                self.scalars[n] = v
-        return var
-
-    def loads(self, text: str) -> list[str]:
-        """Load lines of the leaves ``text`` reads."""
-        out = []
-        for leaf, var in self.leaves.items():
-            if re.search(rf"\b{var}\b", text):
-                k = var.removeprefix("v_in")
-                ld = (f"tl.load(in{k}_ptr + o * in{k}_so + r[:, None] * in{k}_sr "
-                      f"+ i[None, :] * in{k}_si, mask=mask, other=0)")
-                out.append(f"{var} = {computed(leaf, ld)}")
-        return out
-
-    def src_expr(self, red: Reduction, memo: dict, body: list[str]) -> str:
-        x = self.chain(red.src, _TILE, memo, body)
-        if meta_val(red.src).dtype == torch.bool:
-            x = f"({x}).to(tl.float32)"
-        return x
-
-    def reduced_nodes(self, done: set, memo: dict, lines: list[str]) -> None:
-        """Element-wise nodes of the reduced shape whose reductions are all in ``done``."""
-        for n in self.g.nodes:
-            if self.g.level[n] == "reduced" and n not in self.g.reds and n not in memo \
-                    and n.target is not operator.getitem and _deps_of(self.g, n) <= done:
-                self.chain(n, _ROW, memo, lines)
-
-
-def _finish(red: Reduction, acc: str, lines: list[str], var: str) -> None:
-    """Lines reducing the [BLOCK_R, BLOCK_I] accumulator ``acc`` into ``var`` ([1, BLOCK_I])."""
-    if red.kind == "sum":
-        lines.append(f"{var} = tl.sum({acc}, axis=0)[None, :]")
-    elif red.kind == "prod":
-        lines.append(f"{var} = tl.reduce({acc}, 0, _mul_combine)[None, :]")
-    else:  # max / min: NaN anywhere in a row gives NaN, as torch
-        pick = "tl.max" if red.kind == "max" else "tl.min"
-        lines.append(f"{var} = tl.where(tl.max(({acc} != {acc}).to(tl.int32), axis=0) > 0, "
-                     f"float('nan'), {pick}({acc}, axis=0))[None, :]")
-    if red.name == "mean":
-        lines.append(f"{var} = {var} / R")
-    if red.name in ("any", "all"):
-        lines.append(f"{var} = {var} != 0.0")
-
-
-_COMBINE = {"sum": "{a} + {x}", "prod": "{a} * {x}",
-            "max": "tl.where(({x} > {a}) | ({x} != {x}), {x}, {a})",
-            "min": "tl.where(({x} < {a}) | ({x} != {x}), {x}, {a})"}
-
-
-def _bind(k: _Kernel, red: Reduction, var: str, mean: str | None = None) -> None:
-    """Make the reduction's value (or var_mean's getitems) readable by later chains."""
-    if red.name == "var_mean":
-        for n in k.g.nodes:
-            if n.target is operator.getitem and n.all_input_nodes[0] is red.node:
-                k.load[n] = var if n.args[1] == 0 else mean
-    else:
-        k.load[red.node] = var
-
-
-def _one_pass(k: _Kernel) -> list[str]:
-    lines = ["r = tl.arange(0, BLOCK_R)", "mask = (r[:, None] < R) & i_mask[None, :]"]
-    memo: dict = {}
-    done: set = set()
-    for red in k.g.reds.values():
-        x = k.src_expr(red, memo, lines)
-        var = f"red_{red.node.name}"
-        if red.kind == "var":
-            mean = f"mean_{red.node.name}"
-            lines += [f"{mean} = tl.sum(tl.where(mask, {x}, 0.0), axis=0)[None, :] / R",
-                      f"d_{red.node.name} = tl.where(mask, {x} - {mean}, 0.0)",
-                      f"{var} = tl.sum(d_{red.node.name} * d_{red.node.name}, axis=0)[None, :]"
-                      f" / tl.maximum(R - {red.correction}, 0.0)"]
-            _bind(k, red, var, mean)
-        else:
-            _finish(red, f"tl.where(mask, {x}, {_IDENT[red.kind]})", lines, var)
-            _bind(k, red, var)
-        done.add(red.node)
-        k.reduced_nodes(done, memo, lines)
-    lines += _stores(k, memo, lines, full=True) + _stores(k, memo, lines, full=False)
-    return _with_loads(k, lines)
-
-
-def _with_loads(k: _Kernel, lines: list[str]) -> list[str]:
-    """``lines`` with the leaf loads they need inserted after the mask (one pass)."""
-    return lines[:2] + k.loads("\n".join(lines[2:])) + lines[2:]
-
-
-def _stores(k: _Kernel, memo: dict, lines: list[str], full: bool) -> list[str]:
-    out: list[str] = []
-    for j, n in enumerate(k.g.outputs):
-        if (k.g.level[n] == "full") != full:
-            continue
-        dtype = meta_val(n).dtype
-        if full:
-            v = k.chain(n, _TILE, memo, lines)
-            out.append(f"tl.store(out{j}_ptr + o * R * INNER + r[:, None] * INNER + i[None, :], "
-                       f"({cast_out(v, dtype, '')}).to(out{j}_ptr.dtype.element_ty), mask=mask)")
-        else:
-            v = k.load.get(n) or k.chain(n, _ROW, memo, lines)
-            out.append(f"tl.store(out{j}_ptr + o * INNER + i[None, :], tl.broadcast_to("
-                       f"({cast_out(v, dtype, '')}).to(out{j}_ptr.dtype.element_ty), {_ROW}), "
-                       "mask=i_mask[None, :])")
-    return out
-
-
-_LOOP = ["for r0 in range(0, R, BLOCK_R):",
-         "    r = r0 + tl.arange(0, BLOCK_R)",
-         "    mask = (r[:, None] < R) & i_mask[None, :]"]
-
-
-def _loops(k: _Kernel, online: bool) -> list[str]:
-    lines: list[str] = []
-    top: dict = {}  # reduced-shape values, computed outside the loops
-    done: set = set()
-    reds = list(k.g.reds.values())
-    merged = {red.node for red in reds if online and red.online_of is not None}
-    levels = sorted({red.level for red in reds})
-    if not online:  # one loop per reduction, in dependency order
-        passes = [[red] for red in sorted(reds, key=lambda r: r.level)]
-    else:
-        passes = [[red for red in reds if red.level == lv and red.node not in merged]
-                  for lv in levels]
-        passes = [group for group in passes if group]
-    for group in passes:
-        if not online and group[0].kind == "var":
-            lines += _var_two_loops(k, group[0], top)
-            done.add(group[0].node)
-            k.reduced_nodes(done, top, lines)
-            continue
-        init, body, fin = [], [], []
-        memo = dict(top)
-        for red in group:
-            x = k.src_expr(red, memo, body)
-            a = f"acc_{red.node.name}"
-            partner = next((s for s in reds if s.node in merged and s.online_of is red.node), None)
-            if red.kind == "var" and online:
-                n_, m2 = f"n_{red.node.name}", f"m2_{red.node.name}"
-                init += [f"{a} = tl.zeros({_TILE}, tl.float32)", f"{m2} = tl.zeros({_TILE}, tl.float32)",
-                         f"{n_} = tl.zeros({_TILE}, tl.float32)"]
-                body += [f"{n_} = {n_} + mask.to(tl.float32)",
-                         f"d_{red.node.name} = tl.where(mask, {x} - {a}, 0.0)",
-                         f"{a} = {a} + d_{red.node.name} / tl.maximum({n_}, 1.0)",
-                         f"{m2} = {m2} + tl.where(mask, d_{red.node.name} * ({x} - {a}), 0.0)"]
-                var, mean = f"red_{red.node.name}", f"mean_{red.node.name}"
-                fin += [f"{mean}, {m2}, {n_} = tl.reduce(({a}, {m2}, {n_}), 0, _welford_combine)",
-                        f"{mean} = {mean}[None, :]",
-                        f"{var} = {m2}[None, :] / tl.maximum(R - {red.correction}, 0.0)"]
-                _bind(k, red, var, mean)
-                continue
-            init.append(f"{a} = tl.full({_TILE}, {_IDENT[red.kind]}, tl.float32)")
-            xm = f"x_{red.node.name}"
-            body.append(f"{xm} = tl.where(mask, {x}, {_IDENT[red.kind]})")
-            if partner is not None:  # online softmax: the running sum follows the max
-                s = f"acc_{partner.node.name}"
-                init.append(f"{s} = tl.zeros({_TILE}, tl.float32)")
-                body += [f"new_{a} = {_COMBINE['max'].format(a=a, x=xm)}",
-                         f"{s} = tl.where(new_{a} == -float('inf'), 0.0, "
-                         f"{s} * tl.exp({a} - new_{a}) + tl.exp({xm} - new_{a}))",
-                         f"{a} = new_{a}"]
-            else:
-                body.append(f"{a} = {_COMBINE[red.kind].format(a=a, x=xm)}")
-            var = f"red_{red.node.name}"
-            _finish(red, a, fin, var)
-            _bind(k, red, var)
-            if partner is not None:
-                pv = f"red_{partner.node.name}"
-                fin.append(f"{pv} = tl.sum(tl.where({a} == -float('inf'), 0.0, "
-                           f"{s} * tl.exp({a} - {var})), axis=0)[None, :]")
-                _bind(k, red, var)
-                done.add(red.node)
-                if partner.shift is not None and partner.shift is not red.node:
-                    k.reduced_nodes(done, top, fin)
-                    cv = k.chain(partner.shift, _ROW, top, fin)
-                    fin.append(f"{pv} = tl.where({var} == {cv}, {pv}, {pv} * tl.exp({var} - {cv}))")
-                _bind(k, partner, pv)
-                done.add(partner.node)
-        loop_body = k.loads("\n".join(body)) + body
-        lines += init + _LOOP + textwrap.indent("\n".join(loop_body), "    ").split("\n") + fin
-        done |= {red.node for red in group}
-        k.reduced_nodes(done, top, lines)
-    tail = _stores(k, top, lines, full=False)
-    lines += tail
-    if any(k.g.level[n] == "full" for n in k.g.outputs):
-        body = []
-        stores = _stores(k, dict(top), body, full=True)
-        loop_body = k.loads("\n".join(body + stores)) + body + stores
-        lines += _LOOP + textwrap.indent("\n".join(loop_body), "    ").split("\n")
-    return lines
-
-
-def _var_two_loops(k: _Kernel, red: Reduction, top: dict) -> list[str]:
-    """Variance without ``online``: a loop for the mean, then one for the squares."""
-    lines: list[str] = []
-    name = red.node.name
-    var, mean = f"red_{name}", f"mean_{name}"
-    for step in ("mean", "squares"):
-        body: list[str] = []
-        x = k.src_expr(red, dict(top), body)
-        if step == "mean":
-            body.append(f"acc_{name} = acc_{name} + tl.where(mask, {x}, 0.0)")
-            fin = [f"{mean} = tl.sum(acc_{name}, axis=0)[None, :] / R"]
-        else:
-            body += [f"d_{name} = tl.where(mask, {x} - {mean}, 0.0)",
-                     f"acc_{name} = acc_{name} + d_{name} * d_{name}"]
-            fin = [f"{var} = tl.sum(acc_{name}, axis=0)[None, :] / tl.maximum(R - {red.correction}, 0.0)"]
-        loop_body = k.loads("\n".join(body)) + body
-        lines += [f"acc_{name} = tl.zeros({_TILE}, tl.float32)", *_LOOP,
-                  *textwrap.indent("\n".join(loop_body), "    ").split("\n"), *fin]
-    _bind(k, red, var, mean)
-    return lines
-
-
 def lower(lw: Lowerer, g: Group) -> None:
     """Write the group's kernel and its launch; every group node gets its value."""
     src_shape = lw.shape_of(g.src)
     rank = len(meta_val(g.src).shape)
-    a, b = g.dims[0], g.dims[-1] + 1
-    sizes = lw.fresh("rows")
-    lw.forward.append(f"{sizes} = ({prod([f'{src_shape}[{d}]' for d in range(a)])}, "
-                      f"{prod([f'{src_shape}[{d}]' for d in range(a, b)])}, "
-                      f"{prod([f'{src_shape}[{d}]' for d in range(b, rank)])})")
+    lay = g.layout
+    three, sizes = lw.fresh("rows3_"), lw.fresh("rows")
+    three_expr, sizes_expr = lay.sizes(src_shape)
+    lw.forward += [f"{three} = {three_expr}", f"{sizes} = {sizes_expr}"]
     leaves: list[torch.fx.Node] = []
     for n in g.nodes:
         for arg in n.all_input_nodes:
@@ -507,37 +334,57 @@ def lower(lw: Lowerer, g: Group) -> None:
                 for leaf in lw.leaves(arg)[0]:
                     if leaf not in leaves:
                         leaves.append(leaf)
+                        lay.classes[leaf] = "f2" if n in g.frame2 else lay.classify(leaf)
     for n in g.nodes:  # element-wise group nodes are computed by the chains below
         lw.values[n] = Value("fused" if n in g.reds or n.target is operator.getitem
                              else "pointwise")
     k = _Kernel(lw, g, leaves)
+    if lay.mode != "split":  # a column's flat indices run in order: gather a run
+        k.gather = {leaf: d for leaf in leaves if lay.classes[leaf] == "f2"
+                    and (d := gather_dim(leaf, len(meta_val(g.view2).shape))) is not None}
     lw.scalars = []
     one = _one_pass(k)
     k.load = dict(k.leaves)
     many = _loops(k, bool(lw.p.get("online", 1)))
     text = "\n".join(one + many)
     params, launch = [], []
+    frame2 = ""
+    if g.view2 is not None:  # its extents, and the flat index of the source's elements
+        frame2 = lw.fresh("frame")
+        lw.forward.append(f"{frame2} = {lw.reshape_sizes(_view_size(g.view2))}")
+        rank2 = len(meta_val(g.view2).shape)
+        params += lay.stride_names("flat") + [f"F2_{d}" for d in range(rank2)]
+        launch += [lay.flat_strides(three), f"*{frame2}"]
     for j, leaf in enumerate(leaves):
         if not re.search(rf"\bv_in{j}\b", text):
             continue
-        expr = f"{lw.values[leaf].expr}.expand({src_shape})"
         var = lw.fresh("rows_view")
-        lw.forward.append(f"{var} = {expr}.reshape({sizes})")
-        params += [f"in{j}_ptr", f"in{j}_so", f"in{j}_sr", f"in{j}_si"]
+        if lay.classes[leaf] == "f2":  # read at the view's indices
+            lw.forward.append(f"{var} = {lw.values[leaf].expr}.expand({frame2})")
+            params += [f"in{j}_ptr", *(f"in{j}_t{d}" for d in range(rank2))]
+            launch += [var, f"*{var}.stride()"]
+            continue
+        lw.forward.append(f"{var} = {lay.view(f'{lw.values[leaf].expr}.expand({src_shape})', three)}")
+        params += [f"in{j}_ptr", *lay.stride_names(f"in{j}")]
         launch += [var, f"*{var}.stride()"]
     params += [name for name, _ in lw.scalars]
     launch += [expr for _, expr in lw.scalars]
-    outs = []
-    for n in g.outputs:
+    outs, out_params, out_launch = [], [], []
+    for j, n in enumerate(g.outputs):
         val = meta_val(n)
         if g.level[n] == "full":
-            shape = src_shape
+            shape = frame2 if n in g.frame2 else src_shape
         else:
             keepdim = len(val.shape) == rank
             kept = [(f"{src_shape}[{d}]" if d not in g.dims else "1") for d in range(rank)
                     if keepdim or d not in g.dims]
             shape = "(" + "".join(f"{s}, " for s in kept) + ")"
         outs.append(lw.alloc(shape, val.dtype))
+        out_params.append(f"out{j}_ptr")
+        out_launch.append(outs[-1])
+        if g.level[n] == "full":  # stored through strides, as the layout views it
+            out_params += lay.stride_names(f"out{j}")
+            out_launch.append(f"*{lay.view(outs[-1], three)}.stride()")
     for n, out in zip(g.outputs, outs, strict=True):
         lw.values[n] = Value("tensor", out)
     for n in g.nodes:
@@ -545,30 +392,59 @@ def lower(lw: Lowerer, g: Group) -> None:
             lw.values[n] = Value("fused")
         if n in g.reds and g.reds[n].name == "var_mean":
             lw.values[n] = Value("tuple", items=[Value("fused"), Value("fused")])
+    top = k.loads(text, hoisted=True)  # the leaves the same along R: loaded once
     lines = ["o = tl.program_id(0).to(tl.int64)",
              "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
-             "i_mask = i < INNER", "if ONE_PASS:",
+             "i_mask = i < INNER", *top, "if ONE_PASS:",
              *textwrap.indent("\n".join(one), "    ").split("\n"), "else:",
              *textwrap.indent("\n".join(many), "    ").split("\n")]
     kname = lw.fresh("fused_rows_kernel_")
     ops = list(dict.fromkeys(k.ops + [str(n.target) for n in g.reds]))
-    kparams = [*params, *(f"out{j}_ptr" for j in range(len(outs))), "R", "INNER",
-               "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr", "ONE_PASS: tl.constexpr"]
+    split = ["R_LO"] if lay.mode == "split" else []
+    gathered = ["BLOCK_G: tl.constexpr"] if k.gather and "tl.gather(" in text else []
+    kparams = [*params, *out_params, "R", "INNER", *split,
+               "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr", "ONE_PASS: tl.constexpr",
+               *gathered]
+    views = {"rows": "[outer, R, inner]", "cols": "[1, R, rows] (a program reduces BLOCK_I "
+             "rows)", "split": "[kept, R_hi, R_lo] (r = r_hi * R_LO + r_lo)"}[lay.mode]
     doc = (f"Fused rows: {' -> '.join(ops)}.\n\n"
-           "Input k is read as [outer, R, inner] through strides in{k}_so/sr/si; ONE_PASS: "
-           "the row fits one [BLOCK_R, BLOCK_I] tile, loaded once; else loops over R.")
+           f"Tensor k is read as {views} through its strides; ONE_PASS: the row fits one "
+           "[BLOCK_R, BLOCK_I] tile, loaded once; else loops over R.")
     add_kernel(lw, kname, kparams, doc, lines, ops)
     block = lw.p["block_size"]
-    from services.generator.lowering.schedules.reduction import row_tiles
+    args = ", ".join([*launch, *out_launch, f"{sizes}[1]", f"{sizes}[2]",
+                      *([f"{three}[2]"] if split else [])])
+    np2 = f"triton.next_power_of_2(max(1, {sizes}[1]))"
+    if lay.mode == "cols":  # rows per program: as many as fit a one-pass tile, <= rows
+        most = f"min({lw.p.get('rows', 1)}, triton.next_power_of_2({sizes}[2]))"
+        bi = lw.fresh("rows_per_program")
+        head = [f"    {bi} = max(1, min({most}, {block} // {np2}))",  # longer rows loop,
+                f"    one_pass = {np2} * {bi} <= {block}",  # a program each (parallelism)
+                f"    {bi} = {bi} if one_pass else 1"]
+        block_i = bi
+    else:
+        from services.generator.lowering.schedules.reduction import row_tiles
 
-    _, block_i = row_tiles(lw, g.src, g.dims)
+        block_i = str(row_tiles(lw, g.src, list(range(lay.a, lay.b)))[1]
+                      if lay.mode == "rows" else 1)
+        head = [f"    one_pass = {np2} * {block_i} <= {block}"]
+    block_r = lw.fresh("block_r")
+    head.append(f"    {block_r} = {np2} if one_pass else max(1, {block} // {block_i})")
+    extra = ""
+    if gathered:  # the most runs a tile column spans: (its flat extent) // run + 2
+        rank2 = len(meta_val(g.view2).shape)
+        step = "1" if lay.mode == "cols" else f"{sizes}[2]"
+        runs = [prod([f"{frame2}[{e}]" for e in range(d + 1, rank2)])
+                for d in sorted(set(k.gather.values()))]
+        exprs = [f"triton.next_power_of_2(min({block_r}, max(1, {sizes}[1])) * {step} "
+                 f"// ({run}) + 2)" for run in runs]
+        most_runs = exprs[0] if len(exprs) == 1 else "max(" + ", ".join(exprs) + ")"
+        extra = f" BLOCK_G={most_runs},"
     lw.forward += [
-        f"if {sizes}[0] * {sizes}[2] > 0:",
-        f"    one_pass = triton.next_power_of_2(max(1, {sizes}[1])) * {block_i} <= {block}",
+        f"if {sizes}[0] * {sizes}[2] > 0:", *head,
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
-        f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
-        f"        BLOCK_R=triton.next_power_of_2(max(1, {sizes}[1])) if one_pass else "
-        f"{max(1, block // block_i)}, BLOCK_I={block_i}, ONE_PASS=one_pass,",
+        f"        {args},",
+        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, ONE_PASS=one_pass,{extra}",
         f"        num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})",
     ]
 

@@ -106,6 +106,8 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         views = []
     out_vals = meta_val(node)
     out_vals = list(out_vals) if isinstance(out_vals, tuple | list) else [out_vals]
+    if name in ("max", "min") and len(out_vals) == 2 and not _index_read(lw, node):
+        out_vals = out_vals[:1]  # max.dim's indices read by nothing: the values alone
     src_shape = lw.shape_of(src)
     kept = [(f"{src_shape}[{d}]" if d not in dims else "1") for d in range(rank)
             if keepdim or d not in dims]
@@ -128,6 +130,8 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     ident = {"sum": "0.0", "prod": "1.0", "max": '-float("inf")', "min": 'float("inf")',
              "argmax": '-float("inf")', "argmin": 'float("inf")', "var": "0.0"}[kind]
     results: list[str] = []
+    if name in ("max", "min") and len(outs) == 2:
+        kind = "arg" + name  # values and indices: both from the index loop below
     if kind in ("sum", "prod", "max", "min"):
         lines.append(f"acc = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)")
         combine = {"sum": "acc + x", "prod": "acc * x",
@@ -146,8 +150,6 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         if name == "mean":
             lines.append("res = res / R")
         results.append("res")
-        if name in ("max", "min") and len(outs) == 2:
-            kind = "arg" + name  # values and indices: add the index pass below
     if kind in ("argmax", "argmin"):
         better = ">" if kind == "argmax" else "<"
         lines += [f"best = tl.full([BLOCK_R, BLOCK_I], {ident}, tl.float32)",
@@ -163,7 +165,8 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
                   "col_nan = tl.max((best != best).to(tl.int32), axis=0) > 0",
                   "is_top = tl.where(col_nan[None, :], best != best, best == top[None, :])",
                   "idx = tl.min(tl.where(is_top, best_r, 2**62), axis=0)"]
-        if name in ("max", "min"):
+        if name in ("max", "min"):  # the values from the same loop: one pass
+            lines.append("res = tl.where(col_nan, float('nan'), top)")
             results = ["res", "idx"]
         else:
             results = ["idx"]
@@ -203,8 +206,19 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     ]
     if len(outs) == 1 and not isinstance(meta_val(node), tuple | list):
         lw.values[node] = Value("tensor", outs[0])
-    else:
-        lw.values[node] = Value("tuple", items=[Value("tensor", o) for o in outs])
+    else:  # (an output nothing reads is not computed: fused away)
+        items = [Value("tensor", o) for o in outs]
+        lw.values[node] = Value("tuple", items=items + [Value("fused")] * (
+            len(meta_val(node)) - len(items)))
+
+
+def _index_read(lw: Lowerer, node: torch.fx.Node) -> bool:
+    """Whether anything the Model's outputs need reads ``node``'s indices (item 1)."""
+    import operator
+
+    return any(u.op == "output" or (u.target is operator.getitem and u.args[1] == 1
+                                    and u in lw.needed)
+               for u in node.users)
 
 
 def row_tiles(lw: Lowerer, src: torch.fx.Node, dims: list[int]) -> tuple[int, int]:
