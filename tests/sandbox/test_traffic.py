@@ -101,11 +101,16 @@ def test_the_eager_graph_is_counted_on_fake_tensors_as_on_real_ones() -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_counts():
-    """The interpreter with the replayer's counters installed (this process runs Triton in
-    its interpreter for the rest of the module's tests)."""
-    os.environ["TRITON_INTERPRET"] = "1"
+    """The interpreter with the replayer's counters installed, for the module's tests;
+    taken out again after them (the bounds check refuses every access of a launch it was
+    given no tensors for, so later tests in this process would fail)."""
+    from triton.runtime import interpreter
+
     from services.worker.replay import install_bounds_checks
 
+    saved = os.environ.get("TRITON_INTERPRET")
+    native = interpreter._interpreter
+    os.environ["TRITON_INTERPRET"] = "1"
     bounds = install_bounds_checks()
 
     def count(name: str, launch, tensors: list[torch.Tensor]) -> LaunchTraffic:
@@ -120,7 +125,12 @@ def interpreter_counts():
             bounds.count = None
             bounds.set_ranges([], "")
 
-    return count
+    yield count
+    interpreter._interpreter = native
+    if saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = saved
 
 
 def kernel_of(path: Path, name: str):
