@@ -210,7 +210,7 @@ class _HostEvent:
         self.at = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        """Nothing to wait for: :meth:`record` read the host clock at once."""
 
     def elapsed_time(self, end: _HostEvent) -> float:
         return (end.at - self.at) * 1000.0  # milliseconds, like torch.cuda.Event
@@ -221,7 +221,7 @@ class _Host:
 
     @staticmethod
     def synchronize() -> None:
-        pass
+        """Nothing to wait for: the host runs the calls synchronously."""
 
 
 def _time_forward(model: Any, args: list[Any], spec: ChildSpec,
