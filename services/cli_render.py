@@ -138,6 +138,17 @@ def verdict_table(v: VerifyResult) -> Table:
         t.add_row("unchecked", Text(what, style="yellow"))
     t.add_row("worker", f"{v.worker_id} (device {v.device})")
     t.add_row("duration", f"{v.duration_s:.2f} s")
+    traffic = v.traffic
+    if traffic is not None and traffic.traffic_ratio is not None:
+        plural = "" if traffic.launches == 1 else "es"
+        t.add_row("traffic (counted)",
+                  f"{traffic.bytes_moved:,} bytes moved, {traffic.bytes_min:,} minimal: ratio "
+                  f"{traffic.traffic_ratio:.2f} over {traffic.launches} launch{plural}")
+        if traffic.modeled_time_us is not None:
+            ratio = (f", {traffic.modeled_speedup:.2f}x eager's"
+                     if traffic.modeled_speedup is not None else "")
+            t.add_row("modeled time", f"{traffic.modeled_time_us:.2f} us on "
+                      f"{traffic.model_arch or 'h100'}{ratio} (a model, not a measurement)")
     if v.interpreted:
         t.add_row("timing", "Triton interpreter on CPU: correctness only, no speedup")
     else:

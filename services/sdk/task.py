@@ -61,23 +61,29 @@ def _lowering_sandbox() -> Sandbox:
 
 
 async def lower_in_child(task_desc: str, shape_overrides: Mapping[str, Any] | None = None,
-                         timeout_s: float = LOWERING_TIMEOUT_S) -> tuple[str | None, str | None]:
+                         timeout_s: float = LOWERING_TIMEOUT_S, *,
+                         backend: str = "cpu") -> tuple[str | None, str | None]:
     """Run the built-in coder on ``task_desc`` in a sandboxed child (it executes the
     task's code: as an unprivileged user, without network, confined by Landlock and
-    seccomp where the machine permits; see :class:`services.sandbox.pool.Sandbox`).
+    seccomp where the machine permits; see :class:`services.sandbox.pool.Sandbox`),
+    with the launch parameters a service job on ``backend`` gets
+    (:func:`services.generator.coders.base.launch_defaults`: on ``cpu``, the
+    interpreter's larger blocks and tiles).
 
     Returns:
         ``(candidate source, None)``, or ``(None, reason)`` when the task cannot be
         lowered (the reason names the op), its code failed or killed the child, or it
         took longer than ``timeout_s`` seconds.
     """
+    from services.generator.coders.base import launch_defaults
     from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
     from services.sandbox.pool import PoolBroken
 
     try:
         sandbox = await asyncio.to_thread(_lowering_sandbox)
-        return await lower_in_sandbox(sandbox, task_desc, shape_overrides, timeout_s=timeout_s), None
+        return await lower_in_sandbox(sandbox, task_desc, shape_overrides,
+                                      launch_defaults(backend), timeout_s=timeout_s), None
     except LoweringError as exc:
         return None, str(exc)
     except PoolBroken as exc:
@@ -210,7 +216,8 @@ class Task:
         while info["attempts"] < self.max_attempts:
             if not candidates and coder_pending:
                 coder_pending = False  # deterministic: one kernel per task
-                code, error = await lower_in_child(self.task_desc, self.shape_overrides)
+                code, error = await lower_in_child(self.task_desc, self.shape_overrides,
+                                                   backend=self.backend)
                 if code is None:
                     info["error"] = _llm_hint(error or "")
                     return

@@ -10,8 +10,10 @@ from schemas import (
     JobResult,
     JobSubmit,
     Migration,
+    VerifyResult,
 )
-from services.cli_render import event_line, jobs_table, live_view, record_view
+from schemas.events import Traffic
+from services.cli_render import event_line, jobs_table, live_view, record_view, verdict_table
 from services.common.jobs import new_record
 
 
@@ -117,3 +119,19 @@ def test_event_line_shows_a_measured_speedup() -> None:
     failed = event_line({"event": "verify_result", "candidate_id": "c4",
                          "verdict": {"passed": False, "stage": "mismatch"}}).plain
     assert "c4 failed at mismatch" in failed and "x (" not in failed
+
+
+def test_a_cpu_verdict_shows_its_counted_traffic_and_modeled_time_as_a_model() -> None:
+    verdict = VerifyResult(request_id="r", job_id="j", candidate_id="c", passed=True,
+                           worker_id="w", device="0", interpreted=True, duration_s=0.5,
+                           traffic=Traffic(bytes_moved=8320, bytes_min=8256,
+                                           traffic_ratio=8320 / 8256, launches=1,
+                                           model_arch="h100", modeled_time_us=3.0025,
+                                           modeled_speedup=1.9996))
+    text = render(verdict_table(verdict))
+    assert "8,320 bytes moved, 8,256 minimal: ratio 1.01 over 1 launch" in text, text
+    assert "3.00 us on h100, 2.00x eager's (a model, not a measurement)" in text, text
+    # No counted traffic (a GPU verdict, or a failure before the trials): no rows.
+    assert "traffic" not in render(verdict_table(VerifyResult(
+        request_id="r", job_id="j", candidate_id="c", passed=False, stage="static",
+        worker_id="w", device="0", duration_s=0.1)))
