@@ -39,6 +39,8 @@ from services.worker.targets import target_for
 TASK_LARGE_INPUT_BYTES = 256 << 20
 
 
+_UNSET = object()
+
 class Procedure(SizeChoice, TrialRuns, Checks):
     """See the module doc. ``verifier`` lends its sandbox, caches and settings."""
 
@@ -81,6 +83,8 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self._waiting = ""
         # When the request's timeout_s runs out (the event loop's clock; set by run).
         self.deadline: float | None = None
+        # The reference's eager count of the task (eager_count), once awaited.
+        self._eager: Any = _UNSET
 
     # ------------------------------------------------------------ children
 
@@ -305,7 +309,7 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         """The task's eager graph at the requested sizes as the reference counted it
         (:class:`schemas.events.EagerCount`, None when it could not be counted); awaited
         once, then kept."""
-        if not hasattr(self, "_eager"):
+        if self._eager is _UNSET:
             done, _ = await self._await("reference", "done", "main")
             self._eager = done.eager
         return self._eager
