@@ -230,8 +230,10 @@ async def test_task_code_in_the_generator_through_the_gateway(
 @pytest.mark.slow
 async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gateway,
                                                        relu_task) -> None:
-    """Two tasks whose Model.__init__ never returns, then a relu: the relu job's latency
-    stays within 2x of an idle run; the hanging jobs fail once the lowering times out."""
+    """Two tasks whose Model.__init__ never returns, then a relu: the relu job ends while
+    both hanging jobs are still lowering, its latency near an idle run's (2x plus a
+    second of slack: sub-second latencies on a shared machine vary that much between
+    two idle runs); the hanging jobs fail once the lowering times out."""
     settings = type(settings)(**{**{f: getattr(settings, f) for f in settings.__struct_fields__},
                                  "lowering_timeout_s": 20.0})
     gateway = await start_gateway(settings)
@@ -255,8 +257,11 @@ async def test_hanging_tasks_do_not_hold_up_other_jobs(settings, bus, start_gate
         hung = [await job(client, op_name="hang", task_desc=HANGING_TASK) for _ in range(2)]
         await asyncio.sleep(1.0)  # both are lowering (and hanging) now
         busy = await timed(client)
+        meanwhile = [(await client.get(f"/api/v1/jobs/{j}")).json()["status"] for j in hung]
         ends = [await wait_terminal(client, j, timeout_s=90) for j in hung]
-    assert busy <= 2 * idle, f"relu took {busy:.2f} s beside two hanging tasks, {idle:.2f} s idle"
+    assert meanwhile == ["running", "running"], meanwhile
+    assert busy <= 2 * idle + scaled(1.0), \
+        f"relu took {busy:.2f} s beside two hanging tasks, {idle:.2f} s idle"
     for record in ends:
         assert record["status"] == "failed", record
         assert "did not finish in 20 s (setting AIKG_LOWERING_TIMEOUT_S)" in record["error"], \
