@@ -263,12 +263,25 @@ RELU_FAKING_COUNTS = (RELU_TWICE.replace("\n\n@triton.jit", BLIND + "\n\n@triton
                       .replace("        return out\n", "        _blind()\n        return out\n", 1))
 
 
-async def test_a_kernel_reading_its_input_twice_shows_ratio_two(shared_verifier) -> None:
-    result = await shared_verifier.verify(corpus_request("elementwise_relu", RELU_TWICE),
+# The same kernel re-reading its input twice more: three loads of each element.
+RELU_THRICE = RELU_TWICE.replace(
+    "    b = tl.load(x_ptr + offs, mask=m)\n",
+    "    b = tl.load(x_ptr + offs, mask=m)\n    c = tl.load(x_ptr + offs, mask=m)\n").replace(
+    "tl.maximum(a, b * 0.0)", "tl.maximum(a, b * 0.0 + c * 0.0)")
+
+
+@pytest.mark.parametrize(("source", "reads", "ratio"), [
+    (RELU_TWICE, 2, 1.5),  # 2 reads + 1 write over 1 read + 1 write
+    (RELU_THRICE, 3, 2.0),  # re-read twice: 3 reads + 1 write over 2
+], ids=["read_twice", "re_read_twice"])
+async def test_a_kernel_re_reading_its_input_shows_it_in_the_ratio(shared_verifier, source,
+                                                                   reads, ratio) -> None:
+    assert RELU_THRICE.count("tl.load(x_ptr") == 3
+    result = await shared_verifier.verify(corpus_request("elementwise_relu", source),
                                           device="0")
     assert result.passed, result
-    assert result.traffic.traffic_ratio == pytest.approx(1.5)  # 2 reads + 1 write over 2
-    assert result.traffic.per_launch[0].loaded == 2 * result.traffic.per_launch[0].stored
+    assert result.traffic.traffic_ratio == pytest.approx(ratio)
+    assert result.traffic.per_launch[0].loaded == reads * result.traffic.per_launch[0].stored
 
 
 async def test_a_candidate_cannot_reset_or_fake_the_counter(shared_verifier,

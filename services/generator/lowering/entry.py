@@ -62,7 +62,9 @@ def lower_task(
             smallest tile on NVIDIA GPUs).
         row_fusion: 1: a row reduction is fused with the reductions and element-wise
             nodes on the same rows into one kernel (softmax, layer norm: one read of
-            the input when a row fits ``block_size``); 0: one kernel per reduction.
+            the input when a row fits ``block_size``), and a reduction over a matmul's
+            columns with the matmul (the product never stored); 0: one kernel per
+            reduction.
         online: 1: in a fused kernel whose rows do not fit one tile, softmax's max and
             sum share one loop (online softmax) and variance is Welford's (one loop);
             0: one loop per reduction (variance: two).

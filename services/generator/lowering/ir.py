@@ -37,7 +37,8 @@ class PendingMatmul:
     """A matmul whose operands exist in forward but whose kernel is not written yet.
 
     a, b, bias: forward expressions (bias None for mm/bmm); out_shape: a forward
-    expression of the product's shape; alpha/beta: addmm's scalars.
+    expression of the product's shape; alpha/beta: addmm's scalars; bias_row: the
+    bias is one row (nn.Linear's, shape (N,)) that every row of the product adds.
     """
 
     op: str
@@ -48,6 +49,7 @@ class PendingMatmul:
     batched: bool
     alpha: float
     beta: float
+    bias_row: bool = False
 
 
 @dataclass

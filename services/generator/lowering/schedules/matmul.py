@@ -9,6 +9,7 @@ the product is first read (:func:`emit`), which is when the epilogue is known.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,8 +38,10 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     else:
         out_shape = f"({a}.shape[0], {b}.shape[1])"
     bias = lw.materialize(raw["self"]) if name in ("addmm", "baddbmm") else None
+    bias_row = bias is not None and not batched and len(meta_val(raw["self"]).shape) == 1
     lw.pending[node] = PendingMatmul(op, a, b, bias, out_shape, batched,
-                                     float(raw.get("alpha", 1)), float(raw.get("beta", 1)))
+                                     float(raw.get("alpha", 1)), float(raw.get("beta", 1)),
+                                     bias_row)
     lw.values[node] = Value("matmul")
 
 
@@ -78,6 +81,61 @@ def epilogue_of(lw: Lowerer, node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def product_tile(lw: Lowerer, pm: PendingMatmul, out: str, m_n: tuple[str, str],
+                 out_strides: tuple[list[str], list[str]]
+                 ) -> tuple[list[str], list[str], list[str]]:
+    """Kernel lines computing the float32 product tile ``acc`` of rows ``rm`` and columns
+    ``rn`` of batch ``batch`` (variables the caller defines first), alpha and the bias
+    applied, and ``mask`` (the tile's in-bounds elements); with the kernel parameters
+    and launch arguments they need (``out``: the output tensor; ``m_n``: forward
+    expressions of the product's M and N; ``out_strides``: the output's stride
+    parameters and their launch arguments, which come before the bias's).
+    """
+    a, b, batched = pm.a, pm.b, pm.batched
+    av, bv = (f"{t}.unsqueeze(0)" if not batched else t for t in (a, b))
+    lines = ["acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
+             "for k0 in range(0, K, BLOCK_K):",
+             "    rk = k0 + tl.arange(0, BLOCK_K)",
+             "    a = tl.load(a_ptr + batch * sab + rm[:, None] * sam + rk[None, :] * sak,",
+             "                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)",
+             "    b = tl.load(b_ptr + batch * sbb + rk[:, None] * sbk + rn[None, :] * sbn,",
+             "                mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)",
+             f"    acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=\"{lw.p['precision']}\")",
+             "mask = (rm[:, None] < M) & (rn[None, :] < N)"]
+    params = ["a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "sab", "sam", "sak", "sbb", "sbk", "sbn"]
+    params += out_strides[0]
+    launch = [a, b, out, *m_n, f"{a}.shape[-1]", f"*{av}.stride()", f"*{bv}.stride()",
+              *out_strides[1]]
+    if pm.alpha != 1.0:
+        lines.append(f"acc = acc * {literal(pm.alpha)}")
+    if pm.bias is not None:
+        bias_view = f"{pm.bias}.expand({pm.out_shape})" + ("" if batched else ".unsqueeze(0)")
+        params += ["bias_ptr", "sxb", "sxm", "sxn"]
+        launch += [pm.bias, f"*{bias_view}.stride()"]
+        # nn.Linear's bias: one row, loaded once per tile instead of once per tile row
+        lines += (["bias = tl.load(bias_ptr + rn * sxn, mask=rn < N, other=0.0)"
+                   ".to(tl.float32)[None, :]"] if pm.bias_row else
+                  ["bias = tl.load(bias_ptr + batch * sxb + rm[:, None] * sxm + rn[None, :] * sxn,",
+                   "               mask=mask, other=0.0).to(tl.float32)"])
+        lines.append(f"acc = acc + bias * {literal(pm.beta)}" if pm.beta != 1.0
+                     else "acc = acc + bias")
+    return lines, params, launch
+
+
+def leaf_loader(out_shape: str, batched: bool) -> Callable[[int, str], tuple[list[str], list[str], str]]:
+    """How an epilogue loads its other operand ``k`` (forward expression ``expr``) as a
+    tile of the product (rows ``rm``, columns ``rn``, batch ``batch``), broadcast to the
+    product's shape ``out_shape``: (kernel parameters, launch arguments, load)."""
+    def load_leaf(k: int, expr: str) -> tuple[list[str], list[str], str]:
+        return ([f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"],
+                [expr, f"*_strides({expr}, {out_shape})" if batched
+                 else f"0, *_strides({expr}, {out_shape})"],
+                f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
+                f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
+
+    return load_leaf
+
+
 def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None) -> None:
     """Write and launch a pending matmul: BLOCK_M x BLOCK_N output tiles, tl.dot over
     BLOCK_K slices of K, float32 accumulation, then in registers: alpha, the bias
@@ -90,49 +148,22 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
         conv.emit(lw, node, epilogue)
         return
     pm = lw.pending.pop(node)
-    op, a, b, batched, out_shape = pm.op, pm.a, pm.b, pm.batched, pm.out_shape
+    op, batched, out_shape = pm.op, pm.batched, pm.out_shape
     root = epilogue if epilogue is not None else node
     dtype = meta_val(root).dtype
     out = lw.alloc(out_shape, dtype)
-    av, bv, cv = (f"{t}.unsqueeze(0)" if not batched else t for t in (a, b, out))
-    lines = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
-             "batch = tl.program_id(2).to(tl.int64)",
-             "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-             "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
-             "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)",
-             "for k0 in range(0, K, BLOCK_K):",
-             "    rk = k0 + tl.arange(0, BLOCK_K)",
-             "    a = tl.load(a_ptr + batch * sab + rm[:, None] * sam + rk[None, :] * sak,",
-             "                mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)",
-             "    b = tl.load(b_ptr + batch * sbb + rk[:, None] * sbk + rn[None, :] * sbn,",
-             "                mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0)",
-             f"    acc += tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=\"{lw.p['precision']}\")",
-             "mask = (rm[:, None] < M) & (rn[None, :] < N)"]
-    params = ["a_ptr", "b_ptr", "c_ptr", "M", "N", "K", "sab", "sam", "sak", "sbb", "sbk",
-              "sbn", "scb", "scm", "scn"]
-    launch = [a, b, out, f"{out}.shape[-2]", f"{out}.shape[-1]", f"{a}.shape[-1]",
-              f"*{av}.stride()", f"*{bv}.stride()", f"*{cv}.stride()"]
+    lines, params, launch = product_tile(
+        lw, pm, out, (f"{out}.shape[-2]", f"{out}.shape[-1]"),
+        (["scb", "scm", "scn"], [f"*{out if batched else out + '.unsqueeze(0)'}.stride()"]))
+    lines[:0] = ["pid_m = tl.program_id(0)", "pid_n = tl.program_id(1)",
+                 "batch = tl.program_id(2).to(tl.int64)",
+                 "rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+                 "rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)"]
     ops = [op]
-    if pm.alpha != 1.0:
-        lines.append(f"acc = acc * {literal(pm.alpha)}")
-    if pm.bias is not None:
-        bias_view = f"{pm.bias}.expand({out_shape})" + ("" if batched else ".unsqueeze(0)")
-        params += ["bias_ptr", "sxb", "sxm", "sxn"]
-        launch += [pm.bias, f"*{bias_view}.stride()"]
-        lines += ["bias = tl.load(bias_ptr + batch * sxb + rm[:, None] * sxm + rn[None, :] * sxn,",
-                  "               mask=mask, other=0.0).to(tl.float32)",
-                  f"acc = acc + bias * {literal(pm.beta)}" if pm.beta != 1.0 else "acc = acc + bias"]
     result = "acc"
     if epilogue is not None:
-        def load_leaf(k: int, expr: str) -> tuple[list[str], list[str], str]:
-            return ([f"e{k}_ptr", f"e{k}_sb", f"e{k}_sm", f"e{k}_sn"],
-                    [expr, f"*_strides({expr}, {out_shape})" if batched
-                     else f"0, *_strides({expr}, {out_shape})"],
-                    f"tl.load(e{k}_ptr + batch * e{k}_sb + rm[:, None] * e{k}_sm "
-                    f"+ rn[None, :] * e{k}_sn, mask=mask, other=0)")
-
         result = tile_epilogue(lw, node, epilogue, lines, ops, params, launch, dtype,
-                               load_leaf)
+                               leaf_loader(out_shape, batched))
     lines.append("tl.store(c_ptr + batch * scb + rm[:, None] * scm + rn[None, :] * scn, "
                  f"({result}).to(c_ptr.dtype.element_ty), mask=mask)")
     kname = lw.fresh("matmul_kernel_")

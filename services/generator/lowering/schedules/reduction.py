@@ -20,7 +20,7 @@ import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, computed, prod, triton_next_pow2
 from services.generator.lowering.ir import Value, bind_args, meta_val
-from services.generator.lowering.schedules import fused_rows
+from services.generator.lowering.schedules import fused_rows, matmul_rows
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -85,6 +85,8 @@ def rows(lw: Lowerer, node: torch.fx.Node, dims: list[int]) -> tuple[str, list[s
 def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     """Schedule ``row reduction``: the input seen as (outer, R, inner); one program
     per outer row and BLOCK_I inner columns loops over R in BLOCK_R chunks."""
+    if matmul_rows.try_lower(lw, node, op):  # the product it reduces in the same kernel
+        return
     if fused_rows.try_lower(lw, node):  # with the nodes on the same rows, one kernel
         return
     raw = bind_args(node)
@@ -106,7 +108,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         views = []
     out_vals = meta_val(node)
     out_vals = list(out_vals) if isinstance(out_vals, tuple | list) else [out_vals]
-    if name in ("max", "min") and len(out_vals) == 2 and not _index_read(lw, node):
+    if name in ("max", "min") and len(out_vals) == 2 and not index_read(lw, node):
         out_vals = out_vals[:1]  # max.dim's indices read by nothing: the values alone
     src_shape = lw.shape_of(src)
     kept = [(f"{src_shape}[{d}]" if d not in dims else "1") for d in range(rank)
@@ -212,7 +214,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
             len(meta_val(node)) - len(items)))
 
 
-def _index_read(lw: Lowerer, node: torch.fx.Node) -> bool:
+def index_read(lw: Lowerer, node: torch.fx.Node) -> bool:
     """Whether anything the Model's outputs need reads ``node``'s indices (item 1)."""
     import operator
 
