@@ -1,7 +1,8 @@
 """A matmul with a row reduction as its epilogue
 (services/generator/lowering/schedules/matmul_rows.py): Linear, an element-wise chain
-and a reduction over the columns in one kernel whose product never reaches memory,
-verified end to end on cpu at two sizes with counted traffic equal to the tiled reads."""
+and a reduction over the columns (logsumexp's online max and sum included) in one
+kernel whose product never reaches memory, verified end to end on cpu at two sizes
+with counted traffic equal to the tiled reads."""
 
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ OPS = {
     "mean": "(self.linear(x) / 2).mean(dim=1)",
     "max": "torch.max(self.linear(x), dim=1, keepdim=True).values",
     "amin": "torch.amin(torch.relu(self.linear(x)) * 2.0, dim=-1)",
+    "logsumexp": "torch.logsumexp(torch.sigmoid(self.linear(x)) * 4.0, dim=1)",
 }
 # Two sizes of different divisibility: M and N multiples of the 32 x 32 tiles, then
 # ragged M, N and K (the last tiles masked).
@@ -77,12 +79,15 @@ async def verify(verifier, name: str, sizes: dict, **params) -> VerifyResult:
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_linear_chain_and_reduction_lower_to_one_kernel(name) -> None:
     code = lower_task(task(name), SIZES[1])
-    assert [k.rsplit("_", 1)[0] for k in kernel_names(code)] == ["matmul_rows_kernel"], code
+    names = [k.rsplit("_", 1)[0] for k in kernel_names(code)]
+    # logsumexp's log(sum) + shift: a pointwise kernel over the M results
+    assert names == ["matmul_rows_kernel"] + (["pointwise_kernel"] if name == "logsumexp"
+                                              else []), code
     body = code.split("\nimport torch\n", 1)[1]  # after the header naming the sizes
     assert "150" not in body and "37" not in body  # shape-generic: no size baked in
 
 
-@pytest.mark.parametrize("name", representatives(sorted(OPS), ("sum", "max")))
+@pytest.mark.parametrize("name", representatives(sorted(OPS), ("sum", "logsumexp")))
 @pytest.mark.parametrize("sizes", SIZES, ids=["pow2", "ragged"])
 async def test_the_product_never_reaches_memory(shared_verifier, name, sizes) -> None:
     """One launch; x is read once per column tile, the weight and the bias once per row
@@ -90,11 +95,12 @@ async def test_the_product_never_reaches_memory(shared_verifier, name, sizes) ->
     result = await verify(shared_verifier, name, sizes)
     m, k, n = sizes["batch"], sizes["in_features"], sizes["out_features"]
     t = result.traffic
-    assert t.launches == 1, t
     launch = t.per_launch[0]
     assert launch.kernel.startswith("matmul_rows_kernel_"), launch
     assert launch.loaded == 4 * (m * k * math.ceil(n / TILE) + (n * k + n) * math.ceil(m / TILE))
-    assert launch.stored == 4 * m
+    # logsumexp stores its shift too (the max, read by the pointwise log(sum) + shift)
+    assert launch.stored == 4 * m * (2 if name == "logsumexp" else 1)
+    assert t.launches == (2 if name == "logsumexp" else 1), t
 
 
 async def test_without_row_fusion_the_product_is_stored_and_read_back(shared_verifier) -> None:
