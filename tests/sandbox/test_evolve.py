@@ -11,6 +11,7 @@ import pytest
 from schemas import JobSubmit, VerifyRequest, VerifyResult
 from services.generator.coders.base import CPU_BLOCK_SIZE, CPU_TILES, BuiltinCoder, Candidate
 from services.generator.evolve import (
+    DEFAULT_PARAMS,
     BuiltinMutator,
     EvolveSearch,
     EvolveState,
@@ -50,11 +51,13 @@ class Recorder:
         self.verifier = verifier
         self.submit = submit
         self.verified: list[str] = []
+        self.codes: dict[str, str] = {}
         self.checkpoints: list[bytes] = []
         self.events: list[str] = []
 
     async def verify(self, candidate: Candidate, candidate_id: str) -> VerifyResult:
         self.verified.append(candidate_id)
+        self.codes[candidate_id] = candidate.code
         request = VerifyRequest(
             request_id=f"req-{candidate_id}", job_id=self.submit.job_id or "j",
             candidate_id=candidate_id, op_name="relu", task_desc=self.submit.task_desc,
@@ -209,3 +212,32 @@ async def test_a_single_jobs_launch_parameters_follow_its_backend(coder) -> None
     # A job's own parameters win over the backend's defaults.
     tuned = await coder.generate(make_submit(job_type="single", backend="cpu"), block_size=256)
     assert tuned.meta == {"block_size": 256, **CPU_TILES} and "BLOCK_SIZE=256," in tuned.code
+
+
+@pytest.mark.slow  # three interpreted convolution verifications: ~50 s
+async def test_an_evolve_job_on_a_convolution_tunes_its_tiles(verifier, coder) -> None:
+    """A conv task's evolve search verifies candidates at several tile sizes: the conv
+    kernel's BLOCK_M / BLOCK_N / BLOCK_K follow each candidate's point, every one passes,
+    and the fitness is the modeled time (the cpu backend's)."""
+    from tests.sandbox.test_conv_lowering import conv_task
+
+    submit = make_submit(task_desc=conv_task("conv2d_relu_epilogue"), op_name="conv",
+                         job_id="evo-conv", max_rounds=1, parallel_num=3, num_islands=1,
+                         shape_overrides={"batch": 1, "height": 6, "width": 7})
+    rec = Recorder(verifier, submit)
+    search = EvolveSearch(submit, BuiltinMutator(coder), rec.verify, rec.report, rec.checkpoint,
+                          concurrency=1, fitness="modeled_time")
+    result = await search.run()
+    s = search.summary
+    assert result.passed and s.fitness == "modeled_time"
+    tiles = set()
+    for c in s.candidates:
+        assert c.passed, c
+        assert c.modeled_time_us is not None, c
+        p = {**DEFAULT_PARAMS, **c.params}
+        tile = (p["block_m"], p["block_n"], p["block_k"])
+        code = rec.codes[c.candidate_id]
+        assert "conv_kernel_" in code
+        assert f"BLOCK_M={tile[0]}, BLOCK_N={tile[1]}, BLOCK_K={tile[2]}" in code, code
+        tiles.add(tile)
+    assert len(s.candidates) == 3 and len(tiles) == 3, tiles
