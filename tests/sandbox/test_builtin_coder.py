@@ -488,6 +488,10 @@ SCHEDULES = {
     "pool3d": ("x", "self.pool(x) + F.avg_pool3d(x, 3, stride=2, padding=1)",
                "        self.pool = nn.MaxPool3d(3, stride=2, padding=1)\n",
                "torch.randn(2, 3, rows, 6, features // 4)"),
+    # windows of more than 32 elements: loops, not unrolled (GPU compile time)
+    "pool_large_window": ("x", "F.avg_pool2d(x, 7, stride=3, padding=2) "
+                          "+ F.max_pool2d(x, (5, 7), stride=3, padding=(1, 2))", "",
+                          "torch.randn(2, 3, rows, features)"),
 }
 
 
@@ -623,3 +627,10 @@ def test_scalar_input_used_as_a_dim_is_baked_in():
     candidate = lower_task(task_src)
     assert "i_d" not in candidate
     _assert_matches(task_src, candidate, rtol=1e-5, atol=1e-5)
+
+
+def test_a_large_pooling_window_is_a_loop_and_a_small_one_unrolled() -> None:
+    large = lower_task(schedule_task("pool_large_window"))
+    assert "tl.static_range" not in large and "for k1 in range(7):" in large, large
+    small = lower_task(schedule_task("max_pool2d"))
+    assert "for k1 in tl.static_range(3):" in small, small

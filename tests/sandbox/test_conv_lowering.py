@@ -150,7 +150,10 @@ def test_epilogue_is_fused_into_the_conv_kernel():
 def test_tiles_are_launch_parameters_and_sizes_are_read_at_run_time():
     candidate = lower_task(conv_task("conv2d_grouped"), block_m=64, block_n=16, block_k=16,
                            num_warps=2, num_stages=3)
-    assert "BLOCK_M=64, BLOCK_N=16, BLOCK_K=16, num_warps=2, num_stages=3" in candidate
+    # BLOCK_N: the point's, or fewer when a group has fewer output channels (16 here)
+    assert re.search(r"(block_n\d+) = max\(16, min\(16, triton\.next_power_of_2\(.*\n(.*\n)*"
+                     r".*BLOCK_M=64, BLOCK_N=\1, BLOCK_K=16, num_warps=2, num_stages=3",
+                     candidate), candidate
     kernels = "\n".join(f.group(0) for f in re.finditer(
         r"@triton\.jit\ndef conv_kernel_.*?(?=\n\n\n)", candidate, re.DOTALL))
     # no extent of the task (8 x 9, 4 channels in, 32 out, 16 a group) is a literal in

@@ -217,7 +217,8 @@ async def test_a_single_jobs_launch_parameters_follow_its_backend(coder) -> None
 @pytest.mark.slow  # three interpreted convolution verifications: ~50 s
 async def test_an_evolve_job_on_a_convolution_tunes_its_tiles(verifier, coder) -> None:
     """A conv task's evolve search verifies candidates at several tile sizes: the conv
-    kernel's BLOCK_M / BLOCK_N / BLOCK_K follow each candidate's point, every one passes,
+    kernel's BLOCK_M / BLOCK_N / BLOCK_K follow each candidate's point (BLOCK_N capped
+    by the output channels), every one passes,
     and the fitness is the modeled time (the cpu backend's)."""
     from tests.sandbox.test_conv_lowering import conv_task
 
@@ -238,6 +239,8 @@ async def test_an_evolve_job_on_a_convolution_tunes_its_tiles(verifier, coder) -
         tile = (p["block_m"], p["block_n"], p["block_k"])
         code = rec.codes[c.candidate_id]
         assert "conv_kernel_" in code
-        assert f"BLOCK_M={tile[0]}, BLOCK_N={tile[1]}, BLOCK_K={tile[2]}" in code, code
+        # BLOCK_N: the point's, or the output channels' power of two when fewer
+        assert f"min({tile[1]}, triton.next_power_of_2(" in code, code
+        assert f"BLOCK_M={tile[0]}, BLOCK_N=block_n" in code and f"BLOCK_K={tile[2]}," in code
         tiles.add(tile)
     assert len(s.candidates) == 3 and len(tiles) == 3, tiles

@@ -307,12 +307,25 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
                            *([] if pc.direct else ["BLOCK_K: tl.constexpr"])], doc, lines, ops)
     bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
     cols, grid_z = (f"{out}.shape[1]", "1") if pc.direct else (cog, pc.groups)
+    # No wider than the output channels (a group's): 8 channels in 128 columns left 15
+    # of 16 lanes masked; interpreted, a transposed 3-D convolution took minutes.
+    # tl.dot needs 16 columns at least. The direct kernel takes as many more output
+    # pixels as it has columns fewer (the same tile size): each program walks the whole
+    # window once, so fewer programs make fewer steps.
+    block_n = lw.fresh("block_n")
+    fit = f"min({bn}, triton.next_power_of_2({cols}))"
+    forward = [f"{block_n} = {fit if pc.direct else f'max(16, {fit})'}"]
+    block_m = str(bm)
+    if pc.direct:
+        block_m = lw.fresh("block_m")
+        forward.append(f"{block_m} = {bm} * {bn} // {block_n}")
     lw.forward += [
+        *forward,
         f"if {out}.numel() > 0:",
-        f"    {kname}[(triton.cdiv({m}, {bm}), triton.cdiv({cols}, {bn}), {grid_z})](",
+        f"    {kname}[(triton.cdiv({m}, {block_m}), triton.cdiv({cols}, {block_n}), {grid_z})](",
         f"        {', '.join(launch)},",
         f"        {''.join(f'KS{d}={w}.shape[{d + 2}], ' for d in spatial)}"
-        f"BLOCK_M={bm}, BLOCK_N={bn}, {'' if pc.direct else f'BLOCK_K={bk}, '}"
+        f"BLOCK_M={block_m}, BLOCK_N={block_n}, {'' if pc.direct else f'BLOCK_K={bk}, '}"
         f"num_warps={lw.p['num_warps']}, "
         f"num_stages={lw.p['num_stages']})",
     ]

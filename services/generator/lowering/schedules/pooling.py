@@ -8,6 +8,7 @@ AvgPoolKernel.cpp).
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from typing import TYPE_CHECKING, Any
@@ -21,6 +22,9 @@ from services.generator.lowering.registry import check_dtype, refuse
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
+
+# Window elements up to which the window loops are unrolled at compile time.
+_UNROLLED_WINDOW = 32
 
 
 def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
@@ -105,9 +109,13 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
             lines.append("arg = tl.full([BLOCK_SIZE], -1, tl.int64)")
     else:
         lines.append("acc = tl.zeros([BLOCK_SIZE], tl.float32)")
+    # A small window is unrolled (tl.static_range); a large one stays a loop: 11 x 11
+    # unrolled loads took Triton's GPU compiler 150 s (KernelBench level 1's average
+    # pooling 2-D), as a loop well under a second.
+    loop = "tl.static_range" if math.prod(kernel) <= _UNROLLED_WINDOW else "range"
     indent = ""
     for d in range(n):
-        lines += [f"{indent}for k{d} in tl.static_range({kernel[d]}):",
+        lines += [f"{indent}for k{d} in {loop}({kernel[d]}):",
                   f"{indent}    i{d} = o{d} * {stride[d]} - {padding[d]} + k{d} * {dilation[d]}",
                   f"{indent}    ok{d} = {'mask' if d == 0 else f'ok{d - 1}'} "
                   f"& (i{d} >= 0) & (i{d} < L{d})"]
