@@ -31,6 +31,7 @@ from services.generator.lowering.ir import (
     meta_val,
     reachable,
 )
+from services.generator.lowering.parameters import attr_path
 from services.generator.lowering.registry import (
     CONSTANTS,
     RULES,
@@ -343,7 +344,7 @@ class Lowerer:
             if kind == InputKind.CONSTANT_TENSOR:
                 raise LoweringError("inputs", f"the task's Model holds a constant tensor "
                                     f"({spec.target}); use the LLM coder")
-            self.values[node] = Value("tensor", "self." + spec.target)
+            self.values[node] = Value("tensor", attr_path("self", spec.target))
         else:
             raise LoweringError("inputs", f"the task's Model takes a {kind.name.lower()} "
                                 "input; use the LLM coder")

@@ -2,7 +2,10 @@
 
 Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms,
 ``nn.Conv*d`` and ``nn.ConvTranspose*d``) are
-constructed again from their attributes; each direct ``nn.Parameter`` is created with
+constructed again from their attributes; containers (``nn.Sequential``,
+``nn.ModuleList``) and other modules holding parameters become plain ``nn.Module``s
+with the same attribute names, so a parameter's qualified name (``features.0.weight``)
+is the same in ModelNew (:func:`attr_path`); each ``nn.Parameter`` is created with
 the function (``torch.randn``, ``rand``, ``zeros``, ``ones`` or its fixed values) that,
 from the same seed, gives the Model's values. Sizes equal to an init argument are read
 from ``args``, so ModelNew built at another size follows. Anything else raises
@@ -12,6 +15,7 @@ from ``args``, so ModelNew built at another size follows. Anything else raises
 from __future__ import annotations
 
 import itertools
+import keyword
 from typing import Any
 
 import torch
@@ -36,6 +40,13 @@ class _Args:
             if (isinstance(value, tuple | list) and isinstance(arg, tuple | list)
                     and tuple(arg) == tuple(value)):
                 return f"tuple(args[{i}])"
+        if isinstance(value, int) and type(value) is not bool:
+            # an element of a list argument (an MLP's ``layer_sizes``)
+            for i, arg in enumerate(self.init_inputs):
+                if isinstance(arg, tuple | list):
+                    for j, item in enumerate(arg):
+                        if type(item) is int and item == value:
+                            return f"args[{i}][{j}]"
         if isinstance(value, tuple | list):
             return "(" + "".join(f"{self(v)}, " for v in value) + ")"
         return repr(value)
@@ -60,11 +71,57 @@ def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
                 f"eps={module.eps}, affine={module.affine})")
     if type(module) in _CONVS:
         return _conv_ctor(module, a)
+    return None
+
+
+def attr(owner: str, name: str) -> str:
+    """The expression for ``owner``'s attribute ``name`` (``self.fc``; a container's
+    numbered child ``getattr(self.layers, '0')``)."""
+    if name.isidentifier() and not keyword.iskeyword(name):
+        return f"{owner}.{name}"
+    return f"getattr({owner}, {name!r})"
+
+
+def attr_path(owner: str, dotted: str) -> str:
+    """``owner``'s attribute at the dotted path ``dotted`` (a parameter's or buffer's
+    fully qualified name, ``features.0.weight``) as a Python expression."""
+    for name in dotted.split("."):
+        owner = attr(owner, name)
+    return owner
+
+
+def _declare(owner: str, name: str, module: torch.nn.Module, a: _Args) -> list[str]:
+    """Lines declaring ``module`` again as ``owner``'s attribute ``name``: a known module
+    by its constructor; a container (``nn.Sequential``, ``nn.ModuleList``) or another
+    module holding parameters as a plain ``nn.Module`` with the same attribute names,
+    its own parameters (``torch.randn`` of their shape, matched later) before its
+    children, in registration order; nothing for a module without parameters or
+    buffers (activations, dropout, pooling)."""
+    def assign(value: str) -> str:
+        target = attr(owner, name)
+        if target.startswith("getattr("):
+            return f"setattr({owner}, {name!r}, {value})"
+        return f"{target} = {value}"
+
+    ctor = _module_ctor(module, a)
+    if ctor is not None:
+        return [assign(ctor)]
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
-        return None  # nothing to declare (activations, dropout, pooling)
-    raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
-                        "with parameters the built-in coder cannot declare again; use the "
-                        "LLM coder")
+        return []
+    if any(True for _ in module.buffers(recurse=False)) or any(
+            not n.isidentifier() or keyword.iskeyword(n) for n in module._parameters):
+        raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
+                            "with buffers or parameters the built-in coder cannot declare "
+                            "again; use the LLM coder")
+    path = attr(owner, name)
+    lines = [assign("nn.Module()")]
+    for pname, value in module._parameters.items():
+        if value is not None:
+            lines.append(f"{path}.{pname} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
+    for cname, child in module._modules.items():
+        if child is not None:
+            lines += _declare(path, cname, child, a)
+    return lines
 
 
 _CONVS = tuple(getattr(torch.nn, f"Conv{t}{d}d") for t in ("", "Transpose") for d in (1, 2, 3))
@@ -99,9 +156,7 @@ def init_lines(task: Task) -> list[str]:
     lines: list[str] = []
     for kind, name, value in task.registered:
         if kind == "module":
-            ctor = _module_ctor(value, a)
-            if ctor is not None:
-                lines.append(f"self.{name} = {ctor}")
+            lines += _declare("self", name, value, a)
         else:
             lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
     if not lines:
