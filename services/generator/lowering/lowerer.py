@@ -45,6 +45,7 @@ from services.generator.lowering.registry import (
     schedule_of,
 )
 from services.generator.lowering.schedules import (
+    concat,
     conv,
     flip,
     matmul,
@@ -489,4 +490,6 @@ _SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
     "pooling": pooling.lower,
     "flip": flip.lower,
     "convolution": conv.lower,
+    "concat": concat.lower_cat,
+    "split": concat.lower_split,
 }
