@@ -35,9 +35,9 @@ SMALL = {"batch_size": 16, "dim": 4096}
 # The only calls ModelNew.forward may make: no torch compute, only allocate and launch.
 FORWARD_CALLS = {"contiguous", "empty_like", "empty", "numel", "cdiv", "stride", "reshape",
                  "expand", "permute", "unsqueeze", "squeeze", "select", "t", "transpose",
-                 "arange", "next_power_of_2"}
+                 "arange", "next_power_of_2", "narrow", "split", "chunk", "unbind"}
 # Host-side integer helpers (a fused row kernel picks its tile from the row length).
-FORWARD_HELPERS = {"_broadcast_shape", "_strides", "_flat", "tuple", "max", "min"}
+FORWARD_HELPERS = {"_broadcast_shape", "_strides", "_flat", "tuple", "max", "min", "getattr"}
 
 _counter = itertools.count()
 
@@ -485,6 +485,11 @@ SCHEDULES = {
     "avg_pool1d": ("x", "F.avg_pool1d(x, 4, stride=3, padding=2, ceil_mode=True, "
                    "count_include_pad=False) + F.avg_pool1d(x, 4, stride=3, padding=2, "
                    "ceil_mode=True)", "", "torch.randn(2, rows, features)"),
+    # concatenation (a strided copy per input) of split / chunk views (test_concat_lowering)
+    "cat_split": ("x, y", "torch.cat([*(p * 2.0 for p in self.fc(x).split(8, dim=1)), y, "
+                  "x.t().chunk(2, dim=0)[1].t()], dim=1)",
+                  "        self.fc = nn.Linear(features, 24)\n",
+                  f"{SIGNED}, torch.randn(rows, 5)"),
     "pool3d": ("x", "self.pool(x) + F.avg_pool3d(x, 3, stride=2, padding=1)",
                "        self.pool = nn.MaxPool3d(3, stride=2, padding=1)\n",
                "torch.randn(2, 3, rows, 6, features // 4)"),

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from services.generator.coders.errors import LoweringError
+from services.generator.lowering.init_args import follow_init_args
 from services.generator.lowering.task import Task
 
 
@@ -90,18 +91,24 @@ def attr_path(owner: str, dotted: str) -> str:
     return owner
 
 
-def _declare(owner: str, name: str, module: torch.nn.Module, a: _Args) -> list[str]:
-    """Lines declaring ``module`` again as ``owner``'s attribute ``name``: a known module
-    by its constructor; a container (``nn.Sequential``, ``nn.ModuleList``) or another
-    module holding parameters as a plain ``nn.Module`` with the same attribute names,
-    its own parameters (``torch.randn`` of their shape, matched later) before its
-    children, in registration order; nothing for a module without parameters or
-    buffers (activations, dropout, pooling)."""
-    def assign(value: str) -> str:
-        target = attr(owner, name)
-        if target.startswith("getattr("):
-            return f"setattr({owner}, {name!r}, {value})"
-        return f"{target} = {value}"
+def _declare(owner: str, name: str, module: torch.nn.Module, a: Any) -> list[tuple[str, str]]:
+    """``(path, line)`` pairs declaring ``module`` again as ``owner``'s attribute
+    ``name``: a known module by its constructor; a container (``nn.Sequential``,
+    ``nn.ModuleList``) or another module holding parameters as a plain ``nn.Module``
+    with the same attribute names, its own parameters (``torch.randn`` of their shape,
+    matched later) before its children, in registration order; nothing for a module
+    without parameters or buffers (activations, dropout, pooling). Sizes are rendered
+    by ``a``.
+
+    Raises:
+        LoweringError: (``parameters``) a module of another kind holds buffers.
+    """
+    path = attr(owner, name)
+
+    def assign(value: str) -> tuple[str, str]:
+        if name.isidentifier() and not keyword.iskeyword(name):
+            return path, f"{owner}.{name} = {value}"
+        return path, f"setattr({owner}, {name!r}, {value})"
 
     ctor = _module_ctor(module, a)
     if ctor is not None:
@@ -113,14 +120,35 @@ def _declare(owner: str, name: str, module: torch.nn.Module, a: _Args) -> list[s
         raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
                             "with buffers or parameters the built-in coder cannot declare "
                             "again; use the LLM coder")
-    path = attr(owner, name)
     lines = [assign("nn.Module()")]
     for pname, value in module._parameters.items():
         if value is not None:
-            lines.append(f"{path}.{pname} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
+            lines.append((f"{path}.{pname}", f"{path}.{pname} = "
+                          f"nn.Parameter(torch.randn({a(tuple(value.shape))}))"))
     for cname, child in module._modules.items():
         if child is not None:
             lines += _declare(path, cname, child, a)
+    return lines
+
+
+def _raw(value: Any) -> str:
+    """Sizes as plain numbers (what :func:`.init_args.follow_init_args` compares)."""
+    if isinstance(value, tuple | list):
+        return "(" + "".join(f"{_raw(v)}, " for v in value) + ")"
+    return repr(value)
+
+
+def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[tuple[str, str]]:
+    """``(path, line)`` for each of the Model's attributes in ``task.registered``,
+    looked up by name on ``model`` (the task's Model or one built at other sizes)."""
+    lines: list[tuple[str, str]] = []
+    for kind, name, _ in task.registered:
+        value = getattr(model, name)
+        if kind == "module":
+            lines += _declare("self", name, value, a)
+        else:
+            lines.append((f"self.{name}",
+                          f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))"))
     return lines
 
 
@@ -150,17 +178,13 @@ def init_lines(task: Task) -> list[str]:
     Each direct parameter is created as the task does, with ``torch.randn`` (the usual
     KernelBench spelling), ``torch.rand``, ``torch.zeros``, ``torch.ones`` of its shape or
     its fixed values; which one is checked by building both models from the same seed.
-    Sizes equal to an init argument are read from ``args``.
+    Sizes follow the init arguments (:func:`.init_args.follow_init_args`); where
+    they cannot be fitted, sizes equal to an init argument are read from ``args``.
     """
-    a = _Args(task.init_inputs)
-    lines: list[str] = []
-    for kind, name, value in task.registered:
-        if kind == "module":
-            lines += _declare("self", name, value, a)
-        else:
-            lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
-    if not lines:
-        return lines
+    fallback = _declarations(task, task.model, _Args(task.init_inputs))
+    if not fallback:
+        return []
+    lines = follow_init_args(task, lambda model: _declarations(task, model, _raw), fallback)
     return _match_parameters(task, lines)
 
 

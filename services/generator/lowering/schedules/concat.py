@@ -77,10 +77,10 @@ def lower_cat(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
 
 def lower_split(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     """``split_with_sizes`` / ``split`` / ``chunk`` / ``unbind``: views in forward, one
-    tuple item each (read by the graph's ``getitem`` nodes). Sizes equal to each other
-    are written as the split extent divided by their count (the qkv split of a fused
-    projection follows the model's width); others are read at run time where an input
-    extent explains them."""
+    tuple item each (read by the graph's ``getitem`` nodes). A split into equal fixed
+    parts is written as ``chunk`` of their count (the qkv split of a fused projection
+    follows the model's width; ``x.chunk(2)`` of an odd extent gives torch's parts);
+    other sizes are read at run time where an input extent explains them."""
     raw = bind_args(node)
     src = lw.materialize(raw["self"])
     val = meta_val(node)
@@ -96,7 +96,7 @@ def lower_split(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         if isinstance(sizes, list | tuple):
             sizes = list(sizes)
             if len(sizes) > 1 and all(type(s) is int for s in sizes) and len(set(sizes)) == 1:
-                expr = f"{src}.split({src}.shape[{dim}] // {len(sizes)}, {dim})"
+                expr = f"{src}.chunk({len(sizes)}, {dim})"
             else:
                 expr = f"{src}.split({lw.size_list(sizes)}, {dim})"
         else:
