@@ -142,7 +142,9 @@ def _size_literals(tree: ast.Module) -> dict[str, ast.Constant]:
 
 
 def _elements(source: str) -> int:
-    """Elements of one Model's inputs and parameters, counted on the meta device."""
+    """Elements of one Model's inputs and parameters, counted on the meta device, where
+    its forward runs too (so a size whose halving breaks the Model, an input channel
+    count its first convolution fixes or an image too small for its pooling, raises)."""
     import torch
 
     module = types.ModuleType("kernelbench_task")
@@ -150,6 +152,8 @@ def _elements(source: str) -> int:
     with torch.device("meta"):
         model = module.Model(*module.get_init_inputs())
         inputs = module.get_inputs()
+        with torch.no_grad():
+            model(*inputs)
     total = sum(x.numel() for x in inputs if isinstance(x, torch.Tensor))
     return total + sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for b in model.buffers())
