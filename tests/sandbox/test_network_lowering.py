@@ -40,6 +40,16 @@ class Block(nn.Module):
         return torch.relu(self.fc(x)) * self.scale
 
 
+class Residual(nn.Module):
+    def __init__(self, features, downsample):
+        super().__init__()
+        self.conv = nn.Conv2d(features, 6, 3, stride=2, padding=1)
+        self.downsample = downsample
+
+    def forward(self, x):
+        return torch.relu(self.conv(x) + self.downsample(x))
+
+
 class Model(nn.Module):
     def __init__(self, features, layer_sizes):
         super().__init__()
@@ -92,6 +102,14 @@ NETWORKS = {
         "x.transpose(0, 1).flip(0)[:4].transpose(0, 1)], dim=-1))"
         "(*self.qkv(x).split(features, dim=-1))",
         "torch.randn(batch, features)", ""),
+    # a residual block given its downsample, built before the block that registers it
+    # last (ResNet's _make_layer): modules are created in the Model's order
+    "residual_downsample": (
+        "        downsample = nn.Sequential(nn.Conv2d(features, 6, 1, stride=2), "
+        "nn.BatchNorm2d(6))\n"
+        "        self.block = Residual(features, downsample)\n",
+        "self.block(x)", "torch.randn(batch, features, height, width)",
+        "height = 5\nwidth = 8\n"),
 }
 # Two size sets beside the task's own: odd extents, then powers of two.
 OVERRIDES = ({"batch": 3, "features": 9, "height": 7, "width": 3, "layer_sizes": [5, 11]},
@@ -109,7 +127,7 @@ def _overrides(name: str, sizes: dict) -> dict:
 
 
 @pytest.mark.parametrize("name", representatives(sorted(NETWORKS), (
-    "sequential_mlp", "dense_concat", "qkv_split_cat")))
+    "sequential_mlp", "dense_concat", "qkv_split_cat", "residual_downsample")))
 def test_network_passes_the_worker(name, shared_verifier):
     from schemas import VerifyRequest
 
@@ -146,6 +164,17 @@ def test_custom_submodule_parameters_are_declared_before_its_children():
     scale = candidate.index(f"{block}.scale = nn.Parameter(torch.randn((args[0], )))")
     assert scale < candidate.index(f"{block}.fc = nn.Linear(args[0], args[0], bias=True)")
     assert "setattr(getattr(self.head, '1'), '0', nn.Linear(args[0], args[1][0]" in candidate
+
+
+def test_modules_are_created_in_the_models_order_under_their_names():
+    candidate = lower_task(network_task("residual_downsample"))
+    init = candidate[candidate.index("def __init__"):candidate.index("def forward")]
+    # placeholders first (the block's conv keeps its place before downsample), then the
+    # downsample's convolution and norm, then the block's convolution
+    assert init.index("self.block.conv = nn.Module()") < init.index(
+        "self.block.downsample = nn.Module()")
+    assert init.index("setattr(self.block.downsample, '1', nn.BatchNorm2d") < init.index(
+        "self.block.conv = nn.Conv2d")
 
 
 def test_concatenation_is_one_copy_kernel_launched_per_input():

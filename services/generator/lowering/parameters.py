@@ -1,14 +1,16 @@
 """``ModelNew.__init__``: the task Model's parameters declared again, in the same order.
 
 Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms,
-``nn.Conv*d`` and ``nn.ConvTranspose*d``) are
+``nn.Conv*d``, ``nn.ConvTranspose*d``, ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` and
+``nn.MultiheadAttention``) are
 constructed again from their attributes; containers (``nn.Sequential``,
 ``nn.ModuleList``) and other modules holding parameters become plain ``nn.Module``s
 with the same attribute names, so a parameter's qualified name (``features.0.weight``)
 is the same in ModelNew (:func:`attr_path`); each ``nn.Parameter`` is created with
 the function (``torch.randn``, ``rand``, ``zeros``, ``ones`` or its fixed values) that,
-from the same seed, gives the Model's values. Sizes equal to an init argument are read
-from ``args``, so ModelNew built at another size follows. Anything else raises
+from the same seed, gives the Model's values; modules and parameters are created in the
+order the Model created them. Sizes follow the init arguments they derive from
+(:mod:`.init_args`), so ModelNew built at another size follows. Anything else raises
 :class:`LoweringError` tagged ``parameters``.
 """
 
@@ -72,6 +74,19 @@ def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
                 f"eps={module.eps}, affine={module.affine})")
     if type(module) in _CONVS:
         return _conv_ctor(module, a)
+    if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
+        extra = f", nonlinearity={module.nonlinearity!r}" if type(module) is nn.RNN else ""
+        extra += f", proj_size={a(module.proj_size)}" if getattr(module, "proj_size", 0) else ""
+        return (f"nn.{type(module).__name__}({a(module.input_size)}, {a(module.hidden_size)}, "
+                f"num_layers={a(module.num_layers)}, bias={module.bias}, "
+                f"batch_first={module.batch_first}, dropout={module.dropout}, "
+                f"bidirectional={module.bidirectional}{extra})")
+    if type(module) is nn.MultiheadAttention:
+        return (f"nn.MultiheadAttention({a(module.embed_dim)}, {a(module.num_heads)}, "
+                f"dropout={module.dropout}, bias={module.in_proj_bias is not None}, "
+                f"add_bias_kv={module.bias_k is not None}, "
+                f"add_zero_attn={module.add_zero_attn}, kdim={a(module.kdim)}, "
+                f"vdim={a(module.vdim)}, batch_first={module.batch_first})")
     return None
 
 
@@ -91,28 +106,35 @@ def attr_path(owner: str, dotted: str) -> str:
     return owner
 
 
-def _declare(owner: str, name: str, module: torch.nn.Module, a: Any) -> list[tuple[str, str]]:
-    """``(path, line)`` pairs declaring ``module`` again as ``owner``'s attribute
-    ``name``: a known module by its constructor; a container (``nn.Sequential``,
-    ``nn.ModuleList``) or another module holding parameters as a plain ``nn.Module``
-    with the same attribute names, its own parameters (``torch.randn`` of their shape,
-    matched later) before its children, in registration order; nothing for a module
-    without parameters or buffers (activations, dropout, pooling). Sizes are rendered
-    by ``a``.
+# One declaration: (the attribute's path, its line, the creation index of its first
+# parameter or None for a container, the line holding its place until it is created).
+_Decl = tuple[str, str, "int | None", str]
+
+
+def _declare(owner: str, name: str, module: torch.nn.Module, a: Any,
+             created: dict[int, int]) -> list[_Decl]:
+    """Declarations of ``module`` again as ``owner``'s attribute ``name``: a known
+    module by its constructor; a container (``nn.Sequential``, ``nn.ModuleList``) or
+    another module holding parameters as a plain ``nn.Module`` with the same attribute
+    names, its own parameters (``torch.randn`` of their shape, matched later) before its
+    children, in registration order; nothing for a module without parameters or buffers
+    (activations, dropout, pooling). Sizes are rendered by ``a``; ``created`` gives
+    each parameter's creation index (:attr:`Task.created`).
 
     Raises:
         LoweringError: (``parameters``) a module of another kind holds buffers.
     """
     path = attr(owner, name)
 
-    def assign(value: str) -> tuple[str, str]:
+    def assign(value: str) -> str:
         if name.isidentifier() and not keyword.iskeyword(name):
-            return path, f"{owner}.{name} = {value}"
-        return path, f"setattr({owner}, {name!r}, {value})"
+            return f"{owner}.{name} = {value}"
+        return f"setattr({owner}, {name!r}, {value})"
 
     ctor = _module_ctor(module, a)
     if ctor is not None:
-        return [assign(ctor)]
+        order = min((created.get(id(p), -1) for p in module.parameters()), default=None)
+        return [(path, assign(ctor), order, assign("nn.Module()"))]
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
         return []
     if any(True for _ in module.buffers(recurse=False)) or any(
@@ -120,14 +142,16 @@ def _declare(owner: str, name: str, module: torch.nn.Module, a: Any) -> list[tup
         raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
                             "with buffers or parameters the built-in coder cannot declare "
                             "again; use the LLM coder")
-    lines = [assign("nn.Module()")]
+    lines: list[_Decl] = [(path, assign("nn.Module()"), None, "")]
     for pname, value in module._parameters.items():
         if value is not None:
             lines.append((f"{path}.{pname}", f"{path}.{pname} = "
-                          f"nn.Parameter(torch.randn({a(tuple(value.shape))}))"))
+                          f"nn.Parameter(torch.randn({a(tuple(value.shape))}))",
+                          created.get(id(value), -1),
+                          f"{path}.register_parameter({pname!r}, None)"))
     for cname, child in module._modules.items():
         if child is not None:
-            lines += _declare(path, cname, child, a)
+            lines += _declare(path, cname, child, a, created)
     return lines
 
 
@@ -138,18 +162,35 @@ def _raw(value: Any) -> str:
     return repr(value)
 
 
-def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[tuple[str, str]]:
-    """``(path, line)`` for each of the Model's attributes in ``task.registered``,
-    looked up by name on ``model`` (the task's Model or one built at other sizes)."""
-    lines: list[tuple[str, str]] = []
+def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[_Decl]:
+    """Declarations of the Model's attributes in ``task.registered``, looked up by name
+    on ``model`` (the task's Model or one built at other sizes)."""
+    created = task.created if model is task.model else {}
+    lines: list[_Decl] = []
     for kind, name, _ in task.registered:
         value = getattr(model, name)
         if kind == "module":
-            lines += _declare("self", name, value, a)
+            lines += _declare("self", name, value, a, created)
         else:
             lines.append((f"self.{name}",
-                          f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))"))
+                          f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))",
+                          created.get(id(value), -1),
+                          f"self.register_parameter({name!r}, None)"))
     return lines
+
+
+def _in_creation_order(decls: list[_Decl], lines: list[str]) -> list[str]:
+    """``lines`` (one per declaration) reordered so that modules and parameters are
+    created in the order the Model created them (seeded values then match): when that
+    is not the declaration order, every container and a placeholder for every module
+    and parameter come first, in declaration order (so names keep their order), then
+    the modules and parameters in creation order, each replacing its placeholder."""
+    orders = [d[2] for d in decls if d[2] is not None]
+    if orders == sorted(orders):
+        return lines
+    first = [line if d[2] is None else d[3] for d, line in zip(decls, lines, strict=True)]
+    later = sorted((d[2], k) for k, d in enumerate(decls) if d[2] is not None)
+    return first + [lines[k] for _, k in later]
 
 
 _CONVS = tuple(getattr(torch.nn, f"Conv{t}{d}d") for t in ("", "Transpose") for d in (1, 2, 3))
@@ -181,11 +222,12 @@ def init_lines(task: Task) -> list[str]:
     Sizes follow the init arguments (:func:`.init_args.follow_init_args`); where
     they cannot be fitted, sizes equal to an init argument are read from ``args``.
     """
-    fallback = _declarations(task, task.model, _Args(task.init_inputs))
-    if not fallback:
+    decls = _declarations(task, task.model, _Args(task.init_inputs))
+    if not decls:
         return []
-    lines = follow_init_args(task, lambda model: _declarations(task, model, _raw), fallback)
-    return _match_parameters(task, lines)
+    lines = follow_init_args(task, lambda model: [d[:2] for d in _declarations(task, model, _raw)],
+                             [d[:2] for d in decls])
+    return _match_parameters(task, _in_creation_order(decls, lines))
 
 
 def _match_parameters(task: Task, lines: list[str]) -> list[str]:
