@@ -196,3 +196,16 @@ def test_a_submodule_with_buffers_of_its_own_is_refused_fast():
         lower_task(task_src)
     assert info.value.op == "parameters"
     assert "Module with buffers or parameters" in str(info.value)
+
+
+def test_a_size_equal_to_an_init_argument_by_chance_stays_a_number():
+    """features = 12 and a head of 12 outputs: only the input width follows features
+    (the fit builds the Model at other init arguments and sees which sizes move)."""
+    task_src = NETWORK_TASK.format(
+        init="        self.head = nn.Linear(features, 12)\n"
+             "        self.narrow_fc = nn.Linear(12, features // 2)\n",
+        body="self.narrow_fc(self.head(x))", inputs="torch.randn(batch, features)", extents="")
+    candidate = lower_task(task_src)
+    assert "self.head = nn.Linear(args[0], 12, bias=True)" in candidate
+    assert "self.narrow_fc = nn.Linear(12, args[0] // 2, bias=True)" in candidate
+    _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
