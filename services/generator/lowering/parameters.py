@@ -137,12 +137,14 @@ def _declare(owner: str, name: str, module: torch.nn.Module, a: Any,
         return [(path, assign(ctor), order, assign("nn.Module()"))]
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
         return []
-    if any(True for _ in module.buffers(recurse=False)) or any(
-            not n.isidentifier() or keyword.iskeyword(n) for n in module._parameters):
+    if any(not n.isidentifier() or keyword.iskeyword(n) for n in module._parameters):
         raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
-                            "with buffers or parameters the built-in coder cannot declare "
-                            "again; use the LLM coder")
+                            "with parameters the built-in coder cannot declare again; use "
+                            "the LLM coder")
     lines: list[_Decl] = [(path, assign("nn.Module()"), None, "")]
+    for bname, value in module._buffers.items():
+        if value is not None:
+            lines.append(_buffer(module, path, bname, value, a))
     for pname, value in module._parameters.items():
         if value is not None:
             lines.append((f"{path}.{pname}", f"{path}.{pname} = "
@@ -153,6 +155,27 @@ def _declare(owner: str, name: str, module: torch.nn.Module, a: Any,
         if child is not None:
             lines += _declare(path, cname, child, a, created)
     return lines
+
+
+def _buffer(owner_module: torch.nn.Module, owner: str, name: str, value: torch.Tensor,
+            a: Any) -> _Decl:
+    """A buffer of a container or the task's own module declared again: only a causal
+    mask, ``torch.tril(torch.ones(n, n))`` viewed as ``(1, ..., 1, n, n)`` (GPT-style
+    attention), whose values are checked with the parameters'.
+
+    Raises:
+        LoweringError: (``parameters``) a buffer of any other shape or dtype.
+    """
+    shape = tuple(value.shape)
+    if (len(shape) < 2 or shape[-1] != shape[-2] or any(s != 1 for s in shape[:-2])
+            or value.dtype != torch.float32 or not name.isidentifier()):
+        raise LoweringError("parameters", f"the task's Model holds a buffer `{name}` of shape "
+                            f"{list(shape)} the built-in coder cannot declare again (only a "
+                            "causal mask, tril(ones(n, n))); use the LLM coder")
+    n = a(shape[-1])
+    persistent = name not in owner_module._non_persistent_buffers_set
+    return (f"{owner}.{name}", f"{owner}.register_buffer({name!r}, torch.tril(torch.ones("
+            f"{n}, {n})).view({a(shape)}), persistent={persistent})", None, "")
 
 
 def _raw(value: Any) -> str:
@@ -171,6 +194,8 @@ def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[_Decl]:
         value = getattr(model, name)
         if kind == "module":
             lines += _declare("self", name, value, a, created)
+        elif kind == "buffer":
+            lines.append(_buffer(model, "self", name, value, a))
         else:
             lines.append((f"self.{name}",
                           f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))",

@@ -37,7 +37,8 @@ class Task:
     """A task run far enough to export: its model, example inputs and forward names.
 
     ``registered`` lists the Model's direct attributes in the order ``__init__``
-    registered them: ``("module", name, module)`` or ``("parameter", name, tensor)``.
+    registered them: ``("module", name, module)``, ``("parameter", name, tensor)`` or
+    ``("buffer", name, tensor)``.
     ``created`` numbers every parameter of the Model (by ``id``) in the order it was
     registered anywhere in the Model, which is the order modules were constructed (a
     ResNet block's ``downsample`` is built before the block that registers it last).
@@ -104,6 +105,10 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         if owner is (top[0] if top else None) and value is not None:
             registered.append(("parameter", name, value))
 
+    def on_buffer(owner, name, value):
+        if owner is (top[0] if top else None) and value is not None:
+            registered.append(("buffer", name, value))
+
     class _Recorder:
         """Finds the top-level Model instance as soon as Module.__init__ runs on it."""
 
@@ -123,7 +128,8 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         torch.nn.Module.__init__ = init
         hooks = [torch.nn.modules.module.register_module_module_registration_hook(on_module),
                  torch.nn.modules.module.register_module_parameter_registration_hook(
-                     on_parameter)]
+                     on_parameter),
+                 torch.nn.modules.module.register_module_buffer_registration_hook(on_buffer)]
         try:
             phase("Model(*get_init_inputs())")
             model = module.Model(*init_inputs)
