@@ -118,7 +118,7 @@ def _int_value(node: ast.expr) -> int | None:
 
 def _size_literals(tree: ast.Module) -> dict[str, ast.Constant]:
     """Module-level ``name = <int>`` (``a = b = <int>``, ``n = 2048 * 2``, ``shape =
-    (4096,)``) literals that look like extents, folded to constants in ``tree``."""
+    (4096,)``, ``layer_sizes = [400, 800]``) literals that look like extents, folded to constants in ``tree``."""
     found: dict[str, ast.Constant] = {}
     for stmt in tree.body:
         if not isinstance(stmt, ast.Assign):
@@ -126,13 +126,14 @@ def _size_literals(tree: ast.Module) -> dict[str, ast.Constant]:
         names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
         if not names or not all(_is_extent(n) for n in names):
             continue
-        items = stmt.value.elts if isinstance(stmt.value, ast.Tuple) else [stmt.value]
+        items = (stmt.value.elts if isinstance(stmt.value, ast.Tuple | ast.List)
+                 else [stmt.value])
         for index, item in enumerate(items):
             value = _int_value(item)
             if value is None or value < 2:
                 continue
             constant = ast.Constant(value)
-            if isinstance(stmt.value, ast.Tuple):
+            if isinstance(stmt.value, ast.Tuple | ast.List):
                 stmt.value.elts[index] = constant
                 found[f"{names[0]}[{index}]"] = constant
             else:
@@ -142,7 +143,9 @@ def _size_literals(tree: ast.Module) -> dict[str, ast.Constant]:
 
 
 def _elements(source: str) -> int:
-    """Elements of one Model's inputs and parameters, counted on the meta device."""
+    """Elements of one Model's inputs and parameters, counted on the meta device, where
+    its forward runs too (so a size whose halving breaks the Model, an input channel
+    count its first convolution fixes or an image too small for its pooling, raises)."""
     import torch
 
     module = types.ModuleType("kernelbench_task")
@@ -150,6 +153,8 @@ def _elements(source: str) -> int:
     with torch.device("meta"):
         model = module.Model(*module.get_init_inputs())
         inputs = module.get_inputs()
+        with torch.no_grad():
+            model(*inputs)
     total = sum(x.numel() for x in inputs if isinstance(x, torch.Tensor))
     return total + sum(p.numel() for p in model.parameters()) + sum(
         b.numel() for b in model.buffers())

@@ -7,9 +7,9 @@ operator, the schedule that handles a node group, a Triton source emitter)::
                  task.export_program ──► core-ATen fx graph      (torch.export, decompositions)
                  lowerer.Lowerer.run: each node, in order ──► registry.schedule_of(op)
                     element-wise (registry.RULES) ──► fused into the kernel that reads it
-                    view / arange ──► a line of forward
+                    view / split / arange ──► a line of forward
                     schedules.{pointwise, reduction, matmul, scan, flip, pooling, conv,
-                               fused_rows, matmul_rows}
+                               concat, fused_rows, matmul_rows}
                         ──► a @triton.jit kernel (emit.add_kernel) and its launch
                  emit.render ──► the candidate: kernels + class ModelNew
                     (parameters.init_lines declares the Model's parameters again)

@@ -31,6 +31,7 @@ from services.generator.lowering.ir import (
     meta_val,
     reachable,
 )
+from services.generator.lowering.parameters import attr_path
 from services.generator.lowering.registry import (
     CONSTANTS,
     RULES,
@@ -44,6 +45,7 @@ from services.generator.lowering.registry import (
     schedule_of,
 )
 from services.generator.lowering.schedules import (
+    concat,
     conv,
     flip,
     matmul,
@@ -343,7 +345,7 @@ class Lowerer:
             if kind == InputKind.CONSTANT_TENSOR:
                 raise LoweringError("inputs", f"the task's Model holds a constant tensor "
                                     f"({spec.target}); use the LLM coder")
-            self.values[node] = Value("tensor", "self." + spec.target)
+            self.values[node] = Value("tensor", attr_path("self", spec.target))
         else:
             raise LoweringError("inputs", f"the task's Model takes a {kind.name.lower()} "
                                 "input; use the LLM coder")
@@ -488,4 +490,6 @@ _SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
     "pooling": pooling.lower,
     "flip": flip.lower,
     "convolution": conv.lower,
+    "concat": concat.lower_cat,
+    "split": concat.lower_split,
 }

@@ -1,22 +1,29 @@
 """``ModelNew.__init__``: the task Model's parameters declared again, in the same order.
 
 Known parameterised modules (``nn.Linear``, the batch/instance/layer/group norms,
-``nn.Conv*d`` and ``nn.ConvTranspose*d``) are
-constructed again from their attributes; each direct ``nn.Parameter`` is created with
+``nn.Conv*d``, ``nn.ConvTranspose*d``, ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` and
+``nn.MultiheadAttention``) are
+constructed again from their attributes; containers (``nn.Sequential``,
+``nn.ModuleList``) and other modules holding parameters become plain ``nn.Module``s
+with the same attribute names, so a parameter's qualified name (``features.0.weight``)
+is the same in ModelNew (:func:`attr_path`); each ``nn.Parameter`` is created with
 the function (``torch.randn``, ``rand``, ``zeros``, ``ones`` or its fixed values) that,
-from the same seed, gives the Model's values. Sizes equal to an init argument are read
-from ``args``, so ModelNew built at another size follows. Anything else raises
+from the same seed, gives the Model's values; modules and parameters are created in the
+order the Model created them. Sizes follow the init arguments they derive from
+(:mod:`.init_args`), so ModelNew built at another size follows. Anything else raises
 :class:`LoweringError` tagged ``parameters``.
 """
 
 from __future__ import annotations
 
 import itertools
+import keyword
 from typing import Any
 
 import torch
 
 from services.generator.coders.errors import LoweringError
+from services.generator.lowering.init_args import follow_init_args
 from services.generator.lowering.task import Task
 
 
@@ -36,6 +43,13 @@ class _Args:
             if (isinstance(value, tuple | list) and isinstance(arg, tuple | list)
                     and tuple(arg) == tuple(value)):
                 return f"tuple(args[{i}])"
+        if isinstance(value, int) and type(value) is not bool:
+            # an element of a list argument (an MLP's ``layer_sizes``)
+            for i, arg in enumerate(self.init_inputs):
+                if isinstance(arg, tuple | list):
+                    for j, item in enumerate(arg):
+                        if type(item) is int and item == value:
+                            return f"args[{i}][{j}]"
         if isinstance(value, tuple | list):
             return "(" + "".join(f"{self(v)}, " for v in value) + ")"
         return repr(value)
@@ -60,11 +74,148 @@ def _module_ctor(module: torch.nn.Module, a: _Args) -> str | None:
                 f"eps={module.eps}, affine={module.affine})")
     if type(module) in _CONVS:
         return _conv_ctor(module, a)
+    if type(module) in (nn.LSTM, nn.GRU, nn.RNN):
+        extra = f", nonlinearity={module.nonlinearity!r}" if type(module) is nn.RNN else ""
+        extra += f", proj_size={a(module.proj_size)}" if getattr(module, "proj_size", 0) else ""
+        return (f"nn.{type(module).__name__}({a(module.input_size)}, {a(module.hidden_size)}, "
+                f"num_layers={a(module.num_layers)}, bias={module.bias}, "
+                f"batch_first={module.batch_first}, dropout={module.dropout}, "
+                f"bidirectional={module.bidirectional}{extra})")
+    if type(module) is nn.MultiheadAttention:
+        return (f"nn.MultiheadAttention({a(module.embed_dim)}, {a(module.num_heads)}, "
+                f"dropout={module.dropout}, bias={module.in_proj_bias is not None}, "
+                f"add_bias_kv={module.bias_k is not None}, "
+                f"add_zero_attn={module.add_zero_attn}, kdim={a(module.kdim)}, "
+                f"vdim={a(module.vdim)}, batch_first={module.batch_first})")
+    return None
+
+
+def attr(owner: str, name: str) -> str:
+    """The expression for ``owner``'s attribute ``name`` (``self.fc``; a container's
+    numbered child ``getattr(self.layers, '0')``)."""
+    if name.isidentifier() and not keyword.iskeyword(name):
+        return f"{owner}.{name}"
+    return f"getattr({owner}, {name!r})"
+
+
+def attr_path(owner: str, dotted: str) -> str:
+    """``owner``'s attribute at the dotted path ``dotted`` (a parameter's or buffer's
+    fully qualified name, ``features.0.weight``) as a Python expression."""
+    for name in dotted.split("."):
+        owner = attr(owner, name)
+    return owner
+
+
+# One declaration: (the attribute's path, its line, the creation index of its first
+# parameter or None for a container, the line holding its place until it is created).
+_Decl = tuple[str, str, "int | None", str]
+
+
+def _declare(owner: str, name: str, module: torch.nn.Module, a: Any,
+             created: dict[int, int]) -> list[_Decl]:
+    """Declarations of ``module`` again as ``owner``'s attribute ``name``: a known
+    module by its constructor; a container (``nn.Sequential``, ``nn.ModuleList``) or
+    another module holding parameters as a plain ``nn.Module`` with the same attribute
+    names, its own parameters (``torch.randn`` of their shape, matched later) before its
+    children, in registration order; nothing for a module without parameters or buffers
+    (activations, dropout, pooling). Sizes are rendered by ``a``; ``created`` gives
+    each parameter's creation index (:attr:`Task.created`).
+
+    Raises:
+        LoweringError: (``parameters``) a module of another kind holds buffers.
+    """
+    path = attr(owner, name)
+
+    def assign(value: str) -> str:
+        if name.isidentifier() and not keyword.iskeyword(name):
+            return f"{owner}.{name} = {value}"
+        return f"setattr({owner}, {name!r}, {value})"
+
+    ctor = _module_ctor(module, a)
+    if ctor is not None:
+        order = min((created.get(id(p), -1) for p in module.parameters()), default=None)
+        return [(path, assign(ctor), order, assign("nn.Module()"))]
     if not any(True for _ in module.parameters()) and not any(True for _ in module.buffers()):
-        return None  # nothing to declare (activations, dropout, pooling)
-    raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
-                        "with parameters the built-in coder cannot declare again; use the "
-                        "LLM coder")
+        return []
+    if any(not n.isidentifier() or keyword.iskeyword(n) for n in module._parameters):
+        raise LoweringError("parameters", f"the task's Model holds a {type(module).__name__} "
+                            "with parameters the built-in coder cannot declare again; use "
+                            "the LLM coder")
+    lines: list[_Decl] = [(path, assign("nn.Module()"), None, "")]
+    for bname, value in module._buffers.items():
+        if value is not None:
+            lines.append(_buffer(module, path, bname, value, a))
+    for pname, value in module._parameters.items():
+        if value is not None:
+            lines.append((f"{path}.{pname}", f"{path}.{pname} = "
+                          f"nn.Parameter(torch.randn({a(tuple(value.shape))}))",
+                          created.get(id(value), -1),
+                          f"{path}.register_parameter({pname!r}, None)"))
+    for cname, child in module._modules.items():
+        if child is not None:
+            lines += _declare(path, cname, child, a, created)
+    return lines
+
+
+def _buffer(owner_module: torch.nn.Module, owner: str, name: str, value: torch.Tensor,
+            a: Any) -> _Decl:
+    """A buffer of a container or the task's own module declared again: only a causal
+    mask, ``torch.tril(torch.ones(n, n))`` viewed as ``(1, ..., 1, n, n)`` (GPT-style
+    attention), whose values are checked with the parameters'.
+
+    Raises:
+        LoweringError: (``parameters``) a buffer of any other shape or dtype.
+    """
+    shape = tuple(value.shape)
+    if (len(shape) < 2 or shape[-1] != shape[-2] or any(s != 1 for s in shape[:-2])
+            or value.dtype != torch.float32 or not name.isidentifier()):
+        raise LoweringError("parameters", f"the task's Model holds a buffer `{name}` of shape "
+                            f"{list(shape)} the built-in coder cannot declare again (only a "
+                            "causal mask, tril(ones(n, n))); use the LLM coder")
+    n = a(shape[-1])
+    persistent = name not in owner_module._non_persistent_buffers_set
+    return (f"{owner}.{name}", f"{owner}.register_buffer({name!r}, torch.tril(torch.ones("
+            f"{n}, {n})).view({a(shape)}), persistent={persistent})", None, "")
+
+
+def _raw(value: Any) -> str:
+    """Sizes as plain numbers (what :func:`.init_args.follow_init_args` compares)."""
+    if isinstance(value, tuple | list):
+        return "(" + "".join(f"{_raw(v)}, " for v in value) + ")"
+    return repr(value)
+
+
+def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[_Decl]:
+    """Declarations of the Model's attributes in ``task.registered``, looked up by name
+    on ``model`` (the task's Model or one built at other sizes)."""
+    created = task.created if model is task.model else {}
+    lines: list[_Decl] = []
+    for kind, name, _ in task.registered:
+        value = getattr(model, name)
+        if kind == "module":
+            lines += _declare("self", name, value, a, created)
+        elif kind == "buffer":
+            lines.append(_buffer(model, "self", name, value, a))
+        else:
+            lines.append((f"self.{name}",
+                          f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))",
+                          created.get(id(value), -1),
+                          f"self.register_parameter({name!r}, None)"))
+    return lines
+
+
+def _in_creation_order(decls: list[_Decl], lines: list[str]) -> list[str]:
+    """``lines`` (one per declaration) reordered so that modules and parameters are
+    created in the order the Model created them (seeded values then match): when that
+    is not the declaration order, every container and a placeholder for every module
+    and parameter come first, in declaration order (so names keep their order), then
+    the modules and parameters in creation order, each replacing its placeholder."""
+    orders = [d[2] for d in decls if d[2] is not None]
+    if orders == sorted(orders):
+        return lines
+    first = [line if d[2] is None else d[3] for d, line in zip(decls, lines, strict=True)]
+    later = sorted((d[2], k) for k, d in enumerate(decls) if d[2] is not None)
+    return first + [lines[k] for _, k in later]
 
 
 _CONVS = tuple(getattr(torch.nn, f"Conv{t}{d}d") for t in ("", "Transpose") for d in (1, 2, 3))
@@ -93,20 +244,15 @@ def init_lines(task: Task) -> list[str]:
     Each direct parameter is created as the task does, with ``torch.randn`` (the usual
     KernelBench spelling), ``torch.rand``, ``torch.zeros``, ``torch.ones`` of its shape or
     its fixed values; which one is checked by building both models from the same seed.
-    Sizes equal to an init argument are read from ``args``.
+    Sizes follow the init arguments (:func:`.init_args.follow_init_args`); where
+    they cannot be fitted, sizes equal to an init argument are read from ``args``.
     """
-    a = _Args(task.init_inputs)
-    lines: list[str] = []
-    for kind, name, value in task.registered:
-        if kind == "module":
-            ctor = _module_ctor(value, a)
-            if ctor is not None:
-                lines.append(f"self.{name} = {ctor}")
-        else:
-            lines.append(f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))")
-    if not lines:
-        return lines
-    return _match_parameters(task, lines)
+    decls = _declarations(task, task.model, _Args(task.init_inputs))
+    if not decls:
+        return []
+    lines = follow_init_args(task, lambda model: [d[:2] for d in _declarations(task, model, _raw)],
+                             [d[:2] for d in decls])
+    return _match_parameters(task, _in_creation_order(decls, lines))
 
 
 def _match_parameters(task: Task, lines: list[str]) -> list[str]:

@@ -5,7 +5,8 @@ operator sets of the schedules.
 Triton expression over its operands (``"aten.mul.Tensor"`` -> ``{self} * {other}``);
 those nodes are fused into the kernel that consumes them. :func:`schedule_of` names the
 schedule that lowers any other operator (``row reduction``, ``matmul``, ``scan``,
-``pooling``, ``flip``, ``convolution``), or ``pointwise`` / ``view`` / ``arange``; an operator with none
+``pooling``, ``flip``, ``convolution``, ``concat``), or ``pointwise`` / ``view`` /
+``split`` / ``arange``; an operator with none
 is refused with :func:`refuse`, which names its family (``indexing``, ``sorting``,
 ...) so the caller can hand the task to the LLM coder.
 
@@ -316,6 +317,9 @@ POOLS = frozenset({
 ARANGES = frozenset({"aten.arange.start_step", "aten.arange.default", "aten.arange.start"})
 FLIPS = frozenset({"aten.flip.default"})
 CONVOLUTIONS = frozenset({"aten.convolution.default"})
+CONCATS = frozenset({"aten.cat.default"})
+SPLITS = frozenset({"aten.split_with_sizes.default", "aten.split.Tensor", "aten.chunk.default",
+                    "aten.unbind.int"})
 # Size arithmetic on SymInts, written as Python in the generated forward.
 SYM_OPS = {operator.mul: "*", operator.add: "+", operator.sub: "-",
            operator.floordiv: "//", operator.mod: "%"}
@@ -365,8 +369,8 @@ def operand_exprs(raw: dict[str, Any], exprs: dict[torch.fx.Node, str],
 POINTWISE_OPS = frozenset(
     {op for op in RULES if op not in RESHAPES or op == "aten.alias.default"} | CONSTANTS)
 
-# Schedule name -> the operators it lowers. ``view`` and ``arange`` write forward code
-# only (a view, a torch.arange); the others write kernels.
+# Schedule name -> the operators it lowers. ``view``, ``split`` and ``arange`` write
+# forward code only (a view, views, a torch.arange); the others write kernels.
 SCHEDULE_OPS: dict[str, frozenset[str]] = {
     "pointwise": POINTWISE_OPS,
     "view": (VIEW_OPS | RESHAPES) - POINTWISE_OPS,
@@ -377,6 +381,8 @@ SCHEDULE_OPS: dict[str, frozenset[str]] = {
     "pooling": POOLS,
     "flip": FLIPS,
     "convolution": CONVOLUTIONS,
+    "concat": CONCATS,
+    "split": SPLITS,
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import types
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +37,11 @@ class Task:
     """A task run far enough to export: its model, example inputs and forward names.
 
     ``registered`` lists the Model's direct attributes in the order ``__init__``
-    registered them: ``("module", name, module)`` or ``("parameter", name, tensor)``.
+    registered them: ``("module", name, module)``, ``("parameter", name, tensor)`` or
+    ``("buffer", name, tensor)``.
+    ``created`` numbers every parameter of the Model (by ``id``) in the order it was
+    registered anywhere in the Model, which is the order modules were constructed (a
+    ResNet block's ``downsample`` is built before the block that registers it last).
     """
 
     model: torch.nn.Module
@@ -46,6 +50,7 @@ class Task:
     init_inputs: list[Any]
     registered: list[tuple[str, str, Any]]
     module: types.ModuleType
+    created: dict[int, int] = field(default_factory=dict)
 
 
 def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
@@ -87,6 +92,7 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         setattr(module, name, tuple(value) if isinstance(value, list) else value)
 
     registered: list[tuple[str, str, Any]] = []
+    created: dict[int, int] = {}
     top: list[torch.nn.Module] = []
 
     def on_module(owner, name, value):
@@ -94,14 +100,21 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
             registered.append(("module", name, value))
 
     def on_parameter(owner, name, value):
+        if top and value is not None:
+            created.setdefault(id(value), len(created))
         if owner is (top[0] if top else None) and value is not None:
             registered.append(("parameter", name, value))
+
+    def on_buffer(owner, name, value):
+        if owner is (top[0] if top else None) and value is not None:
+            registered.append(("buffer", name, value))
 
     class _Recorder:
         """Finds the top-level Model instance as soon as Module.__init__ runs on it."""
 
     def build() -> tuple[torch.nn.Module, list[Any], list[Any]]:
         registered.clear()
+        created.clear()
         top.clear()
         phase("get_init_inputs()")
         init_inputs = list(module.get_init_inputs())
@@ -115,7 +128,8 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         torch.nn.Module.__init__ = init
         hooks = [torch.nn.modules.module.register_module_module_registration_hook(on_module),
                  torch.nn.modules.module.register_module_parameter_registration_hook(
-                     on_parameter)]
+                     on_parameter),
+                 torch.nn.modules.module.register_module_buffer_registration_hook(on_buffer)]
         try:
             phase("Model(*get_init_inputs())")
             model = module.Model(*init_inputs)
@@ -143,7 +157,7 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
                                 f"{type(value).__name__}; the built-in coder takes tensors "
                                 "and numbers only; use the LLM coder")
     return Task(model, tuple(inputs), _forward_arg_names(type(model), len(inputs)),
-                init_inputs, list(registered), module)
+                init_inputs, list(registered), module, dict(created))
 
 
 def _forward_arg_names(model_cls: type, count: int) -> list[str]:

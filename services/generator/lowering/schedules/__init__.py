@@ -14,5 +14,7 @@ extends the lowerer's state (values, forward lines, kernels).
 - :mod:`.flip`: a copy reading reversed indices;
 - :mod:`.pooling`: max/avg pooling, 1-D to 3-D;
 - :mod:`.conv`: convolutions, 1-D to 3-D, grouped and transposed, as an implicit GEMM
-  with bias and element-wise epilogues.
+  with bias and element-wise epilogues;
+- :mod:`.concat`: ``torch.cat`` as a strided copy per input into its slice
+  (``lower_cat``), and split / chunk / unbind as views (``lower_split``).
 """
