@@ -103,6 +103,7 @@ async def test_the_product_never_reaches_memory(shared_verifier, name, sizes) ->
     assert t.launches == (2 if name == "logsumexp" else 1), t
 
 
+@pytest.mark.slow  # two more verifications of a case the fast lane covers
 async def test_without_row_fusion_the_product_is_stored_and_read_back(shared_verifier) -> None:
     """row_fusion=0 (a point of evolve's space): a matmul kernel stores the product and a
     reduction kernel reads it; it passes too and moves the product twice more."""
