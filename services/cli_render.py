@@ -145,7 +145,7 @@ def verdict_table(v: VerifyResult) -> Table:
                   f"{traffic.bytes_moved:,} bytes moved, {traffic.bytes_min:,} minimal: ratio "
                   f"{traffic.traffic_ratio:.2f} over {traffic.launches} launch{plural}")
         if traffic.modeled_time_us is not None:
-            ratio = (f", {traffic.modeled_speedup:.2f}x eager's"
+            ratio = (f", speedup {traffic.modeled_speedup:.2f}x over eager (above 1: faster)"
                      if traffic.modeled_speedup is not None else "")
             t.add_row("modeled time", f"{traffic.modeled_time_us:.2f} us on "
                       f"{traffic.model_arch or 'h100'}{ratio} (a model, not a measurement)")

@@ -130,7 +130,7 @@ def test_a_cpu_verdict_shows_its_counted_traffic_and_modeled_time_as_a_model() -
                                            modeled_speedup=1.9996))
     text = render(verdict_table(verdict))
     assert "8,320 bytes moved, 8,256 minimal: ratio 1.01 over 1 launch" in text, text
-    assert "3.00 us on h100, 2.00x eager's (a model, not a measurement)" in text, text
+    assert "3.00 us on h100, speedup 2.00x over eager (above 1: faster) (a model, not a measurement)" in text, text
     # No counted traffic (a GPU verdict, or a failure before the trials): no rows.
     assert "traffic" not in render(verdict_table(VerifyResult(
         request_id="r", job_id="j", candidate_id="c", passed=False, stage="static",
