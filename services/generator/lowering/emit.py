@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import textwrap
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -212,6 +213,25 @@ def add_kernel(lw: Lowerer, name: str, params: list[str], doc: str, lines: list[
     source = (f"@triton.jit\ndef {name}({', '.join(params)}):\n    {docstring}\n"
               + textwrap.indent("\n".join(lines), "    "))
     lw.kernels.append(Kernel(name, source, ops))
+
+
+def flat_index_lines(rank: int, init: list[str], per_dim: Callable[[int], list[str]]
+                     ) -> list[str]:
+    """Kernel lines of a one-program-per-BLOCK_SIZE-elements copy: ``offsets`` into a
+    contiguous output of ``rank`` dims (extents ``size<d>``) split into per-dim indices
+    ``i<d>``, innermost first; ``init`` lines start the address accumulators and
+    ``per_dim(d)`` adds dim ``d``'s term to them."""
+    lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
+             "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
+             "mask = offsets < n_elements",
+             "rest = offsets",
+             *init]
+    for d in reversed(range(rank)):
+        lines.append(f"i{d} = rest % size{d}" if d else "i0 = rest")
+        if d:
+            lines.append(f"rest = rest // size{d}")
+        lines += per_dim(d)
+    return lines
 
 
 def launch_blocks(lw: Lowerer, kname: str, out: str, args: list[str],

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from services.generator.coders.errors import LoweringError
-from services.generator.lowering.emit import add_kernel, launch_blocks
+from services.generator.lowering.emit import add_kernel, flat_index_lines, launch_blocks
 from services.generator.lowering.ir import Value, bind_args, meta_val
 
 if TYPE_CHECKING:
@@ -45,17 +45,8 @@ def lower_cat(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     shape = f"(*{first}.shape[:{dim}], {total}, *{first}.shape[{dim + 1}:])"
     out = lw.alloc(shape, val.dtype)
     kname = lw.fresh("cat_kernel_")
-    lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
-             "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
-             "mask = offsets < n_elements",
-             "rest = offsets",
-             "src = offsets * 0",
-             "dst = offsets * 0"]
-    for d in reversed(range(rank)):
-        lines.append(f"i{d} = rest % size{d}" if d else "i0 = rest")
-        if d:
-            lines.append(f"rest = rest // size{d}")
-        lines += [f"src += i{d} * s{d}", f"dst += i{d} * t{d}"]
+    lines = flat_index_lines(rank, ["src = offsets * 0", "dst = offsets * 0"],
+                             lambda d: [f"src += i{d} * s{d}", f"dst += i{d} * t{d}"])
     lines.append("tl.store(out_ptr + dst, tl.load(in_ptr + src, mask=mask)"
                  ".to(out_ptr.dtype.element_ty), mask=mask)")
     add_kernel(lw, kname, ["in_ptr", *(f"s{d}" for d in range(rank)), "out_ptr",

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
-from services.generator.lowering.emit import add_kernel, launch_blocks
+from services.generator.lowering.emit import add_kernel, flat_index_lines, launch_blocks
 from services.generator.lowering.ir import Value, bind_args, meta_val
 
 if TYPE_CHECKING:
@@ -25,17 +25,8 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     rank = len(val.shape)
     dims = sorted({d % rank for d in raw["dims"]}) if rank else []
     out = lw.alloc(f"{src}.shape", val.dtype)
-    lines = ["pid = tl.program_id(0).to(tl.int64)  # int64: more than 2**31 elements fit",
-             "offsets = pid * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)",
-             "mask = offsets < n_elements",
-             "rest = offsets",
-             "src = offsets * 0"]
-    for d in reversed(range(rank)):
-        lines.append(f"i{d} = rest % size{d}" if d else "i0 = rest")
-        if d:
-            lines.append(f"rest = rest // size{d}")
-        index = f"(size{d} - 1 - i{d})" if d in dims else f"i{d}"
-        lines.append(f"src += {index} * s{d}")
+    lines = flat_index_lines(rank, ["src = offsets * 0"], lambda d: [
+        f"src += {f'(size{d} - 1 - i{d})' if d in dims else f'i{d}'} * s{d}"])
     lines.append("tl.store(out_ptr + offsets, tl.load(in_ptr + src, mask=mask), mask=mask)")
     kname = lw.fresh("flip_kernel_")
     add_kernel(lw, kname, ["in_ptr", *(f"s{d}" for d in range(rank)), "out_ptr",

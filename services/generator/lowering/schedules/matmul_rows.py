@@ -168,7 +168,7 @@ def try_lower(lw: Lowerer, node: torch.fx.Node, op: str) -> bool:
     lines = ["rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)",
              "batch = tl.program_id(1).to(tl.int64)",
              f"racc = tl.full([BLOCK_M], {ident}, tl.float32)"]
-    if kind != "sum" and kind != "mean":
+    if kind not in ("sum", "mean"):
         lines.append("nan = tl.zeros([BLOCK_M], tl.int32)")
     if kind == "logsumexp":
         lines += ["s = tl.zeros([BLOCK_M], tl.float32)", "safe = tl.zeros([BLOCK_M], tl.float32)"]
