@@ -65,6 +65,10 @@ def _preload(extra: list[str]) -> None:
     import triton.language  # noqa: F401
     import triton.runtime.interpreter  # noqa: F401
 
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from services.sandbox import interpreter
+
+        interpreter.install()  # tl.dot through BLAS: every interpreted child forks from here
     import services.sandbox.child  # noqa: F401
     import services.sandbox.guard  # noqa: F401
     import services.sandbox.isolation  # noqa: F401
