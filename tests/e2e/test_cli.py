@@ -283,34 +283,6 @@ async def _said(stream: asyncio.StreamReader, needle: bytes, timeout: float = 12
 
 
 @pytest.mark.slow
-async def test_up_with_tenant_tokens_only_comes_up(tmp_path: Path, free_port) -> None:
-    """With AIKG_TENANTS_FILE and no AIKG_API_TOKEN the API wants a tenant's token the
-    supervisor does not have: it still sees the worker (through the bus) and says up."""
-    from services.common.tenants import hash_token
-
-    tenants = tmp_path / "tenants.toml"
-    tenants.write_text(f'[tenants.team_a]\ntoken_sha256 = "{hash_token("tok-a")}"\n')
-    port = free_port()
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
-    proc = await asyncio.create_subprocess_exec(
-        *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-        env={**clean, "COLUMNS": "200", "AIKG_TENANTS_FILE": str(tenants)},
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 120)
-        assert b"AIKG is up: gateway http://127.0.0.1:" in line and b"worker cpu/" in line, line
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            assert (await client.get("/api/v1/workers")).status_code == 401
-            r = await client.get("/api/v1/workers", headers={"Authorization": "Bearer tok-a"})
-            assert r.status_code == 200 and r.json()["workers"]
-    finally:
-        if proc.returncode is None:
-            proc.terminate()
-        code = await asyncio.wait_for(proc.wait(), 60)
-    assert code == 0, (await proc.stderr.read()).decode()
-
-
-@pytest.mark.slow
 async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None:
     """A gateway that cannot bind its port ends `aikg up` with exit 1, naming it; no strays."""
     with socket.socket() as busy:
@@ -345,7 +317,11 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
 async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port) -> None:
     """SIGKILL gives `aikg up` no chance to clean up: its children must go by themselves,
     and the next `aikg up` removes the run directory (credentials, temporary store) the
-    killed one left."""
+    killed one left. That next one runs with AIKG_TENANTS_FILE and no AIKG_API_TOKEN: the
+    API wants a tenant's token the supervisor does not have, and it still sees the worker
+    (through the bus) and says up."""
+    from services.common.tenants import hash_token
+
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     env = {**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run"),
@@ -369,14 +345,23 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     assert not running(family), f"still running: {sorted(running(family))}"
     assert run_dir.exists()
 
+    tenants = tmp_path / "tenants.toml"
+    tenants.write_text(f'[tenants.team_a]\ntoken_sha256 = "{hash_token("tok-a")}"\n')
     again = await asyncio.create_subprocess_exec(
         *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**env, "AIKG_TENANTS_FILE": str(tenants)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
         said = await _said(again.stderr, b"NATS admin credentials", 60)
         assert not run_dir.exists(), "the killed aikg up's run directory is still there"
         assert Path(said.decode().split("(nats CLI): ")[1].split()[0]).parent.exists()
+        line = await asyncio.wait_for(again.stdout.readline(), 120)
+        assert b"AIKG is up: gateway http://127.0.0.1:" in line and b"worker cpu/" in line, line
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            assert (await client.get("/api/v1/workers")).status_code == 401
+            r = await client.get("/api/v1/workers", headers={"Authorization": "Bearer tok-a"})
+            assert r.status_code == 200 and r.json()["workers"]
     finally:
         again.terminate()
         code = await asyncio.wait_for(again.wait(), 60)
