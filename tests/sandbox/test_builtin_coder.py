@@ -450,6 +450,9 @@ SCHEDULES = {
     "any_all": ("x", "(x > 0.5).any(dim=1), (x < 1.5).all(dim=0), (x > 3.0).any()", "",
                 SIGNED),
     "var_std": ("x", "torch.var(x, dim=1) + torch.std(x, dim=0).sum()", "", SIGNED),
+    # a CNN's global average pool: many rows of a few elements
+    "global_avg_pool": ("x", "x.mean(dim=(2, 3)) + torch.amax(x, dim=(2, 3))", "",
+                        "torch.randn(2, features, 3, rows // 4)"),
     "logsumexp": ("x", "torch.logsumexp(x, dim=1)", "", SIGNED),
     "softmax": ("x", "torch.softmax(x, dim=1) + torch.log_softmax(x, dim=0)", "", SIGNED),
     "layer_norm": ("x", "self.norm(x)", "        self.norm = nn.LayerNorm(features)\n", SIGNED),
@@ -542,6 +545,15 @@ def test_schedule_passes_the_worker(name, verifier):
     assert result.shape_generic is not False, result.notes
 
 
+def test_short_rows_share_a_program():
+    # 2 x 40 rows of 3 x 3: the columns of a tile are rows (BLOCK_I of them a program),
+    # not one program per row with all but 9 of its BLOCK_R lanes masked
+    candidate = lower_task(schedule_task("global_avg_pool"), block_size=1024)
+    launches = re.findall(r"reduce_kernel_\d+\[\((.*)\)\]\(", candidate)
+    assert len(launches) == 2 and all(g.startswith("triton.cdiv(rows") for g in launches)
+    assert "o_cols = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)" in candidate
+
+
 def test_parameters_are_declared_in_the_models_order():
     candidate = lower_task(schedule_task("linear_epilogue"))
     fc, bias = candidate.index("self.fc = nn.Linear(args[0], 24"), candidate.index("self.bias =")
@@ -555,7 +567,9 @@ def test_matmul_tiles_and_reduction_block_are_launch_parameters():
     assert "BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, num_warps=2" in candidate
     assert "tl.dot(" in candidate
     candidate = lower_task(schedule_task("softmax"), block_size=256, row_fusion=0)
-    assert "BLOCK_R=256, BLOCK_I=1" in candidate
+    # last-dim rows: BLOCK_R up to the block, the rest of it other rows (BLOCK_I)
+    assert "min(256, triton.next_power_of_2(max(1, " in candidate
+    assert re.search(r"block_i\d+ = 256 // block_r\d+", candidate)
     # Fused rows: block_size bounds the one-pass tile (a longer row loops over tiles).
     fused = lower_task(schedule_task("softmax"), block_size=256)
     assert len(_launches(fused)) < len(_launches(candidate)) and "ONE_PASS=one_pass" in fused

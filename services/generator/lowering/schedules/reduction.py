@@ -126,9 +126,20 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     kind = {"sum": "sum", "mean": "sum", "amax": "max", "amin": "min", "max": "max",
             "min": "min", "argmax": "argmax", "argmin": "argmin", "prod": "prod",
             "var": "var", "var_mean": "var", "any": "max", "all": "min"}[name]
-    lines = ["o = tl.program_id(0).to(tl.int64)",
-             "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
-             "i_mask = i < INNER"]
+    # Reduced dims at the end (nothing inner): the columns of a tile are BLOCK_I outer
+    # rows, so short rows (a global average pool over 7 x 7) fill the tile instead of
+    # one program per row masking all but R of its BLOCK_R lanes.
+    outer_cols = not dims or dims[-1] == rank - 1 or dims != list(range(dims[0], dims[-1] + 1))
+    if outer_cols:
+        lines = ["o_cols = tl.program_id(0).to(tl.int64) * BLOCK_I + tl.arange(0, BLOCK_I)",
+                 "i_mask = o_cols < OUTER",
+                 "o = o_cols[None, :]",
+                 "i = tl.zeros([BLOCK_I], tl.int64)"]
+    else:
+        lines = ["o = tl.program_id(0).to(tl.int64)",
+                 "i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)",
+                 "i_mask = i < INNER"]
+    row = "o_cols" if outer_cols else "o"
     ident = {"sum": "0.0", "prod": "1.0", "max": '-float("inf")', "min": 'float("inf")',
              "argmax": '-float("inf")', "argmin": 'float("inf")', "var": "0.0"}[kind]
     results: list[str] = []
@@ -188,24 +199,39 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         results = ["var", "mean"] if name == "var_mean" else ["var"]
     stores = []
     for k, (res, v) in enumerate(zip(results, out_vals, strict=True)):
-        stores.append(f"tl.store(out{k}_ptr + o * INNER + i, "
+        stores.append(f"tl.store(out{k}_ptr + {row} * INNER + i, "
                       f"({cast_out(res, v.dtype, '')}).to(out{k}_ptr.dtype.element_ty), mask=i_mask)")
     lines += stores
     kname = lw.fresh("reduce_kernel_")
     kparams = [*params, *(f"out{k}_ptr" for k in range(len(outs))), "R", "INNER",
+               *(["OUTER"] if outer_cols else []),
                "BLOCK_R: tl.constexpr", "BLOCK_I: tl.constexpr"]
     doc = (f"Row reduction: {' -> '.join(dict.fromkeys([*ops, op]))}.\n\n"
            "Input k is read as [outer, R, inner] through strides in{k}_so/sr/si; "
            "out[o, i] reduces over r.")
+    if outer_cols:
+        doc += "\nNothing is inner: a program reduces BLOCK_I outer rows, one a column."
     add_kernel(lw, kname, kparams, doc, lines, [*ops, op])
-    block_r, block_i = row_tiles(lw, src, dims)
-    lw.forward += [
-        f"if {sizes}[0] * {sizes}[2] > 0:",
-        f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
-        f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
+    if outer_cols:
+        block = lw.p["block_size"]
+        block_r, block_i = lw.fresh("block_r"), lw.fresh("block_i")
+        lw.forward += [
+            f"{block_r} = min({block}, triton.next_power_of_2(max(1, {sizes}[1])))",
+            f"{block_i} = {block} // {block_r}",
+            f"if {sizes}[0] > 0:",
+            f"    {kname}[(triton.cdiv({sizes}[0], {block_i}),)](",
+            f"        {', '.join([*launch, *outs, f'{sizes}[1]', '1', f'{sizes}[0]'])},",
+        ]
+    else:
+        block_r, block_i = row_tiles(lw, src, dims)
+        lw.forward += [
+            f"if {sizes}[0] * {sizes}[2] > 0:",
+            f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
+            f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
+        ]
+    lw.forward.append(
         f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={lw.p['num_warps']}, "
-        f"num_stages={lw.p['num_stages']})",
-    ]
+        f"num_stages={lw.p['num_stages']})")
     if len(outs) == 1 and not isinstance(meta_val(node), tuple | list):
         lw.values[node] = Value("tensor", outs[0])
     else:  # (an output nothing reads is not computed: fused away)
