@@ -46,11 +46,16 @@ class CompileSpec:
     capability: int
     source_sha: str
     where: str = ""
+    body: str = ""
 
     @property
     def key(self) -> str:
-        body = json.dumps([self.kernel, self.signature, self.constexprs, self.options,
-                           self.capability, self.source_sha], sort_keys=True, default=str)
+        """Digest of what the compiler sees: the kernel (its definition's digest where
+        known, so same-bodied kernels of one module share a compile; else its name), the
+        specialisation, options, target and the module."""
+        body = json.dumps([self.body or self.kernel, self.signature, self.constexprs,
+                           self.options, self.capability, self.source_sha],
+                          sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()[:32]
 
     def wire(self) -> dict[str, Any]:
@@ -93,13 +98,17 @@ def _arg_type(value: Any) -> str | None:
 
 
 def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str, set[str]],
-          target: GpuTarget, source_sha: str) -> tuple[list[CompileSpec], list[str]]:
+          target: GpuTarget, source_sha: str, bodies: dict[str, str] | None = None,
+          ) -> tuple[list[CompileSpec], list[str]]:
     """The specialisations of ``launches`` (``(where, launch event)``; every autotune
     config's arguments each), deduplicated, and notes on launches that cannot be
     compiled here (a tuple argument, a grid beyond the target's limits ...).
 
-    ``constexpr_params``: kernel name -> its ``tl.constexpr`` parameters
-    (:class:`services.worker.kernel_source.KernelModule`).
+    ``constexpr_params``: kernel name -> its ``tl.constexpr`` parameters;
+    ``bodies``: kernel name -> digest of its definition, name aside (both
+    :class:`services.worker.kernel_source.KernelModule`). Kernels of the module with
+    the same digest launched with the same specialisation are one spec, the first
+    launched one's (a network's layers: GoogLeNet's 57 convolutions were 31 compiles).
     """
     found: dict[str, CompileSpec] = {}
     notes: list[str] = []
@@ -136,7 +145,8 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
             spec = CompileSpec(kernel=kernel, signature=tuple(signature),
                                constexprs=tuple(constants), options=tuple(sorted(options.items())),
                                target=target.name, capability=target.capability,
-                               source_sha=source_sha, where=label)
+                               source_sha=source_sha, where=label,
+                               body=(bodies or {}).get(kernel, ""))
             found.setdefault(spec.key, spec)
     return list(found.values()), notes
 

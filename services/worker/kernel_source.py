@@ -26,6 +26,7 @@ interpreter runs. What breaks this is in :attr:`KernelModule.refused` (stage
 from __future__ import annotations
 
 import ast
+import hashlib
 import re
 from dataclasses import dataclass, field
 
@@ -64,6 +65,9 @@ class KernelModule:
     constexpr_params: dict[str, set[str]] = field(default_factory=dict)
     refused: list[str] = field(default_factory=list)
     def_lines: dict[str, int] = field(default_factory=dict)
+    # kernel -> digest of its definition with its own name blanked: kernels of one module
+    # whose digests match compile alike (the same globals), so one compile serves all
+    bodies: dict[str, str] = field(default_factory=dict)
 
     def file_line(self, kernel: str, message: str) -> str:
         """``message`` (a Triton compile error) with its ``at L:C:`` position, which
@@ -311,6 +315,8 @@ def kernel_module(source: str) -> KernelModule:
             kernels.append(node)
             result.kernels.append(node.name)
             result.def_lines[node.name] = node.lineno
+            result.bodies[node.name] = hashlib.sha256(
+                ast.dump(ast.FunctionDef(**{**vars(node), "name": "_"})).encode()).hexdigest()[:32]
             result.constexpr_params[node.name] = {
                 a.arg for a in node.args.args + node.args.kwonlyargs
                 if a.annotation is not None and "constexpr" in ast.unparse(a.annotation)}

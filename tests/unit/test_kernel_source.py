@@ -113,3 +113,53 @@ def test_constants_may_call_only_what_computes_a_constant():
     kept = [line.split(" =")[0] for line in module.source.splitlines() if " = " in line]
     assert kept == ["A", "C", "E"]
     assert "builtins" not in module.source
+
+
+TWINS = textwrap.dedent('''\
+    import triton
+    import triton.language as tl
+
+
+    @triton.jit
+    def scale_kernel_1(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+
+
+    @triton.jit
+    def scale_kernel_2(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, mask=offs < n)
+
+
+    @triton.jit
+    def scale_kernel_3(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 3.0, mask=offs < n)
+''')
+
+
+def _launch(kernel: str, n: int, block: int) -> tuple[str, dict]:
+    tensor = {"~": "T", "s": 0, "o": 0, "z": [n], "d": "float32"}
+    return ("the checked sizes", {"launch": kernel, "args": {"x_ptr": tensor, "n": n,
+                                                             "BLOCK": block}, "grid": [4]})
+
+
+def test_kernels_alike_but_for_their_names_are_compiled_once():
+    from services.worker import aot
+    from services.worker.targets import target_for
+
+    module = kernel_module(TWINS)
+    assert module.bodies["scale_kernel_1"] == module.bodies["scale_kernel_2"]
+    assert module.bodies["scale_kernel_3"] != module.bodies["scale_kernel_1"]
+    launches = [_launch("scale_kernel_1", 1000, 256), _launch("scale_kernel_2", 1000, 256),
+                _launch("scale_kernel_3", 1000, 256), _launch("scale_kernel_2", 1000, 512)]
+    target = target_for("x86_64")
+    specs, notes = aot.specs(launches, module.constexpr_params, target, "sha", module.bodies)
+    assert notes == []
+    # 1 and 2 at BLOCK 256 are one compile (the first's name); 3 and BLOCK 512 their own
+    assert [(s.kernel, dict(s.constexprs)["BLOCK"]) for s in specs] == [
+        ("scale_kernel_1", 256), ("scale_kernel_3", 256), ("scale_kernel_2", 512)]
+    # without the digests (another caller), each kernel is its own compile
+    specs, _ = aot.specs(launches, module.constexpr_params, target, "sha")
+    assert len(specs) == 4

@@ -32,7 +32,7 @@ class Checks:
         launches += [("the checked sizes", e) for e in self.first_call.traced[0].events
                      if isinstance(e, dict) and "launch" in e]
         specs, notes = aot.specs(launches, self.kernels.constexpr_params, target,
-                                 self.source_sha)
+                                 self.source_sha, self.kernels.bodies)
         self.compile_notes = notes
         self.compile_target = target
         self.compile_task = asyncio.ensure_future(self.v.compile(self.request, specs, target,

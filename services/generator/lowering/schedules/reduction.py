@@ -4,7 +4,9 @@ argmax/argmin, prod, var/var_mean, any/all over any dims.
 The input is seen as ``(outer, R, inner)`` with the reduced dims in the middle (permuted
 there when they are not adjacent); one program per outer row and BLOCK_I inner columns
 loops over R in BLOCK_R chunks, with the element-wise chain producing the input fused
-into its loads. max/min give NaN when a column holds one, as torch does. The row views
+into its loads. When nothing is inner (the reduced dims are the last), the tile's
+columns are BLOCK_I outer rows instead and BLOCK_R is the row's power of two at run
+time (at most block_size), so short rows share a program. max/min give NaN when a column holds one, as torch does. The row views
 and tiles (:func:`rows`, :func:`row_loads`, :func:`row_tiles`) are shared with
 :mod:`.scan`.
 """
