@@ -508,15 +508,11 @@ def schedule_task(name: str) -> str:
     return SCHEDULE_TASK.format(args=args, body=body, init=init, inputs=inputs)
 
 
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    from services.worker.verifier import Verifier
-
-    v = Verifier("cpu", worker_id="builtin-coder-test",
-                 scratch_root=tmp_path_factory.mktemp("builtin-verifier"))
-    v.start()
-    yield v
-    v.close()
+@pytest.fixture
+def verifier(shared_verifier):
+    """The session's started cpu verifier (tests/conftest.py): no fork server of this
+    module's own."""
+    return shared_verifier
 
 
 # One schedule task of each family in the fast lane (pointwise, broadcast, column
