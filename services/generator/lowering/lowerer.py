@@ -51,6 +51,7 @@ from services.generator.lowering.schedules import (
     matmul,
     pointwise,
     pooling,
+    recurrent,
     reduction,
     scan,
 )
@@ -492,4 +493,5 @@ _SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
     "convolution": conv.lower,
     "concat": concat.lower_cat,
     "split": concat.lower_split,
+    "recurrent": recurrent.lower,
 }

@@ -4,7 +4,8 @@
 ``get_inputs()``, ``get_init_inputs()``), builds its model and example inputs (on the
 meta device when the task allows) and records the Model's directly registered modules
 and parameters; :func:`export_program` traces it with ``torch.export.export`` and
-decomposes it to core ATen (plus the composite operators of ``_EXTRA_DECOMPOSITIONS``).
+decomposes it to core ATen (plus the composite operators of ``_EXTRA_DECOMPOSITIONS``,
+less the recurrent operators of ``_KEPT_WHOLE``).
 Every failure is a :class:`LoweringError` tagged ``task``, ``inputs`` or ``export``.
 
 This runs the task's code in this process: call it where the code is trusted, or
@@ -13,6 +14,7 @@ from a subprocess (the sandbox role ``lower``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import warnings
@@ -185,6 +187,50 @@ _EXTRA_DECOMPOSITIONS = (
 )
 
 
+# Composite operators kept whole (core ATen's decompositions would unroll their time
+# loop into the graph): the recurrent schedule lowers them (schedules/recurrent.py).
+_KEPT_WHOLE = tuple(getattr(torch.ops.aten, name).input
+                    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu"))
+
+
+def _recurrent_fake(cell: str):
+    """The shapes of a recurrent operator's results on fake tensors, without running
+    its decomposition (a step at a time: seconds a layer under symbolic shapes)."""
+    def impl(mode, input, hx, params, has_biases, num_layers, dropout, train,
+             bidirectional, batch_first):
+        dirs, h0 = 2 if bidirectional else 1, hx[0] if cell == "lstm" else hx
+        hidden, (steps, batch) = params[1].shape[1], (
+            input.shape[1::-1] if batch_first else input.shape[:2])
+        with mode:
+            out = input.new_empty((batch, steps, dirs * hidden) if batch_first
+                                  else (steps, batch, dirs * hidden))
+            states = [h0.new_empty((num_layers * dirs, batch, hidden))
+                      for _ in range(2 if cell == "lstm" else 1)]
+        return (out, *states)
+    return impl
+
+
+@contextlib.contextmanager
+def _fast_recurrent_tracing():
+    """While exporting: :data:`_KEPT_WHOLE`'s results on fake tensors from their shapes
+    (:func:`_recurrent_fake`), registered for FakeTensorMode and removed after. Where
+    torch has its own, or its registration API differs, nothing changes (slower)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    added = []
+    try:
+        for op in _KEPT_WHOLE:
+            table = getattr(op, "python_key_table", None)
+            if isinstance(table, dict) and FakeTensorMode not in table:
+                op.py_impl(FakeTensorMode)(_recurrent_fake(str(op).split(".")[1]))
+                added.append(op)
+        yield
+    finally:
+        for op in added:
+            op.python_key_table.pop(FakeTensorMode, None)
+            op._dispatch_cache.clear()
+
+
 def scalar_tensors(task: Task) -> tuple[Any, ...] | None:
     """The task's inputs with each number as a 0-d tensor (float32, int64 or bool),
     or None when ``get_inputs()`` returns no number.
@@ -218,12 +264,14 @@ def export_program(task: Task, inputs: tuple[Any, ...] | None = None) -> torch.e
     aten = torch.ops.aten
     table.update(get_decompositions([getattr(aten, name) for name in _EXTRA_DECOMPOSITIONS
                                      if hasattr(aten, name)]))
+    for op in _KEPT_WHOLE:  # the recurrent schedule's: a time loop, not unrolled
+        table.pop(op, None)
     dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
                     if isinstance(x, torch.Tensor) else None for x in inputs)
     errors = []
     for shapes in (dynamic, None):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _fast_recurrent_tracing():
                 warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
                 ep = torch.export.export(task.model, inputs, dynamic_shapes=shapes)
                 return ep.run_decompositions(table)
