@@ -117,6 +117,15 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     hn = f("h_n")
     cn = f("c_n") if cell == "lstm" else None
     dev = lw.device
+    # Tiles: the launch parameters, or less where the extent they tile is smaller (a
+    # batch of 10 rows, a hidden size of 16): tl.dot's 16 at least.
+    tiles = [f(n) for n in ("block_m", "block_n", "block_k", "block_m", "block_n",
+                            "block_k")]
+    warps = f"num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})"
+
+    def tile(var: str, extent: str) -> str:
+        return (f"{var} = max(16, min({lw.p[var.rstrip('0123456789')]}, "
+                f"triton.next_power_of_2({extent})))")
     lines = [f"{ws} = [{', '.join(weights)}]  # {op}: W_ih, W_hh[, b_ih, b_hh] per layer "
              "and direction",
              f"{xin} = {x}",
@@ -130,6 +139,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
             lines.append(f"{states[k]} = torch.full({shape}, {state!r}, dtype="
                          f"{torch_dtype_name(meta_val(hx[k]).dtype)}, device={dev})")
     lines.append(f"{hn} = torch.empty({shape}, dtype={torch_dtype_name(dtype)}, device={dev})")
+    lines += [tile(tiles[3], batch), tile(tiles[4], hidden), tile(tiles[5], hidden)]
     if cn is not None:
         lines.append(f"{cn} = torch.empty_like({hn})")
     layer, out, oseq, x2, d, k, w_ih, w_hh, pre, pre2, pseq, idx, outd, hnd, s, t, tp, hp, \
@@ -138,9 +148,6 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
                                  "out_dir", "h_n_dir", "step", "t", "t_in", "h_in", "t_prev"))
     b_ih, b_hh = (f("b_ih"), f("b_hh")) if has_bias else (None, None)
     cp, cnd = (f("c_in"), f("c_n_dir")) if cn is not None else (None, None)
-    bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
-    tail = (f"BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
-            f"num_stages={lw.p['num_stages']})")
     gemm_launch = gemm[1](pre2, x2, w_ih, b_ih)
     step_args = [pseq, t, f"*{pseq}.stride()", hp, tp, f"*{hp}.stride()", w_hh,
                  f"*{w_hh}.stride()"]
@@ -158,6 +165,9 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"dtype={torch_dtype_name(dtype)}, device={dev})",
         f"    {oseq} = {out}.transpose(0, 1)" if batch_first else f"    {oseq} = {out}",
         f"    {x2} = {xin}.reshape(-1, {xin}.shape[2])",
+        "    " + tile(tiles[0], f"{x2}.shape[0]"),
+        "    " + tile(tiles[1], f"{len(gates)} * {hidden}"),
+        "    " + tile(tiles[2], f"{x2}.shape[1]"),
         f"    for {d} in range({dirs}):",
         f"        {k} = ({layer} * {dirs} + {d}) * {per}",
         f"        {w_ih}, {w_hh} = {ws}[{k}], {ws}[{k} + 1]",
@@ -166,10 +176,10 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"dtype=torch.float32, device={dev})",
         f"        {pre2} = {pre}.view(-1, {w_ih}.shape[0])",
         f"        if {pre2}.numel() > 0:",
-        f"            {gemm[0]}[(triton.cdiv({pre2}.shape[0], {bm}), "
-        f"triton.cdiv({pre2}.shape[1], {bn}), 1)](",
+        f"            {gemm[0]}[(triton.cdiv({pre2}.shape[0], {tiles[0]}), "
+        f"triton.cdiv({pre2}.shape[1], {tiles[1]}), 1)](",
         f"                {', '.join(gemm_launch)},",
-        f"                {tail}",
+        f"                BLOCK_M={tiles[0]}, BLOCK_N={tiles[1]}, BLOCK_K={tiles[2]}, {warps}",
         f"        {pseq} = {pre}.transpose(0, 1)" if batch_first else f"        {pseq} = {pre}",
         f"        {idx} = {layer} * {dirs} + {d}",
         f"        {outd} = {oseq}.narrow(2, {d} * {hidden}, {hidden})",
@@ -179,9 +189,10 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"        for {s} in range({steps}):",
         f"            {t} = {steps} - 1 - {s} if {d} else {s}",
         f"            {hp}, {tp}{', ' + cp if cn else ''} = ({first}) if {s} == 0 else ({later})",
-        f"            {step}[(triton.cdiv({batch}, {bm}), triton.cdiv({hidden}, {bn}))](",
+        f"            {step}[(triton.cdiv({batch}, {tiles[3]}), "
+        f"triton.cdiv({hidden}, {tiles[4]}))](",
         f"                {', '.join(step_args)},",
-        f"                {tail}",
+        f"                BLOCK_M={tiles[3]}, BLOCK_N={tiles[4]}, BLOCK_K={tiles[5]}, {warps}",
         f"            {t_prev} = {t}",
         f"    {xin} = {out}",
     ]
