@@ -162,3 +162,61 @@ def test_lstm_projections_are_refused():
         lower_task(task_src)
     assert info.value.op == "aten.lstm.input"
     assert "proj_size" in str(info.value)
+
+
+VANILLA_RNN_TASK = """
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self, input_size, hidden_size):
+        super().__init__()
+        # plain tensor attributes, drawn before the layers' weights: one overwritten by
+        # forward's input (copy_), one read as it is
+        self.hidden = torch.randn((batch, hidden_size))
+        self.scale = torch.randn(hidden_size)
+        self.i2h = nn.Linear(input_size + hidden_size, hidden_size)
+        self.h2o = nn.Linear(hidden_size, 3)
+
+    def forward(self, x, initial_hidden):
+        self.hidden.copy_(initial_hidden)
+        self.hidden = self.hidden.to(x.device)
+        self.hidden = torch.tanh(self.i2h(torch.cat((x, self.hidden), dim=1))) * self.scale
+        return self.h2o(self.hidden)
+
+
+batch = 4
+input_size = 6
+hidden_size = 8
+
+
+def get_inputs():
+    return [torch.randn(batch, input_size), torch.randn(batch, hidden_size)]
+
+
+def get_init_inputs():
+    return [input_size, hidden_size]
+"""
+
+
+def test_tensor_attributes_are_drawn_again_and_an_overwritten_one_is_its_input(
+        shared_verifier):
+    """A Model's plain tensor attributes (KernelBench's vanilla RNN keeps its state in
+    one and overwrites it with forward's input) are non-persistent buffers of ModelNew,
+    drawn with torch.randn in the Model's order, so the layers created after them get
+    the same weights; the overwritten one is read as the input itself (no kernel)."""
+    from schemas import VerifyRequest
+
+    candidate = lower_task(VANILLA_RNN_TASK)
+    init = candidate[candidate.index("def __init__"):candidate.index("def forward")]
+    assert init.index("self.register_buffer('hidden', torch.randn((4, args[1], ))") < \
+        init.index("self.register_buffer('scale', torch.randn((args[1], ))") < \
+        init.index("self.i2h = nn.Linear")
+    assert "persistent=False" in init
+    _assert_matches(VANILLA_RNN_TASK, candidate, rtol=1e-4, atol=1e-4)
+    request = VerifyRequest(request_id="vanilla-rnn", job_id="rnn-test", candidate_id="c0",
+                            op_name="vanilla_rnn", task_desc=VANILLA_RNN_TASK, code=candidate,
+                            backend="cpu", arch="x86_64", trials=1, timeout_s=120)
+    result = asyncio.run(shared_verifier.verify(request, device="0"))
+    assert result.passed, (result.stage, result.error, result.log[-2000:])

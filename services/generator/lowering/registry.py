@@ -318,6 +318,8 @@ ARANGES = frozenset({"aten.arange.start_step", "aten.arange.default", "aten.aran
 FLIPS = frozenset({"aten.flip.default"})
 CONVOLUTIONS = frozenset({"aten.convolution.default"})
 CONCATS = frozenset({"aten.cat.default"})
+# ``t.copy_(src)`` made functional: src's values (an attribute overwritten by an input).
+COPIES = frozenset({"aten.copy.default"})
 # nn.LSTM / nn.GRU / nn.RNN, kept whole by the export (task.export_program).
 RECURRENT = frozenset({"aten.lstm.input", "aten.gru.input", "aten.rnn_tanh.input",
                        "aten.rnn_relu.input"})
@@ -329,7 +331,7 @@ SYM_OPS = {operator.mul: "*", operator.add: "+", operator.sub: "-",
 _FAMILY = {
     "conv": "convolution", "pool": "pooling", "gather": "indexing", "scatter": "indexing",
     "index": "indexing", "cat": "concatenation", "flip": "layout", "sort": "sorting",
-    "topk": "sorting",
+    "topk": "sorting", "rand": "random", "normal": "random", "bernoulli": "random",
 }
 
 
@@ -387,6 +389,7 @@ SCHEDULE_OPS: dict[str, frozenset[str]] = {
     "concat": CONCATS,
     "split": SPLITS,
     "recurrent": RECURRENT,
+    "copy": COPIES,
 }
 
 

@@ -39,8 +39,10 @@ class Task:
     """A task run far enough to export: its model, example inputs and forward names.
 
     ``registered`` lists the Model's direct attributes in the order ``__init__``
-    registered them: ``("module", name, module)``, ``("parameter", name, tensor)`` or
-    ``("buffer", name, tensor)``.
+    registered them: ``("module", name, module)``, ``("parameter", name, tensor)``,
+    ``("buffer", name, tensor)`` or ``("tensor", name, tensor)``: a plain tensor
+    attribute (``self.hidden = torch.randn(...)``), which :func:`load_task` makes a
+    non-persistent buffer of ``model`` so that the export may read and update it.
     ``created`` numbers every parameter of the Model (by ``id``) in the order it was
     registered anywhere in the Model, which is the order modules were constructed (a
     ResNet block's ``downsample`` is built before the block that registers it last).
@@ -120,14 +122,24 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         top.clear()
         phase("get_init_inputs()")
         init_inputs = list(module.get_init_inputs())
-        original = torch.nn.Module.__init__
+        original, original_setattr = torch.nn.Module.__init__, torch.nn.Module.__setattr__
 
         def init(self, *args, **kwargs):
             if not top and isinstance(self, module.Model):
                 top.append(self)
             original(self, *args, **kwargs)
 
+        def setattr_(self, name, value):
+            # a plain tensor attribute of the Model, first assignment (its place among
+            # the parameters: the random numbers it draws come before theirs)
+            if (top and self is top[0] and type(value) is torch.Tensor
+                    and name not in self._parameters and name not in self._buffers
+                    and all(n != name for _, n, _ in registered)):
+                registered.append(("tensor", name, value))
+            original_setattr(self, name, value)
+
         torch.nn.Module.__init__ = init
+        torch.nn.Module.__setattr__ = setattr_
         hooks = [torch.nn.modules.module.register_module_module_registration_hook(on_module),
                  torch.nn.modules.module.register_module_parameter_registration_hook(
                      on_parameter),
@@ -136,7 +148,7 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
             phase("Model(*get_init_inputs())")
             model = module.Model(*init_inputs)
         finally:
-            torch.nn.Module.__init__ = original
+            torch.nn.Module.__init__, torch.nn.Module.__setattr__ = original, original_setattr
             for hook in hooks:
                 hook.remove()
         phase("get_inputs()")
@@ -153,6 +165,11 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
                                 f"{type(exc).__name__}: {exc}; fix the task") from exc
     if not isinstance(model, torch.nn.Module):
         raise LoweringError("task", "task's Model is not a torch.nn.Module")
+    for kind, name, _ in registered:
+        value = model.__dict__.get(name) if kind == "tensor" else None
+        if isinstance(value, torch.Tensor):  # torch.export refuses a mutated constant
+            del model.__dict__[name]
+            model.register_buffer(name, value, persistent=False)
     for position, value in enumerate(inputs):
         if not isinstance(value, torch.Tensor | bool | int | float):
             raise LoweringError("inputs", f"get_inputs() item {position} is a "
