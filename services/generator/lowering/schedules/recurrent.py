@@ -59,9 +59,8 @@ _UPDATES = {
             "n = _tanh(x_n + r * h_n)",
             "h = (1.0 - z) * n + z * h_prev"],
     "rnn_tanh": ["h = _tanh(x_a + h_a)"],
-    "rnn_relu": ["h = tl.maximum(x_a + h_a, 0.0)"],
+    "rnn_relu": ["h = tl.where(x_a + h_a < 0.0, 0.0, x_a + h_a)"],  # NaN stays NaN
 }
-OPS = frozenset(f"aten.{cell}.input" for cell in GATES)
 
 
 def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
