@@ -80,6 +80,8 @@ def family(level: int, name: str) -> str:
             return "conv+epilogue"
         if any(k in n for k in ("gemm", "matmul", "bmm", "linear")):
             return "gemm+epilogue"
+        if any(k in n for k in ("rnn", "lstm", "gru")):
+            return "recurrent"
         return "other"
     table = [
         ("conv", "convolution"),

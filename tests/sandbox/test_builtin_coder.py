@@ -35,9 +35,12 @@ SMALL = {"batch_size": 16, "dim": 4096}
 # The only calls ModelNew.forward may make: no torch compute, only allocate and launch.
 FORWARD_CALLS = {"contiguous", "empty_like", "empty", "numel", "cdiv", "stride", "reshape",
                  "expand", "permute", "unsqueeze", "squeeze", "select", "t", "transpose",
-                 "arange", "next_power_of_2", "narrow", "split", "chunk", "unbind"}
-# Host-side integer helpers (a fused row kernel picks its tile from the row length).
-FORWARD_HELPERS = {"_broadcast_shape", "_strides", "_flat", "tuple", "max", "min", "getattr"}
+                 "arange", "next_power_of_2", "narrow", "split", "chunk", "unbind", "view",
+                 "full"}
+# Host-side integer helpers (a fused row kernel picks its tile from the row length; a
+# recurrent layer loops over its time steps).
+FORWARD_HELPERS = {"_broadcast_shape", "_strides", "_flat", "tuple", "max", "min", "getattr",
+                   "range", "int"}
 
 _counter = itertools.count()
 

@@ -52,7 +52,8 @@ def declined_task(init: str = "self.emb = nn.Embedding(10, 4)",
     ("self.conv = torch.nn.LazyConv1d(4, 3)", "self.conv(x)", "aten.convolution.default",
      "nn.LazyConv1d"),
     ("pass", "F.unfold(x.unsqueeze(0), 3)", "aten.im2col.default", "F.unfold"),
-    ("self.rnn = nn.LSTM(16, 8)", "self.rnn(x)[0]", "aten.lstm.input", "nn.LSTM"),
+    ("self.attn = nn.MultiheadAttention(16, 2)", "self.attn(x, x, x)[0]",
+     "aten._native_multi_head_attention.default", "nn.MultiheadAttention"),
 ])
 def test_source_shows_what_is_declined(init, body, op, spelled):
     reason = decline(declined_task(init, body))
@@ -66,7 +67,10 @@ def test_source_shows_what_is_declined(init, body, op, spelled):
     # convolutions have a schedule (schedules/conv.py)
     declined_task("self.conv = nn.Conv1d(4, 4, 3)", "self.conv(x)"),
     declined_task("self.up = torch.nn.ConvTranspose1d(4, 2, 3)", "self.up(x)"),
-    declined_task("pass", "F.conv1d(x, torch.ones(4, 4, 3))")])
+    declined_task("pass", "F.conv1d(x, torch.ones(4, 4, 3))"),
+    # recurrent layers too (schedules/recurrent.py)
+    declined_task("self.rnn = nn.LSTM(16, 8)", "self.rnn(x)[0]"),
+    declined_task("self.rnn = torch.nn.GRU(16, 8, 2)", "self.rnn(x)[0]")])
 def test_source_screen_leaves_the_rest_to_the_lowering(source):
     assert decline(source) is None
 

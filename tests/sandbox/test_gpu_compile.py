@@ -8,8 +8,9 @@ ptxas bundled with the triton wheel, and needs no driver. Run in a fresh interpr
 (no TRITON_INTERPRET), with its own Triton cache.
 
 Every kernel of every bundled task, schedule task, convolution task
-(``test_conv_lowering.CONVS``), row-family task (``test_row_families.FAMILIES``) and
-matmul-with-row-reduction task (``test_matmul_rows.OPS``) compiles in float32, both
+(``test_conv_lowering.CONVS``), row-family task (``test_row_families.FAMILIES``),
+matmul-with-row-reduction task (``test_matmul_rows.OPS``) and recurrent task
+(``test_recurrent_lowering.RNNS``) compiles in float32, both
 ``FLAT`` variants of a pointwise kernel included. Kernels compute in float32 whatever
 their tensors' dtype, so float16 and bfloat16 change only the loads, the stores and
 ``tl.dot``'s inputs: those two are compiled for every kernel of :data:`DTYPE_TASKS`
@@ -120,6 +121,7 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> No
     from tests.sandbox.test_conv_lowering import CONVS, conv_task
     from tests.sandbox.test_matmul_rows import OPS as MATMUL_ROWS
     from tests.sandbox.test_matmul_rows import task as matmul_rows_task
+    from tests.sandbox.test_recurrent_lowering import RNNS, rnn_task
     from tests.sandbox.test_row_families import FAMILIES
     from tests.sandbox.test_row_families import task as family_task
 
@@ -134,6 +136,8 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> No
         (schedules / f"rows_{name}.py").write_text(family_task(name))
     for name in () if first else MATMUL_ROWS:  # a matmul with a row reduction epilogue
         (schedules / f"mmrows_{name}.py").write_text(matmul_rows_task(name))
+    for name in () if first else RNNS:  # input projections and LSTM / GRU / RNN steps
+        (schedules / f"rnn_{name}.py").write_text(rnn_task(name))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, str(tmp_path), ",".join(DTYPES),
@@ -145,7 +149,7 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> No
 
     expected = ({p.stem for p in TASKS.glob("*.py")} | {f"schedule_{n}" for n in SCHEDULES}
                 if first else {f"conv_{n}" for n in CONVS} | {f"rows_{n}" for n in FAMILIES}
-                | {f"mmrows_{n}" for n in MATMUL_ROWS})
+                | {f"mmrows_{n}" for n in MATMUL_ROWS} | {f"rnn_{n}" for n in RNNS})
     assert set(results) == expected
     not_lowered = sorted(name for name, r in results.items() if not r["lowered"])
     assert not_lowered == [], not_lowered
@@ -161,6 +165,9 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> No
     for name in () if first else MATMUL_ROWS:
         assert any(k.startswith("matmul_rows_kernel_")
                    for k in results[f"mmrows_{name}"]["dtypes"]), name
+    for name in () if first else RNNS:
+        kernels = {k.split("_kernel_")[0] for k in results[f"rnn_{name}"]["dtypes"]}
+        assert kernels == {"rnn_input", f"{RNNS[name][0].lower()}_step"}, (name, kernels)
     # every kernel of every task in float32 (both load paths of a pointwise kernel)
     for name, task in results.items():
         kernels = {k.split(" ")[0] for k in task["dtypes"]}

@@ -16,7 +16,7 @@ import ast
 __all__ = ["decline"]
 
 # nn modules the built-in coder cannot declare again or lower (its parameterised modules
-# are Linear, the norms and the convolutions), with the core-ATen operator each one's
+# are Linear, the norms, the convolutions and LSTM / GRU / RNN), with the core-ATen operator each one's
 # forward becomes (torch.nn.modules source; aten/src/ATen/native/native_functions.yaml).
 # Lazy convolutions hold uninitialized parameters until their first forward: nothing
 # to declare again.
@@ -24,9 +24,6 @@ _MODULES: dict[str, tuple[str, str]] = {
     **{f"LazyConv{n}d": ("aten.convolution.default", "convolution") for n in (1, 2, 3)},
     "Embedding": ("aten.embedding.default", "indexing"),
     "EmbeddingBag": ("aten._embedding_bag.default", "indexing"),
-    "LSTM": ("aten.lstm.input", "recurrent"),
-    "GRU": ("aten.gru.input", "recurrent"),
-    "RNN": ("aten.rnn_tanh.input", "recurrent"),
     "MultiheadAttention": ("aten._native_multi_head_attention.default", "attention"),
     "Transformer": ("aten._transformer_encoder_layer_fwd.default", "attention"),
     "TransformerEncoderLayer": ("aten._transformer_encoder_layer_fwd.default", "attention"),

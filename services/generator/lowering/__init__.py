@@ -4,13 +4,16 @@ The pipeline, laid out as PyTorch Inductor's is (a table of lowerings per ATen
 operator, the schedule that handles a node group, a Triton source emitter)::
 
     task source ─ task.load_task ──► model, example inputs      (runs the task's code)
-                 task.export_program ──► core-ATen fx graph      (torch.export, decompositions)
+                 task.export_program ──► core-ATen fx graph      (torch.export, decompositions;
+                                                                  LSTM/GRU/RNN kept whole)
                  lowerer.Lowerer.run: each node, in order ──► registry.schedule_of(op)
                     element-wise (registry.RULES) ──► fused into the kernel that reads it
                     view / split / arange ──► a line of forward
                     schedules.{pointwise, reduction, matmul, scan, flip, pooling, conv,
-                               concat, fused_rows, matmul_rows}
+                               concat, fused_rows, matmul_rows, recurrent}
                         ──► a @triton.jit kernel (emit.add_kernel) and its launch
+                            (recurrent: a GEMM per layer and direction, then a step
+                            kernel launched per time step from a loop in forward)
                  emit.render ──► the candidate: kernels + class ModelNew
                     (parameters.init_lines declares the Model's parameters again)
 

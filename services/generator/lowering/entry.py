@@ -41,7 +41,9 @@ def lower_task(
     bias and element-wise epilogues), ``scan`` (cumsum, cumprod), ``flip``, ``pooling`` (max_pool1d/2d/3d with
     or without indices, avg_pool1d/2d/3d) and ``convolution`` (aten.convolution forward,
     1-D to 3-D, strided, padded, dilated, grouped, transposed; an implicit GEMM on
-    ``tl.dot`` with the bias and element-wise epilogues). Views (permute, expand, slice, ...)
+    ``tl.dot`` with the bias and element-wise epilogues), ``concat`` (``torch.cat``) and
+    ``recurrent`` (nn.LSTM / GRU / RNN: an input-projection GEMM per layer and
+    direction, then a step kernel per time step launched from a loop in forward). Views (permute, expand, slice, ...)
     stay views in forward, and kernels read every operand through its strides;
     pointwise kernels read operands that are contiguous in the output's shape at the
     output's flat offsets instead (``FLAT``, chosen by forward per call).

@@ -51,6 +51,7 @@ from services.generator.lowering.schedules import (
     matmul,
     pointwise,
     pooling,
+    recurrent,
     reduction,
     scan,
 )
@@ -454,6 +455,18 @@ class Lowerer:
         self.forward.append(f"{var} = {expr}  # {op}")
         self.values[node] = Value("tensor", var)
 
+    def copy(self, node: torch.fx.Node, op: str) -> None:
+        """``aten.copy(self, src)`` (``t.copy_(src)`` made functional: a Model's tensor
+        attribute overwritten by an input) is ``src`` itself, no kernel, when it has
+        ``self``'s shape and dtype; a copy that broadcasts or casts is refused."""
+        raw = bind_args(node)
+        dst, src = meta_val(raw["self"]), meta_val(raw["src"])
+        if ([str(s) for s in dst.shape] != [str(s) for s in src.shape]
+                or dst.dtype != src.dtype):
+            raise refuse(op, f"a copy from {src.dtype}{list(src.shape)} into "
+                         f"{dst.dtype}{list(dst.shape)}, which broadcasts or casts")
+        self.values[node] = Value("tensor", self.materialize(raw["src"]))
+
     def alloc(self, shape: str, dtype: torch.dtype) -> str:
         """A forward line allocating an output (``torch.empty`` of the forward expression
         ``shape``, on the inputs' device); returns its variable."""
@@ -492,4 +505,6 @@ _SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
     "convolution": conv.lower,
     "concat": concat.lower_cat,
     "split": concat.lower_split,
+    "recurrent": recurrent.lower,
+    "copy": Lowerer.copy,
 }

@@ -196,6 +196,13 @@ def _declarations(task: Task, model: torch.nn.Module, a: Any) -> list[_Decl]:
             lines += _declare("self", name, value, a, created)
         elif kind == "buffer":
             lines.append(_buffer(model, "self", name, value, a))
+        elif kind == "tensor":
+            if value.dtype != torch.float32:
+                raise LoweringError("parameters", f"the task's Model holds a tensor `{name}` "
+                                    f"of dtype {value.dtype} the built-in coder cannot "
+                                    "create again (only torch.randn); use the LLM coder")
+            lines.append((f"self.{name}", f"self.register_buffer({name!r}, torch.randn("
+                          f"{a(tuple(value.shape))}), persistent=False)", None, ""))
         else:
             lines.append((f"self.{name}",
                           f"self.{name} = nn.Parameter(torch.randn({a(tuple(value.shape))}))",
@@ -266,6 +273,9 @@ def _match_parameters(task: Task, lines: list[str]) -> list[str]:
                             f"{type(exc).__name__}: {exc}") from exc
     state = reference.state_dict()
     expected = [t.detach() for t in state.values()]
+    # plain tensor attributes (``self.hidden = torch.randn(...)``): non-persistent buffers
+    plain = [name for kind, name, _ in task.registered if kind == "tensor"]
+    expected += [getattr(reference, name) for name in plain]
     choices = ["randn", "rand", "zeros", "ones", "literal"]
     param_lines = [k for k, line in enumerate(lines) if "nn.Parameter(torch.randn" in line]
     for combo in itertools.islice(itertools.product(choices, repeat=len(param_lines)), 256):
@@ -286,6 +296,7 @@ def _match_parameters(task: Task, lines: list[str]) -> list[str]:
         torch.manual_seed(0)
         exec("\n".join(trial), scope)
         got = [t.detach() for t in holder.state_dict().values()]
+        got += [getattr(holder, name) for name in plain]
         if len(got) == len(expected) and all(
                 g.shape == e.shape and torch.equal(g, e) for g, e in zip(got, expected, strict=True)):
             return trial

@@ -5,10 +5,10 @@ operator sets of the schedules.
 Triton expression over its operands (``"aten.mul.Tensor"`` -> ``{self} * {other}``);
 those nodes are fused into the kernel that consumes them. :func:`schedule_of` names the
 schedule that lowers any other operator (``row reduction``, ``matmul``, ``scan``,
-``pooling``, ``flip``, ``convolution``, ``concat``), or ``pointwise`` / ``view`` /
-``split`` / ``arange``; an operator with none
-is refused with :func:`refuse`, which names its family (``indexing``, ``sorting``,
-...) so the caller can hand the task to the LLM coder.
+``pooling``, ``flip``, ``convolution``, ``concat``, ``recurrent``), or ``pointwise`` /
+``view`` / ``split`` / ``arange``; an operator with none is refused with
+:func:`refuse`, which names its family (``indexing``, ``sorting``, ...) so the caller
+can hand the task to the LLM coder.
 
 Numerics follow torch's: NaN propagation in maximum/minimum/clamp, sign(NaN) = 0, gelu's
 constants, round half to even (torch.round's documented rule).
@@ -318,6 +318,11 @@ ARANGES = frozenset({"aten.arange.start_step", "aten.arange.default", "aten.aran
 FLIPS = frozenset({"aten.flip.default"})
 CONVOLUTIONS = frozenset({"aten.convolution.default"})
 CONCATS = frozenset({"aten.cat.default"})
+# ``t.copy_(src)`` made functional: src's values (an attribute overwritten by an input).
+COPIES = frozenset({"aten.copy.default"})
+# nn.LSTM / nn.GRU / nn.RNN, kept whole by the export (task.export_program).
+RECURRENT = frozenset({"aten.lstm.input", "aten.gru.input", "aten.rnn_tanh.input",
+                       "aten.rnn_relu.input"})
 SPLITS = frozenset({"aten.split_with_sizes.default", "aten.split.Tensor", "aten.chunk.default",
                     "aten.unbind.int"})
 # Size arithmetic on SymInts, written as Python in the generated forward.
@@ -326,7 +331,7 @@ SYM_OPS = {operator.mul: "*", operator.add: "+", operator.sub: "-",
 _FAMILY = {
     "conv": "convolution", "pool": "pooling", "gather": "indexing", "scatter": "indexing",
     "index": "indexing", "cat": "concatenation", "flip": "layout", "sort": "sorting",
-    "topk": "sorting",
+    "topk": "sorting", "rand": "random", "normal": "random", "bernoulli": "random",
 }
 
 
@@ -383,6 +388,8 @@ SCHEDULE_OPS: dict[str, frozenset[str]] = {
     "convolution": CONVOLUTIONS,
     "concat": CONCATS,
     "split": SPLITS,
+    "recurrent": RECURRENT,
+    "copy": COPIES,
 }
 
 

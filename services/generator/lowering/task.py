@@ -4,7 +4,8 @@
 ``get_inputs()``, ``get_init_inputs()``), builds its model and example inputs (on the
 meta device when the task allows) and records the Model's directly registered modules
 and parameters; :func:`export_program` traces it with ``torch.export.export`` and
-decomposes it to core ATen (plus the composite operators of ``_EXTRA_DECOMPOSITIONS``).
+decomposes it to core ATen (plus the composite operators of ``_EXTRA_DECOMPOSITIONS``,
+less the recurrent operators of ``_KEPT_WHOLE``).
 Every failure is a :class:`LoweringError` tagged ``task``, ``inputs`` or ``export``.
 
 This runs the task's code in this process: call it where the code is trusted, or
@@ -13,6 +14,7 @@ from a subprocess (the sandbox role ``lower``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 import warnings
@@ -37,8 +39,10 @@ class Task:
     """A task run far enough to export: its model, example inputs and forward names.
 
     ``registered`` lists the Model's direct attributes in the order ``__init__``
-    registered them: ``("module", name, module)``, ``("parameter", name, tensor)`` or
-    ``("buffer", name, tensor)``.
+    registered them: ``("module", name, module)``, ``("parameter", name, tensor)``,
+    ``("buffer", name, tensor)`` or ``("tensor", name, tensor)``: a plain tensor
+    attribute (``self.hidden = torch.randn(...)``), which :func:`load_task` makes a
+    non-persistent buffer of ``model`` so that the export may read and update it.
     ``created`` numbers every parameter of the Model (by ``id``) in the order it was
     registered anywhere in the Model, which is the order modules were constructed (a
     ResNet block's ``downsample`` is built before the block that registers it last).
@@ -118,14 +122,24 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
         top.clear()
         phase("get_init_inputs()")
         init_inputs = list(module.get_init_inputs())
-        original = torch.nn.Module.__init__
+        original, original_setattr = torch.nn.Module.__init__, torch.nn.Module.__setattr__
 
         def init(self, *args, **kwargs):
             if not top and isinstance(self, module.Model):
                 top.append(self)
             original(self, *args, **kwargs)
 
+        def setattr_(self, name, value):
+            # a plain tensor attribute of the Model, first assignment (its place among
+            # the parameters: the random numbers it draws come before theirs)
+            if (top and self is top[0] and type(value) is torch.Tensor
+                    and name not in self._parameters and name not in self._buffers
+                    and all(n != name for _, n, _ in registered)):
+                registered.append(("tensor", name, value))
+            original_setattr(self, name, value)
+
         torch.nn.Module.__init__ = init
+        torch.nn.Module.__setattr__ = setattr_
         hooks = [torch.nn.modules.module.register_module_module_registration_hook(on_module),
                  torch.nn.modules.module.register_module_parameter_registration_hook(
                      on_parameter),
@@ -134,7 +148,7 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
             phase("Model(*get_init_inputs())")
             model = module.Model(*init_inputs)
         finally:
-            torch.nn.Module.__init__ = original
+            torch.nn.Module.__init__, torch.nn.Module.__setattr__ = original, original_setattr
             for hook in hooks:
                 hook.remove()
         phase("get_inputs()")
@@ -151,6 +165,11 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
                                 f"{type(exc).__name__}: {exc}; fix the task") from exc
     if not isinstance(model, torch.nn.Module):
         raise LoweringError("task", "task's Model is not a torch.nn.Module")
+    for kind, name, _ in registered:
+        value = model.__dict__.get(name) if kind == "tensor" else None
+        if isinstance(value, torch.Tensor):  # torch.export refuses a mutated constant
+            del model.__dict__[name]
+            model.register_buffer(name, value, persistent=False)
     for position, value in enumerate(inputs):
         if not isinstance(value, torch.Tensor | bool | int | float):
             raise LoweringError("inputs", f"get_inputs() item {position} is a "
@@ -183,6 +202,50 @@ _EXTRA_DECOMPOSITIONS = (
     "_native_batch_norm_legit_no_training", "linalg_vector_norm", "logsumexp",
     "std", "mv", "native_dropout",
 )
+
+
+# Composite operators kept whole (core ATen's decompositions would unroll their time
+# loop into the graph): the recurrent schedule lowers them (schedules/recurrent.py).
+_KEPT_WHOLE = tuple(getattr(torch.ops.aten, name).input
+                    for name in ("lstm", "gru", "rnn_tanh", "rnn_relu"))
+
+
+def _recurrent_fake(cell: str):
+    """The shapes of a recurrent operator's results on fake tensors, without running
+    its decomposition (a step at a time: seconds a layer under symbolic shapes)."""
+    def impl(mode, input, hx, params, has_biases, num_layers, dropout, train,
+             bidirectional, batch_first):
+        dirs, h0 = 2 if bidirectional else 1, hx[0] if cell == "lstm" else hx
+        hidden, (steps, batch) = params[1].shape[1], (
+            input.shape[1::-1] if batch_first else input.shape[:2])
+        with mode:
+            out = input.new_empty((batch, steps, dirs * hidden) if batch_first
+                                  else (steps, batch, dirs * hidden))
+            states = [h0.new_empty((num_layers * dirs, batch, hidden))
+                      for _ in range(2 if cell == "lstm" else 1)]
+        return (out, *states)
+    return impl
+
+
+@contextlib.contextmanager
+def _fast_recurrent_tracing():
+    """While exporting: :data:`_KEPT_WHOLE`'s results on fake tensors from their shapes
+    (:func:`_recurrent_fake`), registered for FakeTensorMode and removed after. Where
+    torch has its own, or its registration API differs, nothing changes (slower)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    added = []
+    try:
+        for op in _KEPT_WHOLE:
+            table = getattr(op, "python_key_table", None)
+            if isinstance(table, dict) and FakeTensorMode not in table:
+                op.py_impl(FakeTensorMode)(_recurrent_fake(str(op).split(".")[1]))
+                added.append(op)
+        yield
+    finally:
+        for op in added:
+            op.python_key_table.pop(FakeTensorMode, None)
+            op._dispatch_cache.clear()
 
 
 def scalar_tensors(task: Task) -> tuple[Any, ...] | None:
@@ -218,12 +281,14 @@ def export_program(task: Task, inputs: tuple[Any, ...] | None = None) -> torch.e
     aten = torch.ops.aten
     table.update(get_decompositions([getattr(aten, name) for name in _EXTRA_DECOMPOSITIONS
                                      if hasattr(aten, name)]))
+    for op in _KEPT_WHOLE:  # the recurrent schedule's: a time loop, not unrolled
+        table.pop(op, None)
     dynamic = tuple({i: torch.export.Dim.AUTO for i in range(x.dim())}
                     if isinstance(x, torch.Tensor) else None for x in inputs)
     errors = []
     for shapes in (dynamic, None):
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), _fast_recurrent_tracing():
                 warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
                 ep = torch.export.export(task.model, inputs, dynamic_shapes=shapes)
                 return ep.run_decompositions(table)

@@ -16,5 +16,7 @@ extends the lowerer's state (values, forward lines, kernels).
 - :mod:`.conv`: convolutions, 1-D to 3-D, grouped and transposed, as an implicit GEMM
   with bias and element-wise epilogues;
 - :mod:`.concat`: ``torch.cat`` as a strided copy per input into its slice
-  (``lower_cat``), and split / chunk / unbind as views (``lower_split``).
+  (``lower_cat``), and split / chunk / unbind as views (``lower_split``);
+- :mod:`.recurrent`: LSTM, GRU and RNN layers: an input-projection GEMM per layer and
+  direction, then a fused step kernel per time step, launched from a loop in forward.
 """
