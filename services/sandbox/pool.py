@@ -610,8 +610,10 @@ class Sandbox:
         if backend == "cpu":
             # A child runs on one core's worth (threads are refused once it holds
             # inputs); BLAS pools sized for the machine would try to start threads.
+            # One thread whatever the environment says: the interpreter's tl.dot calls
+            # BLAS (services.sandbox.interpreter).
             for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-                server_env.setdefault(name, "1")
+                server_env[name] = "1"
         self.pool = SandboxPool(
             env=server_env, env_allow=self.env_allow, preload=list(preload),
             # A SIGKILLed owner cannot remove its own scratch root; its fork server does.
