@@ -6,9 +6,9 @@ there when they are not adjacent); one program per outer row and BLOCK_I inner c
 loops over R in BLOCK_R chunks, with the element-wise chain producing the input fused
 into its loads. When nothing is inner (the reduced dims are the last), the tile's
 columns are BLOCK_I outer rows instead and BLOCK_R is the row's power of two at run
-time (at most block_size), so short rows share a program. max/min give NaN when a column holds one, as torch does. The row views
-and tiles (:func:`rows`, :func:`row_loads`, :func:`row_tiles`) are shared with
-:mod:`.scan`.
+time (at most block_size), so short rows share a program. max/min give NaN when a
+column holds one, as torch does. The row views and tiles (:func:`rows`,
+:func:`row_loads`, :func:`row_tiles`) are shared with :mod:`.scan`.
 """
 
 from __future__ import annotations
