@@ -287,10 +287,13 @@ def export_program(task: Task, inputs: tuple[Any, ...] | None = None) -> torch.e
                     if isinstance(x, torch.Tensor) else None for x in inputs)
     errors = []
     for shapes in (dynamic, None):
+        # fresh tensors for the static try: the dynamic one leaves its marks on them
+        args = inputs if shapes is not None else tuple(
+            x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
         try:
             with warnings.catch_warnings(), _fast_recurrent_tracing():
                 warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
-                ep = torch.export.export(task.model, inputs, dynamic_shapes=shapes)
+                ep = torch.export.export(task.model, args, dynamic_shapes=shapes)
                 return ep.run_decompositions(table)
         except Exception as exc:  # noqa: BLE001 - retried with static shapes
             errors.append(exc)
