@@ -187,3 +187,23 @@ async def poll_until(check, timeout_s: float, what: str, every_s: float = 0.1):
         if loop.time() > deadline:
             raise TimeoutError(f"{what}: not within {scaled(timeout_s):g} s")
         await asyncio.sleep(every_s)
+
+
+def verify_at_sizes(verifier: Any, name: str, task_src: str, candidate: str,
+                    overrides: Iterable[dict[str, Any]]) -> Any:
+    """Verify one ``candidate`` of ``task_src`` on the cpu ``verifier`` (one trial, 120 s)
+    at each of ``overrides`` (``{}``: the task's own sizes) and assert it passes;
+    returns the result at the task's own sizes (None if ``{}`` is not among them)."""
+    from schemas.events import VerifyRequest
+
+    own = None
+    for k, sizes in enumerate(overrides):
+        request = VerifyRequest(request_id=f"{name}-{k}", job_id="sizes-test",
+                                candidate_id="c0", op_name=name, task_desc=task_src,
+                                code=candidate, backend="cpu", arch="x86_64", trials=1,
+                                timeout_s=120, shape_overrides=sizes)
+        result = asyncio.run(verifier.verify(request, device="0"))
+        assert result.passed, (sizes, result.stage, result.error, result.log[-2000:])
+        if not sizes:
+            own = result
+    return own

@@ -12,14 +12,13 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
 
 import ast  # noqa: E402
-import asyncio  # noqa: E402
 import re  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from services.generator.lowering import lower_task  # noqa: E402
-from tests.helpers import TASKS, representatives  # noqa: E402
+from tests.helpers import TASKS, representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -110,7 +109,6 @@ def _overrides(name: str, sizes: dict) -> dict:
 @pytest.mark.parametrize("name", representatives(sorted(CONVS), (
     "conv2d_strided_padded_dilated", "conv2d_depthwise")))
 def test_convolution_passes_the_worker(name, shared_verifier):
-    from schemas import VerifyRequest
 
     task_src = conv_task(name)
     candidate = lower_task(task_src)
@@ -118,18 +116,11 @@ def test_convolution_passes_the_worker(name, shared_verifier):
     assert sum(k.startswith("conv_kernel_") for k in _launches(candidate)) == 1, \
         _launches(candidate)
     assert ("tl.dot(" in candidate) == (name not in DIRECT)
-    for k, sizes in enumerate(({}, *OVERRIDES)):
-        overrides = _overrides(name, sizes)
-        request = VerifyRequest(request_id=f"conv-{name}-{k}", job_id="conv-test",
-                                candidate_id="c0", op_name=name, task_desc=task_src,
-                                code=candidate, backend="cpu", arch="x86_64", trials=1,
-                                timeout_s=120, shape_overrides=overrides)
-        result = asyncio.run(shared_verifier.verify(request, device="0"))
-        assert result.passed, (overrides, result.stage, result.error, result.log[-2000:])
-        if not overrides:
-            # right at odd extents too (the verifier's awkward size), unless the task
-            # itself cannot take them (grouped channels)
-            assert result.shape_generic is not False, result.notes
+    own = verify_at_sizes(shared_verifier, f"conv-{name}", task_src, candidate,
+                          [_overrides(name, sizes) for sizes in ({}, *OVERRIDES)])
+    # right at odd extents too (the verifier's awkward size), unless the task itself
+    # cannot take them (grouped channels)
+    assert own.shape_generic is not False, own.notes
 
 
 def test_epilogue_is_fused_into_the_conv_kernel():

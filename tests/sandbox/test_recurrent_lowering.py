@@ -19,7 +19,7 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
-from tests.helpers import representatives  # noqa: E402
+from tests.helpers import representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -100,22 +100,15 @@ def rnn_task(name: str, options: str | None = None) -> str:
 # One LSTM and one GRU in the fast lane.
 @pytest.mark.parametrize("name", representatives(RNNS, ("lstm", "gru")))
 def test_recurrent_network_passes_the_worker(name, shared_verifier):
-    from schemas import VerifyRequest
 
     task_src = rnn_task(name)
     candidate = lower_task(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     cell = RNNS[name][0].lower()
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["rnn_input", f"{cell}_step"]
-    for k, overrides in enumerate(({}, *OVERRIDES)):
-        request = VerifyRequest(request_id=f"rnn-{name}-{k}", job_id="rnn-test",
-                                candidate_id="c0", op_name=name, task_desc=task_src,
-                                code=candidate, backend="cpu", arch="x86_64", trials=1,
-                                timeout_s=120, shape_overrides=overrides)
-        result = asyncio.run(shared_verifier.verify(request, device="0"))
-        assert result.passed, (overrides, result.stage, result.error, result.log[-2000:])
-        if not overrides:
-            assert result.shape_generic is not False, result.notes
+    own = verify_at_sizes(shared_verifier, f"rnn-{name}", task_src, candidate,
+                          ({}, *OVERRIDES))
+    assert own.shape_generic is not False, own.notes
 
 
 def test_the_time_loop_is_in_forward_and_no_extent_is_written():
