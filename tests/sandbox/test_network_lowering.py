@@ -12,12 +12,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on the CPU
 
-import asyncio  # noqa: E402
 
 import pytest  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
-from tests.helpers import representatives  # noqa: E402
+from tests.helpers import representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -136,20 +135,12 @@ def _overrides(name: str, sizes: dict) -> dict:
 @pytest.mark.parametrize("name", representatives(sorted(NETWORKS), (
     "sequential_mlp", "qkv_split_cat")))
 def test_network_passes_the_worker(name, shared_verifier):
-    from schemas import VerifyRequest
-
     task_src = network_task(name)
     candidate = lower_task(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
-    for k, sizes in enumerate(({}, *OVERRIDES)):
-        overrides = _overrides(name, sizes)
-        request = VerifyRequest(request_id=f"net-{name}-{k}", job_id="network-test",
-                                candidate_id="c0", op_name=name, task_desc=task_src,
-                                code=candidate, backend="cpu", arch="x86_64", trials=1,
-                                timeout_s=120, shape_overrides=overrides)
-        result = asyncio.run(shared_verifier.verify(request, device="0"))
-        assert result.passed, (overrides, result.stage, result.error, result.log[-2000:])
+    verify_at_sizes(shared_verifier, f"net-{name}", task_src, candidate,
+                    [_overrides(name, sizes) for sizes in ({}, *OVERRIDES)])
 
 
 def test_container_parameters_keep_their_qualified_names():
