@@ -163,3 +163,17 @@ def test_kernels_alike_but_for_their_names_are_compiled_once():
     # without the digests (another caller), each kernel is its own compile
     specs, _ = aot.specs(launches, module.constexpr_params, target, "sha")
     assert len(specs) == 4
+
+
+def test_twins_that_compile_differently_are_not_one_compile():
+    # a hostile twin: the same body under other jit options, or naming itself (a call
+    # the compiler must resolve), must get its own compile, not its twin's verdict
+    base = TWINS.split("@triton.jit\ndef scale_kernel_2")[0]
+    body = TWINS.split("def scale_kernel_1")[1].split("\n\n\n")[0]
+    options = base + "@triton.jit(do_not_specialize=['n'])\ndef scale_kernel_2" + body + "\n"
+    module = kernel_module(options)
+    assert module.bodies["scale_kernel_1"] != module.bodies["scale_kernel_2"]
+    naming = base + "@triton.jit\ndef scale_kernel_2" + body.replace(
+        "* 2.0", "* 2.0 + 0 * scale_kernel_2") + "\n"
+    module = kernel_module(naming)
+    assert module.bodies["scale_kernel_1"] != module.bodies["scale_kernel_2"]
