@@ -254,6 +254,16 @@ class Conversation:
         self._waiters[key] = waiter
         return await waiter
 
+    async def peek(self, *key: Any) -> tuple[Any, list[bytearray]]:
+        """Like :meth:`get`, but the answer stays for the next :meth:`get` of ``key``.
+
+        Raises:
+            ChildFailed: the child failed (or ended) before sending it.
+        """
+        answer = await self.get(*key)
+        self._answers[key] = answer
+        return answer
+
     async def send(self, command: Any, raws: list[Any] = (), answers: int = 1) -> None:
         """Send a command (``answers``: how many keyed answers it asks for); a child that
         is gone fails the send with its own failure."""

@@ -215,9 +215,13 @@ class Procedure(SizeChoice, TrialRuns, Checks):
                            f"reference run: {exc.message}", log=exc.traceback)
         return Verdict(stage, exc.message, log=exc.traceback, trials=self.compared)
 
-    async def _await(self, child: str, *key: Any) -> tuple[Any, list[bytearray]]:
+    async def _await(self, child: str, *key: Any, keep: bool = False) -> tuple[
+            Any, list[bytearray]]:
+        """``child``'s answer keyed ``key`` (left for the next wait when ``keep``)."""
         self._waiting = child
         try:
+            if keep:
+                return await self.children[child].peek(*key)
             return await self.children[child].get(*key)
         finally:
             self._waiting = ""

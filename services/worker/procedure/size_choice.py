@@ -231,6 +231,11 @@ class SizeChoice:
         if frame.refused:
             return None
         self._size_answer(size, frame, raws, limit)
+        # The size frame comes before the task's Model runs there: a Model that builds
+        # its inputs at these sizes but fails in forward (a LayerNorm whose shape ties
+        # two extents together) fails here, so the sizes are dropped with a note rather
+        # than failing the verification later.
+        await self._await("reference", "trial", key, 0, True, keep=True)
         self.sizes[key] = size
         return size
 
