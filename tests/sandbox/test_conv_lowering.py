@@ -169,6 +169,25 @@ def test_one_candidate_follows_other_sizes_and_layouts():
         torch.testing.assert_close(model_new(x), model(x), rtol=1e-4, atol=1e-4)
 
 
+def test_a_view_after_a_convolution_reads_its_channels_from_the_weight():
+    """InstanceNorm views the convolution's output as (1, batch * out_channels, h, w);
+    export fixes out_channels (the weight has it), and the view reads it from the weight,
+    so ModelNew built with other init arguments still fits."""
+    task_src = CONV_TASK.format(module="nn.Conv2d(channels, 2 * channels, 3)",
+                                body="F.instance_norm(self.conv(x)) / 2.0",
+                                spatial="height, width", extents="height = 8\nwidth = 9")
+    source = lower_task(task_src)
+    assert "self.conv.weight.shape[0]" in source
+    candidate, task = _module(source), _module(task_src)
+    for channels, x in ((4, torch.randn(2, 4, 8, 9)), (3, torch.randn(3, 3, 7, 5)),
+                        (5, torch.randn(1, 5, 6, 6))):
+        torch.manual_seed(1)
+        model = task.Model(channels)
+        torch.manual_seed(1)
+        model_new = candidate.ModelNew(channels)
+        torch.testing.assert_close(model_new(x), model(x), rtol=1e-4, atol=1e-4)
+
+
 def test_bundled_conv_task_matches():
     task_src = (TASKS / "conv_encoder.py").read_text()
     candidate = lower_task(task_src)

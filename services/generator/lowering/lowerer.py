@@ -346,7 +346,16 @@ class Lowerer:
             if kind == InputKind.CONSTANT_TENSOR:
                 raise LoweringError("inputs", f"the task's Model holds a constant tensor "
                                     f"({spec.target}); use the LLM coder")
-            self.values[node] = Value("tensor", attr_path("self", spec.target))
+            path = attr_path("self", spec.target)
+            self.values[node] = Value("tensor", path)
+            if isinstance(val, torch.Tensor):
+                # A fixed extent no input has, that a parameter does (a convolution's
+                # output channels in a later view): read from the parameter at run time,
+                # so ModelNew built at other init arguments still fits. Input extents
+                # (set first) win.
+                for d, size in enumerate(val.shape):
+                    if int(size) > 1:
+                        self.specialized.setdefault(int(size), f"{path}.shape[{d}]")
         else:
             raise LoweringError("inputs", f"the task's Model takes a {kind.name.lower()} "
                                 "input; use the LLM coder")
