@@ -776,13 +776,16 @@ class Sandbox:
         except BaseException:
             shutil.rmtree(spec.scratch_dir, ignore_errors=True)
             raise
+        starting = asyncio.ensure_future(run.start())
         try:
-            await asyncio.shield(run.start())
+            await asyncio.shield(starting)
         except PoolBroken:
             await run.close()
             raise
         except asyncio.CancelledError:
-            _background(_abandon(run))
+            # The start goes on: the cleanup waits for it (a second reader of the
+            # status socket would leave this one pending when the socket closes).
+            _background(_abandon(run, starting))
             raise
         return run
 
@@ -824,10 +827,13 @@ async def settle(timeout_s: float = 10.0) -> bool:
         await asyncio.wait(pending, timeout=remaining)
 
 
-async def _abandon(run: ChildRun) -> None:
-    """Kill and clean up a child nobody waits for any more."""
+async def _abandon(run: ChildRun, starting: asyncio.Future | None = None) -> None:
+    """Kill and clean up a child nobody waits for any more (``starting``: its
+    :meth:`ChildRun.start` already under way)."""
     with contextlib.suppress(Exception):
-        if run.pid is None:
+        if starting is not None:
+            await starting
+        elif run.pid is None:
             await run.start()
     await run.close()
 

@@ -6,6 +6,8 @@ One Verifier (one fork server) serves the whole module, as it would in a worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import math
 import os
 import signal
@@ -16,6 +18,7 @@ import torch
 
 from schemas.events import VerifyRequest
 from services.sandbox import child as _child
+from services.sandbox import pool
 from services.sandbox import wire
 from services.sandbox.pool import captured_output, clean_environment, describe_exit
 from services.worker import correctness
@@ -228,6 +231,25 @@ async def test_a_candidate_failing_beside_its_side_children_leaves_no_scratch(ow
         result = await verifier.verify(request(relu_candidate(floor=0.5), trials=1),
                                        device="0")
         assert result.stage == "mismatch", result
+    assert list((verifier.scratch_root / "runs").iterdir()) == []
+
+
+async def test_verifications_cancelled_as_their_children_start_leave_nothing(own_verifier,
+                                                                            caplog):
+    """A verification cancelled at any point while its children are forked and starting
+    (a job cancelled, a worker stopping): every child is reaped, its scratch directory
+    removed, and no start is left pending on a closed socket."""
+    verifier = own_verifier
+    for delay in (0.0, 0.02, 0.06, 0.12, 0.25):
+        running = asyncio.ensure_future(verifier.verify(request(), device="0"))
+        await asyncio.sleep(delay)
+        running.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await running
+    assert await pool.settle()
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "Task was destroyed but it is pending" not in caplog.text
     assert list((verifier.scratch_root / "runs").iterdir()) == []
 
 
