@@ -69,8 +69,10 @@ CONVS = {
     # one output channel a group: the direct kernel
     "conv2d_depthwise": ("nn.Conv2d(channels, channels, 3, padding=1, groups=channels)",
                          "self.conv(x)", (9, 8)),
+    # torch.tensor(20.0) in forward: a constant export lifts, passed as a number
     "conv2d_relu_epilogue": ("nn.Conv2d(channels, 6, 3, padding=1)",
-                             "torch.clamp(torch.relu(self.conv(x)) * 2.0 + x.sum(), max=30.0)",
+                             "torch.clamp(torch.min(torch.relu(self.conv(x)), torch.tensor(20.0))"
+                             " * 2.0 + x.sum(), max=30.0)",
                              (8, 8)),
     "conv3d": ("nn.Conv3d(channels, 3, 3, stride=(1, 2, 1), padding=1)", "self.conv(x)",
                (5, 8, 6)),
@@ -124,8 +126,9 @@ def test_convolution_passes_the_worker(name, shared_verifier):
 
 
 def test_epilogue_is_fused_into_the_conv_kernel():
-    """bias, ReLU, scale, residual and clamp run in the conv kernel's registers: one
-    launch, one store, the convolution's output never in memory."""
+    """bias, ReLU, a minimum with a lifted constant, scale, residual and clamp run in the
+    conv kernel's registers: one launch, one store, the convolution's output never in
+    memory."""
     task_src = conv_task("conv2d_relu_epilogue")
     candidate = lower_task(task_src)
     # x.sum() is a row reduction of its own; the epilogue reads its result
@@ -133,7 +136,8 @@ def test_epilogue_is_fused_into_the_conv_kernel():
     kernel = next(f for f in ast.parse(candidate).body if isinstance(f, ast.FunctionDef)
                   and f.name.startswith("conv_kernel_"))
     doc = ast.get_docstring(kernel)
-    assert "epilogue: aten.relu.default -> aten.mul.Tensor -> aten.add.Tensor" in doc, doc
+    assert ("epilogue: aten.relu.default -> aten.clone.default -> aten.minimum.default -> "
+            "aten.mul.Tensor -> aten.add.Tensor") in doc, doc
     assert ast.unparse(kernel).count("tl.store(") == 1
     assert "bias_ptr" in ast.unparse(kernel.args)
 

@@ -21,7 +21,7 @@ import torch
 import torch.fx
 
 from services.generator.coders.errors import LoweringError
-from services.generator.lowering.emit import render, torch_dtype_name
+from services.generator.lowering.emit import literal, render, torch_dtype_name
 from services.generator.lowering.ir import (
     Kernel,
     PendingConv,
@@ -344,6 +344,17 @@ class Lowerer:
                 self.values[node] = Value("const", name)
         elif kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             if kind == InputKind.CONSTANT_TENSOR:
+                value = self.ep.constants.get(spec.target)
+                if (isinstance(value, torch.Tensor) and value.dim() == 0
+                        and (value.dtype.is_floating_point or value.dtype == torch.int64)):
+                    # torch.tensor(self.constant_value) in forward: a number, like the
+                    # task's other Python numbers the graph holds as literals
+                    number = value.item()
+                    name = self.fresh("const")
+                    self.forward.append(f"{name} = " + (literal(number) if isinstance(
+                        number, float) else str(number)))
+                    self.values[node] = Value("const", name)
+                    return
                 raise LoweringError("inputs", f"the task's Model holds a constant tensor "
                                     f"({spec.target}); use the LLM coder")
             path = attr_path("self", spec.target)
