@@ -64,9 +64,11 @@ values (mathematically 0) comes out as rounding noise near 1e-8, a training-mode
 BatchNorm over two values per channel is ill-conditioned. An honest candidate's own
 noise then fails the checks above. So when a trial fails on floating outputs (the
 element-wise or a scale check; never a count, shape or dtype difference, nor NaN/Inf
-where the reference has none or the reverse), the verifier has the reference child
-run the task's own ``Model`` again in float64 (``.double()``, floating inputs in
-float64) on the trial's inputs: the *truth*. Per failing output:
+where the reference has none or the reverse; float32, float16 and bfloat16 outputs),
+the verifier has the reference child run the task's own ``Model`` again in float64
+(built afresh as for the trial, which must first reproduce the trial's float32
+outputs bit for bit; then ``.double()``, floating inputs in float64) on the trial's
+inputs: the *truth*. Per failing output:
 
 * the float32 reference is judged against the truth with the normal tolerance; when
   it passes, the reference is accurate and the original failure stands (the candidate
