@@ -234,7 +234,8 @@ class TrialRuns:
                     inputs=real.inputs, digests=[digest(t) for t in expected],
                     max_output_bytes=self.v.max_frame_bytes), raws[:count])
                 frame, out = await asyncio.wait_for(
-                    self._await("reference", "rechecked", trial.key, trial.index), limit)
+                    self._await("reference", "rechecked", trial.key, trial.index),
+                    None if limit == math.inf else limit)
                 if not frame.error:
                     truth = [decode_tensor(m, d)
                              for m, d in zip(frame.outputs, out, strict=True)]
