@@ -297,6 +297,37 @@ class RefFailed(msgspec.Struct, tag="ref.failed"):
     traceback: str = ""
 
 
+class RefRecheck(msgspec.Struct, tag="ref.recheck"):
+    """Parent -> reference child: run trial ``index`` of sizes ``key`` again with the
+    task's ``Model`` in float64 (the float64 recheck, :func:`services.worker.correctness.recheck`).
+
+    ``inputs``: the trial's inputs as its :class:`RefTrial` encoded them, raw frames
+    following; ``overrides``: the sizes' module-level names, as in the
+    :class:`RefRequest`; ``digests``: sha256 (``services.worker._reference.digest``) of
+    each of the trial's outputs, which a fresh ``Model`` must reproduce in float32
+    before its float64 outputs count; ``max_output_bytes``: the largest float64 output
+    to send (a larger one is answered with an error). Answered by a :class:`RefRechecked`.
+    """
+
+    key: str
+    index: int
+    overrides: dict[str, Any]
+    inputs: Any
+    digests: list[str]
+    max_output_bytes: int
+
+
+class RefRechecked(msgspec.Struct, tag="ref.rechecked"):
+    """Reference -> parent: the float64 outputs of trial ``index`` of ``key`` (one raw
+    frame each), or ``error``: why there are none (the Model cannot run in float64, a
+    fresh Model does not reproduce the trial's outputs, an output is too large)."""
+
+    key: str
+    index: int
+    outputs: list[TensorMeta] = []
+    error: str = ""
+
+
 class RefDone(msgspec.Struct, tag="ref.done"):
     """Reference -> parent: every trial of ``key`` was sent. ``eager``: the task's eager
     graph at these sizes, counted (asked for with ``RefRequest.count_eager``; None when
@@ -484,8 +515,9 @@ class Compiled(msgspec.Struct, tag="compiled"):
 
 
 Frame = (Hello | Progress | Timing | Failure | Lowered | Done | RefSize | RefMeta | RefTrial
-         | RefFailed | RefDone | Built | DryRun | Imported | Traced | Audit | Replayed | ReplayFailed | Compiled)
-Command = Bye | RefRequest | RefProfile | PlanBuild | PlanDryRun | PlanCall | PlanProfile | ReplayRequest
+         | RefFailed | RefRechecked | RefDone | Built | DryRun | Imported | Traced | Audit | Replayed | ReplayFailed | Compiled)
+Command = (Bye | RefRequest | RefProfile | RefRecheck | PlanBuild | PlanDryRun | PlanCall | PlanProfile
+           | ReplayRequest)
 
 _encoder = msgspec.msgpack.Encoder()
 FRAME_DECODER = msgspec.msgpack.Decoder(Frame)

@@ -11,6 +11,12 @@ outputs as raw bytes. Decoys (inputs for the candidate's planner) are made the s
 way from other seeds, with their outputs for the worker's diagnosis. ``meta_only``
 requests answer with shapes, nothing allocated (for the candidate's dry run).
 
+A :class:`RefRecheck` (the float64 recheck of a failed trial,
+:func:`services.worker.correctness.recheck`) brings a trial's inputs back: a fresh
+``Model`` built as for its sizes must reproduce the trial's outputs in float32, then
+one built the same way and converted with ``.double()`` runs on the inputs in float64.
+Only the task's code runs; the inputs are the ones this child made.
+
 A failure of the task's own code is stage ``infrastructure`` with the task named: the
 candidate had no part in it; one that ran out of the child's address space is stage
 ``task``, naming the limit. Each call into the task's code is announced with a
@@ -41,6 +47,8 @@ from services.sandbox.wire import (
     RefFailed,
     RefMeta,
     RefProfile,
+    RefRecheck,
+    RefRechecked,
     RefRequest,
     RefSize,
     RefTrial,
@@ -100,6 +108,8 @@ class _Task:
         self.device = device
         self.channel = channel
         self.last: tuple[str, Any, list[Any]] | None = None
+        # Starts every phase announcing a call into the task's code (see call).
+        self.phase = TASK_PHASE
         self.defaults = {k: v for k, v in vars(module).items()
                          if not k.startswith("_") and type(v) in (int, float, bool, tuple, str)}
 
@@ -117,7 +127,7 @@ class _Task:
 
     def call(self, what: str, fn: Any, *args: Any) -> Any:
         if self.channel is not None:
-            self.channel.send(Progress(phase=TASK_PHASE + what))
+            self.channel.send(Progress(phase=self.phase + what))
         try:
             return fn(*args)
         except JobFailure:
@@ -267,6 +277,68 @@ def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
     channel.send(RefDone(key=request.key, eager=eager))
 
 
+# Phases of a float64 recheck: not TASK_PHASE, so the worker's task-code watchdog leaves
+# them to the worker's own bound on the recheck (whose failure fails nothing).
+RECHECK_PHASE = "float64 recheck: " + TASK_PHASE
+
+
+def _float64_outputs(task: _Task, command: RefRecheck, raws: list[bytearray]
+                     ) -> list[torch.Tensor]:
+    """The trial's outputs from the task's Model in float64 (CPU tensors).
+
+    Raises:
+        JobFailure: the task's code raised, a fresh Model does not reproduce the
+            trial's float32 outputs, or an output is not float64 or too large.
+    """
+    def refuse(message: str) -> JobFailure:
+        return JobFailure(Failure(stage="infrastructure", message=message))
+
+    task.rebind(dict(command.overrides))
+    made = values.decode_raw(command.inputs, raws)
+    init = task.init()
+    # Fresh, as the trial's was: a Model that keeps state across calls, or draws
+    # random numbers, computes something else now, and nothing is rechecked.
+    again, _ = task.forward(task.model(init), made)
+    if [digest(o) for o in again] != list(command.digests):
+        raise refuse("built afresh, the task's Model does not reproduce the trial's "
+                     "float32 outputs (state kept across calls, or random numbers)")
+    model = task.model(init)
+    if not isinstance(model, torch.nn.Module):
+        raise refuse("the task's Model is not a torch.nn.Module (no .double())")
+    model = task.call("Model.double()", model.double)
+    made = [a.double() if isinstance(a, torch.Tensor) and a.dtype.is_floating_point else a
+            for a in made]
+    outputs, _ = task.forward(model, made)
+    outputs = [o.detach().to("cpu").contiguous() for o in outputs]
+    for i, o in enumerate(outputs):
+        if o.dtype != torch.float64 and o.dtype.is_floating_point:
+            raise refuse(f"output {i} of the task's Model in float64 is {o.dtype}")
+        if o.numel() * o.element_size() > command.max_output_bytes:
+            raise refuse(f"output {i} in float64 is larger than a frame may be")
+    return outputs
+
+
+def _recheck(task: _Task, channel: Channel, command: RefRecheck,
+             raws: list[bytearray]) -> None:
+    """Answer a :class:`RefRecheck` with a :class:`RefRechecked` (an error instead of
+    outputs when the task's Model cannot run in float64)."""
+    channel.send(Progress(phase=f"float64 recheck of {command.key} trial {command.index}"))
+    task.phase = RECHECK_PHASE
+    try:
+        outputs = _float64_outputs(task, command, raws)
+    except JobFailure as exc:
+        error = exc.failure.message
+    except Exception as exc:  # noqa: BLE001 - the recheck only ever keeps a verdict
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        channel.send(RefRechecked(key=command.key, index=command.index,
+                                  outputs=[_meta(o) for o in outputs]), outputs)
+        return
+    finally:
+        task.phase = TASK_PHASE
+    channel.send(RefRechecked(key=command.key, index=command.index, error=error))
+
+
 def _count_eager(task: _Task, model: Any, seed: int) -> EagerCount | None:
     """The task's eager graph at the current sizes, counted on fake tensors (nothing
     computed), or on real inputs when the task does not run on fake tensors; None when
@@ -352,6 +424,12 @@ def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
             return
         if isinstance(command, RefProfile):
             _profile(task, channel, spec, command)
+            continue
+        if isinstance(command, RefRecheck):
+            raws = [channel.recv_raw() for _ in values.raw_refs(command.inputs)]
+            if any(r is None for r in raws):
+                return
+            _recheck(task, channel, command, raws)
             continue
         if isinstance(command, RefRequest):
             try:

@@ -4,7 +4,8 @@ handed to whoever waits for them.
 A verification talks to three children at once (reference, planner, replayer) and
 to each in both directions. :class:`Conversation` reads one child's frames in a task
 of its own, reads the raw tensor frames each one announces, validates them, and keys
-each answer (``("trial", "main", 0, False)``) so that the verification awaits exactly
+each answer (``("trial", "main", 0, False)``; a float64 recheck's
+``("rechecked", "main", 0)``) so that the verification awaits exactly
 the answer it needs (:meth:`Conversation.get`). A :class:`~services.sandbox.wire.Failure`
 frame or an early end of the channel fails every waiter with :class:`ChildFailed`.
 """
@@ -67,6 +68,8 @@ def _raw_count(frame: Any) -> int:
         return len(values.raw_refs(frame.init))
     if isinstance(frame, wire.RefTrial):
         return len(values.raw_refs(frame.inputs)) + len(frame.outputs)
+    if isinstance(frame, wire.RefRechecked):
+        return len(frame.outputs)
     if isinstance(frame, wire.Traced):
         return len(frame.captures) + len(frame.output_metas)
     if isinstance(frame, wire.Replayed):
@@ -83,6 +86,8 @@ def _key(frame: Any) -> tuple | None:
         return ("trial", frame.key, frame.index, frame.decoy)
     if isinstance(frame, wire.RefDone):
         return ("done", frame.key)
+    if isinstance(frame, wire.RefRechecked):
+        return ("rechecked", frame.key, frame.index)
     if isinstance(frame, wire.Built):
         return ("built", frame.key)
     if isinstance(frame, wire.DryRun):

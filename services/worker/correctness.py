@@ -57,6 +57,30 @@ scale-aware checks follow for floating-point outputs, over elements finite in bo
 
 An output with no elements compares nothing; the verifier refuses to pass a trial
 that compared no elements (:func:`compared_elements`).
+
+Float64 recheck (:func:`recheck`). The reference is the task's ``Model`` in float32,
+and at some inputs its float32 output is itself noise: a mean of group-normalized
+values (mathematically 0) comes out as rounding noise near 1e-8, a training-mode
+BatchNorm over two values per channel is ill-conditioned. An honest candidate's own
+noise then fails the checks above. So when a trial fails on floating outputs (the
+element-wise or a scale check; never a count, shape or dtype difference, nor NaN/Inf
+where the reference has none or the reverse; float32, float16 and bfloat16 outputs),
+the verifier has the reference child run the task's own ``Model`` again in float64
+(built afresh as for the trial, which must first reproduce the trial's float32
+outputs bit for bit; then ``.double()``, floating inputs in float64) on the trial's
+inputs: the *truth*. Per failing output:
+
+* the float32 reference is judged against the truth with the normal tolerance; when
+  it passes, the reference is accurate and the original failure stands (the candidate
+  is wrong);
+* otherwise the reference is noise at these inputs, and the candidate is judged
+  against the truth with ``atol`` widened by ``NOISE_FACTOR`` x the reference's own
+  max abs error and the relative L2 bound raised to ``NOISE_FACTOR`` x the
+  reference's own relative L2 (when that is larger). A pass is noted in the verdict.
+
+Anything that keeps the recheck from running (the Model cannot run in float64, a
+child error, a timeout) leaves the original verdict. The recheck runs only the task's
+code; the candidate's part in it is the outputs it already returned.
 """
 
 from __future__ import annotations
@@ -75,6 +99,21 @@ _FLOAT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 _GPU_FLOAT32 = (5e-3, 5e-3)
 # Relative L2 error bound as a multiple of the dtype's rtol (see the module doc).
 REL_L2_FACTOR = 5.0
+NOISE_FACTOR = 10.0
+"""How far beyond the float32 reference's own error a candidate may be from the float64
+truth when that reference is noise at a trial's inputs (:func:`recheck`).
+
+The reference's error against the truth measures how much float32 rounding this
+computation amplifies at these inputs (its conditioning times the unit roundoff). An
+honest float32 kernel that rounds in another order makes an error of the same order
+with another sign pattern: rounding errors add like a random walk, and another
+summation order (blocked, sequential) may amplify them a few times more. Ten leaves an
+order of magnitude for that; a candidate further from the truth is wrong beyond what
+float32 rounding explains. It never widens anything against an accurate reference:
+the widening applies only where the reference itself fails the normal tolerance
+against the truth."""
+# Output dtypes a float64 recheck may apply to (a float64 reference is the truth).
+_RECHECKED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_INDICES = 5
 # Elements scanned per step when looking for the first mismatching indices.
 _SCAN_CHUNK = 1 << 20
@@ -86,6 +125,16 @@ class Tolerance:
 
     atol: float
     rtol: float
+
+
+@dataclass(frozen=True)
+class Widening:
+    """The allowance of a float64 recheck (:func:`recheck`): ``atol`` (the output's
+    units) is added to the scaled atol and lets a constant output pass against a truth
+    whose spread is within it; the relative L2 bound is at least ``rel_l2`` (unitless)."""
+
+    atol: float
+    rel_l2: float
 
 
 def tolerance_for(dtype: torch.dtype, backend: str = "cpu") -> Tolerance:
@@ -205,7 +254,8 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
 
 def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
                    backend: str = "cpu", *, detail: bool = True,
-                   shortcut: bool = True) -> OutputComparison:
+                   shortcut: bool = True, tolerance: Tolerance | None = None,
+                   widening: Widening | None = None) -> OutputComparison:
     """Compare output ``index`` of the candidate with the reference's.
 
     Args:
@@ -224,13 +274,16 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
             NaN never equal) pass with every error 0 without the float64 pass; the
             same result as the full comparison, a few times cheaper. False always
             runs the full comparison (tests compare the two).
+        tolerance: instead of ``expected``'s dtype's (the float64 recheck compares a
+            float32 output with float64 values at float32's tolerance).
+        widening: a float64 recheck's allowance (:class:`Widening`); None: none.
 
     Returns:
         The comparison; on failure ``message`` reads e.g. ``output 0: 1234 of 65536
         elements differ beyond atol=1e-4 rtol=1e-4; max abs error 0.53 at [3, 17]
         (expected 0.12, got 0.65)``.
     """
-    tol = tolerance_for(expected.dtype, backend)
+    tol = tolerance or tolerance_for(expected.dtype, backend)
     meta = check_meta(index, expected.shape, expected.dtype, got.shape, got.dtype)
     if meta is not None:
         return OutputComparison(index=index, tolerance=tol, passed=False, message=meta)
@@ -243,6 +296,8 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
     if shortcut and not expected.dtype.is_complex and torch.equal(got, expected):
         if not exact:
             tol = scaled(tol, expected.to(torch.float64))
+            if widening is not None:
+                tol = Tolerance(tol.atol + widening.atol, tol.rtol)
         return _identical(index, expected, tol, exact)
     if not detail and expected.dtype.is_floating_point:
         # isclose(equal_nan=True) never matches NaN with a number.
@@ -259,6 +314,8 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
     else:
         e, g = _as_real(expected), _as_real(got)
         tol = scaled(tol, e)
+        if widening is not None:
+            tol = Tolerance(tol.atol + widening.atol, tol.rtol)
         close = torch.isclose(g, e, rtol=tol.rtol, atol=tol.atol, equal_nan=True)
         if expected.dtype.is_complex:
             close = close.all(dim=-1)
@@ -290,7 +347,7 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
                                       else finite.unsqueeze(-1).expand_as(e))
     if count == 0:
         if not exact:
-            result.message = _scale_problem(index, e, g, tol, result.rel_l2_error)
+            result.message = _scale_problem(index, e, g, tol, result.rel_l2_error, widening)
             result.passed = not result.message
         return result
 
@@ -350,20 +407,25 @@ def _rel_l2(e: torch.Tensor, g: torch.Tensor, finite: torch.Tensor) -> float | N
 
 
 def _scale_problem(index: int, e: torch.Tensor, g: torch.Tensor, tol: Tolerance,
-                   rel_l2: float | None) -> str:
+                   rel_l2: float | None, widening: Widening | None = None) -> str:
     """Why outputs within the element-wise tolerance still fail (module doc), or ''."""
     bound = REL_L2_FACTOR * tol.rtol
+    why = "5 x rtol"
+    if widening is not None and widening.rel_l2 > bound:
+        bound, why = widening.rel_l2, f"{NOISE_FACTOR:g} x the float32 reference's own"
+    noise = widening.atol if widening is not None else 0.0
     finite = torch.isfinite(e) & torch.isfinite(g)
     if bool(finite.any()):
         ef, gf = e[finite], g[finite]
         spread = float(ef.max() - ef.min())
-        if float(gf.max()) == float(gf.min()) and spread > tol.rtol * float(ef.abs().max()):
+        if float(gf.max()) == float(gf.min()) and \
+                spread > tol.rtol * float(ef.abs().max()) + noise:
             return (f"output {index} is constant (every element {_format_value(float(gf[0]))}) "
                     f"but the expected output is not (it spans {_format_value(spread)}); the "
                     "values are within atol only because they are small")
     if rel_l2 is not None and rel_l2 > bound:
         return (f"output {index}: relative L2 error {rel_l2:.3g} exceeds {bound:.3g} "
-                f"(5 x rtol) although every element is within atol={format_tolerance(tol.atol)} "
+                f"({why}) although every element is within atol={format_tolerance(tol.atol)} "
                 f"rtol={format_tolerance(tol.rtol)}; the output does not follow the "
                 "expected values' scale")
     return ""
@@ -423,3 +485,109 @@ def compare_outputs(expected: list[torch.Tensor], got: list[torch.Tensor],
     failed = next((o for o in outputs if not o.passed), None)
     return Comparison(passed=failed is None, outputs=outputs,
                       message=failed.message if failed else "")
+
+
+# ---------------------------------------------------------------- float64 recheck
+
+
+def _nonfinite_differ(expected: torch.Tensor, got: torch.Tensor) -> bool:
+    """Whether NaN or +-Inf sit at other positions (or Inf with another sign)."""
+    odd = ~torch.isfinite(expected) | ~torch.isfinite(got)
+    return not bool(torch.isclose(got[odd], expected[odd], rtol=0, atol=0,
+                                  equal_nan=True).all())
+
+
+def recheckable(comparison: Comparison, expected: list[torch.Tensor],
+                got: list[torch.Tensor]) -> bool:
+    """Whether a failed trial may be rechecked against the task's Model in float64
+    (:func:`recheck`): as many outputs as the reference's, and each failing one a
+    float32, float16 or bfloat16 output with the reference's shape and dtype and its
+    NaN and Inf where the reference has them. Cheap: the verifier asks before it has
+    the reference child compute anything."""
+    if comparison.passed or len(expected) != len(got) or \
+            len(comparison.outputs) != len(expected):
+        return False
+    for o in comparison.outputs:
+        e, g = expected[o.index], got[o.index]
+        if not o.passed and (e.dtype not in _RECHECKED_DTYPES or check_meta(
+                o.index, e.shape, e.dtype, g.shape, g.dtype) or _nonfinite_differ(e, g)):
+            return False
+    return True
+
+
+@dataclass
+class Recheck:
+    """A failed trial judged against the float64 truth (:func:`recheck`).
+
+    ``passed``: every failing output passed against the truth, the reference being
+    noise there; ``comparison`` is then the trial's comparison with each of those
+    outputs compared against the truth (widened), the others as they were, and
+    ``notes`` says for each what the reference's own error and the widened tolerance
+    were. Otherwise ``reason`` says why the original failure stands.
+    """
+
+    passed: bool
+    comparison: Comparison | None = None
+    notes: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+def recheck(comparison: Comparison, expected: list[torch.Tensor], truth: list[torch.Tensor],
+            got: list[torch.Tensor], backend: str = "cpu") -> Recheck:
+    """Judge a failed trial's failing outputs against the task's Model run in float64.
+
+    Args:
+        comparison: the trial's failed :func:`compare_outputs` of ``got`` with ``expected``.
+        expected: the reference's outputs (the task's Model as the task made it,
+            float32 for the outputs this applies to).
+        truth: the same Model's outputs in float64 on the same inputs, same shapes.
+        got: the candidate's outputs.
+        backend: selects the float32 tolerance.
+
+    Returns:
+        A pass only where, for every failing output, the float32 reference fails the
+        normal tolerance against the truth (it is noise at these inputs) and the
+        candidate passes against the truth at ``atol`` + ``NOISE_FACTOR`` x the
+        reference's max abs error and a relative L2 bound of at least
+        ``NOISE_FACTOR`` x the reference's relative L2 (module doc). Anything else
+        (:func:`recheckable` false, a truth of another shape or not float64, an
+        accurate reference, a candidate beyond the widened tolerance) is a failure
+        with its ``reason``.
+    """
+    if not recheckable(comparison, expected, got):
+        return Recheck(False, reason="not a floating-point mismatch that a float64 "
+                                     "recheck can decide")
+    if len(truth) != len(expected):
+        return Recheck(False, reason=f"the float64 Model returned {len(truth)} outputs; "
+                                     f"the reference {len(expected)}")
+    outputs = list(comparison.outputs)
+    notes = []
+    for failed in comparison.outputs:
+        if failed.passed:
+            continue
+        i = failed.index
+        e, t = expected[i], truth[i]
+        if t.dtype != torch.float64 or t.shape != e.shape:
+            return Recheck(False, reason=f"output {i} of the float64 Model has shape "
+                                         f"{_format_shape(tuple(t.shape))} and dtype "
+                                         f"{str(t.dtype).removeprefix('torch.')}")
+        tol = tolerance_for(e.dtype, backend)
+        own = compare_output(i, t, e.to(torch.float64), tolerance=tol)
+        if own.passed or own.max_abs_error is None:
+            return Recheck(False, reason=f"output {i}: the float32 reference is accurate at "
+                                         "these inputs (it passes against the float64 Model)")
+        widening = Widening(NOISE_FACTOR * own.max_abs_error,
+                            NOISE_FACTOR * (own.rel_l2_error or 0.0))
+        judged = compare_output(i, t, got[i].to(torch.float64), tolerance=tol,
+                                widening=widening)
+        if not judged.passed:
+            return Recheck(False, reason=f"against the float64 Model, {judged.message}")
+        outputs[i] = judged
+        own_l2 = "n/a" if own.rel_l2_error is None else f"{own.rel_l2_error:.3g}"
+        bound = max(REL_L2_FACTOR * tol.rtol, widening.rel_l2)
+        notes.append(f"output {i}: the float32 reference is noise at these inputs (its own "
+                     f"max abs error {own.max_abs_error:.3g}, relative L2 {own_l2} against "
+                     f"the task's Model in float64); the candidate matched the float64 "
+                     f"outputs within atol={format_tolerance(judged.tolerance.atol)} "
+                     f"rtol={format_tolerance(tol.rtol)} and relative L2 {bound:.3g}")
+    return Recheck(True, comparison=Comparison(passed=True, outputs=outputs), notes=notes)

@@ -66,8 +66,12 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "KernelBench shape-generalisation reports (kernels right for one tile or one size)",
          _T + "test_first_tile_matmul_fails_at_the_task_sizes"),
     DynamicRule("D009", "scale-aware comparison: atol grows with the output's magnitude, relative L2 "
-         "error per dtype, constant outputs against a non-constant reference",
-         "KernelBench issue #165 (outputs below atol pass with zeros)",
+         "error per dtype, constant outputs against a non-constant reference; a failing "
+         "floating output is rechecked against the task's Model in float64, and passes "
+         "within 10 x the float32 reference's own error only where that reference fails "
+         "against float64 (it is noise at the trial's inputs)",
+         "KernelBench issue #165 (outputs below atol pass with zeros); level 2 "
+         "Conv3d_GroupNorm_Mean (a zero mean that float32 returns as noise)",
          _T + "test_constant_output_against_a_small_scale_reference_fails"),
     DynamicRule("D010", "a verification that compared no elements never passes",
          "this project's red-team: --shape batch_size=0 passed with nothing compared",

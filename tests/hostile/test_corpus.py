@@ -75,7 +75,8 @@ async def test_hostile_candidate_fails(verifier, dynamic_only, path):
 
 
 @pytest.mark.parametrize("path", representatives(HONEST, [
-    p for p in HONEST if p.stem in ("elementwise_relu", "tiled_matmul", "autotune_configs")]),
+    p for p in HONEST if p.stem in ("elementwise_relu", "tiled_matmul", "autotune_configs",
+                                   "centered_mean")]),
     ids=lambda p: p.stem)
 async def test_honest_candidate_passes(verifier, path):
     code, meta = load(path)

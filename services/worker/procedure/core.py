@@ -72,6 +72,9 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.shape_generic_sizes: dict[str, Any] | None = None
         self.shape_generic_error: str | None = None
         self.first_call: Trial | None = None
+        # Trials' outputs from the task's Model in float64 (None: not to be had), by
+        # (key, index), once a float64 recheck asked for them.
+        self.truths: dict[tuple[str, int], list[torch.Tensor] | None] = {}
         # The first trial's replayed frame and its reference trial (counted traffic).
         self.first_counted: tuple[wire.Replayed, wire.RefTrial] | None = None
         self.compile_task: asyncio.Task | None = None

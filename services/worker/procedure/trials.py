@@ -7,8 +7,12 @@ the planner trace each on its decoy while the reference makes the real inputs, p
 each plan to a replayer (:mod:`services.worker.replay`) and judges the replayed
 outputs against the reference's (:mod:`services.worker.correctness`): emptiness (rule
 D010), inputs left unchanged, no aliasing, values within tolerance, and the ghost
-check (outputs matching without the kernels: stage ``audit``). The variants are the
-first call again without its launches (rule D003) and with every autotune config.
+check (outputs matching without the kernels: stage ``audit``). A trial whose floating
+outputs fail is first rechecked against the task's Model in float64, which the
+reference child computes on the trial's inputs (:meth:`TrialRuns._recheck`): where the
+float32 reference is itself noise at those inputs, a candidate within that noise of
+the float64 outputs passes, with a note. The variants are the first call again without
+its launches (rule D003) and with every autotune config.
 """
 
 from __future__ import annotations
@@ -21,14 +25,25 @@ from typing import Any
 import torch
 
 from services.sandbox import values, wire
+from services.sandbox.pool import ProtocolError
 from services.worker import inputs as trial_inputs
 from services.worker import sizes as size_rules
 from services.worker._reference import digest
-from services.worker.children import decode_tensor
-from services.worker.correctness import compare_outputs, compared_elements
+from services.worker.children import ChildFailed, decode_tensor
+from services.worker.correctness import (
+    Comparison,
+    compare_outputs,
+    compared_elements,
+    recheck,
+    recheckable,
+)
 from services.worker.procedure.outcome import STAGES, Verdict
 from services.worker.procedure.state import Trial, constant, outputs_of
 from services.worker.rules import op_packet
+
+# What a float64 recheck leaves of the request's timeout_s, seconds: the verdict still
+# has to be made and sent when it does not answer.
+_RECHECK_MARGIN_S = 5.0
 
 
 class TrialRuns:
@@ -150,16 +165,20 @@ class TrialRuns:
         self._check_inputs(trial, frame, raws, where)
         self._check_aliasing(trial, real, where)
         comparison = await asyncio.to_thread(compare_outputs, expected, got, self.v.backend)
+        tolerance = comparison.outputs[0].tolerance if comparison.outputs else None
         if not comparison.passed:
-            raise await self._mismatch(trial, comparison, where)
+            rechecked = await self._recheck(trial, expected, got, comparison, where)
+            if rechecked is None:
+                raise await self._mismatch(trial, comparison, where)
+            comparison = rechecked
         if trial.key == "main":
             if trial.index == 0:
                 self.first_counted = (frame, real)
             self.compared += 1
             self.distributions.append(real.distribution + (f" ({real.fallback})"
                                                            if real.fallback else ""))
-            if comparison.outputs and self.tolerance is None:
-                self.tolerance = comparison.outputs[0].tolerance
+            if tolerance is not None and self.tolerance is None:
+                self.tolerance = tolerance
             for name in self.errors:
                 value = getattr(comparison, name)
                 if value is not None:
@@ -167,6 +186,63 @@ class TrialRuns:
                         self.errors[name], value)
             await self._check_ghost(trial, expected)
         return frame
+
+    async def _recheck(self, trial: Trial, expected: list[torch.Tensor],
+                       got: list[torch.Tensor], comparison: Comparison,
+                       where: str) -> Comparison | None:
+        """The failed ``comparison`` of ``trial`` redone against the task's Model in
+        float64 (:func:`services.worker.correctness.recheck`): the comparison against
+        those outputs when the float32 reference is noise at the trial's inputs and the
+        candidate is within that noise of them (a note says so); None when the failure
+        stands (not a floating-point mismatch, no float64 outputs, an accurate
+        reference, a candidate beyond the widened tolerance).
+
+        Only the task's code runs for it, in the reference child, on the inputs that
+        child made; the candidate's part is the outputs it already returned."""
+        if not recheckable(comparison, expected, got):
+            return None
+        truth = await self._truth(trial, expected)
+        if truth is None:
+            return None
+        result = await asyncio.to_thread(recheck, comparison, expected, truth, got,
+                                         self.v.backend)
+        if not result.passed:
+            return None
+        self.notes.extend(f"float64 recheck, {where}: {note}" for note in result.notes)
+        return result.comparison
+
+    async def _truth(self, trial: Trial, expected: list[torch.Tensor]
+                     ) -> list[torch.Tensor] | None:
+        """``trial``'s outputs from the task's Model in float64, asked of the reference
+        child once per trial (:class:`~services.sandbox.wire.RefRecheck`); None when it
+        cannot give them (its error, a failed child, no answer within task_timeout_s or
+        before the request's deadline less a margin)."""
+        if (trial.key, trial.index) in self.truths:
+            return self.truths[trial.key, trial.index]
+        truth = None
+        loop = asyncio.get_running_loop()
+        limit = (self.deadline - loop.time() - _RECHECK_MARGIN_S) if self.deadline else \
+            math.inf
+        limit = min(limit, self.v.task_timeout_s or math.inf)
+        real, raws = trial.real
+        count = len(values.raw_refs(real.inputs))
+        size = self.sizes.get(trial.key) or self.sizes["main"]
+        if limit > 0:
+            try:
+                await self.ref.send(wire.RefRecheck(
+                    key=trial.key, index=trial.index, overrides=size.overrides,
+                    inputs=real.inputs, digests=[digest(t) for t in expected],
+                    max_output_bytes=self.v.max_frame_bytes), raws[:count])
+                frame, out = await asyncio.wait_for(
+                    self._await("reference", "rechecked", trial.key, trial.index),
+                    None if limit == math.inf else limit)
+                if not frame.error:
+                    truth = [decode_tensor(m, d)
+                             for m, d in zip(frame.outputs, out, strict=True)]
+            except (ChildFailed, ProtocolError, TimeoutError):
+                truth = None
+        self.truths[trial.key, trial.index] = truth
+        return truth
 
     def _check_nonempty(self, real: wire.RefTrial, expected: list[torch.Tensor],
                         where: str) -> None:
@@ -313,7 +389,9 @@ class TrialRuns:
             label = f"config {config}"
             frame, got, want = await self._judge(trial, label, quick=True)
             result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend)
-            if not result.passed:
+            if not result.passed and await self._recheck(
+                    trial, want, got, result, f"the first call with autotune config {config}"
+            ) is None:
                 raise Verdict("mismatch", f"autotune config {config} of "
                               f"{self._config_text(trial, config)}: {result.message} (each "
                               "config must compute the same outputs; a GPU may pick any)",
