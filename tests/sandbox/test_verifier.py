@@ -18,8 +18,7 @@ import torch
 
 from schemas.events import VerifyRequest
 from services.sandbox import child as _child
-from services.sandbox import pool
-from services.sandbox import wire
+from services.sandbox import pool, wire
 from services.sandbox.pool import captured_output, clean_environment, describe_exit
 from services.worker import correctness
 from services.worker.procedure import Outcome, Timings
