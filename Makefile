@@ -36,14 +36,23 @@ run: venv
 # machine's cores, at most 8; many tests wait on subprocesses and the bus, not the CPU).
 # TEST_WORKERS=0 runs it in this one process. Each process starts its own warm sandbox.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); n=$$((n + 2)); [ $$n -gt 8 ] && n=8; echo $$n)
-PYTEST := $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal --durations=25
+# Bytecode caches on whatever the environment says (PYTHONDONTWRITEBYTECODE=1 in many
+# containers): the suite starts hundreds of Python processes (CLIs, services, sandbox
+# servers), each of which would compile every project module it imports, and pytest
+# would rewrite every test module's asserts again in each of its processes (11 CPU-s of
+# collection each, 6 with the caches). __pycache__ is git-ignored.
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -p no:cacheprovider \
+	-n $(TEST_WORKERS) --dist worksteal --durations=25
+COMPILE := env -u PYTHONDONTWRITEBYTECODE $(PY) -m compileall -q services schemas bench tests
 
 test: venv prometheus
+	$(COMPILE)
 	$(PYTEST)
 
 # Tests marked `slow` (several services end to end, clusters, wheel builds, the bulk of
 # each family of like tests) left out.
 test-fast: venv
+	$(COMPILE)
 	$(PYTEST) -m "not slow"
 
 lint: venv

@@ -66,6 +66,17 @@ def representatives(names: Iterable[str], fast: Iterable[str]) -> list[Any]:
             for name in names]
 
 
+def checked_sizes(name: str, fast: Iterable[str],
+                  overrides: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The sizes a member of a family of like tests (:func:`representatives`) verifies
+    its one candidate at, for :func:`verify_at_sizes`: the task's own (``{}``, where the
+    verifier adds an awkward size of odd extents) and every one of ``overrides`` for a
+    representative (a name in ``fast``); the task's own and the first override for the
+    others, whose kernels the representatives already run at the rest."""
+    overrides = list(overrides)
+    return [{}, *(overrides if name in set(fast) else overrides[:1])]
+
+
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ROOT / "tasks"
 DATA = Path(__file__).resolve().parent / "data"

@@ -2,9 +2,9 @@
 
 Each task below is lowered once, at its own sizes, and verified end to end by the
 worker's Verifier on cpu (op audit, ghost replay, a second and an awkward size) at its
-own sizes and at two shape_overrides of different divisibility by the tiles (odd
-extents and a batch of 1; powers of two), so the one candidate must follow sizes read
-at run time. Kernels run in Triton's interpreter (TRITON_INTERPRET=1).
+own sizes and at shape_overrides of odd extents and a batch of 1 (the representatives
+also at powers of two, :func:`tests.helpers.checked_sizes`), so the one candidate must
+follow sizes read at run time. Kernels run in Triton's interpreter (TRITON_INTERPRET=1).
 """
 
 import os
@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from services.generator.lowering import lower_task  # noqa: E402
-from tests.helpers import TASKS, representatives, verify_at_sizes  # noqa: E402
+from tests.helpers import TASKS, checked_sizes, representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -108,8 +108,10 @@ def _overrides(name: str, sizes: dict) -> dict:
 
 
 # The implicit GEMM and the direct (depthwise) kernel in the fast lane.
-@pytest.mark.parametrize("name", representatives(sorted(CONVS), (
-    "conv2d_strided_padded_dilated", "conv2d_depthwise")))
+FAST = ("conv2d_strided_padded_dilated", "conv2d_depthwise")
+
+
+@pytest.mark.parametrize("name", representatives(sorted(CONVS), FAST))
 def test_convolution_passes_the_worker(name, shared_verifier):
 
     task_src = conv_task(name)
@@ -119,7 +121,8 @@ def test_convolution_passes_the_worker(name, shared_verifier):
         _launches(candidate)
     assert ("tl.dot(" in candidate) == (name not in DIRECT)
     own = verify_at_sizes(shared_verifier, f"conv-{name}", task_src, candidate,
-                          [_overrides(name, sizes) for sizes in ({}, *OVERRIDES)])
+                          [_overrides(name, sizes)
+                           for sizes in checked_sizes(name, FAST, OVERRIDES)])
     # right at odd extents too (the verifier's awkward size), unless the task itself
     # cannot take them (grouped channels)
     assert own.shape_generic is not False, own.notes

@@ -3,8 +3,9 @@ held by containers and custom submodules, concatenation, splits.
 
 Each task is lowered once, at its own sizes, and verified end to end by the worker's
 Verifier on cpu (op audit, ghost replay, a second and an awkward size) at its own sizes
-and at two shape_overrides of different divisibility (odd extents; powers of two), so
-the one candidate must follow sizes read at run time. Kernels run in Triton's
+and at shape_overrides of odd extents (the representatives also at powers of two,
+:func:`tests.helpers.checked_sizes`), so the one candidate must follow sizes read at
+run time. Kernels run in Triton's
 interpreter (TRITON_INTERPRET=1).
 """
 
@@ -16,7 +17,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run o
 import pytest  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
-from tests.helpers import representatives, verify_at_sizes  # noqa: E402
+from tests.helpers import checked_sizes, representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -132,15 +133,17 @@ def _overrides(name: str, sizes: dict) -> dict:
     return {k: v for k, v in sizes.items() if k not in ("height", "width") or k in extents}
 
 
-@pytest.mark.parametrize("name", representatives(sorted(NETWORKS), (
-    "sequential_mlp", "qkv_split_cat")))
+FAST = ("sequential_mlp", "qkv_split_cat")
+
+
+@pytest.mark.parametrize("name", representatives(sorted(NETWORKS), FAST))
 def test_network_passes_the_worker(name, shared_verifier):
     task_src = network_task(name)
     candidate = lower_task(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
     verify_at_sizes(shared_verifier, f"net-{name}", task_src, candidate,
-                    [_overrides(name, sizes) for sizes in ({}, *OVERRIDES)])
+                    [_overrides(name, sizes) for sizes in checked_sizes(name, FAST, OVERRIDES)])
 
 
 def test_container_parameters_keep_their_qualified_names():

@@ -3,9 +3,10 @@ projection GEMM and a step kernel launched once per time step.
 
 Each task below is lowered once, at its own sizes, and verified end to end by the
 worker's Verifier on cpu (op audit, ghost replay, a second and an awkward size) at its
-own sizes and at two shape_overrides of different divisibility by the tiles (odd
-extents, a batch of one and a hidden size over one tile; powers of two), so the one
-candidate must follow sizes, the sequence length included, read at run time. Kernels
+own sizes and at shape_overrides of odd extents, a batch of one and a hidden size
+over one tile (the representatives also at powers of two,
+:func:`tests.helpers.checked_sizes`), so the one candidate must follow sizes, the
+sequence length included, read at run time. Kernels
 run in Triton's interpreter (TRITON_INTERPRET=1).
 """
 
@@ -19,7 +20,7 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 
 from services.generator.lowering import LoweringError, lower_task  # noqa: E402
-from tests.helpers import representatives, verify_at_sizes  # noqa: E402
+from tests.helpers import checked_sizes, representatives, verify_at_sizes  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -98,7 +99,10 @@ def rnn_task(name: str, options: str | None = None) -> str:
 
 
 # One LSTM and one GRU in the fast lane.
-@pytest.mark.parametrize("name", representatives(RNNS, ("lstm", "gru")))
+FAST = ("lstm", "gru")
+
+
+@pytest.mark.parametrize("name", representatives(RNNS, FAST))
 def test_recurrent_network_passes_the_worker(name, shared_verifier):
 
     task_src = rnn_task(name)
@@ -107,7 +111,7 @@ def test_recurrent_network_passes_the_worker(name, shared_verifier):
     cell = RNNS[name][0].lower()
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["rnn_input", f"{cell}_step"]
     own = verify_at_sizes(shared_verifier, f"rnn-{name}", task_src, candidate,
-                          ({}, *OVERRIDES))
+                          checked_sizes(name, FAST, OVERRIDES))
     assert own.shape_generic is not False, own.notes
 
 
