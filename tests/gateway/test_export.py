@@ -70,6 +70,7 @@ def assert_matches(row: dict, record: JobRecord) -> None:
     assert row["end_time"] == record.end_time and row["submit_time"] == record.submit_time
 
 
+@pytest.mark.slow  # five `aikg export` processes
 async def test_export_round_trips_and_resumes(tmp_path: Path, gateway: str, bus: Bus) -> None:
     records = [finished("job-a", minute=3), finished("job-b", minute=1, coder="builtin",
                                                      model=None),

@@ -115,6 +115,7 @@ def test_recurrent_network_passes_the_worker(name, shared_verifier):
     assert own.shape_generic is not False, own.notes
 
 
+@pytest.mark.slow  # the representatives above verify sizes in the fast lane
 def test_the_time_loop_is_in_forward_and_no_extent_is_written():
     """The steps are a Python loop over the input's length, not an unrolled graph: the
     candidate is the same whatever the sequence length, and no extent of the task
@@ -134,6 +135,7 @@ def test_the_time_loop_is_in_forward_and_no_extent_is_written():
     _assert_matches(task_src, candidate, {"seq": 9, "hidden_size": 40}, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # the representatives above verify sizes in the fast lane
 def test_one_candidate_follows_other_sizes():
     """Lowered once: right for other batches, lengths and widths, GRU and RNN cells."""
     for name in ("gru_bidirectional_batch_first_no_state", "rnn_relu_bidirectional_no_state"):
