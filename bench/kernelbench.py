@@ -120,10 +120,23 @@ def _int_value(node: ast.expr) -> int | None:
 
 def _size_literals(tree: ast.Module) -> dict[str, ast.Constant]:
     """Module-level ``name = <int>`` (``a = b = <int>``, ``n = 2048 * 2``, ``shape =
-    (4096,)``, ``layer_sizes = [400, 800]``) literals that look like extents, folded to constants in ``tree``."""
+    (4096,)``, ``layer_sizes = [400, 800]``, ``depth, height, width = 16, 32, 32``)
+    literals that look like extents, folded to constants in ``tree``."""
     found: dict[str, ast.Constant] = {}
     for stmt in tree.body:
         if not isinstance(stmt, ast.Assign):
+            continue
+        if (len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Tuple)
+                and isinstance(stmt.value, ast.Tuple)
+                and len(stmt.targets[0].elts) == len(stmt.value.elts)):
+            # depth, height, width = 16, 32, 32: each name its own literal
+            for target, item in zip(stmt.targets[0].elts, stmt.value.elts, strict=True):
+                value = _int_value(item)
+                if (isinstance(target, ast.Name) and _is_extent(target.id)
+                        and value is not None and value >= 2):
+                    constant = ast.Constant(value)
+                    stmt.value.elts[stmt.value.elts.index(item)] = constant
+                    found[target.id] = constant
             continue
         names = [t.id for t in stmt.targets if isinstance(t, ast.Name)]
         if not names or not all(_is_extent(n) for n in names):
