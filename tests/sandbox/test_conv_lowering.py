@@ -69,10 +69,11 @@ CONVS = {
     # one output channel a group: the direct kernel
     "conv2d_depthwise": ("nn.Conv2d(channels, channels, 3, padding=1, groups=channels)",
                          "self.conv(x)", (9, 8)),
-    # torch.tensor(20.0) in forward: a constant export lifts, passed as a number
+    # torch.tensor(...) in forward: constants export lifts, passed as numbers (one made
+    # on the inputs' device, meta while exporting)
     "conv2d_relu_epilogue": ("nn.Conv2d(channels, 6, 3, padding=1)",
-                             "torch.clamp(torch.min(torch.relu(self.conv(x)), torch.tensor(20.0))"
-                             " * 2.0 + x.sum(), max=30.0)",
+                             "torch.clamp(torch.min(torch.relu(self.conv(x)), torch.tensor("
+                             "20.0, device=x.device)) * torch.tensor(2.0) + x.sum(), max=30.0)",
                              (8, 8)),
     "conv3d": ("nn.Conv3d(channels, 3, 3, stride=(1, 2, 1), padding=1)", "self.conv(x)",
                (5, 8, 6)),

@@ -248,6 +248,28 @@ def _fast_recurrent_tracing():
             op._dispatch_cache.clear()
 
 
+@contextlib.contextmanager
+def _numbers_made_on_cpu():
+    """While exporting: ``torch.tensor(<a Python number>, device=<meta>)`` in forward
+    (``torch.tensor(c, device=x.device)``, the inputs being on meta) is made on the CPU,
+    so the constant export lifts holds its value (a meta tensor has none). A 0-d CPU
+    tensor combines with tensors of any device, so the traced graph is the same."""
+    original = torch.tensor
+
+    def tensor(data: Any, **kwargs: Any) -> torch.Tensor:
+        device = kwargs.get("device")
+        if (isinstance(data, bool | int | float) and device is not None
+                and torch.device(device).type == "meta"):
+            kwargs["device"] = "cpu"
+        return original(data, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
+
+
 def scalar_tensors(task: Task) -> tuple[Any, ...] | None:
     """The task's inputs with each number as a 0-d tensor (float32, int64 or bool),
     or None when ``get_inputs()`` returns no number.
@@ -291,7 +313,7 @@ def export_program(task: Task, inputs: tuple[Any, ...] | None = None) -> torch.e
         args = inputs if shapes is not None else tuple(
             x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
         try:
-            with warnings.catch_warnings(), _fast_recurrent_tracing():
+            with warnings.catch_warnings(), _fast_recurrent_tracing(), _numbers_made_on_cpu():
                 warnings.simplefilter("ignore")  # torch.export's internal deprecation notices
                 ep = torch.export.export(task.model, args, dynamic_shapes=shapes)
                 return ep.run_decompositions(table)
