@@ -47,7 +47,7 @@ from services.gateway.batches import stop_followers, verify_router
 from services.gateway.deps import DEPENDENCIES
 from services.gateway.errors import EXCEPTION_HANDLERS, REQUEST_MAX_BODY_BYTES
 from services.gateway.health import PROBE_HANDLERS
-from services.gateway.jobs import jobs_router
+from services.gateway.jobs import jobs_router, stop_requeues
 from services.gateway.kernels import kernels_router
 from services.gateway.queue import QueueView
 from services.gateway.workers import workers_router
@@ -149,6 +149,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
             yield
         finally:
             await stop_followers(app.state)
+            await stop_requeues(app.state)
             if own is not None:
                 app.state.bus = None
                 app.state.queue = None
@@ -166,7 +167,8 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Litestar:
                                      "read their kernels; verify batches of candidates; "
                                      "list workers."),
         state=State({"bus": bus, "queue": QueueView(bus) if bus is not None else None,
-                     "tenants": tenants, "tenant_locks": {}, "batch_followers": set()}),
+                     "tenants": tenants, "tenant_locks": {}, "batch_followers": set(),
+                     "requeues": set()}),
         logging_config=None,
     )
 

@@ -16,6 +16,7 @@ The bus, the job store, the queue view and the tenant are dependencies
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import re
@@ -23,6 +24,8 @@ import time
 from typing import Annotated, NoReturn, TypeVar
 
 import msgspec
+import nats.errors
+import nats.js.errors
 import numpy as np
 import structlog
 from litestar import Request, Response, Router, get, post
@@ -37,10 +40,26 @@ from litestar.exceptions import (
 from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
 from litestar.response import ServerSentEvent
 from prometheus_client import Counter, Histogram
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
 
-from schemas import TERMINAL_STATUSES, JobEvent, JobRecord, JobSubmit, decode, subjects, utcnow
+from schemas import (
+    TERMINAL_STATUSES,
+    JobEvent,
+    JobRecord,
+    JobSubmit,
+    decode,
+    encode,
+    subjects,
+    utcnow,
+)
 from schemas.events import ShapeValue
-from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound, publish_json
+from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound
 from services.common.jobs import (
     CheckedJobStore,
     TaskError,
@@ -52,6 +71,7 @@ from services.common.jobs import (
     publish_event,
 )
 from services.common.records import unknown_shape_names
+from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
 from services.gateway import events as job_events
 from services.gateway.deps import load_record, provide_tenant
@@ -73,6 +93,28 @@ SUBMIT_SECONDS = Histogram(
 )
 
 T = TypeVar("T")
+
+# A job's submit message is published again with the same Nats-Msg-Id while its stream
+# has no leader or does not acknowledge: a JetStream node failing over hands its
+# streams to new leaders within seconds (tests/bus/test_cluster.py). For this long
+# before the submission is answered, seconds.
+QUEUE_RETRY_S = 10.0
+# One try's wait for the stream's acknowledgement, seconds (nats-py's default: 5).
+QUEUE_ACK_TIMEOUT_S = 2.5
+# A job whose tries may have landed unacknowledged is published again in the background
+# until its submission is this much short of the stream's duplicate window, seconds: a
+# try after the window could store it twice.
+REQUEUE_MARGIN_S = 10.0
+# Failures worth another try: no answer in time, no stream leader (yet), a stream that
+# is temporarily unavailable.
+_RETRIED = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
+            nats.errors.ConnectionReconnectingError)
+# Failures that say the message was not stored: nobody took it, or the stream refused it
+# (nats.js.errors.APIError: an answer of the stream's). Any other failure, a timeout
+# above all, leaves open whether it landed.
+_NOT_STORED = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+               nats.js.errors.APIError)
 
 # Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
 MAX_PAGE = 500
@@ -239,12 +281,109 @@ async def routed_arch(bus: Bus, backend: str, arch: str | None) -> str:
     )
 
 
+class Unqueued(Exception):
+    """A job's submit message did not reach its stream.
+
+    Attributes:
+        cause: the last publish's error.
+        maybe_stored: True when some try ended without an answer (a timed-out
+            acknowledgement, a dropped connection): the message may be in the stream and
+            a generator may already run the job. False when every try was refused (no
+            stream leader to take it, or the stream said no): it is not there.
+    """
+
+    def __init__(self, cause: BaseException, maybe_stored: bool) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.cause = cause
+        self.maybe_stored = maybe_stored
+
+
+async def queue_job(bus: Bus, subject: str, request: JobSubmit, job_id: str, *,
+                    within_s: float | None = None) -> None:
+    """Publish a job's submit message with ``job_id`` as its ``Nats-Msg-Id``, trying
+    again for up to ``within_s`` seconds (default :data:`QUEUE_RETRY_S`) while the
+    stream has no leader or does not acknowledge (a node failing over). Every try
+    carries the same id, so the stream stores the job once however many tries land
+    (within its duplicate window, :data:`~services.common.bus.DUPLICATE_WINDOW_S`).
+
+    Raises:
+        Unqueued: no try was acknowledged in time; ``maybe_stored`` says whether one
+            may have landed all the same.
+    """
+    within_s = QUEUE_RETRY_S if within_s is None else within_s
+    maybe_stored = False
+    payload = encode(request)
+    headers = {"Nats-Msg-Id": job_id}
+
+    def note(state: RetryCallState) -> None:
+        nonlocal maybe_stored
+        exc = state.outcome.exception() if state.outcome else None
+        maybe_stored = maybe_stored or not isinstance(exc, _NOT_STORED)
+
+    try:
+        async for attempt in AsyncRetrying(
+                stop=stop_after_delay(max(0.0, within_s)),
+                wait=wait_exponential(multiplier=0.1, max=1.0),
+                retry=retry_if_exception_type(_RETRIED), after=note, reraise=True):
+            with attempt:
+                await bus.js.publish(subject, payload, headers=headers,
+                                     timeout=QUEUE_ACK_TIMEOUT_S)
+    except Exception as exc:
+        raise Unqueued(exc, maybe_stored or not isinstance(exc, _NOT_STORED)) from exc
+
+
+async def _keep_queuing(bus: Bus, record: JobRecord, subject: str) -> None:
+    """Publish the submit message of a job whose first tries may or may not have landed,
+    for as long as the stream's duplicate window makes another try safe, then fail the
+    job if none was acknowledged (a generator that meets it later skips it)."""
+    left = (DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S
+            - (utcnow() - record.submit_time).total_seconds())
+    with structlog.contextvars.bound_contextvars(job_id=record.job_id):
+        try:
+            await queue_job(bus, subject, record.request, record.job_id, within_s=left)
+            log.info("job_queue_confirmed", subject=subject)
+            return
+        except Unqueued as exc:
+            reason = (f"could not queue the job on {subject} within "
+                      f"{DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:.0f} s of its submission: "
+                      f"{exc}; NATS may be down, submit it again")
+
+        def fail(r: JobRecord) -> JobRecord | None:
+            if r.status != "pending":
+                return None
+            r.status = r.progress.phase = "failed"
+            r.error = r.progress.message = reason
+            r.end_time = utcnow()
+            return r
+
+        log.error("job_publish_failed", error=reason)
+        with contextlib.suppress(Exception):
+            if (await CheckedJobStore(bus.jobs).update(record.job_id, fail)).status == "failed":
+                await publish_event(bus, JobEvent(job_id=record.job_id, event="failed",
+                                                  status="failed", message=reason))
+
+
+def _start_queuing(state: State, bus: Bus, record: JobRecord, subject: str) -> None:
+    tasks: set[asyncio.Task] = state.get("requeues")
+    task = asyncio.create_task(_keep_queuing(bus, record, subject),
+                               name=f"requeue-{record.job_id}")
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+
+
+async def stop_requeues(state: State) -> None:
+    """Cancel the gateway's background publishes (at shutdown: those jobs stay pending,
+    and their clients' resubmissions with the same ``job_id`` publish them again)."""
+    await cancel_and_wait(*state.get("requeues", set()))
+
+
 async def _withdraw(bus: Bus, job_id: str, exc: Exception, subject: str,
                     held: Claim) -> NoReturn:
-    """The record is written but its submit message could not be published: remove the
-    record (so nothing waits on a job no generator will see), give the tenant's slot
-    back and answer 503, so the client retries; the same ``job_id`` is free again."""
-    reason = f"could not queue the job on {subject}: {exc.__class__.__name__} {exc}"
+    """The record is written but its submit message is known not to be in the stream:
+    remove the record (so nothing waits on a job no generator will see), give the
+    tenant's slot back and answer 503, so the client retries; the same ``job_id`` is
+    free again."""
+    reason = f"could not queue the job on {subject}: {exc}"
     log.error("job_publish_failed", error=reason)
     with contextlib.suppress(Exception):
         await bus.jobs.delete(job_id)
@@ -286,9 +425,16 @@ async def _resubmitted(bus: Bus, tenant: Tenant, record: JobRecord,
             detail=f"job id {record.job_id!r} is taken; choose another job_id or omit it "
             "to get a fresh one")
     age_s = (utcnow() - existing.submit_time).total_seconds()
-    if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S:
-        await publish_json(bus.js, subjects.job_submit(existing.tenant, existing.priority),
-                           existing.request, msg_id=record.job_id)
+    if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:
+        try:
+            await queue_job(bus, subjects.job_submit(existing.tenant, existing.priority),
+                            existing.request, record.job_id,
+                            within_s=min(QUEUE_RETRY_S,
+                                         DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S - age_s))
+        except Unqueued as exc:
+            raise HTTPException(
+                status_code=503, detail=f"job {record.job_id!r} is recorded but could not "
+                f"be queued again: {exc}; NATS may be down, retry shortly") from exc
     log.info("job_resubmitted", status=existing.status)
     return SubmitResponse(job_id=record.job_id, status=existing.status,
                           backend=existing.backend, arch=existing.arch,
@@ -356,19 +502,29 @@ async def submit_job(
         if not await held.withdraw_unless(store.create(record)):
             # Another submission with this job id won the race since the look above.
             return await _resubmitted(bus, tenant, record, (await store.get(job_id))[0])
+        # The event goes first so that a job's history starts with it: a generator may
+        # pick the job up and report "started" before this handler runs on.
+        await publish_event(bus, JobEvent(job_id=job_id, event="submitted",
+                                          status="pending",
+                                          message=f"{record.backend}/{arch}"))
+        message = ""
         try:
-            # The event goes first so that a job's history starts with it: a generator
-            # may pick the job up and report "started" before this handler runs on.
-            await publish_event(bus, JobEvent(job_id=job_id, event="submitted",
-                                              status="pending",
-                                              message=f"{record.backend}/{arch}"))
-            await publish_json(bus.js, subject, record.request, msg_id=job_id)
-        except Exception as exc:
-            with contextlib.suppress(Exception):
+            await queue_job(bus, subject, record.request, job_id)
+        except Unqueued as exc:
+            if not exc.maybe_stored:
                 await publish_event(bus, JobEvent(job_id=job_id, event="error",
                                                   status="pending",
                                                   message=f"submission withdrawn: {exc}"))
-            await _withdraw(bus, job_id, exc, subject, held)
+                await _withdraw(bus, job_id, exc, subject, held)
+            # A try may have landed, and a generator may be running the job: its record
+            # stays (deleting it would cancel that run, and a resubmission of the same
+            # job id would then be dropped by the stream as a duplicate of the first).
+            log.warning("job_queue_unconfirmed", error=str(exc))
+            _start_queuing(state, bus, record, subject)
+            message = (f"NATS has not yet acknowledged the job's queue message ({exc}); "
+                       "the gateway keeps publishing it, deduplicated by job id, and fails "
+                       f"the job if that does not succeed within "
+                       f"{DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:.0f} s")
         await held.commit()
         JOBS_SUBMITTED.labels(tenant=tenant_label(tenant.name),
                               priority=record.priority).inc()
@@ -377,7 +533,7 @@ async def submit_job(
                  priority=record.priority, subject=subject)
     SUBMIT_SECONDS.observe(time.perf_counter() - started)
     return SubmitResponse(job_id=job_id, status="pending", backend=record.backend,
-                          arch=arch)
+                          arch=arch, message=message)
 
 @get("/", summary="List jobs")
 async def jobs_list(
