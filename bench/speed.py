@@ -3,10 +3,11 @@
 ``python -m bench.speed`` prints:
 
 * **(a) burst throughput through the bus**: ``--burst`` one-trial verify requests of
-  ``tasks/relu.py`` at 64 x 4096 published at once on ``verify.cpu.<arch>`` to one
-  ``aikg worker`` process with one device (an embedded nats-server), first publish
-  to last verdict; beside it one cold ``python`` per candidate doing the same check
-  (:class:`bench.verify_throughput.Cold`, one trial), and the ratio.
+  ``tasks/relu.py`` at ``--rows`` x 4096 (64 x 4096 unless told) published at once on
+  ``verify.cpu.<arch>`` to one ``aikg worker`` process with one device (an embedded
+  nats-server), first publish to last verdict; beside it one cold ``python`` per
+  candidate doing the same check (:class:`bench.verify_throughput.Cold`, one trial),
+  and the ratio.
 * **(b) one three-trial verification, sequential**: ``--seq`` calls each through
   :class:`~services.sdk.workers.RemoteWorker` (to that worker) and
   :class:`~services.sdk.workers.LocalWorker` (in this process), interleaved; p50 and
@@ -44,7 +45,12 @@ from bench.verify_throughput import Cold
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK_PATH = ROOT / "tasks" / "relu.py"
-SHAPES = {"batch_size": 64, "dim": 4096}
+ROWS, DIM = 64, 4096
+
+
+def shapes_of(rows: int) -> dict[str, int]:
+    """``shape_overrides`` of ``tasks/relu.py`` at ``rows`` x 4096."""
+    return {"batch_size": rows, "dim": DIM}
 ARCH = "bench"
 
 
@@ -107,16 +113,17 @@ async def _wait_worker(url: str, proc: subprocess.Popen, log: Path) -> None:
         await nc.close()
 
 
-async def burst(url: str, task: str, code: str, n: int) -> tuple[float, list[Any]]:
+async def burst(url: str, task: str, code: str, n: int, shapes: dict[str, int]
+                ) -> tuple[float, list[Any]]:
     """Seconds from the first publish of ``n`` one-trial requests to the last verdict."""
     from services.sdk.workers import RemoteWorker
 
     remote = RemoteWorker(url, backend="cpu", arch=ARCH)
     try:
-        await remote.verify(task, code, "relu", shape_overrides=SHAPES, trials=1)  # warm-up
+        await remote.verify(task, code, "relu", shape_overrides=shapes, trials=1)  # warm-up
         started = time.perf_counter()
         results = await asyncio.gather(*(
-            remote.verify(task, code, "relu", shape_overrides=SHAPES, trials=1)
+            remote.verify(task, code, "relu", shape_overrides=shapes, trials=1)
             for _ in range(n)))
         elapsed = time.perf_counter() - started
     finally:
@@ -127,7 +134,7 @@ async def burst(url: str, task: str, code: str, n: int) -> tuple[float, list[Any
     return elapsed, results
 
 
-async def sequential(url: str, task: str, code: str, n: int
+async def sequential(url: str, task: str, code: str, n: int, shapes: dict[str, int]
                      ) -> dict[str, tuple[list[float], list[Any]]]:
     """``n`` three-trial verifications one at a time through each worker, interleaved."""
     from services.sdk.workers import LocalWorker, RemoteWorker
@@ -139,11 +146,11 @@ async def sequential(url: str, task: str, code: str, n: int
                                                      "LocalWorker": ([], [])}
     try:
         for worker in (remote, local):  # warm-up: each worker's reference cache
-            await worker.verify(task, code, "relu", shape_overrides=SHAPES, trials=3)
+            await worker.verify(task, code, "relu", shape_overrides=shapes, trials=3)
         for _ in range(n):
             for name, worker in (("RemoteWorker", remote), ("LocalWorker", local)):
                 started = time.perf_counter()
-                result = await worker.verify(task, code, "relu", shape_overrides=SHAPES,
+                result = await worker.verify(task, code, "relu", shape_overrides=shapes,
                                              trials=3)
                 out[name][0].append(time.perf_counter() - started)
                 out[name][1].append(result)
@@ -161,7 +168,7 @@ import importlib.util, statistics, sys, time, torch
 spec = importlib.util.spec_from_file_location("candidate", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
-model, x = module.ModelNew(), torch.randn(64, 4096)
+model, x = module.ModelNew(), torch.randn(int(sys.argv[2]), int(sys.argv[3]))
 model(x)
 times = []
 for _ in range(5):
@@ -172,18 +179,19 @@ print(statistics.median(times))
 """
 
 
-def own_run(workdir: Path, code: str) -> float:
-    """Seconds of one warm ``ModelNew.forward`` of ``code`` on the 64 x 4096 input in
+def own_run(workdir: Path, code: str, rows: int) -> float:
+    """Seconds of one warm ``ModelNew.forward`` of ``code`` on the ``rows`` x 4096 input in
     Triton's interpreter, outside any sandbox: the floor under one trial's time."""
     path = workdir / "own_run_candidate.py"
     path.write_text(code)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, "-c", _OWN_RUN, str(path)], env=env, check=True,
+    out = subprocess.run([sys.executable, "-c", _OWN_RUN, str(path), str(rows), str(DIM)], env=env, check=True,
                          capture_output=True, text=True, timeout=300)
     return float(out.stdout.split()[-1])
 
 
-async def checks(task: str, code: str, n: int) -> dict[str, tuple[list[float], list[Any]]]:
+async def checks(task: str, code: str, n: int, shapes: dict[str, int]
+                 ) -> dict[str, tuple[list[float], list[Any]]]:
     """``n`` three-trial verifications in this process, one at a time, with every check
     and then without the GPU compile check (``aot_target="none"``), interleaved."""
     from schemas import VerifyRequest
@@ -202,7 +210,7 @@ async def checks(task: str, code: str, n: int) -> dict[str, tuple[list[float], l
                 request = VerifyRequest(request_id=f"checks-{name[:2]}-{i}", job_id="bench",
                                         candidate_id="c", op_name="relu", task_desc=task,
                                         code=code, backend="cpu", arch=ARCH,
-                                        shape_overrides=SHAPES, trials=3)
+                                        shape_overrides=shapes, trials=3)
                 started = time.perf_counter()
                 result = await v.verify(request, device="0")
                 if not result.passed:
@@ -226,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         ("--jobs", int, 10, "small jobs"),
         ("--checks", int, 10, "in-process three-trial verifications for (d)"),
     ))
+    parser.add_argument("--rows", type=int, default=ROWS,
+                        help=f"rows of the relu input, each {DIM} wide (default {ROWS})")
     parser.add_argument("--parts", nargs="+", default=["a", "b", "c", "d"],
                         choices=["a", "b", "c", "d"])
     parser.add_argument("--block-size", type=int, default=None,
@@ -242,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     params = launch_defaults("cpu")
     if args.block_size is not None:
         params["block_size"] = args.block_size
-    code = lower_task(task, SHAPES, **params)
+    shapes = shapes_of(args.rows)
+    code = lower_task(task, shapes, **params)
     print(f"{os.cpu_count()} CPUs; load average at start {load()}")
     lines: list[str] = []
     # figure -> (value, target, whether it is met)
@@ -250,17 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="aikg-speed-") as tmp:
         workdir = Path(tmp)
         if {"a", "b", "d"} & set(args.parts):
-            own = own_run(workdir, code)
+            own = own_run(workdir, code, args.rows)
             lines.append(f"candidate: built-in coder, block_size {params['block_size']}; its own "
-                         f"forward at 64 x 4096, interpreted in one warm process: {own:.3f} s "
+                         f"forward at {args.rows} x {DIM}, interpreted in one warm process: {own:.3f} s "
                          "(median of 5)")
             print(lines[-1], flush=True)
         if {"a", "b"} & set(args.parts):
             with nats_and_worker(workdir) as url:
                 if "a" in args.parts:
-                    elapsed, results = asyncio.run(burst(url, task, code, args.burst))
+                    elapsed, results = asyncio.run(burst(url, task, code, args.burst, shapes))
                     per = elapsed / args.burst
-                    cold = Cold(workdir, task, code, shapes=SHAPES, trials=1)
+                    cold = Cold(workdir, task, code, shapes=shapes, trials=1)
                     for _ in range(args.cold):
                         cold.run_one()
                     cold_per = cold.seconds / cold.count
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"    worker phases (median s): {phase_medians(results)}"]
                     print(lines[-2], flush=True)
                 if "b" in args.parts:
-                    seq = asyncio.run(sequential(url, task, code, args.seq))
+                    seq = asyncio.run(sequential(url, task, code, args.seq, shapes))
                     p50 = {}
                     for name, (times, results) in seq.items():
                         p50[name] = statistics.median(times)
@@ -288,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                     met["(b) bus overhead"] = (f"{bus_ms:+.0f} ms", "<= 20 ms", bus_ms <= 20)
                     print("\n".join(lines[-5:]), flush=True)
         if "d" in args.parts:
-            runs = asyncio.run(checks(task, code, args.checks))
+            runs = asyncio.run(checks(task, code, args.checks, shapes))
             p50 = {name: statistics.median(times) for name, (times, _) in runs.items()}
             ratio = p50["every check"] / (3 * own)
             for name, (times, results) in runs.items():

@@ -28,7 +28,8 @@ def test_bench_speed_prints_every_figure_with_its_phases() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     proc = subprocess.run(
         [sys.executable, "-m", "bench.speed", "--burst", "2", "--cold", "1", "--seq", "1",
-         "--jobs", "2", "--checks", "1"], cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+         "--jobs", "2", "--checks", "1", "--rows", "4"],
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
         capture_output=True, text=True, timeout=scaled(540))
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
@@ -36,7 +37,7 @@ def test_bench_speed_prints_every_figure_with_its_phases() -> None:
                      r"\(\d+/min\); cold python per candidate: [\d.]+ s each; ratio [\d.]+x$",
                      out, re.M), out
     # The candidate and its own run, the floor under a trial's time.
-    assert re.search(r"^candidate: built-in coder, block_size 4096; its own forward at 64 x 4096, "
+    assert re.search(r"^candidate: built-in coder, block_size 4096; its own forward at 4 x 4096, "
                      r"interpreted in one warm process: [\d.]+ s", out, re.M), out
     assert re.search(r"^\(b\) RemoteWorker +three trials, sequential: p50 [\d.]+ s", out, re.M)
     assert re.search(r"^\(b\) LocalWorker +three trials, sequential: p50 [\d.]+ s", out, re.M)
