@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -47,6 +48,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if mark else default
         if limit > 0:
             item.add_marker(pytest.mark.timeout(scaled(limit)), append=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def lowered_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Point :data:`tests.lowering_cache.ROOT` at a directory every xdist worker of this
+    run shares (the parent of the workers' own base temp dirs), so that a task is
+    lowered once per session (:func:`tests.lowering_cache.lowered`)."""
+    from tests import lowering_cache
+
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "lowered"
+    root.mkdir(exist_ok=True)
+    lowering_cache.ROOT = root
+    yield root
+    lowering_cache.ROOT = None
 
 
 @pytest.fixture(scope="session")

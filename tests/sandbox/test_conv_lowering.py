@@ -17,8 +17,8 @@ import re  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from services.generator.lowering import lower_task  # noqa: E402
 from tests.helpers import TASKS, checked_sizes, representatives, verify_at_sizes  # noqa: E402
+from tests.lowering_cache import lowered  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -116,7 +116,7 @@ FAST = ("conv2d_strided_padded_dilated", "conv2d_depthwise")
 def test_convolution_passes_the_worker(name, shared_verifier):
 
     task_src = conv_task(name)
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     assert sum(k.startswith("conv_kernel_") for k in _launches(candidate)) == 1, \
         _launches(candidate)
@@ -134,7 +134,7 @@ def test_epilogue_is_fused_into_the_conv_kernel():
     conv kernel's registers: one launch, one store, the convolution's output never in
     memory."""
     task_src = conv_task("conv2d_relu_epilogue")
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     # x.sum() is a row reduction of its own; the epilogue reads its result
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["reduce", "conv"]
     kernel = next(f for f in ast.parse(candidate).body if isinstance(f, ast.FunctionDef)
@@ -147,7 +147,7 @@ def test_epilogue_is_fused_into_the_conv_kernel():
 
 
 def test_tiles_are_launch_parameters_and_sizes_are_read_at_run_time():
-    candidate = lower_task(conv_task("conv2d_grouped"), block_m=64, block_n=16, block_k=16,
+    candidate = lowered(conv_task("conv2d_grouped"), block_m=64, block_n=16, block_k=16,
                            num_warps=2, num_stages=3)
     # BLOCK_N: the point's, or fewer when a group has fewer output channels (16 here)
     assert re.search(r"(block_n\d+) = max\(16, min\(16, triton\.next_power_of_2\(.*\n(.*\n)*"
@@ -167,7 +167,7 @@ def test_one_candidate_follows_other_sizes_and_layouts():
     """Lowered once, the candidate is right for other batches, extents, channel counts
     (ModelNew built with other init inputs) and for a non-contiguous input."""
     task_src = conv_task("conv2d_depthwise")
-    candidate, task = _module(lower_task(task_src)), _module(task_src)
+    candidate, task = _module(lowered(task_src)), _module(task_src)
     for channels, x in ((4, torch.randn(3, 4, 5, 17)), (6, torch.randn(1, 6, 16, 16)),
                         (4, torch.randn(2, 13, 11, 4).permute(0, 3, 2, 1))):
         torch.manual_seed(1)
@@ -184,7 +184,7 @@ def test_a_view_after_a_convolution_reads_its_channels_from_the_weight():
     task_src = CONV_TASK.format(module="nn.Conv2d(channels, 2 * channels, 3)",
                                 body="F.instance_norm(self.conv(x)) / 2.0",
                                 spatial="height, width", extents="height = 8\nwidth = 9")
-    source = lower_task(task_src)
+    source = lowered(task_src)
     assert "self.conv.weight.shape[0]" in source
     candidate, task = _module(source), _module(task_src)
     for channels, x in ((4, torch.randn(2, 4, 8, 9)), (3, torch.randn(3, 3, 7, 5)),
@@ -198,7 +198,7 @@ def test_a_view_after_a_convolution_reads_its_channels_from_the_weight():
 
 def test_bundled_conv_task_matches():
     task_src = (TASKS / "conv_encoder.py").read_text()
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["conv", "conv"]
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
 
@@ -208,6 +208,6 @@ def test_unbatched_convolution_lowers():
     view, so the kernel is the batched one."""
     task_src = CONV_TASK.format(module="nn.Conv1d(channels, 3, 3)", body="self.conv(x[0])",
                                 extents="width = 10", spatial="width")
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["conv"]
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)

@@ -12,9 +12,9 @@ import pytest
 from schemas import JobSubmit, VerifyRequest, VerifyResult
 from services.generator.coders.base import BuiltinCoder, Candidate
 from services.generator.evolve import DEFAULT_PARAMS, BuiltinMutator, EvolveSearch, EvolveState
-from services.generator.lowering import lower_task
 from tests.corpus import TASKS
 from tests.helpers import representatives
+from tests.lowering_cache import lowered
 
 # Our own tasks: a (batch, dim) input, the row-wise operator over dim; each is the
 # corpus's layer norm task with its operator in place of the layer norm.
@@ -40,7 +40,7 @@ def task(name: str) -> str:
 
 
 async def verify(verifier, source: str, overrides: dict, **params) -> VerifyResult:
-    code = lower_task(source, overrides, **params)
+    code = lowered(source, overrides, **params)
     request = VerifyRequest(
         request_id=f"fused-{uuid.uuid4().hex[:8]}", job_id="job-fused", candidate_id="c",
         op_name="rows", task_desc=source, code=code, backend="cpu", arch="h100",
@@ -56,7 +56,7 @@ def kernels(code: str) -> int:
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_a_row_wise_operator_lowers_to_one_kernel(name) -> None:
-    code = lower_task(task(name), SIZES[1])
+    code = lowered(task(name), SIZES[1])
     assert kernels(code) == 1, code
     body = code.split("\nimport torch\n", 1)[1]  # after the header naming the sizes
     assert "ONE_PASS" in body and "200" not in body  # shape-generic: no size baked in
@@ -101,9 +101,9 @@ async def test_rows_over_a_middle_dim_and_unfused_reductions(shared_verifier) ->
 
 def test_fusion_parameters_are_checked() -> None:
     with pytest.raises(ValueError, match="row_fusion must be 0 or 1"):
-        lower_task(task("softmax"), row_fusion=2)
+        lowered(task("softmax"), row_fusion=2)
     with pytest.raises(ValueError, match="online must be 0 or 1"):
-        lower_task(task("softmax"), online=-1)
+        lowered(task("softmax"), online=-1)
 
 
 class _Recorder:

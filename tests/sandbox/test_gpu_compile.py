@@ -16,7 +16,8 @@ their tensors' dtype, so float16 and bfloat16 change only the loads, the stores 
 ``tl.dot``'s inputs: those two are compiled for every kernel of :data:`DTYPE_TASKS`
 (pointwise, row reduction, matmul) and of the first task of any other kernel family.
 A kernel whose source (its name aside) another task already compiled with the same
-signature is not compiled again; its result is the first one's.
+signature is not compiled again; its result is the first one's. A task another test of
+the session already lowered is read from :mod:`tests.lowering_cache`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 
-from services.generator.lowering import LoweringError, lower_task
+from services.generator.lowering import LoweringError
+from tests.lowering_cache import lowered
 
 CONSTEXPRS = {"BLOCK_SIZE": 1024, "BLOCK_R": 64, "BLOCK_I": 16, "BLOCK_M": 32, "BLOCK_N": 32,
               "BLOCK_K": 32, "KS0": 3, "KS1": 3, "KS2": 3, "BLOCK_G": 4}
@@ -59,7 +61,7 @@ paths.sort(key=lambda p: (p.parent.name != "tasks", p.stem not in dtype_tasks))
 every_dtype_families, compiled_once, compiles = set(), {}, 0
 for path in paths:
     try:
-        source = lower_task(path.read_text())
+        source = lowered(path.read_text(), root=Path(sys.argv[6]))
     except LoweringError as exc:
         out[path.stem] = {"lowered": False, "error": str(exc)[:200]}
         continue
@@ -115,7 +117,8 @@ print(json.dumps({"tasks": out, "compiles": compiles}))
 # neither nears its time limit on a loaded machine (the whole took 261 s on 2 idle cores).
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("part", ["tasks_and_schedules", "convolutions_and_row_families"])
-def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> None:
+def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part,
+                                                           lowered_once) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the test module below sets it anyway
     from tests.sandbox.test_builtin_coder import SCHEDULES, schedule_task
     from tests.sandbox.test_conv_lowering import CONVS, conv_task
@@ -141,7 +144,8 @@ def test_every_lowered_kernel_compiles_to_a_cubin_for_sm90(tmp_path, part) -> No
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     run = subprocess.run([sys.executable, "-c", _COMPILE_ALL, str(tmp_path), ",".join(DTYPES),
-                          str(schedules), ",".join(DTYPE_TASKS), "1" if first else "0"],
+                          str(schedules), ",".join(DTYPE_TASKS), "1" if first else "0",
+                          str(lowered_once)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(540))
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])

@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from schemas import VerifyRequest, VerifyResult
-from services.generator.lowering import lower_task
 from tests.helpers import representatives
+from tests.lowering_cache import lowered
 
 TEMPLATE = """\
 import torch
@@ -66,7 +66,7 @@ def kernel_names(code: str) -> list[str]:
 
 
 async def verify(verifier, name: str, sizes: dict, **params) -> VerifyResult:
-    code = lower_task(task(name), sizes, **params)
+    code = lowered(task(name), sizes, **params)
     request = VerifyRequest(
         request_id=f"mmrows-{uuid.uuid4().hex[:8]}", job_id="job-mmrows", candidate_id="c",
         op_name=name, task_desc=task(name), code=code, backend="cpu", arch="h100",
@@ -78,7 +78,7 @@ async def verify(verifier, name: str, sizes: dict, **params) -> VerifyResult:
 
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_linear_chain_and_reduction_lower_to_one_kernel(name) -> None:
-    code = lower_task(task(name), SIZES[1])
+    code = lowered(task(name), SIZES[1])
     names = [k.rsplit("_", 1)[0] for k in kernel_names(code)]
     # logsumexp's log(sum) + shift: a pointwise kernel over the M results
     assert names == ["matmul_rows_kernel"] + (["pointwise_kernel"] if name == "logsumexp"
@@ -120,5 +120,5 @@ def test_a_product_read_elsewhere_is_not_fused() -> None:
     source = task("sum").replace(
         "return torch.sum(torch.sigmoid(self.linear(x)), dim=1, keepdim=True)",
         "y = self.linear(x)\n        return y, y.sum(dim=1)")
-    names = [k.rsplit("_", 1)[0] for k in kernel_names(lower_task(source, SIZES[0]))]
+    names = [k.rsplit("_", 1)[0] for k in kernel_names(lowered(source, SIZES[0]))]
     assert "matmul_rows_kernel" not in names and "matmul_kernel" in names, names

@@ -16,8 +16,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run o
 
 import pytest  # noqa: E402
 
-from services.generator.lowering import LoweringError, lower_task  # noqa: E402
+from services.generator.lowering import LoweringError  # noqa: E402
 from tests.helpers import checked_sizes, representatives, verify_at_sizes  # noqa: E402
+from tests.lowering_cache import lowered  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -139,7 +140,7 @@ FAST = ("sequential_mlp", "qkv_split_cat")
 @pytest.mark.parametrize("name", representatives(sorted(NETWORKS), FAST))
 def test_network_passes_the_worker(name, shared_verifier):
     task_src = network_task(name)
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)
     verify_at_sizes(shared_verifier, f"net-{name}", task_src, candidate,
@@ -147,20 +148,20 @@ def test_network_passes_the_worker(name, shared_verifier):
 
 
 def test_container_parameters_keep_their_qualified_names():
-    candidate = lower_task(network_task("sequential_mlp"))
+    candidate = lowered(network_task("sequential_mlp"))
     assert "self.network = nn.Module()" in candidate
     # widths follow the list init argument, numbered children keep their numbers
     assert "setattr(self.network, '0', nn.Linear(args[0], args[1][0], bias=True))" in candidate
     assert "setattr(self.network, '4', nn.Linear(args[1][1], 3, bias=True))" in candidate
     # sizes derived from the init arguments follow them
-    dense = lower_task(network_task("dense_concat"))
+    dense = lowered(network_task("dense_concat"))
     assert "self.conv2 = nn.Conv2d((args[0] + 4), 4, (1, 1)" in dense
-    assert "self.qkv = nn.Linear(args[0], 3 * args[0]" in lower_task(network_task("qkv_split_cat"))
+    assert "self.qkv = nn.Linear(args[0], 3 * args[0]" in lowered(network_task("qkv_split_cat"))
     assert "getattr(self.network, '2').weight" in candidate
 
 
 def test_custom_submodule_parameters_are_declared_before_its_children():
-    candidate = lower_task(network_task("module_list_blocks"))
+    candidate = lowered(network_task("module_list_blocks"))
     block = "getattr(self.blocks, '0')"
     scale = candidate.index(f"{block}.scale = nn.Parameter(torch.randn((args[0], )))")
     assert scale < candidate.index(f"{block}.fc = nn.Linear(args[0], args[0], bias=True)")
@@ -168,7 +169,7 @@ def test_custom_submodule_parameters_are_declared_before_its_children():
 
 
 def test_modules_are_created_in_the_models_order_under_their_names():
-    candidate = lower_task(network_task("residual_downsample"))
+    candidate = lowered(network_task("residual_downsample"))
     init = candidate[candidate.index("def __init__"):candidate.index("def forward")]
     # placeholders first (the block's conv keeps its place before downsample), then the
     # downsample's convolution and norm, then the block's convolution
@@ -179,7 +180,7 @@ def test_modules_are_created_in_the_models_order_under_their_names():
 
 
 def test_concatenation_is_one_copy_kernel_launched_per_input():
-    candidate = lower_task(network_task("qkv_split_cat"))
+    candidate = lowered(network_task("qkv_split_cat"))
     launches = _launches(candidate)
     cats = [k for k in launches if k.startswith("cat_kernel_")]
     assert len(set(cats)) == 1 and len(cats) == 5, launches
@@ -189,7 +190,7 @@ def test_concatenation_is_one_copy_kernel_launched_per_input():
 
 
 def test_causal_mask_buffer_follows_the_init_size():
-    candidate = lower_task(network_task("causal_mask"))
+    candidate = lowered(network_task("causal_mask"))
     assert ("self.register_buffer('mask', torch.tril(torch.ones(args[0], args[0]))"
             ".view((1, args[0], args[0], )), persistent=True)") in candidate
 
@@ -200,7 +201,7 @@ def test_a_submodule_with_buffers_of_its_own_is_refused_fast():
              "        self.inner.register_buffer('shift', torch.randn(features))\n",
         body="x + self.inner.shift", inputs="torch.randn(batch, features)", extents="")
     with pytest.raises(LoweringError) as info:
-        lower_task(task_src)
+        lowered(task_src)
     assert info.value.op == "parameters"
     assert "buffer `shift` of shape [12]" in str(info.value)
 
@@ -212,7 +213,7 @@ def test_a_size_equal_to_an_init_argument_by_chance_stays_a_number():
         init="        self.head = nn.Linear(features, 12)\n"
              "        self.narrow_fc = nn.Linear(12, features // 2)\n",
         body="self.narrow_fc(self.head(x))", inputs="torch.randn(batch, features)", extents="")
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     assert "self.head = nn.Linear(args[0], 12, bias=True)" in candidate
     assert "self.narrow_fc = nn.Linear(12, args[0] // 2, bias=True)" in candidate
     _assert_matches(task_src, candidate, rtol=1e-4, atol=1e-4)

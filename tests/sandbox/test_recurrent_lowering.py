@@ -19,8 +19,9 @@ import re  # noqa: E402
 
 import pytest  # noqa: E402
 
-from services.generator.lowering import LoweringError, lower_task  # noqa: E402
+from services.generator.lowering import LoweringError  # noqa: E402
 from tests.helpers import checked_sizes, representatives, verify_at_sizes  # noqa: E402
+from tests.lowering_cache import lowered  # noqa: E402
 from tests.sandbox.test_builtin_coder import (  # noqa: E402
     _assert_forward_only_launches,
     _assert_matches,
@@ -106,7 +107,7 @@ FAST = ("lstm", "gru")
 def test_recurrent_network_passes_the_worker(name, shared_verifier):
 
     task_src = rnn_task(name)
-    candidate = lower_task(task_src)
+    candidate = lowered(task_src)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     cell = RNNS[name][0].lower()
     assert [k.split("_kernel_")[0] for k in _launches(candidate)] == ["rnn_input", f"{cell}_step"]
@@ -121,8 +122,8 @@ def test_the_time_loop_is_in_forward_and_no_extent_is_written():
     candidate is the same whatever the sequence length, and no extent of the task
     (seq 5, batch 2, input 6, hidden 8) is a literal in its kernels or forward."""
     task_src = rnn_task("lstm_bidirectional_batch_first")
-    candidate = lower_task(task_src)
-    longer = lower_task(task_src, {"seq": 9})
+    candidate = lowered(task_src)
+    longer = lowered(task_src, {"seq": 9})
     assert re.sub(r"# Lowered at .*", "", candidate) == re.sub(r"# Lowered at .*", "", longer)
     forward = candidate[candidate.index("    def forward"):]
     assert re.search(r"for step\d+ in range\(steps\d+\):", forward), forward
@@ -140,7 +141,7 @@ def test_one_candidate_follows_other_sizes():
     """Lowered once: right for other batches, lengths and widths, GRU and RNN cells."""
     for name in ("gru_bidirectional_batch_first_no_state", "rnn_relu_bidirectional_no_state"):
         task_src = rnn_task(name)
-        candidate = lower_task(task_src)
+        candidate = lowered(task_src)
         for sizes in OVERRIDES:
             _assert_matches(task_src, candidate, sizes, rtol=1e-4, atol=1e-4)
 
@@ -148,7 +149,7 @@ def test_one_candidate_follows_other_sizes():
 def test_dropout_between_layers_in_training_is_refused():
     task_src = rnn_task("lstm", "num_layers=2, dropout=0.5")
     with pytest.raises(LoweringError) as info:
-        lower_task(task_src)
+        lowered(task_src)
     assert info.value.op == "aten.lstm.input"
     assert "dropout=0.5 between layers in training mode" in str(info.value)
 
@@ -158,7 +159,7 @@ def test_lstm_projections_are_refused():
         "torch.randn(1, batch, hidden_size), torch.randn(1, batch, hidden_size)",
         "torch.randn(1, batch, 3), torch.randn(1, batch, hidden_size)")
     with pytest.raises(LoweringError) as info:
-        lower_task(task_src)
+        lowered(task_src)
     assert info.value.op == "aten.lstm.input"
     assert "proj_size" in str(info.value)
 
@@ -207,7 +208,7 @@ def test_tensor_attributes_are_drawn_again_and_an_overwritten_one_is_its_input(
     the same weights; the overwritten one is read as the input itself (no kernel)."""
     from schemas import VerifyRequest
 
-    candidate = lower_task(VANILLA_RNN_TASK)
+    candidate = lowered(VANILLA_RNN_TASK)
     init = candidate[candidate.index("def __init__"):candidate.index("def forward")]
     assert init.index("self.register_buffer('hidden', torch.randn((4, args[1], ))") < \
         init.index("self.register_buffer('scale', torch.randn((args[1], ))") < \

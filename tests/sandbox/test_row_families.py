@@ -13,9 +13,9 @@ import uuid
 import pytest
 
 from schemas import VerifyRequest, VerifyResult
-from services.generator.lowering import lower_task
 from services.generator.lowering.schedules.fused_rows import GATHER_TILE
 from tests.helpers import representatives
+from tests.lowering_cache import lowered
 
 TASK = """
 import torch
@@ -73,7 +73,7 @@ def task(name: str) -> str:
 
 
 async def verify(verifier, source: str, overrides: dict, **params) -> VerifyResult:
-    code = lower_task(source, overrides, **params)
+    code = lowered(source, overrides, **params)
     request = VerifyRequest(
         request_id=f"families-{uuid.uuid4().hex[:8]}", job_id="job-families",
         candidate_id="c", op_name="rows", task_desc=source, code=code, backend="cpu",
@@ -97,9 +97,9 @@ async def test_a_family_reads_and_writes_once_in_one_kernel(shared_verifier, nam
 
 
 def test_max_without_its_indices_computes_none_and_with_them_one_loop() -> None:
-    values = lower_task(task("max_values"), SIZES[1])
+    values = lowered(task("max_values"), SIZES[1])
     assert values.count("for r0 in range(") == 1 and "best_r" not in values
-    both = lower_task(task("max_values_indices"), SIZES[1])
+    both = lowered(task("max_values_indices"), SIZES[1])
     assert both.count("for r0 in range(") == 1 and "best_r" in both
 
 
@@ -111,7 +111,7 @@ async def test_layer_norm_affine_is_shared_by_the_rows_of_a_program(shared_verif
     assert alone.traffic_ratio >= 1.6 and shared.traffic_ratio < alone.traffic_ratio - 0.4
     assert shared.modeled_time_us < alone.modeled_time_us
     with pytest.raises(ValueError, match="rows must be a power of two"):
-        lower_task(task("layer_norm"), rows=3)
+        lowered(task("layer_norm"), rows=3)
 
 
 # The odd sizes (~15 s interpreted) run in `make test` only; each verification checks
@@ -125,7 +125,7 @@ async def test_group_norm_and_its_affine_after_the_view_are_one_kernel(shared_ve
     # back to (N, C, H, W): the weight and bias of a row's channels loaded once per
     # row and spread over its elements (tl.gather), not once per element.
     source = task("group_norm")
-    candidate = lower_task(source, sizes)
+    candidate = lowered(source, sizes)
     assert "tl.gather(" in candidate
     # its tile held to GATHER_TILE elements whatever block_size says (ptxas time)
     assert f"<= {GATHER_TILE}" in candidate and "<= 4096" not in candidate
