@@ -529,6 +529,7 @@ async def test_nats_setup_makes_and_updates_the_consumers(settings: Settings, bu
         assert config.ack_wait == pytest.approx(9.0), name
 
 
+@pytest.mark.slow  # an `aikg nats-setup` process
 async def test_nats_setup_as_a_service_user_says_to_run_it_as_the_admin(
         settings: Settings, bus: Bus) -> None:
     gateway = as_role(settings, "gateway")

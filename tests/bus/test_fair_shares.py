@@ -166,6 +166,7 @@ def short_verifier(tmp_path_factory):
     v.close()
 
 
+@pytest.mark.slow  # a verifier of its own, waits out a hang
 async def test_a_hang_in_the_tasks_model_is_named_after_the_task(short_verifier) -> None:
     started = time.monotonic()
     result = await short_verifier.verify(request(HANG_IN_MODEL, "hang-ref"), device="0")
@@ -190,6 +191,7 @@ async def test_a_10gb_allocation_in_get_inputs_fails_in_seconds_naming_the_limit
 # ------------------------------------------------------------------ lowering child
 
 
+@pytest.mark.slow  # a lowering sandbox of its own
 async def test_a_10gb_allocation_while_lowering_fails_in_seconds_naming_the_limit(
         lowering_sandbox) -> None:
     started = time.monotonic()

@@ -302,6 +302,7 @@ async def test_two_devices_run_two_requests_at_once_and_a_third_waits(
         assert idle["in_flight"] == 0 and idle["leases"] == []
 
 
+@pytest.mark.slow  # a worker drained mid-verification
 async def test_drain_finishes_in_flight_work_then_leaves_workers_bucket(
         settings: Settings, bus: Bus, results: Results,
         shared_verifier: Verifier) -> None:

@@ -203,6 +203,7 @@ async def _wait_record(bus: Bus, job_id: str, timeout_s: float = 60.0) -> JobRec
     raise AssertionError(f"job {job_id} did not end within {timeout_s} s")
 
 
+@pytest.mark.slow  # a whole in-process stack, several jobs
 async def test_jobs_that_cannot_run_fail_once_with_the_real_reason(
         settings: Settings, bus: Bus, fake_worker_heartbeat,
         monkeypatch: pytest.MonkeyPatch) -> None:

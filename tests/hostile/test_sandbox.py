@@ -319,6 +319,7 @@ def test_required_mechanisms_and_how_workers_show_them() -> None:
         Sandbox("cpu", name="x", require=("landlok",))
 
 
+@pytest.mark.slow  # a worker with a sandbox of its own
 async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None:
     from schemas import WorkerInfo, decode
 

@@ -61,6 +61,7 @@ def test_install_is_idempotent(builder) -> None:
     assert builder.create_dot is patched
 
 
+@pytest.mark.slow  # a fork server of its own
 def test_the_cpu_fork_server_installs_it_before_children_fork() -> None:
     probe = ("from services.sandbox import forkserver\n"
              "from triton.runtime import interpreter\n"

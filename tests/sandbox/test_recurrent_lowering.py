@@ -200,6 +200,7 @@ def get_init_inputs():
 """
 
 
+@pytest.mark.slow  # the representatives above verify the recurrent schedule in the fast lane
 def test_tensor_attributes_are_drawn_again_and_an_overwritten_one_is_its_input(
         shared_verifier):
     """A Model's plain tensor attributes (KernelBench's vanilla RNN keeps its state in

@@ -243,6 +243,7 @@ def test_profile_frames_cross_the_wire():
     assert (plain.eager, plain.floor, plain.compile) == (True, False, False)
 
 
+@pytest.mark.slow  # a fork server of its own
 def test_the_profiled_loop_runs_under_the_candidates_compute_block():
     """In the candidate's process PyTorch compute is refused at the dispatcher before the
     timed run: the profiler's start, stop and reading must not need it (a fresh process,
