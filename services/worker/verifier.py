@@ -428,7 +428,9 @@ class Verifier:
         if request.backend != self.backend:
             raise Verdict("infrastructure", f"this worker verifies on {self.backend}; the "
                           f"request is for {request.backend}")
-        findings = check_candidate(request.code, request.dsl)
+        # In a thread: a lowered network of thousands of lines takes seconds to check,
+        # and this event loop also runs the worker's heartbeats and other verifications.
+        findings = await asyncio.to_thread(check_candidate, request.code, request.dsl)
         if findings:
             text = "\n".join(str(f) for f in findings)
             if findings[0].rule == "syntax":

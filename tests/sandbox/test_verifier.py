@@ -192,6 +192,26 @@ async def test_concurrent_verifies_do_not_block_the_loop(verifier):
     assert ticks >= elapsed / 0.01 * 0.2
 
 
+async def test_the_static_check_runs_off_the_event_loop(verifier, monkeypatch):
+    """A long candidate's static check (seconds for a lowered network) must not stall
+    the loop that runs the worker's heartbeats: it runs in a worker thread."""
+    import threading
+
+    from services.worker import verifier as verifier_module
+
+    threads = []
+    check = verifier_module.check_candidate
+
+    def recording(code, dsl="triton"):
+        threads.append(threading.get_ident())
+        return check(code, dsl)
+
+    monkeypatch.setattr(verifier_module, "check_candidate", recording)
+    result = await verifier.verify(request(), device="0")
+    assert result.passed, result
+    assert threads and threading.get_ident() not in threads
+
+
 async def test_profile_mode_on_cpu_has_no_timings(verifier):
     result = await verifier.verify(request(mode="profile"), device="0")
     assert result.passed
