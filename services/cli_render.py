@@ -125,7 +125,9 @@ def verdict_table(v: VerifyResult) -> Table:
     if v.max_rel_error is not None:
         t.add_row("max_rel_error", _fmt_float(v.max_rel_error))
     if v.atol is not None or v.rtol is not None:
-        t.add_row("atol / rtol", f"{_fmt_float(v.atol)} / {_fmt_float(v.rtol)}")
+        # The rule, so that a max_rel_error above rtol (an element near 0) reads right.
+        t.add_row("atol / rtol", f"{_fmt_float(v.atol)} / {_fmt_float(v.rtol)} (each element: "
+                  "|out - ref| <= atol + rtol * |ref|)")
     if v.trials:
         t.add_row("trials", str(v.trials))
     if v.sizes_checked:

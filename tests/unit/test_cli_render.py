@@ -135,3 +135,12 @@ def test_a_cpu_verdict_shows_its_counted_traffic_and_modeled_time_as_a_model() -
     assert "traffic" not in render(verdict_table(VerifyResult(
         request_id="r", job_id="j", candidate_id="c", passed=False, stage="static",
         worker_id="w", device="0", duration_s=0.1)))
+
+
+def test_the_tolerance_row_states_the_rule() -> None:
+    """A max_rel_error above rtol passes where the reference is near 0: the row says why."""
+    verdict = VerifyResult(request_id="r", job_id="j", candidate_id="c", passed=True,
+                           worker_id="w", device="0", duration_s=0.5, max_abs_error=2e-5,
+                           max_rel_error=0.14, atol=1e-4, rtol=1e-4)
+    text = render(verdict_table(verdict))
+    assert "0.0001 / 0.0001 (each element: |out - ref| <= atol + rtol * |ref|)" in text, text
