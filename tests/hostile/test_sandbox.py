@@ -319,6 +319,18 @@ def test_required_mechanisms_and_how_workers_show_them() -> None:
         Sandbox("cpu", name="x", require=("landlok",))
 
 
+def test_fork_servers_pin_triton_fp_fusion_unless_the_user_set_it(monkeypatch) -> None:
+    """Triton 3.9 fuses a * b + c into an FMA unless told otherwise, 3.10 will not, and
+    3.9 warns in every process where it is unset: a sandbox pins today's default for its
+    fork server and children, and keeps a value the user chose."""
+    from services.sandbox.pool import Sandbox
+
+    monkeypatch.delenv("TRITON_DEFAULT_FP_FUSION", raising=False)
+    assert Sandbox("cpu", name="fusion-default").pool.env["TRITON_DEFAULT_FP_FUSION"] == "1"
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    assert Sandbox("cpu", name="fusion-user").pool.env["TRITON_DEFAULT_FP_FUSION"] == "0"
+
+
 @pytest.mark.slow  # a worker with a sandbox of its own
 async def test_worker_heartbeat_says_what_its_sandbox_has(settings, bus) -> None:
     from schemas import WorkerInfo, decode
