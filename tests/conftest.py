@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -51,7 +52,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session", autouse=True)
-def lowered_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+def lowered_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Point :data:`tests.lowering_cache.ROOT` at a directory every xdist worker of this
     run shares (the parent of the workers' own base temp dirs), so that a task is
     lowered once per session (:func:`tests.lowering_cache.lowered`)."""

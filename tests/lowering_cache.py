@@ -6,8 +6,8 @@ lowered kernel (``tests/sandbox/test_gpu_compile.py``, in a process of its own) 
 tests that check one candidate several ways. :func:`lowered` keeps each source in
 :data:`ROOT` (set by ``tests/conftest.py`` to a directory of this session's shared by
 its xdist workers), under the SHA-256 of the arguments; a :class:`LoweringError` is
-raised again each time, never kept. Tests of the lowering itself (its refusals, its
-progress reports, its determinism) call ``lower_task`` directly.
+raised again each time, never kept. A test that needs a fresh lowering (its progress
+reports, say) calls ``lower_task`` directly.
 """
 
 from __future__ import annotations
