@@ -212,6 +212,16 @@ async def test_the_static_check_runs_off_the_event_loop(verifier, monkeypatch):
     assert threads and threading.get_ident() not in threads
 
 
+async def test_a_candidate_too_deep_to_check_is_static_not_infrastructure(verifier):
+    """A hostile candidate nests one expression past the recursion limit: the verdict
+    is the candidate's (stage static, S024), and nothing is spawned for it."""
+    code = (relu_candidate() + "\n\ndef chain(x):\n    return "
+            + "+".join(["x"] * 5000) + "\n")
+    result = await verifier.verify(request(code), device="0")
+    assert not result.passed and result.stage == "static", (result.stage, result.error)
+    assert "S024" in result.log or "too deeply" in result.error, result.error
+
+
 async def test_profile_mode_on_cpu_has_no_timings(verifier):
     result = await verifier.verify(request(mode="profile"), device="0")
     assert result.passed

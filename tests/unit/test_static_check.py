@@ -253,6 +253,21 @@ def test_model_without_forward():
     assert "ModelNew has no forward method" in findings[0].message
 
 
+@pytest.mark.parametrize("terms", [1_000, 20_000])
+def test_source_too_deep_to_walk_is_refused(terms):
+    """A sum of 1,000 terms parses but is too deep for the checker's walk; of 20,000,
+    too deep for ast.parse itself. Either is refused (S024), not raised: raised, it made
+    the verification the worker's fault (stage infrastructure)."""
+    code = (candidate(GOOD_FORWARD) + "\n\ndef chain(x):\n    return "
+            + "+".join(["x"] * terms) + "\n")
+    findings = check_candidate(code)
+    assert [(f.rule, f.rule_id) for f in findings] == [("too-deep", "S024")], findings
+    assert "nested too deeply" in str(findings[0])
+    # the same candidate with the sum in steps is fine
+    steps = candidate(GOOD_FORWARD) + "\n\ndef chain(x):\n    y = x + x\n    return y + x\n"
+    assert check_candidate(steps) == []
+
+
 # --- indirection -----------------------------------------------------------------------
 
 

@@ -180,10 +180,15 @@ def check_candidate(code: str, dsl: str = "triton") -> list[Finding]:
                            "kernels)", "dsl", "S002")]
     try:
         tree = ast.parse(code)
+        checker = Checker(tree)
+        checker.check_module()
+        model.check_model(checker)
     except SyntaxError as exc:
         text = f": {exc.text.strip()}" if exc.text and exc.text.strip() else ""
         return [Finding(exc.lineno or 1, f"SyntaxError: {exc.msg}{text}", "syntax", "S001")]
-    checker = Checker(tree)
-    checker.check_module()
-    model.check_model(checker)
+    except RecursionError:
+        # ast.parse, or the walk over its tree, recursed past the limit: what cannot be
+        # checked does not run.
+        return [Finding(1, "source nested too deeply to check (Python's recursion limit); "
+                           "split long expressions into statements", "too-deep", "S024")]
     return sorted(checker.findings, key=lambda f: f.line)

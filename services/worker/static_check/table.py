@@ -132,6 +132,12 @@ RULES: tuple[StaticRule, ...] = (
          "this project's red-team: torch.relu under _DisableTorchDispatch, the recorder's "
          "counts cleared, a lazy output subclass computing after forward",
          _T + "test_instrument_tampering"),
+    StaticRule("S024", "too-deep",
+         "source nested more deeply than Python's recursion limit lets the checker walk "
+         "(a chain of thousands of operators in one expression): a candidate that cannot "
+         "be checked is refused rather than failed as the worker's fault",
+         "this project's red-team: a 1,000-term sum made every verification an "
+         "infrastructure failure", _T + "test_source_too_deep_to_walk_is_refused"),
 )
 RULES_BY_ID: dict[str, StaticRule] = {r.id: r for r in RULES}
 
