@@ -20,6 +20,7 @@ from rich.console import Console
 
 from schemas import TERMINAL_STATUSES, JobRecord
 from schemas.events import ShapeValue
+from services.common.pyast import parse
 from services.common.records import unknown_shape_names
 from services.common.settings import Settings, load_settings
 
@@ -184,7 +185,7 @@ def parse_shape(item: str) -> tuple[str, ShapeOverride]:
     if text.lower() in ("true", "false"):
         return name, text.lower() == "true"
     try:
-        value = ast.literal_eval(text)
+        value = ast.literal_eval(parse(text, mode="eval"))
     except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
         return name, text  # not a Python literal: a bare word such as mode=fast
     if isinstance(value, int | float | bool | str) or (isinstance(value, tuple | list) and all(

@@ -17,6 +17,7 @@ import hashlib
 import msgspec
 
 from schemas import JobRecord, JobSubmit, WorkerInfo, decode, new_id, subjects, utcnow
+from services.common.pyast import parse
 
 # Longest piece of a decoder's complaint kept in a corrupt record's error text, characters.
 _FAULT_CHARS = 300
@@ -73,7 +74,7 @@ def normalised_hash(code: str) -> str:
     the compile stage anyway, and equal text still hashes equal. Never raises.
     """
     try:
-        text = ast.dump(ast.parse(code), annotate_fields=False)
+        text = ast.dump(parse(code), annotate_fields=False)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         text = code
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -89,7 +90,7 @@ def check_task_source(task_desc: str) -> None:
         TaskError: syntax error (with line number) or a missing definition.
     """
     try:
-        tree = ast.parse(task_desc)
+        tree = parse(task_desc)
     except SyntaxError as exc:
         raise TaskError(f"task_desc is not valid Python: line {exc.lineno}: {exc.msg}") from exc
     defined = {
@@ -217,7 +218,7 @@ def task_module_names(task_desc: str) -> list[str]:
             for handler in getattr(stmt, "handlers", []):
                 visit(handler.body)
 
-    visit(ast.parse(task_desc).body)
+    visit(parse(task_desc).body)
     return list(names)
 
 

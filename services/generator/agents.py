@@ -24,6 +24,7 @@ from pathlib import Path
 import structlog
 
 from schemas import JobSubmit, VerifyResult
+from services.common.pyast import parse
 from services.generator.coders.base import Attempt, Candidate, CoderError
 from services.generator.llm import Completion, LLMError, Message
 
@@ -171,7 +172,7 @@ def check_module(code: str) -> str | None:
     least one module-level function under ``@triton.jit`` (docs/verification.md, "Input").
     """
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except SyntaxError as exc:
         return f"the module does not parse: line {exc.lineno}: {exc.msg}"
     model = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ModelNew"),

@@ -30,6 +30,8 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 
+from services.common.pyast import parse
+
 # What ``from triton import ...`` may bring into a kernel module.
 _FROM_TRITON = frozenset({"jit", "language", "cdiv", "next_power_of_2", "constexpr"})
 # Attributes no kernel or constant may reach: the runtime's state (whose values differ
@@ -282,7 +284,7 @@ def kernel_module(source: str) -> KernelModule:
     Raises:
         SyntaxError: the candidate does not parse (the static check reports it first).
     """
-    tree = ast.parse(source)
+    tree = parse(source)
     lines = source.splitlines()
     out = [""] * len(lines)
     names = _Names(tree)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 
+from services.common.pyast import parse
+
 __all__ = ["decline"]
 
 # nn modules the built-in coder cannot declare again or lower (its parameterised modules
@@ -62,7 +64,7 @@ def decline(task_desc: str) -> str | None:
         that does not parse: the lowering reports that with its line number.
     """
     try:
-        tree = ast.parse(task_desc)
+        tree = parse(task_desc)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
     model = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Model"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 
 from schemas.events import normalize_dsl
+from services.common.pyast import parse
 from services.worker.static_check import (
     dynamic,
     imports,
@@ -179,7 +180,7 @@ def check_candidate(code: str, dsl: str = "triton") -> list[Finding]:
         return [Finding(1, f"dsl {dsl!r} is not supported (this worker verifies triton "
                            "kernels)", "dsl", "S002")]
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
         checker = Checker(tree)
         checker.check_module()
         model.check_model(checker)
