@@ -71,17 +71,24 @@ def shared_verifier(tmp_path_factory):
     """One started cpu :class:`~services.worker.verifier.Verifier` for the whole session.
 
     Its fork server (torch and triton imported, the sandbox probed) takes seconds to
-    start; modules that only need a started cpu verifier share this one. Tests of
-    the sandbox's own start, or that need other settings (a secret in the environment
-    when the pool starts, another memory limit), build their own. Inputs above 64 MiB
-    fail as ``infrastructure``. Lend it to a worker with :func:`lend_verifier`.
+    start; modules that only need a started cpu verifier share this one. It is built
+    and started with :data:`tests.helpers.SECRET_ENV` in the environment (its sandbox
+    takes the environment when built; the variables go again after), so that the
+    hostile tests can look for those secrets from its children.
+    Tests of the sandbox's own start, or that need other settings (another memory
+    limit or timeout, a scratch root of their own), build their own. Inputs above
+    64 MiB fail as ``infrastructure``. Lend it to a worker with :func:`lend_verifier`.
     """
     from services.worker.verifier import Verifier
+    from tests.helpers import SECRET_ENV
 
-    verifier = Verifier("cpu", worker_id="test-shared",
-                        scratch_root=tmp_path_factory.mktemp("shared-verifier"),
-                        memory_limit_bytes=64 << 20)
-    verifier.start()
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in SECRET_ENV.items():
+            mp.setenv(name, value)
+        verifier = Verifier("cpu", worker_id="test-shared",
+                            scratch_root=tmp_path_factory.mktemp("shared-verifier"),
+                            memory_limit_bytes=64 << 20)
+        verifier.start()
     yield verifier
     verifier.close()
 

@@ -92,6 +92,14 @@ RELU_KERNEL = TRITON_IMPORTS + "\n\n" + relu_jit(pid=False) + "\n\n" + relu_mode
 # Runs, but clamps at 0.5 instead of 0: a mismatch on every value in (0, 0.5).
 WRONG_RELU_KERNEL = RELU_KERNEL.replace("tl.maximum(x, 0.0)", "tl.maximum(x, 0.5)")
 
+# Secrets an operator's shell might hold, in the environment when the session's
+# verifier (tests/conftest.py, ``shared_verifier``) starts its sandbox: the hostile
+# tests look for them wherever a candidate or a task could reach.
+SECRET = "sk-sandbox-test-secret"
+DB_URL = "postgres://aikg:hunter2@db.internal/aikg"
+SECRET_ENV = {"AIKG_LLM_API_KEY": SECRET, "NATS_TOKEN": SECRET, "DB_PASSWORD": SECRET,
+              "DATABASE_URL": DB_URL}
+
 
 @contextlib.asynccontextmanager
 async def services_running(settings: Settings, bus: Bus, *, generator: bool = True,

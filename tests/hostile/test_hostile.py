@@ -21,10 +21,8 @@ import pytest
 
 from schemas.events import VerifyRequest
 from services.worker.verifier import Verifier
-from tests.helpers import RELU_TASK, scaled
+from tests.helpers import RELU_TASK, SECRET, scaled
 from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, forged_frames, relu_jit
-
-SECRET = "sekrit"
 
 TASK = RELU_TASK
 
@@ -57,21 +55,9 @@ def request(code: str, **kwargs) -> VerifyRequest:
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    # Secrets in the worker's environment when the pool starts.
-    saved = {k: os.environ.get(k) for k in ("AIKG_LLM_API_KEY", "NATS_TOKEN", "DB_PASSWORD")}
-    os.environ.update({"AIKG_LLM_API_KEY": SECRET, "NATS_TOKEN": SECRET,
-                       "DB_PASSWORD": SECRET})
-    v = Verifier("cpu", worker_id="test-hostile", scratch_root=tmp_path_factory.mktemp("hostile"),
-                 memory_limit_bytes=64 << 20)
-    v.start()
-    yield v
-    v.close()
-    for k, value in saved.items():
-        if value is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = value
+def verifier(shared_verifier):
+    """The session's verifier, started with secrets in the environment (SECRET_ENV)."""
+    return shared_verifier
 
 
 @pytest.fixture

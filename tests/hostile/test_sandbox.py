@@ -25,11 +25,7 @@ import pytest
 
 from schemas import VerifyRequest
 from services.sandbox.pool import MECHANISMS
-from services.worker.verifier import Verifier
-from tests.helpers import RELU_KERNEL, ROOT, scaled, services_running, wait_terminal
-
-SECRET = "sk-sandbox-test-secret"
-DB_URL = "postgres://aikg:hunter2@db.internal/aikg"
+from tests.helpers import DB_URL, RELU_KERNEL, ROOT, SECRET, scaled, services_running, wait_terminal
 
 FACTS_TASK = '''\
 import json, os, socket
@@ -142,16 +138,10 @@ def secret_env(monkeypatch) -> None:
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    """A worker's verifier started while the environment holds secrets."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AIKG_LLM_API_KEY", SECRET)
-        mp.setenv("DATABASE_URL", DB_URL)
-        v = Verifier("cpu", worker_id="test-sandbox",
-                     scratch_root=tmp_path_factory.mktemp("sandbox") / "verifier")
-        v.start()
-    yield v
-    v.close()
+def verifier(shared_verifier):
+    """A worker's verifier started while the environment holds secrets (the session's:
+    SECRET_ENV)."""
+    return shared_verifier
 
 
 def request(task: str, code: str) -> VerifyRequest:

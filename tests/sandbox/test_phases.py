@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import functools
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -38,12 +37,8 @@ def relu_candidate() -> str:
 
 
 @pytest.fixture(scope="module")
-def verifier(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Verifier]:
-    v = Verifier("cpu", worker_id="phases", memory_limit_bytes=1 << 30,
-                 scratch_root=tmp_path_factory.mktemp("phases"))
-    v.start()
-    yield v
-    v.close()
+def verifier(shared_verifier: Verifier) -> Verifier:
+    return shared_verifier
 
 
 def request(code: str, n: int) -> VerifyRequest:
