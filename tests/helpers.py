@@ -51,18 +51,26 @@ def scaled(seconds: float) -> float:
     return seconds * TIME_SCALE
 
 
-def representatives(names: Iterable[str], fast: Iterable[str]) -> list[Any]:
+def representatives(names: Iterable[str], fast: Iterable[str],
+                    lane: Iterable[str] | None = None) -> list[Any]:
     """Parameters of a family of like tests for ``pytest.mark.parametrize``: the names
-    in ``fast`` run in every lane; the others are marked ``slow``, so ``make test``
-    runs the whole family and ``make test-fast`` its representatives.
+    in ``fast`` (the family's representatives, which :func:`checked_sizes` verifies at
+    every size) run in every lane; the others are marked ``slow``, so ``make test``
+    runs the whole family and ``make test-fast`` its representatives. ``lane``, a part
+    of ``fast``, narrows what runs in the fast lane where a representative costs many
+    CPU-seconds (the others of ``fast`` still check every size in ``make test``).
 
     Raises:
-        ValueError: a name in ``fast`` is not one of ``names``.
+        ValueError: a name in ``fast`` is not one of ``names``, or one in ``lane`` not
+            in ``fast``.
     """
     names, fast = list(names), set(fast)
+    lane = fast if lane is None else set(lane)
     if not fast <= set(names):
         raise ValueError(f"representatives {sorted(fast - set(names))} are not in the family")
-    return [name if name in fast else pytest.param(name, marks=pytest.mark.slow)
+    if not lane <= fast:
+        raise ValueError(f"fast-lane names {sorted(lane - fast)} are not representatives")
+    return [name if name in lane else pytest.param(name, marks=pytest.mark.slow)
             for name in names]
 
 

@@ -222,6 +222,7 @@ async def queue_drained(bus: Bus, settings: Settings) -> bool:
 # --------------------------------------------------------------------------- tests
 
 
+@pytest.mark.slow  # run_worker itself: a fork server of its own (the others borrow one)
 async def test_raw_request_gets_passed_result_and_status_answers(
         settings: Settings, bus: Bus, results: Results) -> None:
     async with running_worker(settings, bus) as (ws, _):

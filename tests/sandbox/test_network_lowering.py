@@ -134,10 +134,12 @@ def _overrides(name: str, sizes: dict) -> dict:
     return {k: v for k, v in sizes.items() if k not in ("height", "width") or k in extents}
 
 
+# Representatives, checked at every size; the MLP alone runs in the fast lane.
 FAST = ("sequential_mlp", "qkv_split_cat")
 
 
-@pytest.mark.parametrize("name", representatives(sorted(NETWORKS), FAST))
+@pytest.mark.parametrize("name", representatives(sorted(NETWORKS), FAST,
+                                                    lane=("sequential_mlp",)))
 def test_network_passes_the_worker(name, shared_verifier):
     task_src = network_task(name)
     candidate = lowered(task_src)

@@ -245,6 +245,7 @@ def own_verifier(tmp_path_factory):
     v.close()
 
 
+@pytest.mark.slow  # starts a verifier of its own
 async def test_scratch_directories_are_removed(own_verifier):
     verifier = own_verifier
     await verifier.verify(request(), device="0")
