@@ -21,7 +21,7 @@ from services.common.bus import Bus, JobStore, connect_bus
 from services.common.jobs import live_arch
 from services.common.runtime import descendants, running
 from services.common.settings import Settings, load_settings
-from tests.helpers import scaled
+from tests.helpers import poll_until, scaled
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
@@ -266,6 +266,10 @@ async def _keys(bus: Bus) -> list[str]:
         return []
 
 
+async def _live_cpu(bus: Bus) -> bool:
+    return (await live_arch(bus, "cpu", None))[0] is not None
+
+
 def _cmdline(pid: int) -> list[str]:
     with contextlib.suppress(OSError):
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
@@ -412,7 +416,6 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
         # services' own look-again (live_arch) reads it.
         arch, _ = await live_arch(admin, "cpu", None)
         assert arch is not None, "no cpu worker heartbeat in the workers bucket"
-        await admin.close()
 
         (worker,) = [p for p in family
                      if _cmdline(p)[1:4] == ["-m", "services.cli", "worker"]]
@@ -420,6 +423,11 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
         said = await _said(proc.stderr, b"worker exited with code -9", 30)
         assert b"worker.log" in said and b"restarting it in" in said, said
         await _said(proc.stderr, b"worker restarted", 30)
+        # "restarted" is the new process; it is live once it beats (its sandbox starts
+        # first: seconds of CPU, more on a loaded machine). Until then the gateway
+        # refuses a cpu job with 409, as it would for any user.
+        await poll_until(lambda: _live_cpu(admin), 120, "the restarted worker's heartbeat")
+        await admin.close()
 
         task = tmp_path / "relu.py"
         task.write_text(relu_task)
