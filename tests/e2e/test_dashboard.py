@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -260,12 +261,13 @@ async def test_every_dashboard_query_returns_data(settings: Settings, bus: Bus, 
                 if fake_llm is None:
                     missing |= metric_names(expr) & LLM_METRICS
                 result = await prometheus.query(promql(expr))
-                # A scrape that outlasts its 1 s limit on a loaded machine marks every
-                # series stale until the next one: ask again for a few seconds.
-                deadline = asyncio.get_running_loop().time() + scaled(10)
-                while not result and not missing and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(0.5)
-                    result = await prometheus.query(promql(expr))
+                if not result and not missing:
+                    # A scrape that outlasts its 1 s limit on a loaded machine marks
+                    # every series stale until the next one: ask again for a few seconds.
+                    with contextlib.suppress(TimeoutError):
+                        result = await helpers.poll_until(
+                            functools.partial(prometheus.query, promql(expr)), 10, title,
+                            every_s=0.5)
                 if result:
                     if not any(math.isfinite(float(s["value"][1])) for s in result):
                         nan_only.append(title)
