@@ -41,7 +41,7 @@ import msgspec
 import tenacity
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.runtime import proc_stat
+from services.common.runtime import claim_owner, remove_stale_dirs
 from services.common.settings import Settings
 
 # What `aikg up` serves on its own /metrics: only the supervisor's metrics (the
@@ -55,9 +55,6 @@ RESTARTS = Counter(
 )
 # Name prefix of a per-run directory: aikg-up-<pid of aikg up>-<random>.
 RUN_DIR_PREFIX = "aikg-up-"
-# In a run directory: "<pid> <start time>" of its owner (start time: /proc/<pid>/stat
-# field 22, clock ticks after boot), so a reused pid is not taken for the owner.
-OWNER_FILE = "owner"
 # First wait before a restart, seconds; it doubles with each restart in the window.
 RESTART_FIRST_WAIT_S = 0.5
 
@@ -259,50 +256,19 @@ class Supervisor:
         self.say(f"{name} restarted (pid {proc.pid})")
 
 
-def _process_start(pid: int) -> str | None:
-    """When ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks after boot);
-    None when it is gone or a zombie. Where /proc is missing: ``""`` while it exists."""
-    if not Path("/proc/self/stat").exists():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        return ""
-    fields = proc_stat(pid)
-    if fields is None or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()
-
-
 def remove_stale_run_dirs(base: Path) -> list[Path]:
     """Remove this user's ``aikg-up-<pid>-*`` directories under ``base`` whose ``aikg up``
-    (the pid, started when its owner file says) no longer runs.
+    (the pid, started when its owner file says) no longer runs
+    (:func:`~services.common.runtime.remove_stale_dirs`).
 
     Returns:
         The directories removed.
     """
-    removed = []
-    for path in base.glob(f"{RUN_DIR_PREFIX}*-*"):
-        pid_part = path.name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        try:
-            info = path.lstat()
-        except OSError:
-            continue
-        if not pid_part.isdigit() or not path.is_dir() or path.is_symlink() \
-                or info.st_uid != os.getuid():
-            continue
-        started = _process_start(int(pid_part))
-        if started is not None:
-            with contextlib.suppress(OSError, IndexError):
-                owner = (path / OWNER_FILE).read_text().split()
-                if owner[0] == pid_part and len(owner) > 1 and started and owner[1] != started:
-                    started = None  # the pid now belongs to another process
-        if started is None:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-    return removed
+    def pid_of(name: str) -> int | None:
+        part = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        return int(part) if part.isdigit() else None
+
+    return remove_stale_dirs(base, f"{RUN_DIR_PREFIX}*-*", pid_of)
 
 
 def claim_run_dir(base: Path) -> tuple[Path, list[Path]]:
@@ -318,7 +284,7 @@ def claim_run_dir(base: Path) -> tuple[Path, list[Path]]:
     base.mkdir(parents=True, exist_ok=True)
     removed = remove_stale_run_dirs(base)
     path = Path(tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-", dir=base))
-    (path / OWNER_FILE).write_text(f"{os.getpid()} {_process_start(os.getpid()) or ''}\n")
+    claim_owner(path)
     return path, removed
 
 

@@ -1,17 +1,20 @@
 """Process and task helpers shared by the services: signal handling, cancelling a task
-so that it stays cancelled, retries with backoff (tenacity), a free local port, and
+so that it stays cancelled, retries with backoff (tenacity), a free local port,
 reading processes from ``/proc`` (state, start time, descendants; the local stack's
-supervisor, the tests and benches that look for strays)."""
+supervisor, the tests and benches that look for strays), and per-process directories
+that the next start removes once their owner is gone (:func:`remove_stale_dirs`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import threading
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential
@@ -200,3 +203,70 @@ def descendants(root: int) -> set[int]:
         frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - found
         found |= frontier
     return found
+
+
+# In a per-process directory: "<pid> <start time>" of the process that owns it (start
+# time: /proc/<pid>/stat field 22, clock ticks after boot), so that a reused pid is not
+# taken for the owner. Written by :func:`claim_owner`, read by :func:`remove_stale_dirs`.
+OWNER_FILE = "owner"
+
+
+def process_start(pid: int) -> str | None:
+    """When ``pid`` started (``/proc/<pid>/stat`` field 22, clock ticks after boot);
+    None when it is gone or a zombie. Where /proc is missing: ``""`` while it exists."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return ""
+    fields = proc_stat(pid)
+    if fields is None or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def claim_owner(path: Path) -> None:
+    """Mark the directory ``path`` as this process's (:data:`OWNER_FILE`).
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
+    (path / OWNER_FILE).write_text(f"{os.getpid()} {process_start(os.getpid()) or ''}\n")
+
+
+def remove_stale_dirs(base: Path, pattern: str, pid_of: Callable[[str], int | None], *,
+                      need_owner: bool = False) -> list[Path]:
+    """Remove this user's directories under ``base`` matching the glob ``pattern`` whose
+    owning process is gone: the pid ``pid_of(name)`` reads from the directory's name no
+    longer runs, or runs but started at another time than its :data:`OWNER_FILE` says
+    (the pid was reused). Names ``pid_of`` gives None for, symbolic links, other users'
+    directories and, with ``need_owner``, directories without an owner file are kept.
+
+    Returns:
+        The directories removed.
+    """
+    removed = []
+    for path in base.glob(pattern):
+        pid = pid_of(path.name)
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if pid is None or not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid():
+            continue
+        try:
+            owner = (path / OWNER_FILE).read_text().split()
+        except OSError:
+            if need_owner:
+                continue
+            owner = []
+        started = process_start(pid)
+        if started and len(owner) > 1 and owner[0] == str(pid) and owner[1] != started:
+            started = None  # the pid now belongs to another process
+        if started is None:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed

@@ -39,12 +39,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+from services.common.runtime import claim_owner, remove_stale_dirs
 from services.sandbox import forkserver as _forkserver
 from services.sandbox import isolation, wire
 from services.sandbox.roles import runner_of
 from services.sandbox.wire import ChildSpec
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
+log = structlog.get_logger("aikg.sandbox")
 _PID_BYTES = 8
 # glibc reserves 64 MiB of address space per malloc arena (up to 8 per core); a
 # few arenas keep RLIMIT_AS meaningful on many-core machines.
@@ -495,6 +499,27 @@ def safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:64] or "x"
 
 
+# A default scratch root's name: aikg-<name>-<pid of its owner>-<8 hex digits>.
+_SCRATCH_ROOT_NAME = re.compile(r"aikg-.+-(\d+)-[0-9a-f]{8}")
+
+
+def remove_stale_scratch_roots(base: Path) -> list[Path]:
+    """Remove the default scratch roots under ``base`` (``aikg-<name>-<pid>-<hex>``, with
+    an owner file) whose process is gone. A process killed with its fork server (SIGKILL
+    of a whole ``aikg up``, an OOM kill of the process group) leaves its root behind:
+    run directories, a Triton cache. Each start of a default root removes those (see
+    :func:`services.common.runtime.remove_stale_dirs`).
+
+    Returns:
+        The directories removed.
+    """
+    def pid_of(name: str) -> int | None:
+        match = _SCRATCH_ROOT_NAME.fullmatch(name)
+        return int(match.group(1)) if match else None
+
+    return remove_stale_dirs(base, "aikg-*-*-*", pid_of, need_owner=True)
+
+
 @dataclass
 class Isolation:
     """What the sandbox probe found: the confinement every child of a :class:`Sandbox` gets.
@@ -641,6 +666,12 @@ class Sandbox:
                 return
             self.scratch_root.mkdir(parents=True, exist_ok=True)
             os.chmod(self.scratch_root, 0o711)
+            if self.own_scratch:
+                claim_owner(self.scratch_root)
+                removed = remove_stale_scratch_roots(self.scratch_root.parent)
+                if removed:
+                    log.info("sandbox.stale_scratch_removed", count=len(removed),
+                             paths=[str(p) for p in removed])
             for sub in ("runs", "triton-cache"):
                 (self.scratch_root / sub).mkdir(exist_ok=True)
                 os.chmod(self.scratch_root / sub, 0o711)

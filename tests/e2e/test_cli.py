@@ -19,7 +19,7 @@ from schemas import JobResult, VerifyResult
 from services.cli import parse_shape, task_module_names
 from services.common.bus import Bus, JobStore, connect_bus
 from services.common.jobs import live_arch
-from services.common.runtime import descendants, running
+from services.common.runtime import OWNER_FILE, descendants, running
 from services.common.settings import Settings, load_settings
 from tests.helpers import poll_until, scaled
 
@@ -321,15 +321,19 @@ async def test_up_reports_a_service_that_dies(tmp_path: Path, free_port) -> None
 async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port) -> None:
     """SIGKILL gives `aikg up` no chance to clean up: its children must go by themselves,
     and the next `aikg up` removes the run directory (credentials, temporary store) the
-    killed one left. That next one runs with AIKG_TENANTS_FILE and no AIKG_API_TOKEN: the
+    killed one left, and its services a sandbox scratch root whose owner is gone (their
+    fork servers removed their own roots). That next one runs with AIKG_TENANTS_FILE and no AIKG_API_TOKEN: the
     API wants a tenant's token the supervisor does not have, and it still sees the worker
     (through the bus) and says up."""
     from services.common.tenants import hash_token
 
     port = free_port()
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    # The services' default scratch roots (aikg-<name>-<pid>-<hex>) go here, not to /tmp.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
     env = {**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run"),
-           "AIKG_UP_METRICS_PORT": "-1"}
+           "AIKG_UP_METRICS_PORT": "-1", "TMPDIR": str(temp)}
     proc = await asyncio.create_subprocess_exec(
         *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -341,6 +345,8 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     assert run_dir.parent == tmp_path / "run" and (run_dir / "jetstream").is_dir()
     family = descendants(proc.pid)
     assert len(family) >= 4  # nats-server, gateway, generator, worker
+    roots = sorted(temp.glob("aikg-*"))
+    assert {p.name.split("-")[1] for p in roots} == {"worker", "generator"}, roots
     proc.kill()
     await proc.wait()
     deadline = asyncio.get_running_loop().time() + scaled(30)
@@ -348,6 +354,12 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
         await asyncio.sleep(0.2)
     assert not running(family), f"still running: {sorted(running(family))}"
     assert run_dir.exists()
+    # Their fork servers removed the services' scratch roots. A root whose fork server
+    # died too (an OOM kill of the whole group) is left: the next stack removes it.
+    assert not any(p.exists() for p in roots), roots
+    left = temp / f"aikg-worker-vm-{proc.pid}-{proc.pid}-0badf00d"
+    (left / "runs").mkdir(parents=True)
+    (left / OWNER_FILE).write_text(f"{proc.pid} 1\n")
 
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(f'[tenants.team_a]\ntoken_sha256 = "{hash_token("tok-a")}"\n')
@@ -366,11 +378,17 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
             assert (await client.get("/api/v1/workers")).status_code == 401
             r = await client.get("/api/v1/workers", headers={"Authorization": "Bearer tok-a"})
             assert r.status_code == 200 and r.json()["workers"]
+        # The new stack's sandboxes removed the root whose owner is gone.
+        async def swept() -> bool:
+            return not left.exists()
+
+        await poll_until(swept, 30, f"the scratch root the killed stack left ({left})")
     finally:
         again.terminate()
         code = await asyncio.wait_for(again.wait(), 60)
     assert code == 0
     assert list((tmp_path / "run").iterdir()) == []
+    assert list(temp.glob("aikg-*")) == []  # and the second stack removed its own
 
 
 @pytest.mark.slow

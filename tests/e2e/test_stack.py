@@ -16,8 +16,8 @@ import nats
 import pytest
 
 from services.common.embedded import EmbeddedNatsServer
+from services.common.runtime import OWNER_FILE
 from services.stack import (
-    OWNER_FILE,
     RUN_DIR_PREFIX,
     SUPERVISOR_REGISTRY,
     Supervisor,

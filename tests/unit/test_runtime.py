@@ -1,20 +1,31 @@
 """cancel_and_wait ends a task whose cancellation asyncio.wait_for dropped; retry_async
 retries with a doubling wait, logs each failure and re-raises the last one; the one
-SIGINT/SIGTERM handler sets stop, then abandon, and puts the previous handlers back."""
+SIGINT/SIGTERM handler sets stop, then abandon, and puts the previous handlers back; a
+sandbox's default scratch root left by a process that is gone is removed by the next
+start, and only such a root."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.common.runtime import cancel_and_wait, install_signal_handlers, retry_async
+from services.common.runtime import (
+    OWNER_FILE,
+    cancel_and_wait,
+    claim_owner,
+    install_signal_handlers,
+    retry_async,
+)
+from services.sandbox.pool import remove_stale_scratch_roots
 
 
 async def poller(futures: list[asyncio.Future]) -> None:
@@ -146,3 +157,36 @@ def test_signals_without_a_loop_set_a_threading_event() -> None:
     finally:
         restore()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_scratch_roots_of_processes_that_are_gone_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+
+    def root(name: str, pid: int, owner: str | None) -> Path:
+        path = tmp_path / f"aikg-{name}-{pid}-{os.urandom(4).hex()}"
+        (path / "runs" / "a-candidate-0").mkdir(parents=True)
+        (path / "triton-cache").mkdir()
+        if owner is not None:
+            (path / OWNER_FILE).write_text(owner)
+        return path
+
+    stale = root("worker-vm", dead.pid, f"{dead.pid} 12345\n")
+    reused = root("generator", os.getppid(), f"{os.getppid()} 1\n")  # another start time
+    live = tmp_path / f"aikg-worker-{os.getpid()}-{os.urandom(4).hex()}"
+    live.mkdir()
+    claim_owner(live)
+    unowned = root("old-version", dead.pid, None)  # no owner file: not ours to judge
+    other = tmp_path / f"aikg-up-{dead.pid}-notahex"  # not a scratch root's name
+    other.mkdir()
+    (other / OWNER_FILE).write_text(f"{dead.pid} 1\n")
+    link = tmp_path / f"aikg-link-{dead.pid}-{os.urandom(4).hex()}"
+    link.symlink_to(stale)
+
+    removed = remove_stale_scratch_roots(tmp_path)
+
+    assert sorted(removed) == sorted([stale, reused])
+    assert not stale.exists() and not reused.exists()
+    assert live.exists() and unowned.exists() and other.exists() and link.is_symlink()
+    assert (live / OWNER_FILE).read_text().split()[0] == str(os.getpid())
+    assert remove_stale_scratch_roots(tmp_path) == []
