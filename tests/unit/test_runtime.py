@@ -182,11 +182,17 @@ def test_scratch_roots_of_processes_that_are_gone_are_removed(tmp_path: Path) ->
     (other / OWNER_FILE).write_text(f"{dead.pid} 1\n")
     link = tmp_path / f"aikg-link-{dead.pid}-{os.urandom(4).hex()}"
     link.symlink_to(stale)
+    # Another user's root is not this process's to remove, whatever its owner file says
+    # (made only where this test may give a directory away: as root).
+    foreign = root("nobody", dead.pid, f"{dead.pid} 12345\n") if os.geteuid() == 0 else None
+    if foreign is not None:
+        os.chown(foreign, 65534, 65534)
 
     removed = remove_stale_scratch_roots(tmp_path)
 
     assert sorted(removed) == sorted([stale, reused])
     assert not stale.exists() and not reused.exists()
     assert live.exists() and unowned.exists() and other.exists() and link.is_symlink()
+    assert foreign is None or foreign.exists()
     assert (live / OWNER_FILE).read_text().split()[0] == str(os.getpid())
     assert remove_stale_scratch_roots(tmp_path) == []
