@@ -591,7 +591,8 @@ class Sandbox:
         name: names the default scratch root, ``<tmp>/aikg-<name>-<pid>-<random>`` (created at start).
         scratch_root: where run directories and per-device Triton caches live; a
             default one is removed on :meth:`close` (and by the fork server when this
-            process dies).
+            process dies; by the next start of a default root under the same directory
+            when the fork server died too, :func:`remove_stale_scratch_roots`).
         require: mechanisms (:data:`MECHANISMS`) without which :meth:`start` refuses.
         env_allow: more environment variable names (or ``PREFIX*``) children keep.
         preload: more modules the fork server imports once.
