@@ -35,8 +35,10 @@ from tests.support_candidates import (
 
 SOFTMAX_TASK = TASKS["softmax"]
 # Wide rows of small inputs: every softmax output is below float32's atol (1e-4).
+# Every softmax value is below the 1e-4 atol for any inputs the verifier draws (its seeds
+# are secret): at scale 0.1 one element of 65,536 rose above it in ~1% of draws.
 WIDE_SOFTMAX_TASK = SOFTMAX_TASK.replace("dim = 1024", "dim = 16384").replace(
-    "torch.randn(batch_size, dim)", "0.1 * torch.randn(batch_size, dim)")
+    "torch.randn(batch_size, dim)", "0.05 * torch.randn(batch_size, dim)")
 
 MATMUL_TASK = TASKS["matmul"]
 HEADER = TRITON_IMPORTS
@@ -464,7 +466,7 @@ def test_timing_sample_count_and_wall_time(verifier):
 
 
 def test_scale_aware_comparison_numbers():
-    expected = torch.softmax(0.1 * torch.randn(4, 16384, generator=torch.Generator()
+    expected = torch.softmax(0.05 * torch.randn(4, 16384, generator=torch.Generator()
                                                .manual_seed(0)), dim=1)
     assert float(expected.max()) < 1e-4  # every element within atol of zero
     zeros = correctness.compare_output(0, expected, torch.zeros_like(expected))
