@@ -73,7 +73,9 @@ def stack(checkout: Path, workdir: Path, ready_timeout_s: float = 180.0) -> Iter
     log = (workdir / f"up-{checkout.name}.log").open("wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--backend", "cpu",
-         "--store-dir", str(workdir / f"nats-{checkout.name}")],
+         "--store-dir", str(workdir / f"nats-{checkout.name}"),
+         # in the workdir, removed with it (by default a stack keeps its logs in /tmp)
+         "--log-dir", str(workdir / f"logs-{checkout.name}")],
         cwd=checkout, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

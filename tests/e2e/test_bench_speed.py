@@ -24,15 +24,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(600)
-def test_bench_speed_prints_every_figure_with_its_phases() -> None:
+def test_bench_speed_prints_every_figure_with_its_phases(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.run(
         [sys.executable, "-m", "bench.speed", "--burst", "2", "--cold", "1", "--seq", "1",
          "--jobs", "2", "--checks", "1", "--rows", "4"],
-        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)},
         capture_output=True, text=True, timeout=scaled(540))
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
+    # Its workdir, the stack's logs and run directory, the sandboxes' scratch: all gone
+    # (torch's own cache directory, torchinductor_<user>, is torch's to keep).
+    assert sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) == []
     assert re.search(r"^\(a\) burst of 2 one-trial verifications through the bus: [\d.]+ s each "
                      r"\(\d+/min\); cold python per candidate: [\d.]+ s each; ratio [\d.]+x$",
                      out, re.M), out
