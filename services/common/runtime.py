@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -251,11 +252,13 @@ def remove_stale_dirs(base: Path, pattern: str, pid_of: Callable[[str], int | No
     removed = []
     for path in base.glob(pattern):
         pid = pid_of(path.name)
+        if pid is None:
+            continue
         try:
-            info = path.lstat()
+            info = path.lstat()  # a symbolic link is S_ISLNK, not a directory
         except OSError:
             continue
-        if pid is None or not path.is_dir() or path.is_symlink() or info.st_uid != os.getuid():
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
             continue
         try:
             owner = (path / OWNER_FILE).read_text().split()

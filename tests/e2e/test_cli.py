@@ -323,8 +323,8 @@ async def test_up_killed_with_sigkill_leaves_no_strays(tmp_path: Path, free_port
     and the next `aikg up` removes the run directory (credentials, temporary store) the
     killed one left, and its services a sandbox scratch root whose owner is gone (their
     fork servers removed their own roots). That next one runs with AIKG_TENANTS_FILE and
-    no AIKG_API_TOKEN: the API wants a tenant's token the supervisor does not have, and it still sees the worker
-    (through the bus) and says up."""
+    no AIKG_API_TOKEN: the API wants a tenant's token the supervisor does not have, and
+    it still sees the worker (through the bus) and says up."""
     from services.common.tenants import hash_token
 
     port = free_port()

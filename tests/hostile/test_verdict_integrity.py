@@ -34,9 +34,9 @@ from tests.support_candidates import (
 )
 
 SOFTMAX_TASK = TASKS["softmax"]
-# Wide rows of small inputs: every softmax output is below float32's atol (1e-4).
-# Every softmax value is below the 1e-4 atol for any inputs the verifier draws (its seeds
-# are secret): at scale 0.1 one element of 65,536 rose above it in ~1% of draws.
+# Wide rows of small inputs: every softmax output is below float32's atol (1e-4) for any
+# inputs the verifier draws (its seeds are secret; at scale 0.1 one element of 65,536
+# rose above it in ~1% of draws).
 WIDE_SOFTMAX_TASK = SOFTMAX_TASK.replace("dim = 1024", "dim = 16384").replace(
     "torch.randn(batch_size, dim)", "0.05 * torch.randn(batch_size, dim)")
 
