@@ -202,18 +202,22 @@ def _redraw(task: _Task, model: Any, made: list[Any], seed: int,
             v.dtype.is_floating_point or v.dtype.is_complex) for v in made):
         outputs, args = task.forward(model, made)
         return made, outputs, args, "task", None
-    for keep_signs in (False, True):
+    own_finite: bool | None = None
+    for variant, keep_signs in trial_inputs.attempts(dist):
         generator = torch.Generator().manual_seed(seed ^ 0x5DEECE66D)
-        redrawn = [trial_inputs.reshape(v, dist, generator, keep_signs)
+        redrawn = [trial_inputs.reshape(v, variant, generator, keep_signs)
                    if isinstance(v, torch.Tensor) else v for v in made]
         outputs, args = task.forward(model, redrawn)
-        if not trial_inputs.nonfinite(outputs):
-            label = dist.name if not keep_signs else f"{dist.name} (signs kept)"
-            return redrawn, outputs, args, label, None
-        own_outputs, own_args = task.forward(model, made)
-        if trial_inputs.nonfinite(own_outputs):
-            # NaN or Inf on the task's own inputs too: part of the task.
-            return redrawn, outputs, args, dist.name, None
+        if own_finite is None and trial_inputs.nonfinite(outputs):
+            own_outputs, _ = task.forward(model, made)
+            own_finite = not trial_inputs.nonfinite(own_outputs)
+        if not trial_inputs.nonfinite(outputs) or own_finite is False:
+            # Finite, or NaN or Inf on the task's own inputs too: part of the task.
+            label = variant.name + (" (signs kept)" if keep_signs else "")
+            dropped = ", ".join(trial_inputs.left_out(dist, variant))
+            return redrawn, outputs, args, label, (
+                f"left out {dropped}: NaN or Inf outputs where the task's own inputs give "
+                "none") if dropped else None
     outputs, args = task.forward(model, made)
     return made, outputs, args, "task", (
         f"{dist.name} gives NaN or Inf outputs where the task's own inputs do not; the "
@@ -256,7 +260,7 @@ def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
     for trial in request.trials:
         channel.send(Progress(phase=f"reference {request.key} trial {trial.index}"))
         made = task.inputs(trial.seed, trial.declared)
-        dist = trial_inputs.BY_NAME.get(trial.distribution, trial_inputs.DISTRIBUTIONS[0])
+        dist = trial_inputs.by_name(trial.distribution)
         if trial.decoy:
             outputs, args = task.forward(model, made)
             used, fallback = "task", None
