@@ -309,7 +309,7 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
     hook = _guard.install_audit_hook(spec.candidate_path)
     emulation = None
     if spec.backend == "cpu" and spec.emulate_cuda:
-        emulation = CudaEmulation(target_for(spec.arch or ""))
+        emulation = CudaEmulation(target_for(spec.arch or ""), spec.candidate_path)
         emulation.install()
     active: list[trace.TraceRecorder | None] = [None]
     trace.install_launch_hooks(lambda: active[0])

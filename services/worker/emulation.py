@@ -14,8 +14,16 @@ and is judged on that path:
   ``TorchFunctionMode``) allocate there.
 * ``torch.cuda.is_available()`` is true; ``synchronize`` does nothing (every kernel
   has finished when its launch returns); ``Event`` measures the host clock;
-  ``get_device_properties`` / ``get_device_capability`` / ``current_device`` /
-  ``device_count`` describe the arch's GPU.
+  ``get_device_name`` / ``get_device_properties`` / ``get_device_capability`` /
+  ``current_device`` / ``device_count`` describe the arch's part (:data:`_PARTS`: its
+  product name, memory, L2 size, clocks; a ``_CudaDeviceProperties`` with torch's
+  ``repr``).
+* To the candidate's own code (the nearest frame outside this module and the standard
+  library is the candidate's file), a tensor on the CPU or on ``meta`` (the dry run)
+  answers as a CUDA tensor: ``is_cpu`` and ``is_meta`` false, ``get_device()`` 0,
+  ``device`` ``cuda:0``, ``data_ptr()`` a 512-byte-aligned device-like address (per
+  storage, offsets kept); ``torch.get_default_device()`` is the CPU during the dry
+  run. Torch's own code (its meta kernels, the harness) gets the truth.
 * Triton's ``driver.active`` is such a GPU (``utils.get_device_properties`` gives its
   SM count and shared memory).
 
@@ -25,7 +33,12 @@ candidate made (:attr:`CudaEmulation.used`) in its notes.
 
 from __future__ import annotations
 
+import secrets
+import sys
+import sysconfig
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +47,8 @@ from torch.overrides import TorchFunctionMode
 from services.worker.targets import GpuTarget
 
 _CUDA = torch.device("cuda", 0)
+# Where the candidate sees device allocations start (a CUDA virtual address range).
+_DEVICE_BASE = 0x7F0000000000
 
 
 def _is_cuda_device(value: Any) -> bool:
@@ -91,16 +106,94 @@ class _Stream:
         return None
 
 
-class _Properties:
+@dataclass(frozen=True)
+class _Part:
+    """What ``cudaGetDeviceProperties`` reports for one part (the fields torch and
+    Triton's driver expose): ``name`` (the product name), ``memory`` (bytes of device
+    memory: nvidia-smi's ``memory.total`` in MiB), ``l2`` (L2 cache bytes), ``sm_clock``
+    and ``mem_clock`` (kHz), ``bus`` (memory bus width, bits)."""
+
+    name: str
+    memory: int
+    l2: int
+    sm_clock: int
+    mem_clock: int
+    bus: int
+
+
+_MIB = 1 << 20
+# Sources: NVIDIA's datasheets and architecture whitepapers (A100: 40 MB L2, 5120-bit
+# HBM2e; H100 SXM5 / PCIe and H200: 50 MB L2, 5120-bit HBM3 / 6144-bit HBM3e; Ada
+# RTX 4090 72 MB, L4 48 MB, L40S 96 MB of L2); product names and memory as nvidia-smi
+# reports them for these parts.
+_PARTS: dict[str, _Part] = {
+    "a100": _Part("NVIDIA A100-SXM4-80GB", 81920 * _MIB, 40 * _MIB, 1410000, 1593000, 5120),
+    "a100_80gb": _Part("NVIDIA A100-SXM4-80GB", 81920 * _MIB, 40 * _MIB, 1410000, 1593000,
+                       5120),
+    "a100_40gb": _Part("NVIDIA A100-SXM4-40GB", 40960 * _MIB, 40 * _MIB, 1410000, 1215000,
+                       5120),
+    "h100": _Part("NVIDIA H100 80GB HBM3", 81559 * _MIB, 50 * _MIB, 1980000, 2619000, 5120),
+    "h100_sxm": _Part("NVIDIA H100 80GB HBM3", 81559 * _MIB, 50 * _MIB, 1980000, 2619000,
+                      5120),
+    "h100_pcie": _Part("NVIDIA H100 PCIe", 81559 * _MIB, 50 * _MIB, 1755000, 1593000, 5120),
+    "h200": _Part("NVIDIA H200", 143771 * _MIB, 50 * _MIB, 1980000, 3201000, 6144),
+    "4090": _Part("NVIDIA GeForce RTX 4090", 24564 * _MIB, 72 * _MIB, 2520000, 10501000, 384),
+    "rtx4090": _Part("NVIDIA GeForce RTX 4090", 24564 * _MIB, 72 * _MIB, 2520000, 10501000,
+                     384),
+    "l4": _Part("NVIDIA L4", 23034 * _MIB, 48 * _MIB, 2040000, 6251000, 192),
+    "l40s": _Part("NVIDIA L40S", 46068 * _MIB, 96 * _MIB, 2520000, 9001000, 384),
+}
+_PARTS["sm_80"], _PARTS["sm_89"], _PARTS["sm_90"] = _PARTS["a100"], _PARTS["4090"], \
+    _PARTS["h100"]
+# Per compute capability (CUDA C++ Programming Guide, technical specifications): threads
+# and shared memory per multiprocessor.
+_THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048}
+_SHARED_PER_SM = {80: 167936, 86: 102400, 89: 102400, 90: 233472}
+
+
+def part_of(target: GpuTarget) -> _Part:
+    """The part a target stands for (its datasheet part; see :data:`_PARTS`)."""
+    return _PARTS.get(target.name, _PARTS["h100"])
+
+
+class _CudaDeviceProperties:
+    """What ``torch.cuda.get_device_properties`` returns on a GPU build (the same class
+    name, fields and ``repr``), for the target's part."""
+
     def __init__(self, target: GpuTarget) -> None:
-        self.name = f"AIKG emulated {target.name.upper()} (cpu backend)"
+        part = part_of(target)
+        self.name = part.name
         self.major, self.minor = divmod(target.capability, 10)
+        self.total_memory = part.memory
         self.multi_processor_count = target.sms
-        self.total_memory = 80 << 30
+        self.is_integrated = 0
+        self.is_multi_gpu_board = 0
+        self.max_threads_per_multi_processor = _THREADS_PER_SM.get(target.capability, 2048)
+        self.max_threads_per_block = 1024
         self.warp_size = 32
-        self.max_threads_per_multi_processor = 2048
-        self.shared_memory_per_block_optin = target.shared_bytes
         self.regs_per_multiprocessor = 65536
+        self.shared_memory_per_block = 49152
+        self.shared_memory_per_block_optin = target.shared_bytes
+        self.shared_memory_per_multiprocessor = _SHARED_PER_SM.get(target.capability,
+                                                                   target.shared_bytes)
+        self.L2_cache_size = part.l2
+        self.clock_rate = part.sm_clock
+        self.memory_clock_rate = part.mem_clock
+        self.memory_bus_width = part.bus
+        self.uuid = str(uuid.UUID(int=secrets.randbits(128), version=4))
+        self.pci_bus_id, self.pci_device_id, self.pci_domain_id = 0x18, 0, 0
+        self.gcnArchName = "NVIDIA CUDA"
+
+    def __repr__(self) -> str:
+        return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
+                f"minor={self.minor}, total_memory={self.total_memory // _MIB}MB, "
+                f"multi_processor_count={self.multi_processor_count}, uuid={self.uuid}, "
+                f"pci_bus_id={self.pci_bus_id}, pci_device_id={self.pci_device_id}, "
+                f"pci_domain_id={self.pci_domain_id}, "
+                f"L2_cache_size={self.L2_cache_size // _MIB}MB)")
+
+
+_CudaDeviceProperties.__module__ = "torch._C"
 
 
 class _DeviceMode(TorchFunctionMode):
@@ -133,20 +226,46 @@ class _DeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _candidate_frame(filename: str | None) -> bool:
+    """Whether the code asking (the nearest frame outside this module and the standard
+    library, two frames up: past the patched getter) is the candidate's module."""
+    if filename is None:
+        return False
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name != __file__ and not name.startswith(_STDLIB):
+            return name == filename
+        frame = frame.f_back
+    return False
+
+
+_STDLIB = sysconfig.get_paths()["stdlib"] + "/"
+
+
 class CudaEmulation:
     """See the module doc. ``target``: where tensors really live (``cpu``; ``meta``
-    during the dry run). ``used``: the CUDA calls the candidate made."""
+    during the dry run). ``used``: the CUDA calls the candidate made. ``candidate``:
+    the candidate module's file, whose code gets a GPU's answers where torch's own code
+    (its meta kernels, the harness) must get the truth."""
 
-    def __init__(self, target: GpuTarget) -> None:
+    def __init__(self, target: GpuTarget, candidate: str | None = None) -> None:
         self.gpu = target
         self.target = torch.device("cpu")
         self.used: set[str] = set()
+        self.candidate = candidate
         self._mode = _DeviceMode(self)
 
     def install(self) -> None:
         """Patch torch and triton in this process and enter the device mode for good."""
         emulation = self
-        base_device = torch._C.TensorBase.device.__get__
+        candidate = self.candidate
+        base = torch._C.TensorBase
+        base_device = base.device.__get__
+        base_is_cpu = base.is_cpu.__get__
+        base_is_meta = base.is_meta.__get__
+        base_get_device = base.get_device
+        base_data_ptr = base.data_ptr
         real_types = ("cpu", "meta")
         # The C getter hands the access to torch-function modes, ours among them, which
         # would read this patched property again.
@@ -157,18 +276,68 @@ class CudaEmulation:
                 return base_device(tensor)
 
         def device(tensor: torch.Tensor) -> torch.device:
-            # Not for meta tensors: torch's meta kernels, written in Python, read it.
+            # A meta tensor's truth for torch's meta kernels (written in Python), which
+            # read it; cuda:0 for the candidate's code.
             real = real_device(tensor)
-            return _CUDA if real.type == "cpu" else real
+            if real.type == "cpu" or real.type == "meta" and _candidate_frame(candidate):
+                return _CUDA
+            return real
 
         def is_cuda(tensor: torch.Tensor) -> bool:
             emulation.used.add("Tensor.is_cuda")
             return real_device(tensor).type in real_types
 
+        def is_cpu(tensor: torch.Tensor) -> bool:
+            with no_modes():
+                real = base_is_cpu(tensor)
+            return real and not _candidate_frame(candidate)
+
+        def is_meta(tensor: torch.Tensor) -> bool:
+            with no_modes():
+                real = base_is_meta(tensor)
+            return real and not _candidate_frame(candidate)
+
+        def get_device(tensor: torch.Tensor) -> int:
+            with no_modes():
+                real = base_get_device(tensor)
+            if real < 0 and _candidate_frame(candidate) and \
+                    real_device(tensor).type in real_types:
+                return 0
+            return real
+
+        def data_ptr(tensor: torch.Tensor) -> int:
+            # The candidate sees device-like addresses: 512-byte aligned allocations as
+            # the CUDA caching allocator makes (a CPU allocation is 64-byte aligned, a
+            # meta one is 0), distinct per storage, offsets kept.
+            with no_modes():
+                real = base_data_ptr(tensor)
+                if not _candidate_frame(candidate):
+                    return real
+                kind = real_device(tensor).type
+                if kind not in real_types:
+                    return real
+                storage = tensor.untyped_storage()
+                start = storage._cdata if kind == "meta" else storage.data_ptr()
+                offset = tensor.storage_offset() * tensor.element_size()
+            return _DEVICE_BASE + (start % (1 << 36)) * 512 + offset
+
         torch.Tensor.device = property(device)
         torch.Tensor.is_cuda = property(is_cuda)
+        torch.Tensor.is_cpu = property(is_cpu)
+        torch.Tensor.is_meta = property(is_meta)
+        torch.Tensor.get_device = get_device
+        torch.Tensor.data_ptr = data_ptr
+        default_device = torch.get_default_device
+
+        def get_default_device() -> torch.device:
+            # The dry run builds and calls under torch.device("meta").
+            real = default_device()
+            return torch.device("cpu") if real.type == "meta" and \
+                _candidate_frame(candidate) else real
+
+        torch.get_default_device = get_default_device
         cuda = torch.cuda
-        props = _Properties(self.gpu)
+        props = _CudaDeviceProperties(self.gpu)
 
         def note(name: str, value: Any) -> Any:
             # torch.manual_seed and friends call some of these themselves.
@@ -191,6 +360,8 @@ class CudaEmulation:
             "default_stream": _Stream(), "manual_seed": None, "manual_seed_all": None,
             "max_memory_allocated": 0, "memory_allocated": 0, "reset_peak_memory_stats": None,
             "mem_get_info": (props.total_memory, props.total_memory),
+            "is_bf16_supported": props.major >= 8,
+            "get_arch_list": [f"sm_{c}" for c in (50, 60, 70, 75, 80, 86, 90)],
         }.items():
             setattr(cuda, name, note(name, value))
         cuda.Event = _Event
