@@ -36,6 +36,7 @@ from services.sandbox.wire import (
     tensor_bytes,
 )
 from services.worker import enforce
+from services.worker.casts import value_changing_cast
 from services.worker.replay import (
     Replayer,
     ReplayError,
@@ -75,6 +76,10 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
                           f"task has {len(real_tensors)}")
     for ref, tensor in zip(planned_refs, real_tensors, strict=True):
         replayer.add_input(ref, tensor)
+    # Rule D029: a cast that changes values is compute unless it ends an output.
+    cast = value_changing_cast(request.events, request.outputs)
+    if cast is not None:
+        raise ReplayError("compute", cast)
     replayer.run(request.events, Variant(skip_launches=request.skip_launches,
                                          config=request.config))
     outputs = replayer.outputs(request.outputs)
