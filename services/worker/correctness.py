@@ -21,7 +21,10 @@ float32 (GPU)    5e-3          5e-3          Triton's ``tl.dot`` on fp32 inputs 
                                              ``input_precision="ieee"``; PyTorch's tests
                                              check TF32 matmuls at 5e-3
                                              (``@tf32_on_and_off(0.005)``, torch/testing/
-                                             _internal/common_cuda.py). cuda and ascend.
+                                             _internal/common_cuda.py). cuda and ascend,
+                                             and cpu for a call whose replay ran a TF32
+                                             ``tl.dot`` (the interpreter rounds its
+                                             operands as a GPU does: :func:`ran_tf32`).
 float16          1e-2          1e-2          10-bit mantissa (unit roundoff 4.9e-4) and
                                              accumulation in another order;
                                              torch.testing: rtol 1e-3, atol 1e-5.
@@ -86,7 +89,9 @@ code; the candidate's part in it is the outputs it already returned.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -137,12 +142,21 @@ class Widening:
     rel_l2: float
 
 
-def tolerance_for(dtype: torch.dtype, backend: str = "cpu") -> Tolerance:
-    """The tolerance for an expected output of ``dtype`` on ``backend`` (table in the module doc)."""
+def ran_tf32(traffic: Iterable[Any]) -> bool:
+    """Whether a replayed call ran a TF32 ``tl.dot``: its counted launches
+    (``LaunchTraffic``, :mod:`services.worker.traffic`) hold ``tf32`` dot FLOPs. Such a
+    call's float32 outputs are judged at the GPU's float32 tolerance on every backend."""
+    return any((getattr(launch, "dot_flops", None) or {}).get("tf32") for launch in traffic)
+
+
+def tolerance_for(dtype: torch.dtype, backend: str = "cpu", *, tf32: bool = False
+                  ) -> Tolerance:
+    """The tolerance for an expected output of ``dtype`` on ``backend`` (table in the
+    module doc); ``tf32``: the call ran a TF32 ``tl.dot`` (:func:`ran_tf32`)."""
     if dtype.is_complex:
         dtype = {torch.complex128: torch.float64, torch.complex64: torch.float32,
                  torch.complex32: torch.float16}.get(dtype, torch.float32)
-    if dtype == torch.float32 and backend != "cpu":
+    if dtype == torch.float32 and (backend != "cpu" or tf32):
         return Tolerance(*_GPU_FLOAT32)
     if dtype in _FLOAT_TOLERANCES:
         return Tolerance(*_FLOAT_TOLERANCES[dtype])
@@ -255,7 +269,7 @@ def _as_real(t: torch.Tensor) -> torch.Tensor:
 def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
                    backend: str = "cpu", *, detail: bool = True,
                    shortcut: bool = True, tolerance: Tolerance | None = None,
-                   widening: Widening | None = None) -> OutputComparison:
+                   widening: Widening | None = None, tf32: bool = False) -> OutputComparison:
     """Compare output ``index`` of the candidate with the reference's.
 
     Args:
@@ -277,13 +291,15 @@ def compare_output(index: int, expected: torch.Tensor, got: torch.Tensor,
         tolerance: instead of ``expected``'s dtype's (the float64 recheck compares a
             float32 output with float64 values at float32's tolerance).
         widening: a float64 recheck's allowance (:class:`Widening`); None: none.
+        tf32: the call ran a TF32 ``tl.dot`` (:func:`ran_tf32`): float32 at the GPU's
+            tolerance.
 
     Returns:
         The comparison; on failure ``message`` reads e.g. ``output 0: 1234 of 65536
         elements differ beyond atol=1e-4 rtol=1e-4; max abs error 0.53 at [3, 17]
         (expected 0.12, got 0.65)``.
     """
-    tol = tolerance or tolerance_for(expected.dtype, backend)
+    tol = tolerance or tolerance_for(expected.dtype, backend, tf32=tf32)
     meta = check_meta(index, expected.shape, expected.dtype, got.shape, got.dtype)
     if meta is not None:
         return OutputComparison(index=index, tolerance=tol, passed=False, message=meta)
@@ -470,8 +486,10 @@ def _max(values) -> float | None:
 
 
 def compare_outputs(expected: list[torch.Tensor], got: list[torch.Tensor],
-                    backend: str = "cpu", *, detail: bool = True) -> Comparison:
-    """Compare every output of one trial (see :func:`compare_output`; ``detail`` as there).
+                    backend: str = "cpu", *, detail: bool = True, tf32: bool = False
+                    ) -> Comparison:
+    """Compare every output of one trial (see :func:`compare_output`; ``detail`` and
+    ``tf32`` as there).
 
     A different number of outputs fails with ``ModelNew.forward returned 2 outputs;
     expected 1``.
@@ -480,7 +498,7 @@ def compare_outputs(expected: list[torch.Tensor], got: list[torch.Tensor],
         return Comparison(passed=False, outputs=[],
                           message=f"ModelNew.forward returned {len(got)} output"
                                   f"{'s' if len(got) != 1 else ''}; expected {len(expected)}")
-    outputs = [compare_output(i, e, g, backend, detail=detail)
+    outputs = [compare_output(i, e, g, backend, detail=detail, tf32=tf32)
                for i, (e, g) in enumerate(zip(expected, got, strict=True))]
     failed = next((o for o in outputs if not o.passed), None)
     return Comparison(passed=failed is None, outputs=outputs,
@@ -533,7 +551,8 @@ class Recheck:
 
 
 def recheck(comparison: Comparison, expected: list[torch.Tensor], truth: list[torch.Tensor],
-            got: list[torch.Tensor], backend: str = "cpu") -> Recheck:
+            got: list[torch.Tensor], backend: str = "cpu", *, tf32: bool = False
+            ) -> Recheck:
     """Judge a failed trial's failing outputs against the task's Model run in float64.
 
     Args:
@@ -542,7 +561,8 @@ def recheck(comparison: Comparison, expected: list[torch.Tensor], truth: list[to
             float32 for the outputs this applies to).
         truth: the same Model's outputs in float64 on the same inputs, same shapes.
         got: the candidate's outputs.
-        backend: selects the float32 tolerance.
+        backend: selects the float32 tolerance (with ``tf32``, as in
+            :func:`compare_output`).
 
     Returns:
         A pass only where, for every failing output, the float32 reference fails the
@@ -571,7 +591,7 @@ def recheck(comparison: Comparison, expected: list[torch.Tensor], truth: list[to
             return Recheck(False, reason=f"output {i} of the float64 Model has shape "
                                          f"{_format_shape(tuple(t.shape))} and dtype "
                                          f"{str(t.dtype).removeprefix('torch.')}")
-        tol = tolerance_for(e.dtype, backend)
+        tol = tolerance_for(e.dtype, backend, tf32=tf32)
         own = compare_output(i, t, e.to(torch.float64), tolerance=tol)
         if own.passed or own.max_abs_error is None:
             return Recheck(False, reason=f"output {i}: the float32 reference is accurate at "

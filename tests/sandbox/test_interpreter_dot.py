@@ -1,4 +1,5 @@
-"""The interpreter's tl.dot through BLAS (services.sandbox.interpreter): same products, every dtype."""
+"""The interpreter's tl.dot through BLAS (services.sandbox.interpreter): same products, every
+dtype (the GPU rounding of each input_precision: test_interpreter_numerics.py)."""
 
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ def test_install_is_idempotent(builder) -> None:
 
 @pytest.mark.slow  # a fork server of its own
 def test_the_cpu_fork_server_installs_it_before_children_fork() -> None:
+    # the GPU numerics (services.sandbox.interpreter.install), tl.dot among them
     probe = ("from services.sandbox import forkserver\n"
              "from triton.runtime import interpreter\n"
              "forkserver._preload([])\n"
-             "print(getattr(interpreter.InterpreterBuilder.create_dot, '_aikg_blas_dot', False))\n")
+             "print(getattr(interpreter.InterpreterBuilder, '_aikg_gpu_numerics', False))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=scaled(120))

@@ -34,6 +34,7 @@ from services.worker.correctness import (
     Comparison,
     compare_outputs,
     compared_elements,
+    ran_tf32,
     recheck,
     recheckable,
 )
@@ -164,10 +165,13 @@ class TrialRuns:
             raise problem
         self._check_inputs(trial, frame, raws, where)
         self._check_aliasing(trial, real, where)
-        comparison = await asyncio.to_thread(compare_outputs, expected, got, self.v.backend)
+        # A TF32 tl.dot in the replay: float32 is judged as on a GPU (correctness.ran_tf32).
+        tf32 = ran_tf32(frame.traffic)
+        comparison = await asyncio.to_thread(compare_outputs, expected, got, self.v.backend,
+                                             tf32=tf32)
         tolerance = comparison.outputs[0].tolerance if comparison.outputs else None
         if not comparison.passed:
-            rechecked = await self._recheck(trial, expected, got, comparison, where)
+            rechecked = await self._recheck(trial, expected, got, comparison, where, tf32=tf32)
             if rechecked is None:
                 raise await self._mismatch(trial, comparison, where)
             comparison = rechecked
@@ -189,7 +193,7 @@ class TrialRuns:
 
     async def _recheck(self, trial: Trial, expected: list[torch.Tensor],
                        got: list[torch.Tensor], comparison: Comparison,
-                       where: str) -> Comparison | None:
+                       where: str, *, tf32: bool = False) -> Comparison | None:
         """The failed ``comparison`` of ``trial`` redone against the task's Model in
         float64 (:func:`services.worker.correctness.recheck`): the comparison against
         those outputs when the float32 reference is noise at the trial's inputs and the
@@ -205,7 +209,7 @@ class TrialRuns:
         if truth is None:
             return None
         result = await asyncio.to_thread(recheck, comparison, expected, truth, got,
-                                         self.v.backend)
+                                         self.v.backend, tf32=tf32)
         if not result.passed:
             return None
         self.notes.extend(f"float64 recheck, {where}: {note}" for note in result.notes)
@@ -388,10 +392,12 @@ class TrialRuns:
         for config in range(self.trials, configs):
             label = f"config {config}"
             frame, got, want = await self._judge(trial, label, quick=True)
-            result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend)
+            tf32 = ran_tf32(frame.traffic)
+            result = await asyncio.to_thread(compare_outputs, want, got, self.v.backend,
+                                             tf32=tf32)
             if not result.passed and await self._recheck(
-                    trial, want, got, result, f"the first call with autotune config {config}"
-            ) is None:
+                    trial, want, got, result, f"the first call with autotune config {config}",
+                    tf32=tf32) is None:
                 raise Verdict("mismatch", f"autotune config {config} of "
                               f"{self._config_text(trial, config)}: {result.message} (each "
                               "config must compute the same outputs; a GPU may pick any)",

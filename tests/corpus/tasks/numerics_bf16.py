@@ -1,0 +1,23 @@
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    """relu(x * y + x) in bfloat16: each operation rounds to bfloat16, as a GPU's native
+    bf16 instructions (and eager PyTorch's bfloat16 kernels) do."""
+
+    def forward(self, x, y):
+        return torch.relu(x * y + x)
+
+
+batch_size = 16
+dim = 1024
+
+
+def get_inputs():
+    return [torch.randn(batch_size, dim, dtype=torch.bfloat16),
+            torch.randn(batch_size, dim, dtype=torch.bfloat16)]
+
+
+def get_init_inputs():
+    return []
