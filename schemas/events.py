@@ -61,9 +61,11 @@ TERMINAL_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled
 VerifyMode = Literal["verify", "profile"]
 # Where a candidate failed; None when it passed. Order follows the run: static checks,
 # kernel compile, first call, wall-clock limit, numerical comparison, process death,
-# and failures of the worker itself (not the candidate's fault).
+# and failures of the worker itself (not the candidate's fault); ``unchecked``: every
+# check passed, but what the task's own sizes launch was not checked (a passed verdict
+# accepted with ``allow_unchecked`` keeps it too).
 Stage = Literal["static", "compile", "runtime", "timeout", "mismatch", "crash", "infrastructure",
-                "audit", "task"]
+                "audit", "task", "unchecked"]
 
 
 def utcnow() -> dt.datetime:
@@ -115,6 +117,8 @@ class JobSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     # Correctness trials per candidate, each with its own seed and fresh inputs.
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    # Accept a partial check of each candidate (VerifyRequest.allow_unchecked).
+    allow_unchecked: bool = False
     # Order among this tenant's waiting jobs and against other tenants' (high lanes
     # are served first); a tenant may be limited to a lower one (docs/architecture.md).
     priority: Priority = "normal"
@@ -189,6 +193,10 @@ class VerifyRequest(Struct, kw_only=True):
     ``timeout_s`` is the wall-clock limit of the whole run in seconds; ``trials`` the
     number of seeds (fresh inputs each). The ``request_id`` is the message's
     ``Nats-Msg-Id``, so a republished request inside the dedupe window is dropped.
+    ``allow_unchecked``: accept a partial check. By default a verdict passes only when
+    what the task's own sizes launch was checked (else ``passed: false``, stage
+    ``unchecked``); with it, such a verdict passes, keeps ``stage: "unchecked"`` and
+    the ``unchecked`` list, and says so in ``notes``.
     """
 
     request_id: Token
@@ -205,6 +213,7 @@ class VerifyRequest(Struct, kw_only=True):
     shape_overrides: ShapeOverrides = field(default_factory=dict)
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    allow_unchecked: bool = False
     created_at: dt.datetime = field(default_factory=utcnow)
     # The job's tenant and priority (also in the lane subject the request waits on).
     tenant: TenantName = "default"
@@ -603,6 +612,8 @@ class BatchSubmit(Struct, kw_only=True, forbid_unknown_fields=True):
     shape_overrides: ShapeOverrides = field(default_factory=dict)
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
+    # Accept a partial check for each candidate (VerifyRequest.allow_unchecked).
+    allow_unchecked: bool = False
     priority: Priority = "normal"
     batch_id: BatchId | None = None
     type: Literal["batch.submit"] = "batch.submit"
@@ -623,6 +634,7 @@ class BatchTask(Struct, kw_only=True):
     timeout_s: float = 300.0
     trials: int = 3
     priority: Priority = "normal"
+    allow_unchecked: bool = False
 
 
 class BatchCandidate(Struct, kw_only=True):

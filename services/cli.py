@@ -425,13 +425,14 @@ def run(
 
 async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
                         arch: str | None, devices: list[str], shape_overrides: dict[str, Any],
-                        trials: int, timeout_s: float) -> Any:
+                        trials: int, timeout_s: float, allow_unchecked: bool = False) -> Any:
     from services.sdk import LocalWorker
 
     worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg verify")
     try:
         return await worker.verify(task_desc, code, op_name, shape_overrides=shape_overrides,
-                                   trials=trials, timeout_s=timeout_s)
+                                   trials=trials, timeout_s=timeout_s,
+                                   allow_unchecked=allow_unchecked)
     finally:
         await worker.close()
 
@@ -456,6 +457,10 @@ def verify(
              "instead of on this machine.")] = None,
     token: TokenOption = None,
     as_json: JsonOption = False,
+    allow_unchecked: Annotated[bool, typer.Option(
+        "--allow-unchecked",
+        help="Accept a partial check: pass even where what the task's own sizes launch "
+             "was not checked (the verdict then says so, stage 'unchecked').")] = False,
 ) -> None:
     """Verify KERNEL (your own ModelNew) against FILE's Model on this machine.
 
@@ -469,14 +474,14 @@ def verify(
     """
     if len(kernels) > 1 or gateway_url:
         _verify_batch(file, kernels, op_name or file.stem, backend, arch, devices, shape,
-                      trials, timeout, gateway_url, token, as_json)
+                      trials, timeout, gateway_url, token, as_json, allow_unchecked)
     task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
     kernel = kernels[0]
     code = read_task(kernel)
     result = run_locally(
         f"verifying {kernel} against {file} on {backend} ...", as_json,
         _verify_local(task_desc, code, op_name or file.stem, backend, arch, device_list,
-                      overrides, trials, timeout))
+                      overrides, trials, timeout, allow_unchecked))
     if as_json:
         sys.stdout.write(json.dumps(msgspec.to_builtins(result)) + "\n")
     else:
@@ -491,7 +496,7 @@ def verify(
 def _verify_batch(file: Path, kernels: list[Path], op_name: str, backend: str,
                   arch: str | None, devices: str, shape: list[str] | None, trials: int,
                   timeout: float, gateway_url: str | None, token: str | None,
-                  as_json: bool) -> None:
+                  as_json: bool, allow_unchecked: bool = False) -> None:
     """``aikg verify`` of several kernels, or of any through ``--gateway``
     (:mod:`services.cli_batch`); exits with the batch's code."""
     from services import cli_batch
@@ -508,14 +513,15 @@ def _verify_batch(file: Path, kernels: list[Path], op_name: str, backend: str,
                 verdicts = cli_batch.gateway_batch(
                     gateway_url, token, task_desc=task_desc, codes=codes, names=names,
                     op_name=op_name, backend=backend, arch=arch, shape_overrides=overrides,
-                    trials=trials, timeout_s=timeout, tick=tick)
+                    trials=trials, timeout_s=timeout, tick=tick,
+                    allow_unchecked=allow_unchecked)
             except KeyboardInterrupt:
                 fail(ExitCode.INTERRUPTED, "stopped; the batch was cancelled")
         else:
             verdicts = run_locally(what, True, cli_batch.verify_locally(
                 task_desc, codes, names, op_name, backend=backend, arch=arch,
                 devices=device_list, shape_overrides=overrides, trials=trials,
-                timeout_s=timeout, tick=tick))
+                timeout_s=timeout, tick=tick, allow_unchecked=allow_unchecked))
     raise typer.Exit(int(cli_batch.report(names, verdicts, as_json)))
 
 

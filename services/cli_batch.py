@@ -104,7 +104,8 @@ def _summary(result: Any, index: int, duplicate_of: int | None) -> dict:
 async def verify_locally(task_desc: str, codes: list[str], names: list[str], op_name: str, *,
                          backend: str, arch: str | None, devices: list[str],
                          shape_overrides: dict[str, Any], trials: int, timeout_s: float,
-                         tick: Callable[[str, dict], None]) -> list[dict]:
+                         tick: Callable[[str, dict], None],
+                         allow_unchecked: bool = False) -> list[dict]:
     """Verify ``codes`` with a ``LocalWorker`` on ``devices``, identical ones once;
     one verdict dict per code, in order. ``tick`` is called as each lands."""
     from services.sdk import LocalWorker
@@ -117,7 +118,7 @@ async def verify_locally(task_desc: str, codes: list[str], names: list[str], op_
     async def one(index: int) -> None:
         result = await worker.verify(task_desc, codes[index], op_name,
                                      shape_overrides=shape_overrides, trials=trials,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, allow_unchecked=allow_unchecked)
         for i, source in enumerate(original):
             if source == index:
                 verdicts[i] = _summary(result, i, None if i == index else index)
@@ -133,12 +134,13 @@ async def verify_locally(task_desc: str, codes: list[str], names: list[str], op_
 def verify_through_gateway(client: Any, task_desc: str, codes: list[str], names: list[str],
                            op_name: str, *, backend: str, arch: str | None,
                            shape_overrides: dict[str, Any], trials: int, timeout_s: float,
-                           tick: Callable[[str, dict], None]) -> list[dict | None]:
+                           tick: Callable[[str, dict], None],
+                           allow_unchecked: bool = False) -> list[dict | None]:
     """One batch verification through the gateway; one verdict dict per code (None:
     cancelled before it started). Ctrl-C cancels the batch, then re-raises."""
     answer = client.submit_batch(op_name, task_desc, codes, backend=backend, arch=arch,
                                  shape_overrides=shape_overrides or None, trials=trials,
-                                 timeout_s=timeout_s)
+                                 timeout_s=timeout_s, allow_unchecked=allow_unchecked or None)
     batch_id = answer["batch_id"]
     err.print(f"batch {batch_id}: {answer['candidates']} kernels, {answer['unique']} to "
               f"verify on {answer['backend']}/{answer['arch']}", markup=False, soft_wrap=True)

@@ -116,7 +116,9 @@ def verdict_table(v: VerifyResult) -> Table:
     t = Table.grid(padding=(0, 2))
     t.add_column(style="bold")
     t.add_column()
-    t.add_row("passed", Text("yes", style="green") if v.passed else Text("no", style="red"))
+    t.add_row("passed", (Text("yes, on a partial check (allow_unchecked)", style="yellow")
+                         if v.stage == "unchecked" else Text("yes", style="green"))
+              if v.passed else Text("no", style="red"))
     if v.stage:
         t.add_row("stage", v.stage)
     if v.error:

@@ -131,6 +131,11 @@ class Settings(msgspec.Struct, kw_only=True):
         worker_aot_target: the GPU every kernel a candidate launches is compiled for
             ahead of time when the request's arch names none (``h100``, ``a100``,
             ``4090`` ...: services/worker/targets.py); ``none`` turns the check off.
+        worker_check_bytes: on a cpu worker, the most input bytes of a size checked
+            besides the requested ones (the task's own, a size congruent with them,
+            the shape-generality size), bytes; 0: the built-in default (4 MiB,
+            services/worker/procedure/size_choice.py). Larger reaches more of what the
+            task's own sizes launch, at the interpreter's cost (docs/settings.md).
         api_token: bearer token the gateway requires on every route but health;
             empty turns auth off. With tenants, it is the ``default`` tenant's token.
         tenants_file: a TOML file of tenants, each with the SHA-256 of its API token
@@ -226,10 +231,13 @@ class Settings(msgspec.Struct, kw_only=True):
     sandbox_reference_cpu_s: int = 0
     sandbox_candidate_address_space_bytes: int = 0
     sandbox_candidate_cpu_s: int = 0
+    sandbox_compile_address_space_bytes: int = 4 << 30
+    sandbox_compile_cpu_s: int = 600
     sandbox_require: str = ""
     sandbox_env_allow: str = ""
     sandbox_scratch_bytes: int = 256 << 20
     worker_aot_target: str = "h100"
+    worker_check_bytes: int = 0
     api_token: str = ""
     tenants_file: str = ""
     tenant_max_in_flight: int = 0

@@ -382,7 +382,8 @@ async def _publish_requests(bus: Bus, record: BatchRecord, codes: list[str]) -> 
                 backend=task.backend, arch=task.arch, dsl=task.dsl, framework=task.framework,
                 mode="verify" if task.backend == "cpu" else "profile",
                 shape_overrides=task.shape_overrides, timeout_s=task.timeout_s,
-                trials=task.trials, tenant=record.tenant, priority=task.priority)
+                trials=task.trials, tenant=record.tenant, priority=task.priority,
+                allow_unchecked=task.allow_unchecked)
             ack = await bus.js.publish(subject, encode(request),
                                        headers={"Nats-Msg-Id": c.request_id})
             seqs[c.request_id] = ack.seq
@@ -449,7 +450,8 @@ async def submit_batch(
         task=BatchTask(op_name=data.op_name, task_desc=data.task_desc, backend=data.backend,
                        arch=arch, dsl=data.dsl, framework=data.framework,
                        shape_overrides=data.shape_overrides, timeout_s=data.timeout_s,
-                       trials=data.trials, priority=data.priority),
+                       trials=data.trials, priority=data.priority,
+                       allow_unchecked=data.allow_unchecked),
         candidates=candidates, unique=unique)
     with structlog.contextvars.bound_contextvars(batch_id=batch_id, tenant=tenant.name):
         async with tenant_lock(state, tenant.name):

@@ -732,6 +732,7 @@ class JobRun:
             arch=self.record.arch or "", mode="verify" if submit.backend == "cpu" else "profile",
             shape_overrides=submit.shape_overrides, timeout_s=submit.timeout_s,
             trials=submit.trials, tenant=self.record.tenant, priority=self.record.priority,
+            allow_unchecked=submit.allow_unchecked,
         )
         self.waiter.expect(request_id)
         # The job's lane on VERIFY, so that workers serve tenants in turn too.

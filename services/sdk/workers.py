@@ -69,8 +69,10 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
                   mode: str = "verify", dsl: str = "triton", framework: str = "torch",
                   shape_overrides: dict[str, Any] | None = None, timeout_s: float = 300.0,
                   trials: int = 3, job_id: str | None = None,
-                  candidate_id: str | None = None) -> VerifyRequest:
-    """A validated VerifyRequest with fresh ids.
+                  candidate_id: str | None = None,
+                  allow_unchecked: bool = False) -> VerifyRequest:
+    """A validated VerifyRequest with fresh ids (``allow_unchecked``: accept a partial
+    check, :class:`~schemas.events.VerifyRequest`).
 
     Raises:
         ValueError: a field breaks the wire schema; the message names it (e.g.
@@ -89,7 +91,8 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
         request_id=new_id("req-"), job_id=job_id or new_id("sdk-"),
         candidate_id=candidate_id or new_id("cand-"), op_name=op_name, task_desc=task_desc,
         code=code, backend=backend, arch=arch, dsl=dsl, framework=framework, mode=mode,
-        shape_overrides=dict(shape_overrides or {}), timeout_s=timeout_s, trials=trials)
+        shape_overrides=dict(shape_overrides or {}), timeout_s=timeout_s, trials=trials,
+        allow_unchecked=allow_unchecked)
     try:
         # Constructors do not check constraints; a round trip through the wire does.
         return decode(encode(request), VerifyRequest)
@@ -274,7 +277,8 @@ class RemoteWorker(_WorkerBase):
     async def verify(self, task_desc: str, code: str, op_name: str, *, dsl: str = "triton",
                      framework: str = "torch", shape_overrides: dict[str, Any] | None = None,
                      timeout_s: float = 300.0, trials: int = 3, job_id: str | None = None,
-                     candidate_id: str | None = None, mode: str = "verify") -> VerifyResult:
+                     candidate_id: str | None = None, mode: str = "verify",
+                     allow_unchecked: bool = False) -> VerifyResult:
         """Check ``code`` (source defining ``ModelNew``) against ``task_desc``'s ``Model``.
 
         Args:
@@ -282,6 +286,9 @@ class RemoteWorker(_WorkerBase):
             trials: seeds, each with fresh inputs.
             job_id: results subject to use (``results.<job_id>``); default a fresh id.
             mode: ``verify``, or ``profile`` to time it too (GPU backends).
+            allow_unchecked: accept a partial check: a verdict whose path at the task's
+                own sizes no checked size reached passes, with ``stage`` ``unchecked``
+                and a note (default: it fails at that stage).
 
         Returns:
             The worker's verdict (``passed``, ``stage``, ``error``, timings in us).
@@ -296,7 +303,8 @@ class RemoteWorker(_WorkerBase):
         request = build_request(task_desc, code, op_name, backend=self.backend or "", arch=arch,
                                 mode=mode, dsl=dsl, framework=framework,
                                 shape_overrides=shape_overrides, timeout_s=timeout_s,
-                                trials=trials, job_id=job_id, candidate_id=candidate_id)
+                                trials=trials, job_id=job_id, candidate_id=candidate_id,
+                                allow_unchecked=allow_unchecked)
         nc = await self._connection()
         js = nc.jetstream(timeout=10)
         self._in_flight += 1
@@ -508,7 +516,8 @@ class LocalWorker(_WorkerBase):
     async def verify(self, task_desc: str, code: str, op_name: str, *, dsl: str = "triton",
                      framework: str = "torch", shape_overrides: dict[str, Any] | None = None,
                      timeout_s: float = 300.0, trials: int = 3, job_id: str | None = None,
-                     candidate_id: str | None = None, mode: str = "verify") -> VerifyResult:
+                     candidate_id: str | None = None, mode: str = "verify",
+                     allow_unchecked: bool = False) -> VerifyResult:
         """Check ``code`` against ``task_desc`` on the next free device; arguments and
         result as :meth:`RemoteWorker.verify`. Never raises for the candidate's faults:
         they are a result with ``passed=False`` and a ``stage``.
@@ -521,7 +530,7 @@ class LocalWorker(_WorkerBase):
                                 arch=self.arch or "local", mode=mode, dsl=dsl,
                                 framework=framework, shape_overrides=shape_overrides,
                                 timeout_s=timeout_s, trials=trials, job_id=job_id,
-                                candidate_id=candidate_id)
+                                candidate_id=candidate_id, allow_unchecked=allow_unchecked)
         await self.start()
         device = await self.acquire_device()
         try:

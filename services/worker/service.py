@@ -325,6 +325,7 @@ class Worker:
                 task_timeout_s=settings.task_timeout_s,
                 child_limits=child_limits_from(settings),
                 compile_timeout_s=settings.profile_compile_timeout_s,
+                check_bytes=settings.worker_check_bytes or None,
             )
         self.verifier = verifier
         # Fair shares of this backend/arch's devices (services/common/shares.py).

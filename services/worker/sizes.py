@@ -12,21 +12,36 @@ every launch (kernel, grid, constexprs, every autotune config), nothing allocate
   least one tile congruent modulo the launch's largest power-of-two constexpr (so each
   boundary the real sizes have, a partial last tile or none, is exercised, and none is
   imposed),
-  and a grid axis with several programs at the real sizes has several here too.
+  and a grid axis with several programs at the real sizes has several here too (and
+  one program where the real sizes have one).
   Congruence of each size modulo ``M`` carries over to every product and sum of
   sizes, which is what kernels pass as extents and strides.
 * :func:`congruent_candidates` proposes smaller sizes that keep each size congruent
   to the real one modulo the launches' block sizes.
+  Two more rules make a size exercise the same paths: each kernel's grid is the same
+  function of its arguments (a grid extent that is ``cdiv(n, BLOCK)``, or a product of
+  two such terms, of the launch's int arguments, tensor extents and constexprs at the
+  checked sizes must be that at the task's own sizes too: a grid halved there is not
+  congruent), and each ``for`` loop of a kernel runs none, once or several times alike
+  (trip counts from the kernel's source at each launch's values,
+  :mod:`services.worker.index_ranges`; a loop whose count is not known at the task's
+  own sizes, data-dependent or beyond what the evaluator understands, is not compared).
+* :func:`congruent_candidates` proposes smaller sizes that keep each size congruent
+  to the real one modulo the launches' block sizes.
 * :func:`awkward_sizes` proposes the shape-generality sizes: odd extents, multiples of
-  no block size, near 3/4 of the checked ones.
+  no block size, drawn from the verification's secret seed below the checked ones.
 """
 
 from __future__ import annotations
 
+import ast
 import math
+import random
+from dataclasses import dataclass
 from typing import Any
 
 from services.sandbox import values
+from services.worker import index_ranges
 
 # Module-level ints whose names say they are parameters, not extents: reductions and
 # awkward sizes leave them alone (kernels may specialise on them).
@@ -73,10 +88,12 @@ def _signature(run: dict[str, Any], constexpr: set[str]) -> dict[str, Any]:
 
 
 def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
-              constexprs: dict[str, set[str]]) -> str | None:
+              constexprs: dict[str, set[str]],
+              source: KernelSource | None = None) -> str | None:
     """None when ``checked`` (the launches at the checked sizes) exercises what
     ``real`` (at the task's own sizes) does (see the module doc), else why not, naming
-    the first kernel or path that differs."""
+    the first kernel or path that differs. ``source``: the kernels' source, for the
+    loop rule (None: loops are not compared)."""
     if [e.get("launch") for e in real] != [e.get("launch") for e in checked]:
         real_names = [str(e.get("launch")) for e in real]
         checked_names = [str(e.get("launch")) for e in checked]
@@ -111,11 +128,135 @@ def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
                     return (f"{name}'s argument {arg} is {value} at the task's own sizes and "
                             f"{other} at the checked sizes: not congruent modulo its block "
                             f"size {m}, so its boundary tiles differ")
-            for axis, (ga, gb) in enumerate(zip(a.get("grid", []), b.get("grid", []),
-                                                strict=False)):
-                if ga > 1 and gb <= 1:
-                    return (f"{name} runs {ga} programs on grid axis {axis} at the task's own "
-                            "sizes and one at the checked sizes")
+            problem = _grid_congruent(name, a, b, constexpr)
+            if problem is None and source is not None and name in source.defs:
+                problem = _loops_congruent(name, a, b, source)
+            if problem is not None:
+                return problem
+    return None
+
+
+@dataclass
+class KernelSource:
+    """The candidate's kernels as the worker parses them (their ``def`` nodes and the
+    module's int constants), for the loop rule of :func:`congruent`."""
+
+    defs: dict[str, ast.FunctionDef]
+    constants: dict[str, int]
+
+    @classmethod
+    def of(cls, source: str) -> KernelSource:
+        """Parse the kernel module ``source``.
+
+        Raises:
+            SyntaxError: it does not parse.
+        """
+        return cls(index_ranges.kernel_defs(source), index_ranges.module_constants(source))
+
+
+def _quantities(run: dict[str, Any], constexpr: set[str]) -> dict[str, int]:
+    """The launch's sizes a grid may be computed from: its int arguments and each
+    tensor argument's extents and element count, by name (``x.shape[1]``)."""
+    out: dict[str, int] = {}
+    for name, value in (run.get("args") or {}).items():
+        if name in constexpr or isinstance(value, bool):
+            continue
+        if isinstance(value, int) and value >= 1:
+            out[name] = value
+        elif isinstance(value, dict) and value.get(values.TAG) == "T":
+            extents = [int(e) for e in value.get("z", [])]
+            for i, e in enumerate(extents):
+                if e >= 1:
+                    out[f"{name}.shape[{i}]"] = e
+            if len(extents) > 1 and math.prod(extents) >= 1:
+                out[f"{name}.numel()"] = math.prod(extents)
+    return out
+
+
+def _divisors(run: dict[str, Any], constexpr: set[str]) -> dict[str, int]:
+    out = {"1": 1}
+    for name, value in (run.get("args") or {}).items():
+        if name in constexpr and isinstance(value, int) and not isinstance(value, bool) \
+                and 2 <= value <= _MAX_MODULUS:
+            out[name] = value
+    return out
+
+
+def _term(key: tuple[str, str], q: dict[str, int], d: dict[str, int]) -> int | None:
+    if key[0] not in q or key[1] not in d:
+        return None
+    return -(-q[key[0]] // d[key[1]])
+
+
+def _term_text(key: tuple[str, str]) -> str:
+    return key[0] if key[1] == "1" else f"cdiv({key[0]}, {key[1]})"
+
+
+def _relations(extent: int, q: dict[str, int], d: dict[str, int]) -> list[tuple]:
+    """The ways ``extent`` is ``cdiv(q, d)`` or a product of two such terms at these
+    arguments (products only when no single term gives it)."""
+    terms: dict[int, list[tuple[str, str]]] = {}
+    for qn in q:
+        for dn in d:
+            terms.setdefault(_term((qn, dn), q, d), []).append((qn, dn))
+    # Scalar arguments first: they name the relation as the kernel's author wrote it.
+    singles = [(t,) for t in sorted(terms.get(extent, []), key=lambda k: "." in k[0])]
+    if singles:
+        return singles
+    pairs = []
+    for v, keys in terms.items():
+        if v > 1 and extent % v == 0 and extent // v > 1 and extent // v in terms:
+            pairs += [(k1, k2) for k1 in keys for k2 in terms[extent // v]]
+    return pairs[:256]
+
+
+def _grid_congruent(name: str, a: dict[str, Any], b: dict[str, Any],
+                    constexpr: set[str]) -> str | None:
+    """The grid rule of :func:`congruent` for one launch: ``a`` at the task's own
+    sizes, ``b`` at the checked ones."""
+    qa, qb = _quantities(a, constexpr), _quantities(b, constexpr)
+    da, db = _divisors(a, constexpr), _divisors(b, constexpr)
+    for axis, (ga, gb) in enumerate(zip(a.get("grid", []), b.get("grid", []), strict=False)):
+        if (ga > 1) != (gb > 1):
+            return (f"{name} runs {ga} program{'s' if ga != 1 else ''} on grid axis {axis} at "
+                    f"the task's own sizes and {gb} at the checked sizes")
+        if ga == gb:
+            continue
+        explained = _relations(gb, qb, db)
+        if not explained:
+            continue
+        if any(math.prod(_term(k, qa, da) or 0 for k in rel) == ga for rel in explained):
+            continue
+        rel = explained[0]
+        formula = " * ".join(_term_text(k) for k in rel)
+        there = math.prod(_term(k, qa, da) or 0 for k in rel)
+        return (f"{name}'s grid axis {axis} is {formula} = {gb} at the checked sizes but {ga} "
+                f"at the task's own sizes, where {formula} = {there}: its grid is computed "
+                "differently there")
+    return None
+
+
+def _trips_text(trips: tuple[int, int] | None) -> str:
+    if trips is None:
+        return "an unknown number of times"
+    low, high = trips
+    return f"{high} time{'s' if high != 1 else ''}" if low == high else \
+        f"{low} to {high} times"
+
+
+def _loops_congruent(name: str, a: dict[str, Any], b: dict[str, Any],
+                     source: KernelSource) -> str | None:
+    """The loop rule of :func:`congruent`: each loop of the kernel runs none, once or
+    several times (the most any program makes) alike at both sizes."""
+    fn = source.defs[name]
+    big = index_ranges.evaluate(fn, a, source.constants).loops
+    small = index_ranges.evaluate(fn, b, source.constants).loops
+    for x, y in zip(big, small, strict=False):
+        cx, cy = index_ranges.trip_class(x.trips), index_ranges.trip_class(y.trips)
+        if cx is None or cx == cy:
+            continue
+        return (f"{name}'s loop `{x.text}` (line {x.line}) runs {_trips_text(x.trips)} at the "
+                f"task's own sizes and {_trips_text(y.trips)} at the checked sizes")
     return None
 
 
@@ -166,24 +307,33 @@ def _volume(value: Any) -> int:
     return math.prod(value) if isinstance(value, list) else int(value)
 
 
-def awkward_sizes(sizes: dict[str, Any], factor: float = 0.75) -> dict[str, Any]:
+def awkward_sizes(sizes: dict[str, Any], factor: float = 0.75,
+                  rng: random.Random | None = None) -> dict[str, Any]:
     """The shape-generality sizes: each extent of ``sizes`` (ints and tuple parts of 8
-    or more) to an odd value near ``factor`` of it, which no power-of-two block
-    divides; parameters (see :data:`NOT_EXTENTS`) unchanged."""
+    or more) to an odd value, which no power-of-two block divides; parameters (see
+    :data:`NOT_EXTENTS`) unchanged. With ``rng`` (a generator seeded from the
+    verification's secret seed) each extent is drawn uniformly among the odd values in
+    ``[factor / 2, factor]`` of it (at least 3), so a candidate cannot know the size in
+    advance; without, it is the odd value just below ``factor`` of it."""
     out = dict(sizes)
     for name, value in sizes.items():
         if not is_extent(name):
             continue
         if isinstance(value, int) and value >= 8:
-            out[name] = _odd(value, factor)
+            out[name] = _odd(value, factor, rng)
         elif isinstance(value, list):
-            out[name] = [_odd(v, factor) if v >= 8 else v for v in value]
+            out[name] = [_odd(v, factor, rng) if v >= 8 else v for v in value]
     return out
 
 
-def _odd(value: int, factor: float) -> int:
-    v = max(3, int(value * factor))
-    return v if v % 2 else v - 1
+def _odd(value: int, factor: float, rng: random.Random | None = None) -> int:
+    high = max(3, min(int(value * factor), value - 1))
+    high = high if high % 2 else high - 1
+    if rng is None:
+        return high
+    low = max(3, int(value * factor / 2))
+    low = low if low % 2 else low + 1
+    return low + 2 * rng.randrange((high - low) // 2 + 1) if high > low else high
 
 
 def changed(a: dict[str, Any], b: dict[str, Any]) -> bool:

@@ -234,6 +234,10 @@ class Verifier:
         compile_timeout_s: how long a profile waits for the ``torch.compile``
             baseline, seconds (setting ``profile_compile_timeout_s``; 0: no compiled
             baseline).
+        check_bytes: on cpu, the most input bytes of the sizes checked besides the
+            requested ones (the task's own, a congruent one, the shape-generality
+            one), bytes (setting ``worker_check_bytes``; None: the default,
+            :data:`services.worker.procedure.size_choice.CPU_CHECK_BYTES`).
 
     Attributes:
         shared_cache: the eager baselines every worker shares
@@ -253,7 +257,8 @@ class Verifier:
                  scratch_bytes: int | None = DEFAULT_SCRATCH_BYTES,
                  task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
                  child_limits: ChildLimits | None = None,
-                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S) -> None:
+                 compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+                 check_bytes: int | None = None) -> None:
         if backend not in ("cpu", "cuda", "ascend"):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         from services.worker.targets import TARGETS
@@ -271,6 +276,7 @@ class Verifier:
         self.scratch_bytes = scratch_bytes
         self.task_timeout_s = task_timeout_s
         self.compile_timeout_s = compile_timeout_s
+        self.check_bytes = check_bytes
         self.child_limits = child_limits or ChildLimits()
         self.compare_threads = (1 if backend == "cpu" else None) if compare_threads == "auto" \
             else compare_threads

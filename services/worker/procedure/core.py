@@ -62,6 +62,9 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.trials_by_key: dict[tuple[str, int], Trial] = {}
         self.order: list[Trial] = []
         self.real_launches: list[dict[str, Any]] | None = None
+        # The task's own module-level sizes, when they were only dry-run.
+        self.real_names: dict[str, Any] | None = None
+        self._parsed_kernels: size_rules.KernelSource | None = None
         self.tasks: list[asyncio.Task] = []
         self.compared = 0
         self.errors: dict[str, float | None] = {"max_abs_error": None, "max_rel_error": None,
@@ -354,6 +357,15 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         """The outcome of a verification whose every check passed; adds the notes on
         the inputs, the shape generality, what went unchecked and the sizes run."""
         second = self.sizes.get("second")
+    def _unchecked_error(self) -> str:
+        """The ``unchecked`` verdict's message: the first path not checked (it names the
+        kernel, the size and why), how many more, and how to accept a partial check."""
+        more = len(self.unchecked) - 1
+        return (f"what the task's own sizes launch was not checked: {self.unchecked[0]}"
+                + (f" (+{more} more in unchecked)" if more else "")
+                + "; make the kernels take the same path at every size, or pass "
+                "allow_unchecked to accept a partial check")
+
         checked = self._checked_sizes()
         tol = self.tolerance or tolerance_for(torch.float32, self.v.backend)
         if self.distributions:
@@ -369,7 +381,19 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         if not own:
             self.notes.append("the task's own sizes were not run (they do not fit this "
                               "worker); the result holds for the sizes in sizes_checked")
-        return Outcome(passed=True, log=self.output_log(), **self.errors, mismatch_count=0,
+        stage = None
+        if self.unchecked:
+            # Rule D025: no pass with an unchecked path, unless the request accepts one.
+            error = self._unchecked_error()
+            if not self.request.allow_unchecked:
+                raise Verdict("unchecked", error, log=self.output_log(), trials=self.compared,
+                              sizes_checked=checked, task_sizes_checked=own,
+                              unchecked=self.unchecked, notes=self.notes, **self.errors)
+            stage = "unchecked"
+            self.notes.append(f"allow_unchecked: passed on a partial check, as the request "
+                              f"accepts: {error}")
+        return Outcome(passed=True, stage=stage, log=self.output_log(), **self.errors,
+                       mismatch_count=0,
                        atol=tol.atol, rtol=tol.rtol, trials=self.compared,
                        sizes_checked=checked, task_sizes_checked=own,
                        ghost_replay=self.ghost_replay, notes=self.notes,

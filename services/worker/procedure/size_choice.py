@@ -11,18 +11,22 @@ congruent with them, and an awkward size for ``shape_generic``. The rules it app
 
 from __future__ import annotations
 
+import random
+import secrets
 from typing import Any
 
 from services.sandbox import wire
 from services.worker import inputs as trial_inputs
+from services.worker import overflow
 from services.worker import sizes as size_rules
 from services.worker.children import ChildFailed
 from services.worker.procedure.outcome import Verdict
 from services.worker.procedure.state import CheckedSize, format_bytes
 
 # The second and shape-generality sizes on cpu: at most this many input bytes, so the
-# interpreter finishes in seconds.
-CPU_CHECK_BYTES = 1 << 20
+# interpreter finishes in seconds (the default of the setting worker_check_bytes; the
+# measurements behind it are in docs/settings.md).
+CPU_CHECK_BYTES = 4 << 20
 # Rounds of the search for a size congruent with the task's own.
 _SEARCH_ROUNDS = 6
 # Candidate address space beyond the forked child's own, as a multiple of its task's
@@ -49,10 +53,15 @@ class SizeChoice:
         if size.key == "main":
             self.declared = frame.declared
 
+    @property
+    def _check_bytes(self) -> int:
+        """The cpu budget of the other sizes' inputs, bytes (setting worker_check_bytes)."""
+        return getattr(self.v, "check_bytes", None) or CPU_CHECK_BYTES
+
     def _address_space(self, size: CheckedSize) -> int | None:
         if self.v.backend != "cpu":
             return None
-        data = max(size.input_bytes, CPU_CHECK_BYTES)
+        data = max(size.input_bytes, self._check_bytes)
         return ADDRESS_SPACE_FACTOR * 2 * data + ADDRESS_SPACE_SLACK
 
     async def _build(self, size: CheckedSize, meta: tuple[Any, Any] | None = None) -> str | None:
@@ -92,9 +101,10 @@ class SizeChoice:
 
     def _budget(self, main: CheckedSize) -> int:
         limit = self.v.memory_limit_bytes
+        check = self._check_bytes
         if self.v.backend == "cpu":
-            return min(limit or CPU_CHECK_BYTES, max(CPU_CHECK_BYTES, main.input_bytes))
-        return limit or max(main.input_bytes, CPU_CHECK_BYTES)
+            return min(limit or check, max(check, main.input_bytes))
+        return limit or max(main.input_bytes, check)
 
     async def _choose_sizes(self, main: CheckedSize) -> list[CheckedSize]:
         """The sizes checked besides the requested ones: the task's own when they fit,
@@ -114,10 +124,39 @@ class SizeChoice:
                 found = await self._congruence(main, meta, budget)
                 if found is not None:
                     extra.append(found)
+        self._check_offsets()
         generic = await self._generic_size(main, budget)
         if generic is not None:
             extra.append(generic)
         return extra
+
+    def _kernel_source(self) -> size_rules.KernelSource | None:
+        """The candidate's kernels parsed once (None when they do not parse)."""
+        if self._parsed_kernels is None:
+            try:
+                self._parsed_kernels = size_rules.KernelSource.of(self.kernels.source)
+            except SyntaxError:
+                return None
+        return self._parsed_kernels
+
+    def _check_offsets(self) -> None:
+        """Rule D026: an int32 offset past its range at the task's own sizes (their dry
+        run's launches) fails at ``compile``, naming the kernel and the expression.
+
+        Raises:
+            Verdict: such an offset was found.
+        """
+        if not self.real_launches:
+            return
+        try:
+            found = overflow.find(self.real_launches, self.kernels.source,
+                                  where="the task's own sizes "
+                                        f"({size_rules.text(self.real_names or {})})")
+        except SyntaxError:
+            return
+        if found:
+            raise Verdict("compile", found[0].message(),
+                          log="\n".join(f.message() for f in found))
 
     async def _meta(self, key: str) -> tuple[Any, str | None]:
         try:
@@ -126,8 +165,8 @@ class SizeChoice:
             if exc.who != "reference" or self.ref.failure is not None:
                 raise
             self.unchecked.append(f"the task's own sizes: the task cannot be built on meta "
-                                  f"tensors ({exc.message}), so what runs there was not "
-                                  "dry-run")
+                                  f"tensors ({exc.message}), so which kernels run there was "
+                                  "not dry-run")
             return None, exc.message
         return frame, None
 
@@ -141,12 +180,14 @@ class SizeChoice:
                                   f"({error})")
             return None
         self.real_launches = launches
+        self.real_names = dict(meta.size_names)
         main_launches, main_error, _, _ = await self._dry_run("main:dry", main.overrides)
         if main_launches is None:
             self.unchecked.append(f"the requested sizes could not be dry-run ({main_error}), "
                                   "so they were not compared with the task's own")
             return None
-        reason = size_rules.congruent(launches, main_launches, constexprs)
+        reason = size_rules.congruent(launches, main_launches, constexprs,
+                                      self._kernel_source())
         if reason is None:
             self.notes.append("the task's own sizes do not fit this worker; a dry run there "
                               "launches the same kernels, congruently, as the checked sizes")
@@ -158,24 +199,26 @@ class SizeChoice:
                               launches: list[dict[str, Any]], budget: int,
                               reason: str) -> CheckedSize | None:
         constexprs = self.kernels.constexpr_params
+        source = self._kernel_source()
         m = size_rules.launch_modulus(launches, constexprs)
         current = {k: v for k, v in real_names.items() if size_rules.is_extent(k)}
         current_bytes = real_bytes
         tries = 0
+        # Greedy: each round keeps the smallest congruent candidate, and the search goes
+        # on below the budget (the smallest congruent size is the cheapest to check).
         for _ in range(_SEARCH_ROUNDS):
             best = None
             for candidate in size_rules.congruent_candidates(current, m):
                 tries += 1
                 found, _, nbytes, _ = await self._dry_run(f"probe{tries}", candidate)
-                if found is None or size_rules.congruent(launches, found, constexprs):
+                if found is None or nbytes >= current_bytes or \
+                        size_rules.congruent(launches, found, constexprs, source):
                     continue
                 if best is None or nbytes < best[1]:
                     best = (candidate, nbytes)
             if best is None:
                 break
             current, current_bytes = best
-            if current_bytes <= budget:
-                break
         if current_bytes <= budget and size_rules.changed(current, real_names):
             size = await self._second("second", current)
             if size is not None:
@@ -183,9 +226,10 @@ class SizeChoice:
                                   f"own ({reason}); {size_rules.text(current)} is, and was "
                                   "checked too")
                 return size
-        self.unchecked.append(f"{reason}; no size within the worker's budget "
-                              f"({format_bytes(budget)}) launches what the task's own sizes "
-                              "launch, so that path was not checked")
+        self.unchecked.append(f"{reason} (the task's own sizes: "
+                              f"{size_rules.text(real_names)}); no size within the worker's budget "
+                              f"({format_bytes(budget)}, setting worker_check_bytes) launches "
+                              "what the task's own sizes launch, so that path was not checked")
         return None
 
     async def _second(self, key: str, overrides: dict[str, Any]) -> CheckedSize | None:
@@ -241,8 +285,11 @@ class SizeChoice:
 
     async def _generic_size(self, main: CheckedSize, budget: int) -> CheckedSize | None:
         base = {k: v for k, v in main.names.items() if size_rules.is_extent(k)}
-        for factor in (0.75, 0.5, 0.25, 0.125):
-            awkward = size_rules.awkward_sizes(base, factor)
+        # Drawn from a secret seed of this verification (the OS's cryptographic source,
+        # like the trials' seeds): the candidate cannot know the size in advance.
+        rng = random.Random(secrets.randbits(64))
+        for factor in (1.0, 0.5, 0.25, 0.125):
+            awkward = size_rules.awkward_sizes(base, factor, rng)
             if not size_rules.changed(awkward, base):
                 self.notes.append("shape generality not checked: the task has no extents "
                                   "to vary")

@@ -1,5 +1,5 @@
-# corpus: {"class": 4, "task": "big_relu", "stage": ["mismatch", "audit"], "error": "", "shape_overrides": {"batch_size": 16}, "unchecked_or_fail": true}
-# A right kernel below 2**20 elements and a wrong one above: the checked (reduced)
+# corpus: {"class": 9, "task": "big_relu", "stage": ["unchecked"], "error": "fast_relu_kernel", "shape_overrides": {"batch_size": 16}}
+# A right kernel below 2**23 elements and a wrong one above: the checked (reduced)
 # sizes never cross the threshold, the task's own do.
 import torch
 import torch.nn as nn
@@ -25,7 +25,7 @@ class ModelNew(nn.Module):
     def forward(self, x):
         out = torch.empty_like(x)
         n = x.numel()
-        if n < (1 << 20):
+        if n < (1 << 23):
             relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
         else:
             fast_relu_kernel[(triton.cdiv(n, 1024),)](x, out, n, BLOCK=1024)
