@@ -68,7 +68,7 @@ def _preload(extra: list[str]) -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         from services.sandbox import interpreter
 
-        interpreter.install()  # tl.dot through BLAS: every interpreted child forks from here
+        interpreter.install()  # GPU numerics: every interpreted child forks from here
     import services.sandbox.child  # noqa: F401
     import services.sandbox.guard  # noqa: F401
     import services.sandbox.isolation  # noqa: F401
