@@ -349,14 +349,6 @@ class Procedure(SizeChoice, TrialRuns, Checks):
 
     # ------------------------------------------------------------ verdict
 
-    def _checked_sizes(self) -> list[dict[str, Any]]:
-        """The requested sizes' module-level sizes, then the other sizes checked."""
-        return [dict(self.sizes[k].names) for k in ("main", "second") if k in self.sizes]
-
-    def _passed_outcome(self) -> Outcome:
-        """The outcome of a verification whose every check passed; adds the notes on
-        the inputs, the shape generality, what went unchecked and the sizes run."""
-        second = self.sizes.get("second")
     def _unchecked_error(self) -> str:
         """The ``unchecked`` verdict's message: the first path not checked (it names the
         kernel, the size and why), how many more, and how to accept a partial check."""
@@ -366,6 +358,14 @@ class Procedure(SizeChoice, TrialRuns, Checks):
                 + "; make the kernels take the same path at every size, or pass "
                 "allow_unchecked to accept a partial check")
 
+    def _checked_sizes(self) -> list[dict[str, Any]]:
+        """The requested sizes' module-level sizes, then the other sizes checked."""
+        return [dict(self.sizes[k].names) for k in ("main", "second") if k in self.sizes]
+
+    def _passed_outcome(self) -> Outcome:
+        """The outcome of a verification whose every check passed; adds the notes on
+        the inputs, the shape generality, what went unchecked and the sizes run."""
+        second = self.sizes.get("second")
         checked = self._checked_sizes()
         tol = self.tolerance or tolerance_for(torch.float32, self.v.backend)
         if self.distributions:
