@@ -155,7 +155,8 @@ def lowering_sandbox():
 # a test that changes one of them cannot borrow the session's.
 _SANDBOX_SETTINGS = ("worker_backend", "memory_limit_bytes", "sandbox_require", "sandbox_env_allow",
                      "worker_aot_target", "sandbox_scratch_bytes", "task_timeout_s",
-                     *(f"sandbox_{role}_{limit}" for role in ("lower", "reference", "candidate")
+                     *(f"sandbox_{role}_{limit}" for role in ("lower", "reference", "candidate",
+                                                              "compile")
                        for limit in ("address_space_bytes", "cpu_s")))
 
 

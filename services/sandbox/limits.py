@@ -9,12 +9,17 @@ One row per role that runs code we did not write; each row is two settings
   ``sandbox_reference_address_space_bytes`` (8 GiB), ``sandbox_reference_cpu_s``;
 - ``candidate``, the candidate's planner and its kernels' replayers:
   ``sandbox_candidate_address_space_bytes`` (0: 16x the task's input bytes plus
-  2 GiB), ``sandbox_candidate_cpu_s``.
+  2 GiB), ``sandbox_candidate_cpu_s``;
+- ``compile``, the GPU compile check (the candidate's kernel module and Triton's
+  compiler, :mod:`services.worker.aot`): ``sandbox_compile_address_space_bytes``
+  (4 GiB; a compile here grew the address space by about 30 MiB, and LLVM's thread
+  pool may add a stack and a malloc arena, 72 MiB, per core), ``sandbox_compile_cpu_s``
+  (600 s).
 
 Address space is bytes beyond the forked child's own (the fork server's torch and
-triton are mapped already) and applies on ``cpu`` only: CUDA and CANN map the
-device's memory into the address space, so a bound there refuses the driver, not
-the task. CPU time is seconds; 0 derives it from the run's wall-clock limit
+triton are mapped already) and applies on ``cpu`` only, but for the compile child on
+every backend: CUDA and CANN map the device's memory into the address space, so a
+bound there refuses the driver, not the task; the compile child uses no device. CPU time is seconds; 0 derives it from the run's wall-clock limit
 (``lowering_timeout_s``, or the request's ``timeout_s`` times the machine's cores,
 plus 10 s). A child over its address space gets ``MemoryError`` (or torch's
 "can't allocate memory"), and its failure names the setting and its value; one over
@@ -29,10 +34,10 @@ from dataclasses import dataclass
 
 from services.common.settings import Settings
 
-ROLES = ("lower", "reference", "candidate")
+ROLES = ("lower", "reference", "candidate", "compile")
 # The child roles that take a row of another (the replayer runs the candidate's kernels).
 ROW_OF = {"lower": "lower", "reference": "reference", "candidate": "candidate",
-          "replay": "candidate"}
+          "replay": "candidate", "compile": "compile"}
 # Seconds of CPU time beyond the wall-clock limit (interpreter start, teardown).
 CPU_SLACK_S = 10
 # The settings' defaults: those of the table's rows too.
@@ -62,9 +67,12 @@ class ChildLimits:
     reference_cpu_s: int = _DEFAULTS.sandbox_reference_cpu_s
     candidate_address_space_bytes: int = _DEFAULTS.sandbox_candidate_address_space_bytes
     candidate_cpu_s: int = _DEFAULTS.sandbox_candidate_cpu_s
+    compile_address_space_bytes: int = _DEFAULTS.sandbox_compile_address_space_bytes
+    compile_cpu_s: int = _DEFAULTS.sandbox_compile_cpu_s
 
     def address_space(self, role: str, backend: str, derived: int | None = None) -> Limit:
-        """RLIMIT_AS headroom of a ``role`` child on ``backend``, bytes (None off cpu).
+        """RLIMIT_AS headroom of a ``role`` child on ``backend``, bytes (None off cpu,
+        but for the compile child).
 
         ``derived``: the value when the role's setting is 0 (None: no limit).
 
@@ -74,7 +82,7 @@ class ChildLimits:
         row = ROW_OF[role]
         name = f"sandbox_{row}_address_space_bytes"
         setting = getattr(self, f"{row}_address_space_bytes")
-        if backend != "cpu":
+        if backend != "cpu" and row != "compile":
             return Limit(None, "")
         value = setting or derived
         if value is None:

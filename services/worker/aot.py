@@ -3,20 +3,35 @@ on any backend.
 
 Triton's interpreter (the cpu backend) runs kernel bodies as Python, so it accepts
 code a GPU compiler refuses: ``break``, calls of Python helpers, unsupported indexing,
-block sizes whose shared memory no GPU has. :func:`specs` turns the launches a plan
-and a dry run recorded (at the checked sizes and at the task's own) into
-:class:`CompileSpec` s; the ``compile`` child (:func:`run_compile`, forked from a
-server with Triton's compiler, not its interpreter) compiles each with
+block sizes whose shared memory no GPU has, parameters a GPU's ``@triton.jit`` refuses.
+:func:`specs` turns the launches of every call the verifier records (each trial, each
+size, the declared shapes, the dry run at the task's own sizes, every autotune config)
+into :class:`CompileSpec` s, keyed by what the compiler sees, so a specialisation that
+repeats is compiled once; a launch a GPU could not even make (an argument with no GPU
+type, a grid beyond the target's limits) is a problem the verdict names. The
+``compile`` child (:func:`run_compile`, forked from a server with Triton's compiler,
+not its interpreter) loads every ``@triton.jit`` function of the candidate's kernel
+module as a GPU's ``import`` would (:func:`load_kernels`), then compiles each spec with
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc,
-32))``, which needs no GPU, and checks the compiled kernel's shared memory and
-threads against the target's limits (:mod:`services.worker.targets`). Results are
-cached by :attr:`CompileSpec.key` (kernel source, specialisation, options, target).
-On the cpu backend the compile child comes from the same fork server as the others,
-which imported Triton for its interpreter; :func:`compile_mode` turns that back.
+32))``, which needs no GPU, and checks the compiled kernel's shared memory and threads
+against the target's limits (:mod:`services.worker.targets`). Results are cached by
+:attr:`CompileSpec.key` (kernel source, specialisation, options, target). On the cpu
+backend the compile child comes from the same fork server as the others, which
+imported Triton for its interpreter; :func:`compile_mode` turns that back.
+
+Signatures follow Triton 3.9's own specialisation of launch arguments
+(``triton.runtime.jit.create_function_from_signature``, ``native_specialize_impl``):
+a tensor is ``*<dtype>``, an int ``i32``/``u32``/``i64``/``u64`` by value and ``1`` a
+``constexpr``, a float ``fp32``, a bool ``u1``, None a ``constexpr``, a tuple the tuple
+of its items' types; anything else (a list, a dict, a complex, a str or a torch dtype
+for a parameter that is not ``tl.constexpr``) makes a GPU launch raise TypeError.
+Divisibility attributes are not given (they change code generation, not what compiles).
 """
 
 from __future__ import annotations
 
+import ast
+import asyncio
 import hashlib
 import json
 import time
@@ -34,9 +49,11 @@ _OPTION_NAMES = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 @dataclass(frozen=True)
 class CompileSpec:
     """One specialisation: ``kernel`` (name), ``signature`` (parameter -> ``*fp32``,
-    ``i32``, ``i64``, ``fp32``, ``i1`` or ``constexpr``), ``constexprs`` (name ->
-    value), ``options`` (``num_warps`` ...), ``target`` and the module ``source_sha``.
-    ``where`` names the launch (for messages): sizes and config."""
+    ``i32``, ``i64``, ``fp32``, ``u1``, ``constexpr``, or a tuple of those for a tuple
+    argument), ``constexprs`` (``(path, value)``: a path is the parameter's name, then
+    the indexes into a tuple argument), ``options`` (``num_warps`` ...), ``target`` and
+    the module ``source_sha``. ``where`` names the launch (for messages): the call, its
+    sizes and config."""
 
     kernel: str
     signature: tuple[tuple[str, str], ...]
@@ -60,49 +77,87 @@ class CompileSpec:
 
     def wire(self) -> dict[str, Any]:
         return {"key": self.key, "kernel": self.kernel, "signature": dict(self.signature),
-                "constexprs": dict(self.constexprs), "options": dict(self.options),
-                "capability": self.capability}
+                "constexprs": [[list(path), value] for path, value in self.constexprs],
+                "options": dict(self.options), "capability": self.capability,
+                "where": self.where}
 
 
 def _int_type(value: int) -> str:
-    # triton.runtime.jit.mangle_type: i32 in [-2**31, 2**31), u32 below 2**32, else i64.
+    """Triton 3.9's type of an int argument (its native specialisation): i32 in
+    [-2**31, 2**31), i64 in [-2**63, 2**63), u64 in [2**63, 2**64).
+
+    Raises:
+        NoGpuType: beyond those (a GPU launch raises there).
+    """
     if -2**31 <= value < 2**31:
         return "i32"
-    if 0 <= value < 2**32:
-        return "u32"
     if -2**63 <= value < 2**63:
         return "i64"
-    return "u64"
+    if 0 <= value < 2**64:
+        return "u64"
+    raise NoGpuType(f"the int {value}, beyond 64 bits, which has no GPU type")
 
 
 _TRITON_TYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
                  "int8": "i8", "int16": "i16", "int32": "i32", "int64": "i64", "uint8": "u8",
                  "uint16": "u16", "uint32": "u32", "uint64": "u64", "bool": "i1",
                  "float8_e4m3fn": "fp8e4nv", "float8_e5m2": "fp8e5"}
+# Encoded values (services.sandbox.values) a GPU launch cannot pass, by tag.
+_UNTYPED_TAGS = {"c": "a complex number", "dtype": "a torch dtype", "device": "a torch device",
+                 "mf": "a torch memory format", "layout": "a torch layout"}
 
 
-def _arg_type(value: Any) -> str | None:
-    """The signature type of one encoded launch argument (None: not compilable here)."""
+class NoGpuType(Exception):
+    """A launch argument (or an item of a tuple argument) a GPU launch of Triton 3.9
+    cannot specialise: its message says what the value is."""
+
+
+def _arg_type(value: Any, path: tuple[Any, ...], constants: list[tuple[Any, Any]]) -> Any:
+    """The signature type of one encoded launch argument at ``path`` (its name, then
+    tuple indexes), as ``triton.runtime.jit`` specialises it on a GPU; constexpr items
+    are appended to ``constants`` as ``(path, value)``.
+
+    Raises:
+        NoGpuType: the value has no GPU type.
+    """
     if isinstance(value, dict) and value.get(values.TAG) == "T":
         name = _TRITON_TYPES.get(str(value.get("d")))
-        return f"*{name}" if name else None
+        if name is None:
+            raise NoGpuType(f"a tensor of dtype {value.get('d')}, which Triton has no pointer "
+                            "type for")
+        return f"*{name}"
+    if isinstance(value, dict) and value.get(values.TAG) == "tuple":
+        return tuple(_arg_type(item, (*path, i), constants)
+                     for i, item in enumerate(value.get("v") or []))
+    if value is None or (isinstance(value, dict) and value.get(values.TAG) == "tl") or (
+            isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        # None and tl dtypes are constexprs; an int equal to 1 is specialised to one.
+        constants.append((path, value))
+        return "constexpr"
     if isinstance(value, bool):
-        return "i1"
+        return "u1"
     if isinstance(value, int):
         return _int_type(value)
     if isinstance(value, float):
         return "fp32"
-    if value is None:
-        return "constexpr"
-    return None
+    if isinstance(value, str):
+        raise NoGpuType("a str, which a GPU launch passes only to a tl.constexpr parameter")
+    if isinstance(value, list):
+        raise NoGpuType("a list, which has no GPU type (Triton specialises tuples, not lists)")
+    if isinstance(value, dict):
+        raise NoGpuType(_UNTYPED_TAGS.get(str(value.get(values.TAG)), "a dict") +
+                        ", which has no GPU type")
+    raise NoGpuType(f"a {type(value).__name__}, which has no GPU type")
 
 
 def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str, set[str]],
           target: GpuTarget, source_sha: str, bodies: dict[str, str] | None = None,
           ) -> tuple[list[CompileSpec], list[str]]:
     """The specialisations of ``launches`` (``(where, launch event)``; every autotune
-    config's arguments each), deduplicated, and notes on launches that cannot be
-    compiled here (a tuple argument, a grid beyond the target's limits ...).
+    config's arguments each), deduplicated, and the problems of launches no GPU could
+    make, one message each naming the kernel, where it was launched, what and why: an
+    argument with no GPU type (:class:`NoGpuType`), a grid beyond the target's limits
+    (x < 2**31, y and z < 65536: CUDA C++ Programming Guide, technical specifications).
 
     ``constexpr_params``: kernel name -> its ``tl.constexpr`` parameters;
     ``bodies``: kernel name -> digest of its definition, name aside (both
@@ -111,7 +166,7 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
     launched one's (a network's layers: GoogLeNet's 57 convolutions were 31 compiles).
     """
     found: dict[str, CompileSpec] = {}
-    notes: list[str] = []
+    problems: list[str] = []
     for where, event in launches:
         tune = event.get("autotune")
         runs = (tune.get("variants") or [event]) if isinstance(tune, dict) else [event]
@@ -119,27 +174,32 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
             label = where + (f", config {number}" if len(runs) > 1 else "")
             kernel = str(event.get("launch"))
             constexpr = constexpr_params.get(kernel, set())
-            signature, constants, problem = [], [], None
+            signature: list[tuple[str, Any]] = []
+            constants: list[tuple[Any, Any]] = []
+            problem = None
             for name, value in (run.get("args") or {}).items():
-                if name in constexpr or value is None or isinstance(value, str) or (
-                        isinstance(value, dict) and value.get(values.TAG) == "tl"):
+                if name in constexpr:
                     signature.append((name, "constexpr"))
-                    constants.append((name, value))
+                    constants.append(((name,), value))
                     continue
-                kind = _arg_type(value)
-                if kind is None:
-                    problem = f"argument {name} of {kernel} ({label}) has no GPU type here"
+                try:
+                    signature.append((name, _arg_type(value, (name,), constants)))
+                except NoGpuType as exc:
+                    problem = (f"the Triton kernel {kernel} cannot be launched on a GPU "
+                               f"at {label}: argument '{name}' is {exc}; a GPU "
+                               "launch raises TypeError there (pass numbers, tensors, or "
+                               "tuples of them)")
                     break
-                signature.append((name, kind))
             if problem:
-                notes.append(problem)
-                continue
+                problems.append(problem)
             grid = run.get("grid") or [1]
             over = [f"{axis}={g}" for axis, g, top in zip("xyz", grid, MAX_GRID, strict=False)
-                    if g > top]
+                    if not isinstance(g, int) or g > top]
             if over:
-                notes.append(f"grid of {kernel} ({label}) exceeds the target's limits: "
-                             f"{', '.join(over)} (x < 2**31, y and z < 65536)")
+                problems.append(f"grid of {kernel} at {label} exceeds the target's limits: "
+                                f"{', '.join(over)} (x < 2**31, y and z < 65536)")
+            if problem:
+                continue
             options = {**_DEFAULT_OPTIONS, **{k: int(v) for k, v in (run.get("options") or {}).items()
                                               if k in _OPTION_NAMES and isinstance(v, int)}}
             spec = CompileSpec(kernel=kernel, signature=tuple(signature),
@@ -148,7 +208,7 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
                                source_sha=source_sha, where=label,
                                body=(bodies or {}).get(kernel, ""))
             found.setdefault(spec.key, spec)
-    return list(found.values()), notes
+    return list(found.values()), problems
 
 
 _WARM_KERNEL = (
@@ -222,27 +282,43 @@ def _decode_constant(value: Any) -> Any:
     return value
 
 
+def _typed(value: Any) -> Any:
+    """A signature type as Triton takes it: msgpack turned tuple types into lists."""
+    return tuple(_typed(v) for v in value) if isinstance(value, (list, tuple)) else value
+
+
 def compile_one(module: Any, spec: dict[str, Any], shared_limit: int) -> dict[str, Any]:
     """Compile one :meth:`CompileSpec.wire` dict; returns a :class:`CompileResult`'s
-    fields. Runs in the compile child."""
+    fields (an allocation refused names the child's address-space limit). Runs in the
+    compile child."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from services.sandbox.child import memory_note, out_of_memory
 
     started = time.perf_counter()
     fn = getattr(module, spec["kernel"], None)
     if fn is None:
         return {"key": spec["key"], "ok": False,
                 "error": f"{spec['kernel']} is not a module-level @triton.jit function"}
-    constexprs = {k: _decode_constant(v) for k, v in spec["constexprs"].items()}
+    constexprs = {}
+    for path, value in spec["constexprs"]:
+        if path[0] not in fn.arg_names:
+            return {"key": spec["key"], "ok": False,
+                    "error": f"TypeError: {spec['kernel']} has no parameter {path[0]!r}"}
+        constexprs[(fn.arg_names.index(path[0]), *path[1:])] = _decode_constant(value)
+    signature = {k: _typed(v) for k, v in spec["signature"].items()}
     options = dict(spec["options"])
     try:
-        compiled = triton.compile(ASTSource(fn, dict(spec["signature"]), constexprs=constexprs),
+        compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", spec["capability"], WARP_SIZE),
                                   options=options)
     except Exception as exc:  # noqa: BLE001 - the compiler's own errors, of many types
-        text = f"{type(exc).__name__}: {exc}"
-        return {"key": spec["key"], "ok": False, "error": text[:4000],
+        text = f"{type(exc).__name__}: {exc}"[:4000]
+        if out_of_memory(exc):
+            text += memory_note()
+        return {"key": spec["key"], "ok": False, "error": text,
                 "seconds": time.perf_counter() - started}
     shared = int(getattr(compiled.metadata, "shared", 0) or 0)
     warps = int(getattr(compiled.metadata, "num_warps", options.get("num_warps", 4)))
@@ -257,18 +333,147 @@ def compile_one(module: Any, spec: dict[str, Any], shared_limit: int) -> dict[st
             "num_warps": warps, "seconds": time.perf_counter() - started}
 
 
+def _jit_functions(source: str) -> list[tuple[str, int, int]]:
+    """``(name, first line, last line)`` of every decorated module-level function of a
+    kernel module (:mod:`services.worker.kernel_source` keeps only ``@triton.jit``
+    ones), its decorators included."""
+    tree = ast.parse(source)
+    return [(node.name, min([d.lineno for d in node.decorator_list] + [node.lineno]),
+             node.end_lineno or node.lineno)
+            for node in tree.body if isinstance(node, ast.FunctionDef) and node.decorator_list]
+
+
+def load_kernels(path: str, target: str) -> Any:
+    """Import the kernel module at ``path`` with Triton's GPU ``@triton.jit``, as a GPU
+    machine's ``import`` of the candidate would, and parse each kernel's source as the
+    compiler does: every ``@triton.jit`` function, launched or not. Runs in the compile
+    child (after :func:`compile_mode`).
+
+    Raises:
+        services.sandbox.child.JobFailure: (stage ``compile``) a function could not be
+            loaded or parsed; the message names it and ``target``.
+    """
+    from triton.runtime.jit import JITFunction
+
+    from services.sandbox.child import JobFailure, _failure, _load_module, _location
+
+    with open(path) as f:
+        functions = _jit_functions(f.read())
+
+    def named(line: int | None) -> str:
+        for name, first, last in functions:
+            if line is not None and first <= line <= last:
+                return f"the Triton kernel {name}"
+        return "the candidate's kernel module"
+
+    try:
+        module = _load_module("aikg_candidate_kernels", path)
+    except Exception as exc:  # noqa: BLE001 - a decorator's error, of any type
+        where = _location(exc, path)
+        line = int(where.rsplit(" ", 1)[1]) if where else None
+        raise JobFailure(_failure("compile", f"{named(line)} cannot be loaded for {target} "
+                                  "(importing the candidate on a GPU would fail, launched or "
+                                  "not): @triton.jit", exc, path)) from None
+    for name, first, _ in functions:
+        fn = getattr(module, name, None)
+        try:
+            if not isinstance(fn, JITFunction):
+                raise TypeError(f"{name} is a {type(fn).__name__} once loaded, not a "
+                                "JITFunction")
+            fn.parse()
+        except Exception as exc:  # noqa: BLE001 - whatever parsing raises
+            raise JobFailure(_failure("compile", f"the Triton kernel {name} (candidate.py "
+                                      f"line {first}) cannot be parsed for {target}: "
+                                      "loading it", exc)) from None
+    return module
+
+
 def run_compile(spec: Any, channel: Any) -> None:
-    """The compile child: compile ``spec.compile_specs`` from the kernel module at
-    ``spec.candidate_path`` for ``spec.compile_target`` and send
-    :class:`~services.sandbox.wire.Compiled`."""
-    from services.sandbox.child import _load_module
+    """The compile child: load every kernel of the module at ``spec.candidate_path``
+    (:func:`load_kernels`), compile ``spec.compile_specs`` for ``spec.compile_target``
+    and send :class:`~services.sandbox.wire.Compiled`. Each spec's compile is announced
+    first (a Progress frame), so a child that dies names what it was compiling."""
     from services.sandbox.wire import Compiled, CompileResult, Progress
     from services.worker.targets import target_for
 
     compile_mode()
-    channel.send(Progress(phase="compiling the kernels for a GPU target"))
-    module = _load_module("aikg_candidate_kernels", spec.candidate_path)
     target = target_for(spec.compile_target)
-    results = [CompileResult(**compile_one(module, s, target.shared_bytes))
-               for s in spec.compile_specs]
+    where = f"{target.sm} ({target.name})"
+    channel.send(Progress(phase=f"loading the candidate's kernels for {where}"))
+    module = load_kernels(spec.candidate_path, where)
+    results = []
+    for s in spec.compile_specs:
+        channel.send(Progress(phase=f"compiling the Triton kernel {s['kernel']} for {where} "
+                              f"({s.get('where') or 'a launch'})"))
+        results.append(CompileResult(**compile_one(module, s, target.shared_bytes)))
     channel.send(Compiled(results=results))
+
+
+# ------------------------------------------------------------ the worker's side
+
+# Wall-clock limit of one compile child, seconds (its CPU time is the setting
+# sandbox_compile_cpu_s).
+COMPILE_WALL_S = 300.0
+
+
+@dataclass(frozen=True)
+class CompileFailure:
+    """Why a compile child gave no results: ``stage`` (``compile``: the candidate's
+    kernels, or a child that died, hung or hit its limits; ``infrastructure``: the
+    worker could not start it), ``message`` for the verdict and ``log``."""
+
+    stage: str
+    message: str
+    log: str = ""
+
+
+async def compile_in_child(sandbox: Any, spec: Any, count: int,
+                           wall_s: float = COMPILE_WALL_S) -> tuple[list[Any], CompileFailure | None]:
+    """Spawn the compile child for ``spec`` (a :class:`~services.sandbox.wire.ChildSpec`
+    of ``count`` compile specs) in ``sandbox`` and read its results: ``(results,
+    None)``, or ``([], failure)`` when the child gave none. Only a child the worker
+    could not start (the fork server is gone) is ``infrastructure``; a child that
+    failed, died, sent frames it should not, or ran past ``wall_s`` is ``compile``,
+    its limits named (it runs only the candidate's kernel module and the compiler)."""
+    from services.sandbox import wire
+    from services.sandbox.pool import ForgedFrame, PoolBroken, ProtocolError, describe_exit
+
+    try:
+        run = await sandbox.spawn(spec, 64 << 20)
+    except PoolBroken as exc:
+        return [], CompileFailure("infrastructure", f"the GPU compile check could not start "
+                                  f"its child (the worker's sandbox: {exc}); nothing was "
+                                  "compiled")
+    phase = "starting"
+    limits = "; ".join(f"{k.replace('_', ' ')} {v}" for k, v in spec.limit_notes.items())
+    try:
+        async with asyncio.timeout(wall_s):
+            while True:
+                frame = await run.frame()
+                if isinstance(frame, wire.Progress):
+                    phase = frame.phase
+                elif isinstance(frame, wire.Compiled):
+                    if len(frame.results) != count:
+                        return [], CompileFailure("compile", f"the GPU compile child sent "
+                                                  f"{len(frame.results)} results for {count} "
+                                                  f"kernel specialisations ({phase})")
+                    return list(frame.results), None
+                elif isinstance(frame, wire.Failure):
+                    stage = "infrastructure" if frame.stage == "infrastructure" else "compile"
+                    return [], CompileFailure(stage, frame.message, frame.traceback)
+                elif frame is None:
+                    status = await run.wait(5.0)
+                    how = describe_exit(status)
+                    how = f"was {how}" if how.startswith("killed") else how
+                    return [], CompileFailure("compile", f"the GPU compile child {how} while "
+                                              f"{phase} (its limits: {limits})",
+                                              run.output(16 << 10))
+    except TimeoutError:
+        return [], CompileFailure("compile", f"the GPU compile did not finish within "
+                                  f"{wall_s:g} s (while {phase}); its process was killed "
+                                  f"(its limits: {limits})")
+    except (ForgedFrame, ProtocolError) as exc:
+        return [], CompileFailure("compile", f"the GPU compile child sent malformed frames "
+                                  f"while {phase}: {exc}")
+    finally:
+        await run.close()

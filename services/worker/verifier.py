@@ -484,44 +484,36 @@ class Verifier:
     # ------------------------------------------------------------ compile check
 
     async def compile(self, request: VerifyRequest, specs: list[aot.CompileSpec],
-                      target: GpuTarget, source: str) -> tuple[dict[str, wire.CompileResult],
-                                                                list[aot.CompileSpec]]:
+                      target: GpuTarget, source: str) -> tuple[
+                          dict[str, wire.CompileResult], list[aot.CompileSpec],
+                          aot.CompileFailure | None]:
         """Compile results of ``specs`` (from this process's cache, else a compile
-        child), by key. A failure of the compile child itself leaves its specs without
-        a result (noted by the caller, never a failed verification)."""
+        child, :func:`services.worker.aot.compile_in_child`), by key, and why the child
+        gave none (None: every spec has its result). The child's address space and CPU
+        time are the ``compile`` row of ``child_limits``."""
         missing = [s for s in specs if s.key not in self._compiled]
+        failure = None
         if missing:
             server = self.sandbox
             scratch = server.scratch(request.request_id, "compile")
             (scratch / "candidate.py").write_text(source)
+            space, cpu_seconds, notes = self.child_limits.notes(
+                "compile", self.backend, aot.COMPILE_WALL_S, cores=1)
             spec = server.spec("compile", scratch, "compile",
                                candidate_path=str(scratch / "candidate.py"),
                                arch=request.arch, compile_target=target.name,
                                compile_specs=[s.wire() for s in missing],
-                               frame_key=os.urandom(32), cpu_seconds=600)
-            try:
-                run = await server.spawn(spec, 64 << 20)
-            except PoolBroken as exc:
-                log.warning("compile.unavailable", error=str(exc))
-                return {}, specs
-            try:
-                async with asyncio.timeout(300):
-                    while True:
-                        frame = await run.frame()
-                        if isinstance(frame, wire.Compiled):
-                            for result in frame.results:
-                                self._compiled[result.key] = result
-                        if frame is None or isinstance(frame, (wire.Done, wire.Failure)):
-                            if isinstance(frame, wire.Failure):
-                                log.warning("compile.failed", error=frame.message)
-                            break
-            except (TimeoutError, Exception) as exc:  # noqa: BLE001 - a check, not the verdict
-                log.warning("compile.error", error=f"{type(exc).__name__}: {exc}")
-            finally:
-                await run.close()
+                               frame_key=os.urandom(32), cpu_seconds=cpu_seconds,
+                               address_space_bytes=space, limit_notes=notes)
+            results, failure = await aot.compile_in_child(server, spec, len(missing))
+            if failure is not None:
+                log.warning("compile.failed", stage=failure.stage, error=failure.message)
+            for result in results:
+                self._compiled[result.key] = result
             while len(self._compiled) > _COMPILE_CACHE_ENTRIES:
                 self._compiled.pop(next(iter(self._compiled)))
-        return {s.key: self._compiled[s.key] for s in specs if s.key in self._compiled}, specs
+        return ({s.key: self._compiled[s.key] for s in specs if s.key in self._compiled},
+                specs, failure)
 
     # ------------------------------------------------------------ profile (GPUs)
 

@@ -2,10 +2,11 @@
 every kernel for a GPU target, and the audit of the candidate's process.
 
 :class:`Checks` is the part of :class:`~services.worker.procedure.core.Procedure` that
-starts the compile check once the first call is planned (:mod:`services.worker.aot`)
-and judges its results; reads the planner's audit frame; and turns what the
-candidate's process refused (rules D002, D004, D016) or changed in torch's and
-triton's namespaces (rule D017, :mod:`services.worker.rules`) into verdicts.
+compiles every call's launches for a GPU as each call is planned
+(:mod:`services.worker.aot`; new specialisations only) and judges the results; reads
+the planner's audit frame; and turns what the candidate's process refused (rules
+D002, D004, D016) or changed in torch's and triton's namespaces (rule D017,
+:mod:`services.worker.rules`) into verdicts.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 from typing import Any
 
 from services.worker import aot
+from services.worker import sizes as size_rules
 from services.worker.children import ChildFailed
 from services.worker.procedure.outcome import Verdict
 from services.worker.targets import target_for
@@ -23,27 +25,80 @@ class Checks:
     """Compile check and audit of a :class:`~services.worker.procedure.core.Procedure`
     (a mixin: its state is the procedure's)."""
 
-    def _start_compile(self) -> None:
+    def _call_label(self, trial: Any) -> str:
+        """Where ``trial``'s launches ran, for compile messages."""
+        size = self.sizes.get(trial.key)
+        where = {"main": f"trial {trial.index}",
+                 "declared": f"the task's declared shape {trial.index}",
+                 "second": "the task's own sizes" if size is not None and not size.overrides
+                 else "the sizes congruent with the task's own",
+                 "generic": "the shape-generality sizes"}.get(trial.key, trial.key)
+        if trial.key != "main" and size is not None and size.names:
+            where += f" ({size_rules.text(size.names)})"
+        return where
+
+    def _compile_call(self, trial: Any) -> None:
+        """Rule D024: compile every launch of ``trial``'s traced call (with the first
+        call, the dry run's at the task's own sizes too) for the GPU target; only
+        specialisations not sent before go to a new compile job, which runs after the
+        jobs before it (one compile child at a time). Launches no GPU could make are
+        kept as problems (judged by :meth:`_compile_result`)."""
         target_name = self.v.aot_target
-        if not target_name or self.first_call is None:
+        if not target_name or trial.traced is None:
             return
-        target = target_for(self.request.arch, default=target_name)
-        launches = [("the task's own sizes", e) for e in self.real_launches or []]
-        launches += [("the checked sizes", e) for e in self.first_call.traced[0].events
+        if self.compile_target is None:
+            self.compile_target = target_for(self.request.arch, default=target_name)
+        launches = []
+        if trial is self.first_call:
+            launches += [("the task's own sizes (dry run)", e) for e in self.real_launches or []]
+        where = self._call_label(trial)
+        launches += [(where, e) for e in trial.traced[0].events
                      if isinstance(e, dict) and "launch" in e]
-        specs, notes = aot.specs(launches, self.kernels.constexpr_params, target,
-                                 self.source_sha, self.kernels.bodies)
-        self.compile_notes = notes
-        self.compile_target = target
-        self.compile_task = asyncio.ensure_future(self.v.compile(self.request, specs, target,
-                                                                 self.kernels.source))
-        self.tasks.append(self.compile_task)
+        specs, problems = aot.specs(launches, self.kernels.constexpr_params,
+                                    self.compile_target, self.source_sha, self.kernels.bodies)
+        self.compile_problems.extend(p for p in problems if p not in self.compile_problems)
+        new = [s for s in specs if s.key not in self.compile_keys]
+        if not new and self.compile_jobs:
+            return
+        self.compile_keys.update(s.key for s in new)
+        previous = self.compile_jobs[-1] if self.compile_jobs else None
+        job = asyncio.ensure_future(self._compile_job(previous, new))
+        self.compile_jobs.append(job)
+        self.tasks.append(job)
+
+    async def _compile_job(self, previous: asyncio.Task | None, specs: list[Any]) -> Any:
+        if previous is not None:
+            await asyncio.wait({previous})
+        return await self.v.compile(self.request, specs, self.compile_target,
+                                    self.kernels.source)
 
     async def _compile_result(self) -> Verdict | None:
-        if self.compile_task is None:
+        """The compile check's verdict (rules D013 and D024): a launch no GPU could
+        make, a compile child that gave no results, a specialisation that does not
+        compile or exceeds the target (but an autotune config a GPU autotuner would
+        skip, noted); None when every launch recorded compiled."""
+        if not self.compile_jobs:
             return None
-        results, specs = await self.compile_task
         target = self.compile_target
+        if self.compile_problems:
+            return Verdict("compile", self.compile_problems[0],
+                           log="\n".join(self.compile_problems), trials=self.compared)
+        results: dict[str, Any] = {}
+        specs: list[Any] = []
+        for job in self.compile_jobs:
+            found, asked, failure = await job
+            if failure is not None:
+                prefix = "" if target.sm in failure.message else (
+                    f"GPU compile check for {target.sm} ({target.name}): ")
+                return Verdict(failure.stage, prefix + failure.message, log=failure.log,
+                               trials=self.compared)
+            results.update(found)
+            specs.extend(asked)
+        missing = [s for s in specs if s.key not in results]
+        if missing:
+            return Verdict("infrastructure", f"the GPU compile check returned no result for "
+                           f"{missing[0].kernel} ({missing[0].where}); nothing was judged",
+                           trials=self.compared)
         by_kernel: dict[str, list[tuple[Any, Any]]] = {}
         for spec in specs:
             by_kernel.setdefault(spec.kernel + spec.where.split(", config")[0], []).append(
@@ -69,14 +124,10 @@ class Checks:
             return Verdict("compile", f"the Triton kernel {spec.kernel} does not compile for "
                            f"{target.sm} ({target.name}) at {spec.where}: {summary}",
                            log=result.error, trials=self.compared)
-        grid_notes = [n for n in self.compile_notes if "grid" in n]
-        if grid_notes:
-            return Verdict("compile", grid_notes[0], trials=self.compared)
-        self.notes.extend(n for n in self.compile_notes if "grid" not in n)
-        compiled = sum(1 for s in specs if results.get(s.key) is not None)
-        if compiled:
-            self.notes.append(f"compile: {compiled} kernel specialisation(s) compiled for "
-                              f"{target.sm} ({target.name}) ahead of time")
+        if specs:
+            self.notes.append(f"compile: {len(specs)} kernel specialisation(s) compiled for "
+                              f"{target.sm} ({target.name}) ahead of time, from every call "
+                              "recorded")
         return None
 
     # ------------------------------------------------------------ audit

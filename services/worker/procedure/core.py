@@ -80,8 +80,11 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.truths: dict[tuple[str, int], list[torch.Tensor] | None] = {}
         # The first trial's replayed frame and its reference trial (counted traffic).
         self.first_counted: tuple[wire.Replayed, wire.RefTrial] | None = None
-        self.compile_task: asyncio.Task | None = None
-        self.compile_notes: list[str] = []
+        # The GPU compile check (Checks): its jobs in order, the specialisation keys
+        # sent to them, the launches no GPU could make, the target.
+        self.compile_jobs: list[asyncio.Task] = []
+        self.compile_keys: set[str] = set()
+        self.compile_problems: list[str] = []
         self.compile_target: Any = None
         self.ghost_replay: str | None = None
         self.no_launch_variant = False

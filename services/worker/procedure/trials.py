@@ -92,7 +92,8 @@ class TrialRuns:
             first = self.first_call is None
             if first:
                 self.first_call = trial
-                self._start_compile()
+            # Every call's launches are compiled for a GPU (new specialisations only).
+            self._compile_call(trial)
             # The other sizes' single calls run from a fresh state: the side replayer
             # may have run the first call's variants before them.
             await self._replay(trial, "run", config=trial.index if trial.key == "main" else None,
