@@ -368,6 +368,10 @@ class PlanCall(msgspec.Struct, tag="plan.call"):
     index: int
     model: str
     inputs: Any
+    # How the ghost run fills fresh allocations (services.worker.trace.Fill); drawn by
+    # the worker per call, apart from every replay's. None: the fixed fill.
+    fill_kind: str = "nan"
+    fill_seed: int | None = None
 
 
 class PlanProfile(msgspec.Struct, tag="plan.profile"):
@@ -450,6 +454,13 @@ class ReplayRequest(msgspec.Struct, tag="replay.request"):
     refs; ``real``: the real inputs (encoded, raw frames after the captures'), tensor
     for tensor in the same order. ``skip_launches`` / ``config``: the variant
     (:class:`services.worker.replay.Variant`); ``label`` names it in the answer.
+    ``fill_kind`` / ``fill_seed``: how fresh allocations are filled
+    (:class:`services.worker.trace.Fill`; None: NaN, integers their largest, bool True).
+    ``order_seed``: run every launch of more than one program in other orders too
+    (reversed, a permutation drawn from the seed, concurrently) and fail when its
+    outputs differ (None: program order only). ``autotune_runs``: how often each
+    config of a multi-config autotuned launch runs (benchmark runs, then the real one).
+    The seeds and the count are the worker's secrets.
     """
 
     key: str
@@ -463,6 +474,10 @@ class ReplayRequest(msgspec.Struct, tag="replay.request"):
     fresh: bool = False
     skip_launches: bool = False
     config: int | None = None
+    fill_kind: str = "nan"
+    fill_seed: int | None = None
+    order_seed: int | None = None
+    autotune_runs: int = 2
 
 
 class Replayed(msgspec.Struct, tag="replay.done"):

@@ -233,6 +233,10 @@ class _Planner:
         phase = f"{where}trial {command.index}: ModelNew.forward"
         self.channel.send(Progress(phase=phase))
         recorder = self.recorder
+        # The ghost run's fill, from the seed the worker drew for this call (bool
+        # allocations constant: see services.worker.trace.Fill).
+        recorder.fill = None if command.fill_seed is None else trace.Fill(
+            command.fill_kind, command.fill_seed, constant_bool=True)
         record = recorder.begin(command.key, command.index)
         record.inputs = values.encode(decoys, _register(recorder))
         self.active[0] = recorder

@@ -46,7 +46,8 @@ from services.worker.replay import (
 )
 
 # A replay failure's kind -> the stage of the verdict it fails.
-_FAILURE_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime"}
+_FAILURE_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime",
+                   "race": "mismatch", "spin": "mismatch"}
 
 
 def _meta(t: torch.Tensor) -> TensorMeta:
@@ -80,8 +81,10 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
     cast = value_changing_cast(request.events, request.outputs)
     if cast is not None:
         raise ReplayError("compute", cast)
-    replayer.run(request.events, Variant(skip_launches=request.skip_launches,
-                                         config=request.config))
+    replayer.run(request.events, Variant(
+        skip_launches=request.skip_launches, config=request.config,
+        fill_kind=request.fill_kind, fill_seed=request.fill_seed,
+        order_seed=request.order_seed, autotune_runs=request.autotune_runs))
     outputs = replayer.outputs(request.outputs)
     after = [replayer.tensor(ref).detach().to("cpu").contiguous() for ref in planned_refs]
     return outputs, after

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -49,23 +50,164 @@ LAUNCH_OPTIONS = frozenset({"num_warps", "num_stages", "num_ctas", "maxnreg",
                             "reg_dec_producer", "reg_inc_consumer", "matrix_instr_nonkdim",
                             "waves_per_eu", "kpack", "extern_libs", "sanitize_overflow",
                             "ptx_options", "arch"})
-# ATen allocations whose contents are undefined: NaN-filled in the planner (a kernel
-# output nobody wrote cannot equal the reference by chance) and in the replayer.
+# ATen allocations whose contents are undefined: filled in the planner's ghost run and
+# in every replay from a secret seed the worker draws (:class:`Fill`), so that an output
+# no kernel wrote cannot equal the reference by chance, nor one kernel tell a
+# verification from a GPU by what a fresh allocation holds.
 UNDEFINED_ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
                                    "new_empty_strided", "empty_permuted"})
+
+# The kinds of fill (:class:`Fill`). Poison: what no honest output equals by chance
+# (quiet NaN with a random sign and payload, signalling-NaN bit patterns, finite values
+# near the dtype's largest; integers: the largest, the smallest, values near either).
+# Plausible: what a GPU's fresh memory often holds (random finite values of any
+# magnitude, zeros, which a driver's new pages are). ``mixed``: each element of its own
+# kind.
+POISON_FILLS = ("nan", "snan", "large")
+PLAUSIBLE_FILLS = ("random", "zero")
+FILL_KINDS = POISON_FILLS + PLAUSIBLE_FILLS + ("mixed",)
+
+# Floating dtype -> (exponent bits, mantissa bits) of its IEEE-754 layout.
+_FLOAT_LAYOUT = {torch.float16: (5, 10), torch.bfloat16: (8, 7), torch.float32: (8, 23),
+                 torch.float64: (11, 52)}
+# Bytes per element -> the signed integer dtype of that width (numpy, torch): what a
+# fill's bit patterns are written as.
+_WIDTH = {1: (np.int8, torch.int8), 2: (np.int16, torch.int16), 4: (np.int32, torch.int32),
+          8: (np.int64, torch.int64)}
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+@dataclass
+class Fill:
+    """What fresh allocations hold in one run: ``kind`` (one of :data:`FILL_KINDS`) and
+    values drawn from ``seed`` (each allocation its own; the worker draws the seed from
+    the OS's cryptographic source and keeps it from the candidate's process).
+
+    ``constant_bool``: a bool allocation gets one value throughout (the planner's ghost
+    run, whose outputs are compared with the reference's at the decoys: random bits
+    there could equal a small boolean output by chance, a constant cannot equal a
+    non-constant one)."""
+
+    kind: str
+    seed: int
+    constant_bool: bool = False
+    rng: np.random.Generator = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in FILL_KINDS:
+            raise ValueError(f"unknown fill kind {self.kind!r}")
+        self.rng = np.random.default_rng(self.seed)
+
+    def bits(self, dtype: torch.dtype, n: int) -> np.ndarray:
+        """``n`` elements of ``dtype`` as bit patterns (unsigned numpy integers of its
+        width): the fill of one allocation."""
+        width = torch.empty(0, dtype=dtype).element_size()
+        kinds = np.full(n, FILL_KINDS.index(self.kind), dtype=np.int64)
+        if self.kind == "mixed":
+            kinds = self.rng.integers(0, len(FILL_KINDS) - 1, n)
+        out = np.zeros(n, dtype=np.uint64)
+        for k, kind in enumerate(FILL_KINDS[:-1]):
+            where = kinds == k
+            count = int(where.sum())
+            if count:
+                out[where] = self._kind_bits(kind, dtype, width, count)
+        return out.astype(_UNSIGNED[width])
+
+    def _kind_bits(self, kind: str, dtype: torch.dtype, width: int, n: int) -> np.ndarray:
+        rng = self.rng
+        bits = 8 * width
+        if dtype == torch.bool:
+            if self.constant_bool:
+                return np.full(n, rng.integers(0, 2), dtype=np.uint64)
+            value = {"nan": 1, "large": 1, "zero": 0}.get(kind)
+            return rng.integers(0, 2, n, dtype=np.uint64) if value is None else \
+                np.full(n, value, dtype=np.uint64)
+        if kind == "zero":
+            return np.zeros(n, dtype=np.uint64)
+        layout = _FLOAT_LAYOUT.get(dtype)
+        if layout is not None:
+            return self._float_bits(kind, dtype, layout, n)
+        if dtype.is_floating_point or kind == "random":
+            # Other floating formats (float8 ...): random bytes.
+            return rng.integers(0, 1 << bits, n, dtype=np.uint64, endpoint=False) \
+                if bits < 64 else rng.integers(0, 2**64, n, dtype=np.uint64, endpoint=False)
+        signed = dtype.is_signed
+        top = (1 << (bits - 1)) - 1 if signed else (1 << bits) - 1
+        low = (1 << (bits - 1)) if signed else 0  # bit pattern of the smallest value
+        if kind == "nan":
+            return np.full(n, top, dtype=np.uint64)
+        if kind == "snan":
+            return np.full(n, low, dtype=np.uint64)
+        # large: within 2**(bits/2) of the largest or the smallest value.
+        near = rng.integers(0, 1 << (bits // 2), n, dtype=np.uint64)
+        side = rng.integers(0, 2, n).astype(bool)
+        return np.where(side, np.uint64(top) - near, np.uint64(low) + near)
+
+    def _float_bits(self, kind: str, dtype: torch.dtype, layout: tuple[int, int],
+                    n: int) -> np.ndarray:
+        rng = self.rng
+        exp_bits, mant_bits = layout
+        total = 1 + exp_bits + mant_bits
+        sign = rng.integers(0, 2, n, dtype=np.uint64) << np.uint64(total - 1)
+        all_ones = np.uint64(((1 << exp_bits) - 1) << mant_bits)
+        quiet = 1 << (mant_bits - 1)
+        if kind == "nan":
+            mant = np.uint64(quiet) | rng.integers(0, quiet, n, dtype=np.uint64)
+            return sign | all_ones | mant
+        if kind == "snan":
+            return sign | all_ones | rng.integers(1, quiet, n, dtype=np.uint64)
+        if kind == "large":
+            exponent = np.uint64((1 << exp_bits) - 2) - rng.integers(0, 4, n, dtype=np.uint64)
+            mant = rng.integers(0, 1 << mant_bits, n, dtype=np.uint64)
+            return sign | (exponent << np.uint64(mant_bits)) | mant
+        # random: finite values, normal times a power of ten in [1e-3, 1e3].
+        values64 = rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3, n)
+        if dtype == torch.bfloat16:
+            raw = values64.astype(np.float32).view(np.uint32) >> np.uint32(16)
+        else:
+            raw = values64.astype({torch.float16: np.float16, torch.float32: np.float32,
+                                   torch.float64: np.float64}[dtype]).view(
+                _UNSIGNED[total // 8])
+        return raw.astype(np.uint64)
 
 
 class TraceError(RuntimeError):
     """The plan cannot be recorded (an argument the trace cannot carry)."""
 
 
-def fill_undefined(t: torch.Tensor) -> None:
-    """NaN-fill (floating, complex) or max-fill (integers) a fresh allocation."""
+def fill_undefined(t: torch.Tensor, fill: Fill | None = None) -> None:
+    """Fill the storage of a fresh allocation ``t`` (every byte of it, whatever view
+    ``t`` is) as ``fill`` says; None: the fixed fill of old senders (NaN, integers
+    their largest value, bool True). Complex tensors are filled as their real pairs; a
+    meta tensor is left alone (it holds nothing)."""
+    if t.is_meta or t.untyped_storage().nbytes() == 0:
+        return
+    dtype = t.dtype
+    if dtype.is_complex:
+        dtype = {torch.complex32: torch.float16, torch.complex64: torch.float32,
+                 torch.complex128: torch.float64}.get(dtype, torch.float32)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    storage = t.untyped_storage()
+    if itemsize not in _WIDTH or storage.nbytes() % itemsize:
+        dtype, itemsize = torch.uint8, 1
+    n = storage.nbytes() // itemsize
+
+    def typed(as_dtype: torch.dtype) -> torch.Tensor:
+        # new_empty: on the tensor's own device (under the planner's CUDA emulation,
+        # ``t.device`` names a GPU that is not there).
+        return t.new_empty((0,), dtype=as_dtype).set_(storage, 0, (n,))
+
     with torch.no_grad():
-        if t.dtype.is_floating_point or t.dtype.is_complex:
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(torch.iinfo(t.dtype).max)
+        if fill is None:
+            if dtype.is_floating_point:
+                typed(dtype).fill_(float("nan"))
+            elif dtype == torch.bool:
+                typed(torch.uint8).fill_(1)
+            else:
+                typed(dtype).fill_(torch.iinfo(dtype).max)
+            return
+        bits = fill.bits(dtype, n).view(_WIDTH[itemsize][0])
+        typed(_WIDTH[itemsize][1]).copy_(torch.from_numpy(bits))
 
 
 @dataclass
@@ -98,7 +240,8 @@ class TraceRecorder(TorchDispatchMode):
     """Records ATen ops (while entered) and kernel launches (while :attr:`active`).
 
     Args:
-        ghost: launches are recorded, never run, and undefined allocations NaN-filled.
+        ghost: launches are recorded, never run, and undefined allocations filled
+            (:attr:`fill`).
         capture: copy the bytes of storages the trace did not create (off for the
             meta-device dry run, which has no data).
 
@@ -118,6 +261,9 @@ class TraceRecorder(TorchDispatchMode):
         self._paused = 0
         self._variants: list[dict[str, Any]] | None = None
         self.autotune_choice: Callable[[int], int] = lambda n: 0
+        # How a ghost run fills fresh allocations (None: the fixed fill); the planner
+        # sets it per call from the seed the worker sends (PlanCall.fill_seed).
+        self.fill: Fill | None = None
 
     # ------------------------------------------------------------ storages
 
@@ -199,7 +345,7 @@ class TraceRecorder(TorchDispatchMode):
             self._new(t.untyped_storage())
         if self.ghost and op_packet(name) in UNDEFINED_ALLOCATIONS:
             for t in fresh:
-                fill_undefined(t)
+                fill_undefined(t, self.fill)
         try:
             out_tree = self.encode(out)
         except values.ValueError_ as exc:

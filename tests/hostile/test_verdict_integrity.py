@@ -243,7 +243,8 @@ async def test_numpy_doing_the_work_fails_the_ghost_replay(verifier, dynamic_onl
 
 
 # Forward bodies that compute the relu on the host, each telling a ghost run by
-# reading one NaN-filled allocation first (and returning it untouched then). The
+# reading one fresh allocation first, NaN under the old fixed fill (and returning it
+# untouched then). The
 # candidate's process only ever runs as a ghost, on decoys: they return garbage.
 HOST_COMPUTE = {
     "numpy-view": """
@@ -287,13 +288,16 @@ HOST_COMPUTE = {
 @pytest.mark.parametrize("name", list(HOST_COMPUTE))
 async def test_host_reads_of_tensor_data_fail(verifier, dynamic_only, name):
     # With the static check on, S022 refuses the first two by name; without it the
-    # candidate's host code only ever sees decoys, and its plan wrote no output.
+    # candidate's host code only ever sees decoys, and its plan wrote no output. The
+    # planner's fill is drawn from a secret seed: where the probe reads no NaN, the host
+    # computes on the decoys, and the plan's copies of those answers are found out.
     code = relu_candidate(HOST_COMPUTE[name], module="import numpy\n")
     # 2 x 96 elements: the element-by-element loop stays short.
     result = await verifier.verify(request(code, shape_overrides={"batch_size": 2, "dim": 96}),
                                    device="0")
-    assert result.stage == "mismatch", result
-    assert "was never written: no kernel launch wrote it" in result.error, result.error
+    assert result.stage in ("mismatch", "audit"), result
+    assert "was never written: no kernel launch wrote it" in result.error or \
+        "computed outside the Triton kernels" in result.error, result.error
     await still_serves(verifier)
 
 

@@ -31,7 +31,7 @@ from services.worker.procedure.checks import Checks
 from services.worker.procedure.outcome import STAGES, Outcome, Verdict
 from services.worker.procedure.size_choice import SizeChoice
 from services.worker.procedure.state import CheckedSize, Trial, format_bytes
-from services.worker.procedure.trials import TrialRuns
+from services.worker.procedure.trials import TrialRuns, draw_autotune_runs
 from services.worker.targets import target_for
 
 # A call into the task's code that hangs is blamed on its sizes (with a shape_overrides
@@ -88,6 +88,11 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.compile_target: Any = None
         self.ghost_replay: str | None = None
         self.no_launch_variant = False
+        # Secrets of the replays (TrialRuns): how often each autotune config runs; the
+        # first call's outputs, compared with its replay under another fill.
+        self.autotune_runs = draw_autotune_runs()
+        self.first_outputs: list[torch.Tensor] | None = None
+        self.orders_judged: Any = None
         self.declared = 0
         self._waiting = ""
         # When the request's timeout_s runs out (the event loop's clock; set by run).

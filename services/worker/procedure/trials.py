@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import secrets
 from typing import Any
 
 import torch
@@ -41,6 +42,12 @@ from services.worker.correctness import (
 from services.worker.procedure.outcome import STAGES, Verdict
 from services.worker.procedure.state import Trial, constant, outputs_of
 from services.worker.rules import op_packet
+from services.worker.trace import FILL_KINDS, PLAUSIBLE_FILLS, POISON_FILLS, UNDEFINED_ALLOCATIONS
+
+# The fills of the first call's replay: NaN, quiet or signalling (integers: their
+# largest or smallest value), so that what matched there can differ under a
+# plausible fill in its variant.
+NAN_FILLS = ("nan", "snan")
 
 # What a float64 recheck leaves of the request's timeout_s, seconds: the verdict still
 # has to be made and sent when it does not answer.
@@ -84,8 +91,11 @@ class TrialRuns:
             trial.decoy = await self._await("reference", "trial", trial.key, trial.index, True)
             frame, raws = trial.decoy
             count = len(values.raw_refs(frame.inputs))
+            # The ghost run's fill: its own secret seed, of any kind (rule D022).
             await self.planner.send(wire.PlanCall(key=trial.key, index=trial.index,
-                                                  model=trial.model, inputs=frame.inputs),
+                                                  model=trial.model, inputs=frame.inputs,
+                                                  fill_kind=secrets.choice(FILL_KINDS),
+                                                  fill_seed=trial_inputs.draw_seeds(1)[0]),
                                     raws[:count])
             trial.traced = await self._await("candidate", "traced", trial.key, trial.index)
             trial.real = await self._await("reference", "trial", trial.key, trial.index, False)
@@ -96,13 +106,24 @@ class TrialRuns:
             self._compile_call(trial)
             # The other sizes' single calls run from a fresh state: the side replayer
             # may have run the first call's variants before them.
+            # The first call's fill is NaN (of either kind); its "orders" variant's is
+            # plausible: what a kernel reads from memory it never wrote differs (D022).
             await self._replay(trial, "run", config=trial.index if trial.key == "main" else None,
-                               fresh=self.replayer_of(trial) == "replay:side")
+                               fresh=self.replayer_of(trial) == "replay:side",
+                               fill_kind=secrets.choice(NAN_FILLS) if first else None)
             if first:
                 await self._request_variants(trial)
 
     async def _replay(self, trial: Trial, label: str, *, fresh: bool = False,
-                      skip_launches: bool = False, config: int | None = None) -> None:
+                      skip_launches: bool = False, config: int | None = None,
+                      fill_kind: str | None = None, order_seed: int | None = None) -> None:
+        """Post ``trial``'s plan to a replayer. Every replay fills fresh allocations from
+        a seed of its own, of kind ``fill_kind`` (default: a poison kind for the
+        trials, whose outputs are compared with the reference's, any kind for the other
+        sizes and variants); each config of a multi-config autotuned launch runs
+        :attr:`autotune_runs` times (rules D022, D023; :mod:`services.worker.replay`)."""
+        if fill_kind is None:
+            fill_kind = secrets.choice(POISON_FILLS if trial.key == "main" else FILL_KINDS)
         traced, traced_raws = trial.traced
         real, real_raws = trial.real
         count = len(values.raw_refs(real.inputs))
@@ -113,8 +134,9 @@ class TrialRuns:
         self.children[replayer].post(wire.ReplayRequest(
             key=trial.key, index=trial.index, label=label, events=traced.events,
             captures=traced.captures, inputs=traced.inputs, real=real.inputs,
-            outputs=traced.outputs, fresh=fresh, skip_launches=skip_launches, config=config),
-            captures + real_raws[:count])
+            outputs=traced.outputs, fresh=fresh, skip_launches=skip_launches, config=config,
+            fill_kind=fill_kind, fill_seed=trial_inputs.draw_seeds(1)[0], order_seed=order_seed,
+            autotune_runs=self.autotune_runs), captures + real_raws[:count])
 
     async def _judge_all(self) -> None:
         for trial in self.order:
@@ -158,6 +180,8 @@ class TrialRuns:
             raise Verdict(frame.stage if frame.stage in STAGES else "runtime",
                           frame.message, log=frame.traceback, trials=self.compared)
         got = outputs_of(frame, raws)
+        if label == "run" and trial is self.first_call:
+            self.first_outputs = got
         if quick:
             return frame, got, expected
         traced = trial.traced[0]
@@ -317,6 +341,9 @@ class TrialRuns:
                            "launch wrote it (nor a copy), so it holds what was allocated "
                            f"({comparison.message} in {where}); pass the output tensor to "
                            "the kernel that computes it", **fields)
+        fill = await self._fill_problem()
+        if fill is not None:
+            return Verdict("mismatch", f"{fill} ({comparison.message} in {where})", **fields)
         tuned = ""
         if trial.key == "main" and _autotune_configs(trial.traced[0]) > 1:
             # Trial i ran config i of each autotuned launch (as its replay was asked).
@@ -362,8 +389,44 @@ class TrialRuns:
         self.no_launch_variant = not all(constant(t) for t in expected)
         if self.no_launch_variant:
             await self._replay(trial, "no-launch", fresh=True, skip_launches=True)
+        # Rules D021 and D022: the first call again with its launches run in other
+        # orders too (the smallest size checked: its cost stays bounded), and with a
+        # plausible fill (random finite values or zeros, what a GPU's fresh memory
+        # holds) where the trial had a poison one.
+        await self._replay(trial, "orders", fresh=True,
+                           config=trial.index if trial.key == "main" else None,
+                           fill_kind=secrets.choice(PLAUSIBLE_FILLS),
+                           order_seed=trial_inputs.draw_seeds(1)[0])
         for config in range(self.trials, _autotune_configs(trial.traced[0])):
             await self._replay(trial, f"config {config}", fresh=True, config=config)
+
+    async def _orders_outputs(self) -> list[torch.Tensor]:
+        """The outputs of the first call's ``orders`` variant (its launches in other
+        orders, another fill), awaited once and kept.
+
+        Raises:
+            Verdict: the variant failed (a race: stage ``mismatch``), each time asked."""
+        if self.orders_judged is None:
+            try:
+                _, got, _ = await self._judge(self.first_call, "orders", quick=True)
+                self.orders_judged = got
+            except Verdict as verdict:
+                self.orders_judged = verdict
+        if isinstance(self.orders_judged, Verdict):
+            raise self.orders_judged
+        return self.orders_judged
+
+    async def _fill_problem(self) -> str | None:
+        """When a trial mismatched: whether the first call's outputs depend on the fill
+        of fresh allocations (rule D022), the root cause to name; None when they do not,
+        or the variant failed (the mismatch stands)."""
+        if self.first_call is None or self.first_outputs is None:
+            return None
+        try:
+            got = await self._orders_outputs()
+        except Verdict:
+            return None
+        return _fill_dependence(self.first_outputs, got, self.first_call.traced[0])
 
     async def _variants(self) -> None:
         """The first call again, from scratch (asked for by :meth:`_request_variants`):
@@ -389,6 +452,10 @@ class TrialRuns:
                               "them in the kernels", ghost_replay="outputs matched without "
                               "the kernels", trials=self.compared)
             self.ghost_replay = "outputs depend on the Triton kernels"
+        got = await self._orders_outputs()
+        problem = _fill_dependence(self.first_outputs, got, trial.traced[0])
+        if problem is not None:
+            raise Verdict("mismatch", problem, trials=self.compared)
         configs = _autotune_configs(trial.traced[0])
         for config in range(self.trials, configs):
             label = f"config {config}"
@@ -404,8 +471,9 @@ class TrialRuns:
                               "config must compute the same outputs; a GPU may pick any)",
                               trials=self.compared)
         if configs > 1:
-            self.notes.append(f"autotune: each of {configs} configs ran (twice, as the GPU "
-                              "autotuner does) and matched the reference")
+            self.notes.append(f"autotune: each of {configs} configs ran (benchmark runs, then "
+                              "the real one, as the GPU autotuner does; how often is secret) "
+                              "and matched the reference")
 
     def _config_text(self, trial: Trial, config: int) -> str:
         for event in trial.traced[0].events:
@@ -425,6 +493,57 @@ def _autotune_configs(traced: Any) -> int:
     """The most configs any autotuned launch of a traced call has (0: none)."""
     return max((len(e["autotune"].get("variants") or []) for e in traced.events
                 if isinstance(e, dict) and isinstance(e.get("autotune"), dict)), default=0)
+
+
+def draw_autotune_runs() -> int:
+    """How often each config of a multi-config autotuned launch runs in one
+    verification's replays (2 to 4: benchmark runs, then the real one), from the OS's
+    cryptographic source (rule D023)."""
+    return 2 + secrets.randbelow(3)
+
+
+def _fill_dependence(first: list[torch.Tensor] | None, other: list[torch.Tensor],
+                     traced: Any) -> str | None:
+    """Rule D022: the first call's outputs (``first``, fresh allocations poison-filled)
+    against the same call replayed with another fill (``other``): the message naming
+    the first output that differs, and the allocation it came from where the plan
+    says; None when all are equal (floating point: equal values, NaN equal to NaN)."""
+    if first is None:
+        return None
+    allocated = {}
+    for event in traced.events:
+        if isinstance(event, dict) and op_packet(str(event.get("op"))) in UNDEFINED_ALLOCATIONS:
+            for node in values.tensors_in(event.get("out")):
+                allocated.setdefault(node["s"], (str(event["op"]), list(node["z"])))
+    nodes = values.tensors_in(traced.outputs)
+    for i, (a, b) in enumerate(zip(first, other, strict=False)):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            continue
+        if a.dtype.is_floating_point or a.dtype.is_complex:
+            same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+        else:
+            same = a == b
+        wrong = (~same).nonzero()
+        if wrong.numel() == 0:
+            continue
+        index = [int(v) for v in wrong[0]]
+        where = tuple(index)
+        storage = nodes[i]["s"] if i < len(nodes) else None
+        taken = ("computed from a fresh allocation a kernel read before any wrote it (a "
+                 "scratch buffer, an initial value or a sentinel taken from torch.empty)")
+        if storage in allocated:
+            op, shape = allocated[storage]
+            source = (f"it is the allocation {op} of shape {shape}: the kernels left elements "
+                      f"of it unwritten, or {taken}")
+        else:
+            source = f"it was {taken}"
+        return (f"output {i} was not written by the kernels (it depends on what the fresh "
+                f"allocation held): replayed twice with different fills of fresh allocations, "
+                f"{wrong.shape[0]} of {a.numel()} elements differ, the first at {list(where)} "
+                f"({a[where].item()!r} with one fill, {b[where].item()!r} with the other); "
+                f"{source}. A GPU's torch.empty holds whatever memory it had: write every "
+                "element of an output, and initialise what a kernel reads")
+    return None
 
 
 def _unwritten_outputs(traced: Any) -> set[int]:
