@@ -40,8 +40,8 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "KernelGuard (runtime op audit); KernelBench issue #165 discussion of torch fallbacks",
          _T + "test_torch_operators_behind_a_scratch_kernel_fail_the_audit"),
     DynamicRule("D003", "outputs that do not depend on the kernels: the candidate's own run is a ghost "
-         "(launches no-ops, allocations NaN-filled) and its plan is replayed without launches; "
-         "expected outputs from either fail",
+         "(launches no-ops, allocations filled from a secret seed) and its plan is replayed "
+         "without launches; expected outputs from either fail",
          "KernelGuard ghost replay; Sakana AI CUDA Engineer post-mortem (kernels that skip work)",
          _T + "test_numpy_doing_the_work_fails_the_ghost_replay"),
     DynamicRule("D004", "candidate code reaching the harness: object-graph walks, tracing, ctypes, "
@@ -61,8 +61,10 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "roofline model (Williams, Waterman, Patterson, CACM 2009); NVIDIA datasheets",
          _T + "test_roofline_floor"),
     DynamicRule("D008", "sizes that exercise what the task's own sizes launch: those sizes when they "
-         "fit, else a dry run there (meta tensors) and a size launching the same kernels with "
-         "congruent extents; what no size within the budget reproduces is listed in unchecked",
+         "fit, else a dry run there (meta tensors) and the smallest size within the budget "
+         "(AIKG_WORKER_CHECK_BYTES) launching the same kernels with the same constexprs, "
+         "congruent extents, grids computed the same way and loops running none, once or "
+         "several times alike; what none reaches fails at stage unchecked (D025)",
          "KernelBench shape-generalisation reports (kernels right for one tile or one size)",
          _T + "test_first_tile_matmul_fails_at_the_task_sizes"),
     DynamicRule("D009", "scale-aware comparison: atol grows with the output's magnitude, relative L2 "
@@ -83,8 +85,8 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "host code hidden from every in-process instrument",
          _C + "test_hostile_candidate_fails"),
     DynamicRule("D012", "secret seeds and input distributions: seeds from the OS's cryptographic "
-         "source, known to the reference child only; trials drawn from the task's own, large "
-         "and small magnitudes, uniform, one sign, zeros and ties",
+         "source, known to the reference child only; trial 0 the task's own inputs, the others "
+         "mixes of large and small magnitudes, uniform, one sign, zeros and ties (D027)",
          "KernelBench's newer harness (varied input distributions); this project's red-team "
          "(a relu wrong above 6, a softmax without max-subtraction passed on randn)",
          _C + "test_hostile_candidate_fails"),
@@ -103,8 +105,9 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "excluded), checked on every replayed access on the interpreter",
          "a GPU faults or corrupts other memory on them; the interpreter reads host memory",
          _C + "test_hostile_candidate_fails"),
-    DynamicRule("D015", "every @triton.autotune config run on the checked sizes, twice on the same "
-         "arguments as the GPU autotuner does (reset_to_zero and restore_value honoured)",
+    DynamicRule("D015", "every @triton.autotune config run on the checked sizes, a secret number of "
+         "times on the same arguments as the GPU autotuner does (reset_to_zero and "
+         "restore_value honoured; D023)",
          "Triton's Autotuner (benchmark runs, then the chosen config)",
          _C + "test_hostile_candidate_fails"),
     DynamicRule("D016", "threads and processes refused in the candidate's process (Python's entry "
@@ -126,6 +129,96 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "generality (one more, odd-extent size) is reported in shape_generic",
          "the reference AIKG's dynamic-shape tasks; KernelBench shape-generalisation reports",
          _T + "test_declared_shapes_must_all_pass"),
+    DynamicRule("D020", "kernels right only in Triton's interpreter: the cpu replay computes as an "
+         "NVIDIA GPU (sm_80+) does: tl.dot rounds fp32 operands for its input_precision (TF32 by "
+         "default, tf32x3, bf16x3/x6 splits), float-to-int casts saturate with NaN to 0, "
+         "narrowing casts round to nearest even (toward zero for rtz), bf16 arithmetic computes "
+         "on values rounded to nearest even, libdevice runs through numpy; a call whose replay "
+         "ran a TF32 dot is judged at the GPU's float32 tolerance",
+         "PTX ISA, cvt (rounding modifiers .rna/.rn/.rz, saturation of float-to-integer "
+         "conversions); Triton's NVIDIA backend (allowed dot input precisions); this project's "
+         "red-team (kernels that told the interpreter from a GPU with tl code alone)",
+         "tests/sandbox/test_interpreter_numerics.py::"
+         "test_float_to_int_casts_saturate_and_nan_gives_zero"),
+    DynamicRule("D021", "a launch whose outputs depend on the order its programs ran: each "
+         "multi-program launch of the first call also runs, from the same memory, reversed, in "
+         "an order drawn from a secret seed, and concurrently (plain loads see memory as the "
+         "launch began plus the program's own stores; atomics act on live memory; release "
+         "publishes, acquire sees); a storage that differs from program order (integers and "
+         "bool exactly, floats equal, float atomic adds within 2 n eps (sum |x| + |result|)), "
+         "or a program that fails or spins in another order, fails at mismatch naming the "
+         "kernel",
+         "CUDA C++ Programming Guide, Thread Hierarchy (blocks run in any order, in parallel or "
+         "in series) and Memory Fence Functions; PTX ISA memory consistency model; Triton "
+         "tl.atomic_* sem; Higham, Accuracy and Stability of Numerical Algorithms, 4.2",
+         "tests/sandbox/test_replay_orders.py::"
+         "test_a_race_fails_and_the_same_sum_with_atomics_passes"),
+    DynamicRule("D022", "outputs that depend on what fresh allocations held: every replay fills them "
+         "from a secret seed (NaN with random payloads, signalling NaN, near-max, random "
+         "finite, zeros, mixed; every dtype including bool), the first call NaN and its variant "
+         "plausible; outputs that differ fail at mismatch (not written by the kernels); the "
+         "planner's ghost fill is secret-seeded too",
+         "this project's red-team (unwritten lanes, the fill as initial value or sentinel, the "
+         "fill read to tell a verification from a GPU)",
+         "tests/sandbox/test_replay_orders.py::test_outputs_that_depend_on_the_fill_fail"),
+    DynamicRule("D023", "each config of a multi-config @triton.autotune launch runs a secret number "
+         "of times per verification (2-4: benchmark runs with reset_to_zero and restore_value, "
+         "then the real one)",
+         "Triton's Autotuner (do_bench runs a config repeatedly)",
+         "tests/sandbox/test_replay_orders.py::"
+         "test_each_autotune_config_runs_a_secret_number_of_times"),
+    DynamicRule("D024", "the GPU compile check fails closed: every launch of every call recorded "
+         "(each trial, checked size, declared shape, the dry run at the task's own sizes, every "
+         "autotune config) is compiled with Triton's own argument specialisation, each "
+         "specialisation once; an argument no GPU launch takes (a list, a dict, a str for a "
+         "non-constexpr parameter, a torch dtype, an int beyond 64 bits) or a grid beyond the "
+         "target fails at compile naming kernel, call and argument; every @triton.jit function "
+         "is loaded for the GPU, launched or not; a compile child that fails, dies, times out "
+         "or passes its limits fails at compile (infrastructure only when it could not start)",
+         "Triton 3.9 triton/runtime/jit.py (argument specialisation; JITFunction refusing "
+         "**kwargs); this project's red-team (a tuple argument skipped the check, an unused "
+         "kernel broke the compile child, a kernel first launched on the second call)",
+         "tests/sandbox/test_compile_fails_closed.py::"
+         "test_a_compile_child_that_dies_fails_at_compile"),
+    DynamicRule("D025", "a verification whose task's own sizes launch a path no checked size "
+         "reaches (other kernels, constexprs, grid functions, loop trip classes) fails at stage "
+         "unchecked, naming the kernel, the sizes and why; allow_unchecked accepts the partial "
+         "check (it passes, keeps the list, and says so in notes)",
+         "KernelBench shape-generalisation reports; this project's red-team (a size-dependent "
+         "second kernel never run passed)",
+         "tests/sandbox/test_unchecked.py::test_a_size_threshold_kernel_fails_unchecked_by_default"),
+    DynamicRule("D026", "a tl.load, tl.store or atomic offset whose int32 arithmetic leaves "
+         "[-2**31, 2**31) at the task's own sizes (the dry run's grid and arguments, interval "
+         "arithmetic over the kernel's source) fails at compile naming the kernel and the "
+         "expression",
+         "Triton's integer promotion (triton/language/semantic.py; scalar arguments are int64 "
+         "only from 2**31); this project's red-team (an int32 offset overflowing only at the "
+         "task's size passed)",
+         "tests/unit/test_overflow.py::"
+         "test_int32_program_offset_past_int32_names_kernel_and_expression"),
+    DynamicRule("D027", "inputs reach every distribution within the default three trials: trial 0 "
+         "the task's own, the others mixes in blocks (order and boundaries drawn from the "
+         "trial's seed, a new cut per tensor), large magnitudes (normal x10000, x100, x10, "
+         "uniform +-10) and small ones (x0.001, x0.1, one sign, exact zeros, ties) in "
+         "alternate trials; a mix outside the task's domain falls back part by part",
+         "KernelBench's newer harness (varied input distributions); this project's red-team (a "
+         "relu capped at 1000 and a relu NaN at exact zero passed three trials)",
+         "tests/unit/test_inputs_mix.py::test_three_trials_reach_every_distribution"),
+    DynamicRule("D028", "the CUDA emulation answers the candidate's code as the request's GPU "
+         "would, in __init__, heuristics, prune_configs_by and forward (device name and "
+         "properties, capability, is_available, device_count, current_device; a tensor's "
+         "is_cpu, is_cuda, get_device(), device, data_ptr); the dry run's meta tensors answer "
+         "as CUDA ones (is_meta false)",
+         "NVIDIA datasheets; CUDA C++ Programming Guide; this project's red-team "
+         "(get_device_name() said emulated, is_cpu true, get_device() -1, x.is_meta in the "
+         "dry run)",
+         "tests/sandbox/test_emulation_answers.py::test_every_answer_is_the_gpus"),
+    DynamicRule("D029", "a value-changing cast in the plan (float or complex to int or bool, "
+         "complex to real, a narrowing float cast) is compute (stage audit) unless its result "
+         "is an output no later launch or operator uses",
+         "this project's red-team (trunc computed as float to int to float through allowlisted "
+         "casts)",
+         "tests/unit/test_casts.py::test_float_to_int_to_float_is_compute"),
 )
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
 # ``aten.view`` for ``aten.view.default``); anything else is a compute operator.

@@ -8,8 +8,7 @@ Read by ``tests/hostile/test_corpus.py`` (the cpu backend) and by ``bench/gpu_ch
 A candidate's first line is ``# corpus: {json}``: ``task`` (a key of :data:`TASKS`),
 ``class``, ``stage`` (allowed stages), ``error`` (a substring of the error),
 ``shape_overrides``, ``trials``, ``arch``, ``shape_generic``, ``note`` (a substring of
-a note), ``unchecked_or_fail`` (passes only with an ``unchecked`` entry naming a
-kernel).
+a note).
 """
 
 from __future__ import annotations

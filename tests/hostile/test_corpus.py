@@ -1,9 +1,12 @@
 """Hostile and honest candidates as files, one per file (tests/corpus/), discovered here.
 
 ``tests/corpus/hostile/``: each file a candidate that tries to buy a passing verdict
-(or has a bug that used to pass on the cpu backend), in five classes: work outside the
+(or has a bug that used to pass on the cpu backend), in ten classes: work outside the
 recorded window (1), work the in-process instruments cannot see (2), telling the
-ghost run from a real one (3), ordinary bugs (4), side effects (5). Each must fail
+ghost run from a real one (3), ordinary bugs (4), side effects (5), a replay that is not
+what a GPU runs (6: interpreter numerics, races), a predictable harness (7: fills,
+distributions, the emulation), a GPU compile check that fails open (8), a pass resting
+on sizes never run (9), values computed outside the kernels (10). Each must fail
 with the stage its first line names and a message naming what was found, with the
 static check off (the dynamic defences alone), and the worker must serve an honest
 candidate next. ``tests/corpus/honest/``: candidates that must pass, with what their
@@ -57,7 +60,7 @@ def test_every_class_has_two_spellings_at_least():
     for path in files("hostile"):
         _, meta = load(path)
         classes[meta["class"]] = classes.get(meta["class"], 0) + 1
-    assert all(classes.get(c, 0) >= 2 for c in range(1, 6)), classes
+    assert all(classes.get(c, 0) >= 2 for c in range(1, 11)), classes
 
 
 @pytest.mark.parametrize("path", representatives(HOSTILE, _first_of_each_class(HOSTILE)),
@@ -65,9 +68,6 @@ def test_every_class_has_two_spellings_at_least():
 async def test_hostile_candidate_fails(verifier, dynamic_only, path):
     code, meta = load(path)
     result = await verifier.verify(request(code, meta), device="0")
-    if meta.get("unchecked_or_fail") and result.passed:
-        assert any("fast_relu_kernel" in u for u in result.unchecked), result
-        return
     assert not result.passed, (path.name, result)
     assert result.stage in meta["stage"], (path.name, result.stage, result.error)
     assert meta["error"] in (result.error or ""), (path.name, result.error)
