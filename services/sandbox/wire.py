@@ -255,6 +255,8 @@ class RefSize(msgspec.Struct, tag="ref.size"):
     init: Any = None
     declared: int = 0
     refused: bool = False
+    # Value digests of the task Model's tensors (services.worker.init_compute).
+    state: list[str] = []
 
 
 class RefMeta(msgspec.Struct, tag="ref.meta"):
@@ -425,6 +427,9 @@ class Traced(msgspec.Struct, tag="plan.traced"):
     output_metas: list[TensorMeta]
     refused: list[str] = []
     refused_ops: dict[str, int] = {}
+    # Captured storages whose bytes torch computed before forward (rule D030,
+    # services.worker.init_compute): dicts with id, name, shape, dtype, ops, digests.
+    init_computed: list[Any] = []
 
 
 class Audit(msgspec.Struct, tag="audit"):

@@ -7,7 +7,10 @@ namespaces, the harness's modules hidden. Then the parent's commands:
 
 * :class:`~services.sandbox.wire.PlanBuild`: ``ModelNew(*init)`` under the init seed,
   on the device (or on ``meta`` for a dry run). Every real model is built before the
-  first call: constructors may compute on weights; no input exists yet.
+  first call: constructors may compute on weights; no input exists yet. Where each
+  storage's bytes came from is recorded from before the import on
+  (:class:`~services.worker.init_compute.InitRecorder`): a captured storage torch
+  computed goes to the parent in ``Traced.init_computed`` (rule D030).
 * :class:`~services.sandbox.wire.PlanDryRun`: ``forward`` on meta inputs at other sizes
   (the task's own): the launches it would make, none run.
 * :class:`~services.sandbox.wire.PlanCall`: the first one arms
@@ -62,7 +65,7 @@ from services.sandbox.wire import (
     Traced,
     tensor_bytes,
 )
-from services.worker import enforce, trace
+from services.worker import enforce, init_compute, trace
 from services.worker import inputs as trial_inputs
 from services.worker.emulation import CudaEmulation
 from services.worker.profiling import profiled_launches
@@ -121,6 +124,8 @@ class _Planner:
         self.armed = False
         self.notes: list[str] = []
         self.last_inputs: dict[str, list[Any]] = {}
+        # Where captured storages' bytes came from (rule D030): on from before the import.
+        self.init_recorder = init_compute.InitRecorder()
 
     def fail(self, what: str, exc: BaseException) -> JobFailure:
         with self.hook.harness():
@@ -160,9 +165,12 @@ class _Planner:
                     model = self.model_cls(*init)
             else:
                 init = [v.to(self.device) if isinstance(v, torch.Tensor) else v for v in init]
-                model = self.model_cls(*init)
-                if isinstance(model, torch.nn.Module):
-                    model = model.to(self.device)
+                self.init_recorder.register_clean(values.flat_tensors(init))
+                with self.init_recorder:
+                    model = self.model_cls(*init)
+                    if isinstance(model, torch.nn.Module):
+                        model = model.to(self.device)
+                self.init_recorder.retire_dead()
         except Exception as exc:  # noqa: BLE001 - the candidate's constructor
             if command.meta or command.optional:
                 with self.hook.harness():
@@ -265,9 +273,29 @@ class _Planner:
                        events=record.events,
                        captures=[(c.id, len(c.data)) for c in record.captures],
                        outputs=record.outputs, output_metas=metas,
-                       refused=list(self.hook.refused), refused_ops=dict(recorder.refused))
+                       refused=list(self.hook.refused), refused_ops=dict(recorder.refused),
+                       init_computed=self._init_computed(model, record))
         self.channel.send(frame, [c.data for c in record.captures] + [
             tensor_bytes(o) for o in outputs])
+
+    def _init_computed(self, model: Any, record: trace.CallRecord) -> list[dict[str, Any]]:
+        """The captured storages of this call whose bytes torch computed before
+        ``forward`` (rule D030, :mod:`services.worker.init_compute`), each named by the
+        model's attribute or the module's constant that holds it."""
+        if not record.captures:
+            return []
+        with self.hook.harness():
+            names = init_compute.named_tensors([("", model),
+                                                (init_compute.MODULE_PREFIX, vars(self.module))])
+            found = []
+            for capture in record.captures:
+                storage = self.recorder.storage_of(capture.id)
+                if storage is None:
+                    continue
+                entry = self.init_recorder.computed(storage, names)
+                if entry is not None:
+                    found.append({"id": capture.id, **entry})
+            return found
 
     def profile(self, command: PlanProfile) -> None:
         model = self.models.get(command.model)
@@ -321,8 +349,10 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
     process_notes = enforce.refuse_threads_and_processes(spec.backend, hook.refused)
     _guard.hide_harness()
     channel.send(Progress(phase=IMPORT_PHASE))
+    init_recorder = init_compute.InitRecorder()
     try:
-        module = _load_module("aikg_candidate", spec.candidate_path)
+        with init_recorder:
+            module = _load_module("aikg_candidate", spec.candidate_path)
     except Exception as exc:  # noqa: BLE001 - the candidate's module code
         with hook.harness():
             # A refusal of the sandbox's is what went wrong, not the code's syntax.
@@ -334,6 +364,7 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
     changes = enforce.namespace_changes(snapshot)
     channel.send(Imported(namespace=changes, refused=list(hook.refused)))
     planner = _Planner(spec, channel, hook, emulation, module)
+    planner.init_recorder = init_recorder
     planner.active = active
     planner.notes.extend(process_notes)
     try:

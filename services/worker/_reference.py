@@ -54,6 +54,7 @@ from services.sandbox.wire import (
     RefTrial,
     TensorMeta,
 )
+from services.worker import init_compute
 from services.worker import inputs as trial_inputs
 from services.worker.profiling import profiled_launches
 
@@ -254,8 +255,12 @@ def _answer(task: _Task, channel: Channel, request: RefRequest) -> None:
     init = task.init()
     model = task.model(init)
     encoded, tensors = values.encode_raw(init)
+    # The task's own tensors (a mask it builds too): what a candidate may hold computed
+    # in __init__ (rule D030); the requested sizes only, where the first call runs.
+    state = init_compute.state_digests(model) if request.key == "main" else []
     channel.send(RefSize(key=request.key, input_bytes=input_bytes, estimated=estimated,
-                         size_names=names, init=encoded, declared=declared), tensors)
+                         size_names=names, init=encoded, declared=declared, state=state),
+                 tensors)
     task.last = None
     for trial in request.trials:
         channel.send(Progress(phase=f"reference {request.key} trial {trial.index}"))

@@ -295,6 +295,13 @@ class TraceRecorder(TorchDispatchMode):
         self._storages[self._key(storage)] = entry
         return entry
 
+    def storage_of(self, storage_id: int) -> Any:
+        """The storage the plan names ``storage_id`` (None when this recorder forgot it)."""
+        for entry in self._storages.values():
+            if entry.id == storage_id:
+                return entry.storage
+        return None
+
     def register_input(self, t: torch.Tensor) -> TensorRef:
         """The ref of an input ``t`` (fresh, delivered by the harness): its storage gets a
         new id and is not captured (the replayer puts the real input there)."""

@@ -93,6 +93,10 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.autotune_runs = draw_autotune_runs()
         self.first_outputs: list[torch.Tensor] | None = None
         self.orders_judged: Any = None
+        # Rule D030: the task Model's value digests, and the first call's captured
+        # storages torch computed before forward that match none of them.
+        self.state_digests: set[str] = set()
+        self.init_suspects: list[dict[str, Any]] = []
         self.declared = 0
         self._waiting = ""
         # When the request's timeout_s runs out (the event loop's clock; set by run).

@@ -52,6 +52,7 @@ class SizeChoice:
         size.init = (frame.init, raws)
         if size.key == "main":
             self.declared = frame.declared
+            self.state_digests = set(frame.state)
 
     @property
     def _check_bytes(self) -> int:

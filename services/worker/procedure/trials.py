@@ -27,6 +27,7 @@ import torch
 
 from services.sandbox import values, wire
 from services.sandbox.pool import ProtocolError
+from services.worker import init_compute
 from services.worker import inputs as trial_inputs
 from services.worker import sizes as size_rules
 from services.worker._reference import digest
@@ -116,18 +117,23 @@ class TrialRuns:
 
     async def _replay(self, trial: Trial, label: str, *, fresh: bool = False,
                       skip_launches: bool = False, config: int | None = None,
-                      fill_kind: str | None = None, order_seed: int | None = None) -> None:
+                      fill_kind: str | None = None, order_seed: int | None = None,
+                      replace: dict[int, bytes] | None = None) -> None:
         """Post ``trial``'s plan to a replayer. Every replay fills fresh allocations from
         a seed of its own, of kind ``fill_kind`` (default: a poison kind for the
         trials, whose outputs are compared with the reference's, any kind for the other
         sizes and variants); each config of a multi-config autotuned launch runs
-        :attr:`autotune_runs` times (rules D022, D023; :mod:`services.worker.replay`)."""
+        :attr:`autotune_runs` times (rules D022, D023; :mod:`services.worker.replay`).
+        ``replace``: captured storage id -> the bytes it holds instead (rule D030)."""
         if fill_kind is None:
             fill_kind = secrets.choice(POISON_FILLS if trial.key == "main" else FILL_KINDS)
         traced, traced_raws = trial.traced
         real, real_raws = trial.real
         count = len(values.raw_refs(real.inputs))
         captures = traced_raws[:len(traced.captures)]
+        if replace:
+            captures = [replace.get(storage_id, data) for (storage_id, _), data
+                        in zip(traced.captures, captures, strict=True)]
         # A fresh state is the side replayer's (the variants, the other sizes).
         replayer = "replay:side" if fresh else self.replayer_of(trial)
         # Posted: the planner goes on with the next call while the replayer is busy.
@@ -399,6 +405,60 @@ class TrialRuns:
                            order_seed=trial_inputs.draw_seeds(1)[0])
         for config in range(self.trials, _autotune_configs(trial.traced[0])):
             await self._replay(trial, f"config {config}", fresh=True, config=config)
+        await self._request_init_variant(trial)
+
+    async def _request_init_variant(self, trial: Trial) -> None:
+        """Rule D030: the captured storages of the first call whose bytes torch computed
+        before forward (:mod:`services.worker.init_compute`) and that equal no tensor
+        of the task's Model are named in the notes, and the call is replayed once more
+        with all of them perturbed from a secret seed (judged by :meth:`_init_check`)."""
+        traced, raws = trial.traced
+        captured = {storage_id: data for (storage_id, _), data
+                    in zip(traced.captures, raws[:len(traced.captures)], strict=False)}
+        suspects = []
+        for entry in getattr(traced, "init_computed", None) or []:
+            if not isinstance(entry, dict) or entry.get("id") not in captured:
+                continue
+            if set(entry.get("digests") or []) & self.state_digests:
+                continue
+            suspects.append(entry)
+            self.notes.append(f"ModelNew computed {_init_name(entry)} before forward with "
+                              f"{_init_ops(entry)}")
+        self.init_suspects = suspects
+        if not suspects:
+            return
+        seed = trial_inputs.draw_seeds(1)[0]
+        replace = {e["id"]: init_compute.perturb(captured[e["id"]], str(e.get("dtype")),
+                                                 seed + i)
+                   for i, e in enumerate(suspects)}
+        await self._replay(trial, "init-perturbed", fresh=True,
+                           config=trial.index if trial.key == "main" else None,
+                           fill_kind=secrets.choice(PLAUSIBLE_FILLS), replace=replace)
+
+    async def _init_check(self) -> None:
+        """Rule D030: the first call replayed with the computed storages perturbed must
+        give the first call's outputs within tolerance; otherwise the outputs depend on
+        values torch computed before forward, not on the kernels (stage ``audit``)."""
+        if not self.init_suspects or self.first_outputs is None:
+            return
+        what = "; ".join(f"{_init_name(e)}, computed with {_init_ops(e)}"
+                         for e in self.init_suspects)
+        try:
+            frame, got, _ = await self._judge(self.first_call, "init-perturbed", quick=True)
+            result = await asyncio.to_thread(compare_outputs, self.first_outputs, got,
+                                             self.v.backend, tf32=ran_tf32(frame.traffic))
+            changed = None if result.passed else result.message
+        except Verdict as verdict:
+            changed = f"the replay failed: {verdict.outcome.error}"
+        if changed is None:
+            self.notes.append(f"the outputs do not depend on what ModelNew computed before "
+                              f"forward ({what}): replayed with it perturbed, they matched")
+            return
+        raise Verdict("audit", f"outputs depend on {what}: ModelNew made it before forward "
+                      "(in __init__ or at import), not a kernel; replayed with its values "
+                      "perturbed (a secret permutation and scaling), the first call's outputs "
+                      f"changed ({changed}); compute it in a kernel, or build it as the "
+                      "task's Model does (rule D030)", trials=self.compared)
 
     async def _orders_outputs(self) -> list[torch.Tensor]:
         """The outputs of the first call's ``orders`` variant (its launches in other
@@ -456,6 +516,7 @@ class TrialRuns:
         problem = _fill_dependence(self.first_outputs, got, trial.traced[0])
         if problem is not None:
             raise Verdict("mismatch", problem, trials=self.compared)
+        await self._init_check()
         configs = _autotune_configs(trial.traced[0])
         for config in range(self.trials, configs):
             label = f"config {config}"
@@ -487,6 +548,21 @@ class TrialRuns:
 _WRITING_OPS = ("copy_", "fill_", "zero_", "clone", "_to_copy", "contiguous", "full", "zeros",
                 "ones", "zeros_like", "ones_like", "full_like", "new_zeros", "new_ones",
                 "new_full", "arange", "lift_fresh", "lift_fresh_copy", "scalar_tensor")
+
+
+def _init_name(entry: dict[str, Any]) -> str:
+    """How a verdict names a computed storage (rule D030)."""
+    name = str(entry.get("name") or "")
+    if name.startswith(init_compute.MODULE_PREFIX):
+        what = f"module constant `{name.removeprefix(init_compute.MODULE_PREFIX)}`"
+    else:
+        what = f"buffer `{name}`" if name else "a tensor no attribute names"
+    return f"{what} (shape {list(entry.get('shape') or [])}, {entry.get('dtype')})"
+
+
+def _init_ops(entry: dict[str, Any]) -> str:
+    ops = [str(o) for o in entry.get("ops") or []]
+    return ", ".join(ops[:6]) + (f" and {len(ops) - 6} more" if len(ops) > 6 else "")
 
 
 def _autotune_configs(traced: Any) -> int:
