@@ -9,15 +9,12 @@ every launch (kernel, grid, constexprs, every autotune config), nothing allocate
 * :func:`congruent` says whether the launches at checked sizes exercise what the
   launches at the task's own sizes do: the same kernels in the same order with the
   same constexprs (so the same code paths and tile sizes), every integer argument of at
-  least one tile congruent modulo the launch's largest power-of-two constexpr (so each
-  boundary the real sizes have, a partial last tile or none, is exercised, and none is
-  imposed),
-  and a grid axis with several programs at the real sizes has several here too (and
+  least one tile that the kernel's body reads congruent modulo the launch's largest
+  power-of-two constexpr (so each boundary the real sizes have, a partial last tile or
+  none, is exercised, and none is imposed), and a grid axis with several programs at the real sizes has several here too (and
   one program where the real sizes have one).
   Congruence of each size modulo ``M`` carries over to every product and sum of
   sizes, which is what kernels pass as extents and strides.
-* :func:`congruent_candidates` proposes smaller sizes that keep each size congruent
-  to the real one modulo the launches' block sizes.
   Two more rules make a size exercise the same paths: each kernel's grid is the same
   function of its arguments (a grid extent that is ``cdiv(n, BLOCK)``, or a product of
   two such terms, of the launch's int arguments, tensor extents and constexprs at the
@@ -111,6 +108,8 @@ def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
             return f"{name} has {len(big_runs)} autotune configs at the task's own sizes, " \
                    f"{len(small_runs)} at the checked sizes"
         m = modulus(big, constexpr)
+        read = _names_read(source.defs[name]) if source is not None and \
+            name in source.defs else None
         for a, b in zip(big_runs, small_runs, strict=True):
             sa, sb = _signature(a, constexpr), _signature(b, constexpr)
             if sa != sb:
@@ -121,8 +120,10 @@ def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
             for arg, value in (a.get("args") or {}).items():
                 other = (b.get("args") or {}).get(arg)
                 # An extent below one tile is a single partial tile at either size.
+                # A parameter the kernel's body never reads cannot change its path.
                 if arg in constexpr or isinstance(value, bool) or not isinstance(value, int) \
-                        or not isinstance(other, int) or m == 1 or value < m:
+                        or not isinstance(other, int) or m == 1 or value < m \
+                        or (read is not None and arg not in read):
                     continue
                 if value % m != other % m:
                     return (f"{name}'s argument {arg} is {value} at the task's own sizes and "
@@ -134,6 +135,12 @@ def congruent(real: list[dict[str, Any]], checked: list[dict[str, Any]],
             if problem is not None:
                 return problem
     return None
+
+
+def _names_read(kernel: ast.FunctionDef) -> set[str]:
+    """The names the body of ``kernel`` reads (its parameters among them)."""
+    return {node.id for stmt in kernel.body for node in ast.walk(stmt)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
 @dataclass

@@ -158,7 +158,7 @@ def test_kernels_alike_but_for_their_names_are_compiled_once():
     specs, notes = aot.specs(launches, module.constexpr_params, target, "sha", module.bodies)
     assert notes == []
     # 1 and 2 at BLOCK 256 are one compile (the first's name); 3 and BLOCK 512 their own
-    assert [(s.kernel, dict(s.constexprs)["BLOCK"]) for s in specs] == [
+    assert [(s.kernel, dict(s.constexprs)[("BLOCK",)]) for s in specs] == [
         ("scale_kernel_1", 256), ("scale_kernel_3", 256), ("scale_kernel_2", 512)]
     # without the digests (another caller), each kernel is its own compile
     specs, _ = aot.specs(launches, module.constexpr_params, target, "sha")

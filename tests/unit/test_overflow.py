@@ -161,3 +161,29 @@ def test_shape_generality_sizes_differ_between_seeds():
     draws = {tuple(sizes.awkward_sizes(base, 1.0, random.Random(s)).values())
              for s in range(20)}
     assert len(draws) > 10, draws
+
+
+_ROWS_SOURCE = (
+    "import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+    "def scale_kernel(x_ptr, out_ptr, n, rows, BLOCK: tl.constexpr):\n"
+    "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+    "    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2.0, "
+    "mask=offs < {bound})\n")
+
+
+def _scale_launch(rows: int, cols: int) -> dict:
+    return {"launch": "scale_kernel", "grid": [rows * cols // 1024, 1, 1],
+            "args": {"x_ptr": _tensor(rows, cols), "out_ptr": _tensor(rows, cols),
+                     "n": rows * cols, "rows": rows, "BLOCK": 1024}}
+
+
+def test_an_argument_the_kernel_never_reads_needs_no_congruence():
+    constexprs = {"scale_kernel": {"BLOCK"}}
+    real, small = [_scale_launch(4096, 4096)], [_scale_launch(16, 4096)]
+    # rows (4096 against 16) is not congruent modulo 1024, but the body never reads it
+    unread = sizes.KernelSource.of(_ROWS_SOURCE.format(bound="n"))
+    assert sizes.congruent(real, small, constexprs, unread) is None
+    # once the body reads it, its boundary tiles matter again
+    read = sizes.KernelSource.of(_ROWS_SOURCE.format(bound="rows * 4096"))
+    reason = sizes.congruent(real, small, constexprs, read)
+    assert reason is not None and "argument rows is 4096" in reason, reason
