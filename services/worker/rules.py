@@ -219,6 +219,17 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "this project's red-team (trunc computed as float to int to float through allowlisted "
          "casts)",
          "tests/unit/test_casts.py::test_float_to_int_to_float_is_compute"),
+    DynamicRule("D030", "values computed before forward: a captured storage (parameter, buffer, "
+         "module constant) whose bytes a torch compute operator, host values "
+         "(torch.tensor/from_numpy) or a fill from a computed .item() made while the candidate "
+         "was imported or ModelNew built, equal to no tensor of the task's Model under the same "
+         "init seed, is named in notes; the first call replayed with it perturbed from a secret "
+         "seed must give the same outputs, else audit (init-seed random fills, allocations and "
+         "copies of weights and constructor arguments are not compute)",
+         "this project's red-team (a table torch computes in __init__ from constants, which a "
+         "kernel only gathers from)",
+         "tests/sandbox/test_init_compute.py::"
+         "test_a_table_torch_computed_in_init_fails_and_a_kernel_computing_it_passes"),
 )
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
 # ``aten.view`` for ``aten.view.default``); anything else is a compute operator.
