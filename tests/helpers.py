@@ -92,6 +92,21 @@ CORPUS_TASKS = Path(__file__).resolve().parent / "corpus" / "tasks"
 
 # A small KernelBench-format task: torch.relu on a 16 x 1024 float32 tensor.
 RELU_TASK = (CORPUS_TASKS / "relu.py").read_text()
+
+
+def cpu_request(code: str, task: str, *, trials: int = 2, job_id: str = "job-test",
+                **fields: Any) -> Any:
+    """A cpu-backend :class:`~schemas.events.VerifyRequest` of ``code`` against ``task``
+    (a fresh request id; ``fields`` override the rest, ``timeout_s`` 120 s unless told)."""
+    import time
+
+    from schemas import VerifyRequest
+
+    body = {"request_id": f"req-{time.monotonic_ns()}", "job_id": job_id,
+            "candidate_id": "cand-test", "op_name": "op", "task_desc": task, "code": code,
+            "backend": "cpu", "arch": "x86_64", "timeout_s": 120.0, "trials": trials}
+    body.update(fields)
+    return VerifyRequest(**body)
 # The bundled tasks/relu.py (16 x 4096), as `aikg run` and the README use it.
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 

@@ -11,7 +11,6 @@ fail at ``audit``.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
@@ -19,14 +18,13 @@ import torch
 from schemas.events import VerifyRequest
 from services.worker import init_compute
 from tests.corpus import CORPUS, TASKS, load
+from tests.helpers import cpu_request
 
 DEPENDS = "outputs depend on buffer `lut` (shape [4096], float32), computed with aten.div"
 
 
 def request(code: str, task: str, trials: int = 2) -> VerifyRequest:
-    return VerifyRequest(request_id=f"req-{time.monotonic_ns()}", job_id="job-init",
-                         candidate_id="cand-init", op_name="op", task_desc=task, code=code,
-                         backend="cpu", arch="x86_64", timeout_s=120.0, trials=trials)
+    return cpu_request(code, task, trials=trials, job_id="job-init")
 
 
 @pytest.fixture

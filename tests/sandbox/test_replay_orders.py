@@ -12,8 +12,6 @@ launch runs a secret number of times.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -21,16 +19,14 @@ from schemas.events import VerifyRequest
 from services.worker.procedure.trials import draw_autotune_runs
 from services.worker.trace import FILL_KINDS, PLAUSIBLE_FILLS, Fill, fill_undefined
 from tests.corpus import CORPUS, TASKS, load
-from tests.helpers import RELU_TASK
+from tests.helpers import RELU_TASK, cpu_request
 
 RACE = "outputs depend on the order its programs ran: a race"
 FILLED = "was not written by the kernels (it depends on what the fresh allocation held)"
 
 
 def request(code: str, task: str, trials: int = 2) -> VerifyRequest:
-    return VerifyRequest(request_id=f"req-{time.monotonic_ns()}", job_id="job-orders",
-                         candidate_id="cand-orders", op_name="op", task_desc=task, code=code,
-                         backend="cpu", arch="x86_64", timeout_s=120.0, trials=trials)
+    return cpu_request(code, task, trials=trials, job_id="job-orders")
 
 
 @pytest.fixture
