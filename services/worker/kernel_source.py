@@ -190,10 +190,13 @@ def _plain(node: ast.AST, known: set[str], roots: dict[str, str]) -> bool:
     return False
 
 
-def _import_origins(node: ast.stmt) -> dict[str, str] | None:
+def _import_origins(node: ast.stmt) -> tuple[dict[str, str], ast.stmt] | None:
     """The names a module-level import brings into a kernel module, each with what it
-    imports, or None when it imports anything else."""
+    imports, and the import of those names alone (``import torch, triton.language as tl``
+    keeps ``tl``: the other names are left out, as every other module is); None when it
+    imports nothing a kernel module may hold."""
     names: dict[str, str] = {}
+    kept: list[ast.alias] = []
     if isinstance(node, ast.Import):
         for alias in node.names:
             if alias.name == "math":
@@ -205,14 +208,15 @@ def _import_origins(node: ast.stmt) -> dict[str, str] | None:
                 else:
                     names["triton"] = "triton"
             else:
-                return None
-        return names
+                continue
+            kept.append(alias)
+        return (names, ast.Import(names=kept)) if kept else None
     if not isinstance(node, ast.ImportFrom) or node.level != 0 or not node.module:
         return None
     for alias in node.names:
         name = alias.name
         if name == "*" or name.startswith("_") or name in FORBIDDEN_ATTRIBUTES:
-            return None
+            continue
         if node.module == "math":
             names[alias.asname or name] = "math"
         elif node.module == "triton" and name in _FROM_TRITON:
@@ -222,8 +226,9 @@ def _import_origins(node: ast.stmt) -> dict[str, str] | None:
                 "triton.language.extra"):
             names[alias.asname or name] = f"{node.module}.{name}"
         else:
-            return None
-    return names
+            continue
+        kept.append(alias)
+    return (names, ast.ImportFrom(module=node.module, names=kept, level=0)) if kept else None
 
 
 def _kernel_refusals(fn: ast.FunctionDef, kept: set[str], roots: dict[str, str],
@@ -301,9 +306,11 @@ def kernel_module(source: str) -> KernelModule:
 
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            origins = _import_origins(node)
-            if origins is not None:
-                keep(node)
+            found = _import_origins(node)
+            if found is not None:
+                origins, kept = found
+                # The kept names alone, on the statement's first line (line numbers stay).
+                out[node.lineno - 1] = ast.unparse(kept)
                 roots.update(origins)
         elif isinstance(node, ast.FunctionDef):
             jit = [d for d in node.decorator_list if names.is_jit(d)]

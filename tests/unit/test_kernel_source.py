@@ -177,3 +177,25 @@ def test_twins_that_compile_differently_are_not_one_compile():
         "* 2.0", "* 2.0 + 0 * scale_kernel_2") + "\n"
     module = kernel_module(naming)
     assert module.bodies["scale_kernel_1"] != module.bodies["scale_kernel_2"]
+
+
+def test_a_mixed_import_line_keeps_its_triton_and_math_names():
+    # `import torch, triton.language as tl` is one line an LLM writes: the kernel module
+    # keeps tl (and math) from it, on the same line, and leaves torch out.
+    module = kernel_module(textwrap.dedent('''\
+        import torch, triton, triton.language as tl, math
+        from torch import nn
+        from triton.language import arange, _private
+
+
+        @triton.jit
+        def relu_kernel(x_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.program_id(0) * BLOCK + arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.maximum(tl.load(x_ptr + offs), 0.0), mask=offs < n)
+        '''))
+    lines = module.source.splitlines()
+    assert lines[0] == "import triton, triton.language as tl, math"
+    assert lines[1] == ""
+    assert lines[2] == "from triton.language import arange"
+    assert module.kernels == ["relu_kernel"] and module.refused == []
+    compile(module.source, "kernels.py", "exec")
