@@ -15,7 +15,10 @@ methods with ones that give the GPU's answer (the rules, with their sources, are
 * bfloat16 arithmetic, comparisons and reductions work on the values, computed in fp32
   and rounded to nearest even (the interpreter worked on the raw ``uint16`` bits);
 * ``triton.language.extra.libdevice`` functions run through numpy equivalents (the
-  interpreter called the stubs, which return None).
+  interpreter called the stubs, which return None);
+* fp32 ``tl.exp``, ``/`` and ``tl.sqrt``, approximate instructions on a GPU, are not
+  correctly rounded in every lane (their precise twins ``libdevice.exp``,
+  ``tl.div_rn``, ``tl.sqrt_rn`` are): :func:`services.sandbox.numerics.approximate`.
 
 Speed: every fp32 ``tl.dot`` runs through BLAS (``np.matmul`` without ``dtype``); the
 interpreter's own ``np.matmul(a, b, dtype=acc.dtype)`` takes numpy's generic loop
@@ -61,6 +64,7 @@ def install() -> bool:
     _install_casts(interpreter)
     _install_bf16(interpreter)
     _install_libdevice(interpreter)
+    _install_approximations(interpreter)
     setattr(builder, _INSTALLED, True)
     return True
 
@@ -254,6 +258,39 @@ def _install_bf16(interpreter: Any) -> None:
     reducing(interpreter.ReduceOps, "min_max")
     reducing(interpreter.ScanOps, "cumsum")
     reducing(interpreter.ScanOps, "cumprod")
+
+
+# ------------------------------------------------------------------ approximations
+
+
+def _install_approximations(interpreter: Any) -> None:
+    """fp32 ``tl.exp`` (``create_exp``), ``/`` (``create_fdiv``) and ``tl.sqrt``
+    (``create_sqrt``) through :func:`numerics.approximate`; ``create_precise_divf`` and
+    ``create_precise_sqrt`` (``tl.div_rn``, ``tl.sqrt_rn``) stay correctly rounded."""
+    builder = interpreter.InterpreterBuilder
+    handle = interpreter.TensorHandle
+    exp, fdiv, sqrt = builder.create_exp, builder.create_fdiv, builder.create_sqrt
+
+    def create_exp(self: Any, arg: Any) -> Any:
+        out = exp(self, arg)
+        return handle(numerics.approximate(out.data, out.data == 1.0), out.dtype.scalar)
+
+    def create_fdiv(self: Any, lhs: Any, rhs: Any) -> Any:
+        out = fdiv(self, lhs, rhs)
+        if out.data.dtype.char != "f":
+            return out
+        exact = numerics.exact_quotient(lhs.data, rhs.data, out.data)
+        return handle(numerics.approximate(out.data, exact), out.dtype.scalar)
+
+    def create_sqrt(self: Any, arg: Any) -> Any:
+        out = sqrt(self, arg)
+        if out.data.dtype.char != "f":
+            return out
+        exact = numerics.exact_root(arg.data, out.data)
+        return handle(numerics.approximate(out.data, exact), out.dtype.scalar)
+
+    builder.create_exp, builder.create_fdiv, builder.create_sqrt = \
+        create_exp, create_fdiv, create_sqrt
 
 
 # ------------------------------------------------------------------ libdevice

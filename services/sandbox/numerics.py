@@ -30,11 +30,21 @@ interpreter's builder. Sources of each rule:
   within a few ulp where libdevice is; its fast-math approximations (``fast_expf``,
   ``fast_tanhf`` ...) are computed exactly here, so they differ from a GPU by their
   approximation error (up to ~2**-21 relative, CUDA Math API, "Intrinsic functions").
+* **Approximate fp32 instructions.** Triton's NVIDIA backend lowers fp32 ``tl.exp`` to
+  ``ex2.approx.f32`` (of ``x * log2(e)``), ``/`` to ``div.full.f32`` and ``tl.sqrt`` to
+  ``sqrt.approx.f32`` (PTX ISA: at most 2 ulp from the correctly rounded result), while
+  ``libdevice.exp``, ``tl.div_rn`` and ``tl.sqrt_rn`` are accurate; numpy computes
+  both of each pair alike, so a kernel comparing them could tell the interpreter from
+  a GPU. :func:`approximate` moves a keyed half of the results one ulp away from zero
+  (the key drawn once per process, the lanes a function of the result's bits, so every
+  run of a launch gives the same values); results a GPU's approximation also gives
+  exactly (``exp`` of 0, exact quotients and square roots) are left as they are.
 """
 
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +54,53 @@ _U16 = np.dtype(np.uint16)
 _U32 = np.dtype(np.uint32)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
+
+
+# ------------------------------------------------------------------ approximations
+
+# Which results :func:`approximate` moves: drawn once per process (the sandbox's fork
+# server installs the numerics before any child forks, so every child of one server
+# shares it); kernels never see it, and candidate host code never runs in the replay.
+_APPROX_KEY = np.uint32(secrets.randbits(32))
+_GOLDEN = np.uint32(0x9E3779B1)  # Knuth's multiplicative hash constant (2**32 / phi)
+
+
+def approximate(out: np.ndarray, exact: np.ndarray | None = None) -> np.ndarray:
+    """``out`` (the correctly rounded fp32 results of an approximate GPU instruction)
+    with a keyed half of its finite, nonzero lanes one ulp further from zero, as the
+    instruction's own error may leave them; lanes where ``exact`` is true stay.
+
+    Args:
+        out: results, any shape; only float32 arrays are changed (others returned).
+        exact: bool array broadcastable to ``out``: results the GPU gives exactly.
+    Returns:
+        a new float32 array (or ``out`` itself when it is not float32).
+    """
+    if not isinstance(out, np.ndarray) or out.dtype != _F32:
+        return out
+    bits = np.ascontiguousarray(out).view(_U32)
+    with np.errstate(over="ignore"):
+        pick = ((bits ^ _APPROX_KEY) * _GOLDEN) >> np.uint32(31) == 1
+    pick &= np.isfinite(out) & (out != 0)
+    if exact is not None:
+        pick &= ~np.broadcast_to(exact, out.shape)
+    if not pick.any():
+        return out
+    moved = bits.copy()
+    moved[pick] += np.uint32(1)
+    return moved.view(_F32).reshape(out.shape)
+
+
+def exact_quotient(a: np.ndarray, b: np.ndarray, q: np.ndarray) -> np.ndarray:
+    """Where the fp32 quotient ``q`` of ``a / b`` is exact (``q * b == a`` in fp64)."""
+    with np.errstate(all="ignore"):
+        return np.asarray(q, _F64) * np.asarray(b, _F64) == np.asarray(a, _F64)
+
+
+def exact_root(x: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """Where the fp32 square root ``r`` of ``x`` is exact (``r * r == x`` in fp64)."""
+    with np.errstate(all="ignore"):
+        return np.asarray(r, _F64) * np.asarray(r, _F64) == np.asarray(x, _F64)
 
 
 # ------------------------------------------------------------------ bfloat16

@@ -130,6 +130,20 @@ def _libdevice_kernel(x_ptr, y_ptr, out_ptr, n, FN: tl.constexpr,
     tl.store(out_ptr + o, r, mask=m)
 
 
+def _approx_kernel(x_ptr, y_ptr, exp_ptr, libexp_ptr, div_ptr, div_rn_ptr, sqrt_ptr,
+                   sqrt_rn_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    x = tl.load(x_ptr + o, mask=m, other=1.0)
+    y = tl.load(y_ptr + o, mask=m, other=1.0)
+    tl.store(exp_ptr + o, tl.exp(x), mask=m)
+    tl.store(libexp_ptr + o, libdevice.exp(x), mask=m)
+    tl.store(div_ptr + o, x / y, mask=m)
+    tl.store(div_rn_ptr + o, tl.div_rn(x, y), mask=m)
+    tl.store(sqrt_ptr + o, tl.sqrt(tl.abs(x)), mask=m)
+    tl.store(sqrt_rn_ptr + o, tl.sqrt_rn(tl.abs(x)), mask=m)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     """The module's kernels, run by Triton's interpreter with the GPU numerics in place
@@ -139,7 +153,7 @@ def kernels():
     assert gpu_numerics.install()
     yield {fn.__name__.strip("_").removesuffix("_kernel"): triton.jit(fn)
            for fn in (_dot_kernel, _cast_kernel, _narrow64_kernel, _half_kernel,
-                      _libdevice_kernel)}
+                      _libdevice_kernel, _approx_kernel)}
     if saved is None:
         os.environ.pop("TRITON_INTERPRET", None)
     else:
@@ -381,3 +395,41 @@ def test_a_tf32_dot_is_judged_at_the_gpu_float32_tolerance() -> None:
     assert ran_tf32([LaunchTraffic(kernel="k", dot_flops={"tf32": 8})])
     assert not ran_tf32([LaunchTraffic(kernel="k", dot_flops={"fp32": 8}),
                          LaunchTraffic(kernel="k")])
+
+
+# ------------------------------------------------------------------ approximations
+
+
+def _approx(kernels, x: torch.Tensor, y: torch.Tensor) -> dict[str, np.ndarray]:
+    names = ("exp", "libexp", "div", "div_rn", "sqrt", "sqrt_rn")
+    out = {name: torch.empty_like(x) for name in names}
+    kernels["approx"][(1,)](x, y, *out.values(), x.numel(), BLOCK=x.numel())
+    return {name: t.numpy() for name, t in out.items()}
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+def test_approximate_instructions_are_not_their_precise_twins(kernels) -> None:
+    # On a GPU fp32 tl.exp, / and tl.sqrt are ex2.approx, div.full and sqrt.approx: a
+    # kernel comparing them with libdevice.exp, tl.div_rn and tl.sqrt_rn finds lanes
+    # that differ, here too; the precise ones stay correctly rounded.
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(1024, generator=g), torch.randn(1024, generator=g) + 3.0
+    got = _approx(kernels, x, y)
+    xs, ys = x.numpy(), y.numpy()
+    assert np.array_equal(got["libexp"], np.exp(xs))
+    assert np.array_equal(got["div_rn"], xs / ys)
+    assert np.array_equal(got["sqrt_rn"], np.sqrt(np.abs(xs)))
+    for fast, precise in (("exp", "libexp"), ("div", "div_rn"), ("sqrt", "sqrt_rn")):
+        ulps = _ulps(got[fast], got[precise])
+        assert 200 < int((ulps == 1).sum()) < 824 and int(ulps.max()) == 1, fast
+    # the same inputs give the same lanes (every order of a launch agrees), and results
+    # a GPU's approximation gives exactly stay exact
+    again = _approx(kernels, x, y)
+    assert all(np.array_equal(got[k], again[k]) for k in got)
+    exact = _approx(kernels, torch.tensor([0.0, 6.0, 4.0, 9.0]),
+                    torch.tensor([1.0, 3.0, 2.0, 3.0]))
+    assert exact["exp"][0] == 1.0 and list(exact["div"][1:]) == [2.0, 2.0, 3.0]
+    assert list(exact["sqrt"][2:]) == [2.0, 3.0]
