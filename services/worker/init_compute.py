@@ -117,7 +117,9 @@ class InitRecorder(TorchDispatchMode):
     def labels_of(self, t: torch.Tensor) -> set[str]:
         key = _key(t)
         if key is None:
-            return set()
+            # A meta tensor holds no values; any other tensor whose storage cannot be
+            # told (another layout) is of unknown origin, not clean.
+            return set() if isinstance(t, torch.Tensor) and t.is_meta else {OUTSIDE}
         origin = self.origins.get(key)
         return {OUTSIDE} if origin is None else set(origin.labels)
 

@@ -110,3 +110,9 @@ async def test_a_mask_the_task_builds_too_passes_without_a_note(verifier):
     result = await verifier.verify(request(code, TASKS[meta["task"]]), device="0")
     assert result.passed, (result.stage, result.error)
     assert not any("ModelNew computed" in n for n in result.notes), result.notes
+
+
+def test_a_tensor_whose_storage_cannot_be_told_is_not_clean():
+    recorder = init_compute.InitRecorder()
+    assert recorder.labels_of(torch.eye(2).to_sparse()) == {init_compute.OUTSIDE}
+    assert recorder.labels_of(torch.empty(2, device="meta")) == set()
