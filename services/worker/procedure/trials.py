@@ -396,7 +396,7 @@ class TrialRuns:
         if self.no_launch_variant:
             await self._replay(trial, "no-launch", fresh=True, skip_launches=True)
         # Rules D021 and D022: the first call again with its launches run in other
-        # orders too (the smallest size checked: its cost stays bounded), and with a
+        # orders too (the first call only: its cost stays bounded), and with a
         # plausible fill (random finite values or zeros, what a GPU's fresh memory
         # holds) where the trial had a poison one.
         await self._replay(trial, "orders", fresh=True,
