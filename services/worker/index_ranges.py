@@ -10,7 +10,16 @@ what two checks need:
   makes (:class:`Loop`; :mod:`services.worker.sizes` compares them between sizes);
 * the pointer offset of every ``tl.load`` / ``tl.store`` / ``tl.atomic_*``, with the
   first sub-expression of that offset that leaves the int32 range while it is still
-  computed in 32 bits (:class:`Access`; :mod:`services.worker.overflow` fails them).
+  computed in 32 bits (:class:`Access`; :mod:`services.worker.overflow` fails them);
+* the truth of every condition on known integers (each comparison, wherever it stands,
+  and each ``if`` / ``while`` / conditional-expression / ``tl.where`` test): true for
+  every program and lane, for none, or for some and not others (:class:`Branch`;
+  :mod:`services.worker.sizes` compares them between sizes, so that a kernel branching
+  on a size, ``if n > 8000000:`` or ``tl.where(pid < 8192, a, b)``, takes the same
+  branches at a checked size as at the task's own). A mask ``offs < n`` is true for
+  some lanes and false for others at both sizes (or true for all at both when ``n`` is
+  a multiple of the block, which congruence keeps), so it compares equal; a condition
+  on loaded values is unknown and not compared.
 
 Values (the model of Triton's integer typing, ``triton/language/semantic.py``): a
 program id, ``tl.num_programs``, ``tl.arange`` and an integer literal or constexpr
@@ -104,12 +113,31 @@ class Access:
     pointer: Ptr | None
 
 
+# The truth of a condition over a launch: every program and lane, none, some of them.
+ALL, NONE, SOME = "all", "none", "some"
+
+
+@dataclass
+class Branch:
+    """One condition of the kernel: ``line``, ``col`` (where it starts; with ``part``, its
+    place in a chained comparison, its key), ``text`` (its source) and ``truth``
+    (:data:`ALL`, :data:`NONE`, :data:`SOME`; None: it depends on values not known
+    before the run, loaded ones or ones the evaluator does not model)."""
+
+    line: int
+    col: int
+    part: int
+    text: str
+    truth: str | None
+
+
 @dataclass
 class Ranges:
-    """What :func:`evaluate` found, in source order."""
+    """What :func:`evaluate` found, in source order (branches by first evaluation)."""
 
     loops: list[Loop] = field(default_factory=list)
     accesses: list[Access] = field(default_factory=list)
+    branches: list[Branch] = field(default_factory=list)
 
 
 def kernel_defs(source: str) -> dict[str, ast.FunctionDef]:
@@ -123,14 +151,25 @@ def kernel_defs(source: str) -> dict[str, ast.FunctionDef]:
 
 
 def module_constants(source: str) -> dict[str, int]:
-    """The module-level ``NAME = <int literal>`` of ``source`` (kernels may read them)."""
+    """The module-level ``NAME = <int literal>`` and ``NAME = tl.constexpr(<int
+    literal>)`` of ``source`` (kernels may read them; Triton 3.9 wants the second)."""
     out: dict[str, int] = {}
     for node in parse(source).body:
-        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and \
-                isinstance(node.value.value, int) and not isinstance(node.value.value, bool):
+        if not isinstance(node, ast.Assign):
+            continue
+        value = node.value
+        if isinstance(value, ast.Call) and _callee(value.func) == "constexpr" and \
+                len(value.args) == 1 and not value.keywords:
+            value = value.args[0]
+        if isinstance(value, ast.UnaryOp) and isinstance(value.op, ast.USub) and \
+                isinstance(value.operand, ast.Constant):
+            value = ast.Constant(-value.operand.value) \
+                if isinstance(value.operand.value, int) else value
+        if isinstance(value, ast.Constant) and isinstance(value.value, int) and \
+                not isinstance(value.value, bool):
             for target in node.targets:
                 if isinstance(target, ast.Name):
-                    out[target.id] = node.value.value
+                    out[target.id] = value.value
     return out
 
 
@@ -181,11 +220,58 @@ def _hull(a: Any, b: Any) -> Any:
     return None
 
 
+def _both(a: str | None, b: str | None) -> str | None:
+    """The truth of one condition seen twice (two paths or evaluations): the union."""
+    if a is None or b is None:
+        return None
+    return a if a == b else SOME
+
+
+def _and(parts: list[str | None]) -> str | None:
+    if NONE in parts:
+        return NONE
+    if None in parts:
+        return None
+    return ALL if all(p == ALL for p in parts) else SOME
+
+
+def _not(truth: str | None) -> str | None:
+    return {ALL: NONE, NONE: ALL}.get(truth, truth) if truth is not None else None
+
+
+def _compare(op: ast.cmpop, a: Ival, b: Ival) -> str | None:
+    """The truth of ``a <op> b`` over every pair of values of the two intervals (an
+    interval over-approximates, so SOME may stand for a truth the run never mixes; it
+    does so alike at every size)."""
+    if isinstance(op, ast.Gt | ast.GtE):
+        op, a, b = (ast.Lt() if isinstance(op, ast.Gt) else ast.LtE()), b, a
+    if isinstance(op, ast.Lt):
+        return ALL if a.hi < b.lo else NONE if a.lo >= b.hi else SOME
+    if isinstance(op, ast.LtE):
+        return ALL if a.hi <= b.lo else NONE if a.lo > b.hi else SOME
+    if isinstance(op, ast.Eq | ast.NotEq):
+        equal = ALL if a.lo == a.hi == b.lo == b.hi else \
+            NONE if a.hi < b.lo or b.hi < a.lo else SOME
+        return equal if isinstance(op, ast.Eq) else _not(equal)
+    return None
+
+
 class _Walker:
     def __init__(self, grid: list[int], constants: dict[str, int]) -> None:
         self.grid = list(grid) + [1] * (3 - len(grid))
         self.constants = constants
         self.out = Ranges()
+        self._branches: dict[tuple[int, int, int], Branch] = {}
+
+    def note(self, node: ast.expr, part: int, text: str, truth: str | None) -> None:
+        """Record condition ``node`` (``part`` of a chained comparison) as ``truth``."""
+        key = (node.lineno, node.col_offset, part)
+        seen = self._branches.get(key)
+        if seen is None:
+            self._branches[key] = Branch(node.lineno, node.col_offset, part, text, truth)
+            self.out.branches.append(self._branches[key])
+        else:
+            seen.truth = _both(seen.truth, truth)
 
     # ---------------------------------------------------------------- values
 
@@ -266,13 +352,13 @@ class _Walker:
                             or isinstance(i, ast.Constant) and i.value is None for i in index)
             return base if broadcast else None
         if isinstance(node, ast.IfExp):
-            test = self.flag(node.test, env)
+            test = self.condition(node.test, env)
             if test is not None:
                 return self.value(node.body if test else node.orelse, env)
             return _hull(self.value(node.body, env), self.value(node.orelse, env))
         if isinstance(node, ast.Compare | ast.BoolOp):
-            test = self.flag(node, env)
-            return None if test is None else Flag(test)
+            truth = self.truth(node, env)
+            return Flag(truth == ALL) if truth in (ALL, NONE) else None
         if isinstance(node, ast.Call):
             return self.call(node, env)
         return None
@@ -310,6 +396,9 @@ class _Walker:
                             a.over or b.over)
             return None
         if name == "where" and len(args) == 3:
+            test = self.condition(args[0], env)
+            if test is not None:
+                return self.value(args[1] if test else args[2], env)
             return _hull(self.value(args[1], env), self.value(args[2], env))
         if name in _PASS_THROUGH and args:
             return self.value(args[0], env)
@@ -327,6 +416,12 @@ class _Walker:
             target = (args[0] if name == ".to" and args else args[1] if len(args) >= 2
                       else kwargs.get("dtype"))
             return self.cast(inner, self.value(target, env) if target is not None else None)
+        # Anything else is not modelled, but what it is given is still evaluated: the
+        # conditions and memory accesses inside (``tl.sum(tl.where(pid < K, ...))``).
+        if isinstance(node.func, ast.Attribute):
+            self.value(node.func.value, env)
+        for part in [*args, *kwargs.values()]:
+            self.value(part.value if isinstance(part, ast.Starred) else part, env)
         return None
 
     @staticmethod
@@ -339,36 +434,52 @@ class _Walker:
             return Ival(inner.lo, inner.hi, False, inner.over)
         return None
 
-    def flag(self, node: ast.expr, env: dict[str, Any]) -> bool | None:
-        """A condition's value when it is the same for every program and lane."""
-        if isinstance(node, ast.Compare) and len(node.ops) == 1:
-            a, b = self.value(node.left, env), self.value(node.comparators[0], env)
-            if isinstance(a, Ival) and isinstance(b, Ival):
-                op = node.ops[0]
-                if a.lo == a.hi and b.lo == b.hi:
-                    x, y = a.lo, b.lo
-                    table = {ast.Lt: x < y, ast.LtE: x <= y, ast.Gt: x > y, ast.GtE: x >= y,
-                             ast.Eq: x == y, ast.NotEq: x != y}
-                    return table.get(type(op))
-                if isinstance(op, ast.Lt | ast.LtE) and a.hi < b.lo:
-                    return True
-                if isinstance(op, ast.Gt | ast.GtE) and a.lo > b.hi:
-                    return True
-            if isinstance(a, Flag) and isinstance(b, Flag):
-                if isinstance(node.ops[0], ast.Eq | ast.Is):
-                    return a.value == b.value
-            return None
+    def truth(self, node: ast.expr, env: dict[str, Any]) -> str | None:
+        """The truth of condition ``node`` over the launch (:data:`ALL`, :data:`NONE`,
+        :data:`SOME`, None: unknown); each comparison in it is recorded."""
+        if isinstance(node, ast.Compare):
+            parts = []
+            left = self.value(node.left, env)
+            for i, (op, right_node) in enumerate(zip(node.ops, node.comparators,
+                                                     strict=True)):
+                right = self.value(right_node, env)
+                truth = None
+                if isinstance(left, Ival) and isinstance(right, Ival):
+                    truth = _compare(op, left, right)
+                elif isinstance(left, Flag) and isinstance(right, Flag) and \
+                        isinstance(op, ast.Eq | ast.Is | ast.NotEq | ast.IsNot):
+                    same = left.value == right.value
+                    truth = ALL if same == isinstance(op, ast.Eq | ast.Is) else NONE
+                text = ast.unparse(node) if len(node.ops) == 1 else \
+                    f"{ast.unparse(node.left if i == 0 else node.comparators[i - 1])} " \
+                    f"{_OP_TEXT.get(type(op), '?')} {ast.unparse(right_node)}"
+                if isinstance(left, Ival | Flag) and isinstance(right, Ival | Flag):
+                    self.note(node, i, text, truth)
+                parts.append(truth)
+                left = right
+            return _and(parts)
         if isinstance(node, ast.BoolOp):
-            parts = [self.flag(v, env) for v in node.values]
+            parts = [self.truth(v, env) for v in node.values]
             if isinstance(node.op, ast.And):
-                return False if False in parts else (None if None in parts else True)
-            return True if True in parts else (None if None in parts else False)
+                return _and(parts)
+            return _not(_and([_not(p) for p in parts]))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return _not(self.truth(node.operand, env))
         value = self.value(node, env)
         if isinstance(value, Flag):
-            return value.value
-        if isinstance(value, Ival) and value.lo == value.hi:
-            return bool(value.lo)
+            return ALL if value.value else NONE
+        if isinstance(value, Ival):
+            return NONE if value.lo == value.hi == 0 else \
+                ALL if value.lo > 0 or value.hi < 0 else SOME
         return None
+
+    def condition(self, node: ast.expr, env: dict[str, Any]) -> bool | None:
+        """The test of an ``if``, ``while``, conditional expression or ``tl.where``:
+        recorded, and its value when it is the same for every program and lane."""
+        truth = self.truth(node, env)
+        if truth is not None and not isinstance(node, ast.Compare | ast.BoolOp):
+            self.note(node, 0, ast.unparse(node), truth)
+        return {ALL: True, NONE: False}.get(truth) if truth is not None else None
 
     def access(self, kind: str, node: ast.Call, env: dict[str, Any]) -> None:
         target = node.args[0] if node.args else next(
@@ -403,9 +514,8 @@ class _Walker:
         elif isinstance(stmt, ast.Expr):
             self.value(stmt.value, env)
         elif isinstance(stmt, ast.If):
-            test = self.flag(stmt.test, env)
+            test = self.condition(stmt.test, env)
             if test is None:
-                self.value(stmt.test, env)
                 left, right = dict(env), dict(env)
                 self.block(stmt.body, left)
                 self.block(stmt.orelse, right)
@@ -416,6 +526,8 @@ class _Walker:
         elif isinstance(stmt, ast.For):
             self.loop(stmt, env)
         elif isinstance(stmt, ast.While):
+            # Whether a program enters the loop: the test on the values before it.
+            self.condition(stmt.test, env)
             for name in _assigned(stmt.body):
                 env[name] = None
             self.block(stmt.body, env)
@@ -484,6 +596,11 @@ class _Walker:
             if name in increments and trips is not None and isinstance(env.get(name), Ival):
                 continue
             env[name] = None
+
+
+_OP_TEXT = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=", ast.Eq: "==",
+            ast.NotEq: "!=", ast.Is: "is", ast.IsNot: "is not", ast.In: "in",
+            ast.NotIn: "not in"}
 
 
 def _assigned(body: list[ast.stmt]) -> set[str]:

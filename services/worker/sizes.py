@@ -23,6 +23,12 @@ every launch (kernel, grid, constexprs, every autotune config), nothing allocate
   (trip counts from the kernel's source at each launch's values,
   :mod:`services.worker.index_ranges`; a loop whose count is not known at the task's
   own sizes, data-dependent or beyond what the evaluator understands, is not compared).
+  Likewise each condition on program ids, scalar arguments, constexprs and module
+  constants (every comparison, ``if``, ``while`` and ``tl.where`` test) is true for
+  every program and lane, for none, or for some alike at both sizes: ``if n > 8000000:``
+  or ``tl.where(pid < 8192, a, b)`` takes the same branch at a checked size as at the
+  task's own; a mask ``offs < n`` mixes lanes at both (or none at both); a condition on
+  loaded values is not compared.
 * :func:`congruent_candidates` proposes smaller sizes that keep each size congruent
   to the real one modulo the launches' block sizes.
 * :func:`awkward_sizes` proposes the shape-generality sizes: odd extents, multiples of
@@ -251,19 +257,43 @@ def _trips_text(trips: tuple[int, int] | None) -> str:
         f"{low} to {high} times"
 
 
+_TRUTH_TEXT = {
+    index_ranges.ALL: "holds for every program and lane",
+    index_ranges.NONE: "holds for no program or lane",
+    index_ranges.SOME: "holds for some programs or lanes and not for others",
+    None: "depends on values not known before the run",
+}
+
+
 def _loops_congruent(name: str, a: dict[str, Any], b: dict[str, Any],
                      source: KernelSource) -> str | None:
-    """The loop rule of :func:`congruent`: each loop of the kernel runs none, once or
-    several times (the most any program makes) alike at both sizes."""
+    """The loop and branch rules of :func:`congruent`: each loop of the kernel runs
+    none, once or several times (the most any program makes) alike at both sizes, and
+    each condition on known integers (a comparison, an ``if`` / ``while`` /
+    ``tl.where`` test) is true for every program and lane, for none, or for some alike
+    (a condition unknown at the task's own sizes, on loaded values, is not compared)."""
     fn = source.defs[name]
-    big = index_ranges.evaluate(fn, a, source.constants).loops
-    small = index_ranges.evaluate(fn, b, source.constants).loops
-    for x, y in zip(big, small, strict=False):
+    big = index_ranges.evaluate(fn, a, source.constants)
+    small = index_ranges.evaluate(fn, b, source.constants)
+    for x, y in zip(big.loops, small.loops, strict=False):
         cx, cy = index_ranges.trip_class(x.trips), index_ranges.trip_class(y.trips)
         if cx is None or cx == cy:
             continue
         return (f"{name}'s loop `{x.text}` (line {x.line}) runs {_trips_text(x.trips)} at the "
                 f"task's own sizes and {_trips_text(y.trips)} at the checked sizes")
+    checked = {(c.line, c.col, c.part): c for c in small.branches}
+    for c in big.branches:
+        if c.truth is None:
+            continue
+        other = checked.get((c.line, c.col, c.part))
+        there = other.truth if other is not None else "not reached"
+        if there == c.truth:
+            continue
+        said = _TRUTH_TEXT.get(there, "is not reached") if other is not None else \
+            "is not reached"
+        return (f"{name}'s condition `{c.text}` (line {c.line}) {_TRUTH_TEXT[c.truth]} at "
+                f"the task's own sizes and {said} at the checked sizes: the task's own sizes "
+                "take a branch the checked sizes do not")
     return None
 
 
