@@ -24,6 +24,11 @@ and is judged on that path:
   ``device`` ``cuda:0``, ``data_ptr()`` a 512-byte-aligned device-like address (per
   storage, offsets kept); ``torch.get_default_device()`` is the CPU during the dry
   run. Torch's own code (its meta kernels, the harness) gets the truth.
+* What the torch build says of itself, to the candidate's code: a CUDA build's
+  (``torch.version.cuda`` ``"12.8"``, ``torch.__version__`` ``+cu128``,
+  ``torch.backends.cuda.is_built()`` and ``torch.backends.cudnn.is_available()`` true,
+  ``cudnn.version()`` 91002, ``torch.__config__.show()`` with CUDA on); torch's own
+  code keeps the truth (its meta kernels read ``torch.version.cuda``).
 * Triton's ``driver.active`` is such a GPU (``utils.get_device_properties`` gives its
   SM count and shared memory).
 
@@ -43,10 +48,17 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.torch_version import TorchVersion
 
 from services.worker.targets import GpuTarget
 
 _CUDA = torch.device("cuda", 0)
+# What a CUDA build of torch says of itself: the CUDA toolkit it was built with (the
+# ``cu128`` wheels of PyTorch's index, whose version tag it carries) and its cuDNN
+# (``torch.backends.cudnn.version()``, major * 10000 + minor * 100 + patch: 9.10.2).
+CUDA_VERSION = "12.8"
+CUDA_TAG = "cu128"
+CUDNN_VERSION = 91002
 # Where the candidate sees device allocations start (a CUDA virtual address range).
 _DEVICE_BASE = 0x7F0000000000
 
@@ -226,6 +238,17 @@ class _DeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _cuda_build_settings(text: str) -> str:
+    """``torch.__config__.show()`` of a cpu build as a CUDA build's says it."""
+    for old, new in (("USE_CUDA=0", "USE_CUDA=ON"), ("USE_CUDA=OFF", "USE_CUDA=ON"),
+                     ("USE_CUDNN=OFF", "USE_CUDNN=ON"), ("USE_NCCL=OFF", "USE_NCCL=1")):
+        text = text.replace(old, new)
+    return text.replace("  - CPU capability usage:",
+                        f"  - CUDA Runtime {CUDA_VERSION}\n"
+                        f"  - CuDNN {CUDNN_VERSION // 10000}.{CUDNN_VERSION // 100 % 100}."
+                        f"{CUDNN_VERSION % 100}\n  - CPU capability usage:")
+
+
 def _candidate_frame(filename: str | None) -> bool:
     """Whether the code asking (the nearest frame outside this module and the standard
     library, two frames up: past the patched getter) is the candidate's module."""
@@ -366,8 +389,65 @@ class CudaEmulation:
             setattr(cuda, name, note(name, value))
         cuda.Event = _Event
         cuda.Stream = _Stream
+        self._install_build_answers()
         self._mode.__enter__()
         self._install_triton_driver()
+
+    def _install_build_answers(self) -> None:
+        """What the torch build says of itself answers, to the candidate's code only, as
+        a CUDA build (:data:`CUDA_VERSION`, :data:`CUDNN_VERSION`): ``torch.__version__``
+        and ``torch.version.__version__`` (``+cu128``, not ``+cpu``), ``torch.version.cuda``,
+        ``torch.backends.cuda.is_built()``, ``torch.backends.cudnn.is_available()`` and
+        ``version()``, ``torch.cuda._is_compiled()``, ``torch._C._has_cuda`` /
+        ``_has_cudnn`` and the build settings of ``torch.__config__.show()``. Torch's own
+        code (its meta kernels read ``torch.version.cuda``) keeps the truth; a module's
+        ``__dict__`` holds the GPU's answer, which its attribute gives torch's code."""
+        emulation = self
+        candidate = self.candidate
+        real_version = str(torch.__version__)
+        gpu_version = TorchVersion(real_version.split("+")[0] + "+" + CUDA_TAG)
+
+        def attributes(module: Any, label: str, answers: dict[str, Any]) -> None:
+            real = {name: getattr(module, name) for name in answers}
+
+            def answer(name: str) -> property:
+                def get(_module: Any) -> Any:
+                    if _candidate_frame(candidate):
+                        emulation.used.add(f"{label}.{name}")
+                        return answers[name]
+                    return real[name]
+
+                return property(get)
+
+            cls = type(module)
+            sub = type(cls.__name__, (cls,), {n: answer(n) for n in answers})
+            sub.__module__, sub.__qualname__ = cls.__module__, cls.__qualname__
+            module.__class__ = sub
+            vars(module).update(answers)
+
+        def function(owner: Any, label: str, name: str, value: Any) -> None:
+            real = getattr(owner, name)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                if _candidate_frame(candidate):
+                    emulation.used.add(f"{label}.{name}")
+                    return value(real(*args, **kwargs)) if callable(value) else value
+                return real(*args, **kwargs)
+
+            call.__name__ = call.__qualname__ = name
+            call.__module__ = getattr(real, "__module__", None)
+            call.__doc__ = getattr(real, "__doc__", None)
+            setattr(owner, name, call)
+
+        attributes(torch.version, "torch.version",
+                   {"cuda": CUDA_VERSION, "__version__": gpu_version})
+        attributes(torch, "torch", {"__version__": gpu_version})
+        attributes(torch._C, "torch._C", {"_has_cuda": True, "_has_cudnn": True})
+        function(torch.backends.cuda, "torch.backends.cuda", "is_built", True)
+        function(torch.backends.cudnn, "torch.backends.cudnn", "is_available", True)
+        function(torch.backends.cudnn, "torch.backends.cudnn", "version", CUDNN_VERSION)
+        function(torch.cuda, "torch.cuda", "_is_compiled", True)
+        function(torch.__config__, "torch.__config__", "show", _cuda_build_settings)
 
     def _install_triton_driver(self) -> None:
         from triton.backends.compiler import GPUTarget

@@ -56,6 +56,13 @@ def ask(where, t=None):
         "is_available": torch.cuda.is_available() is True,
         "device_count": torch.cuda.device_count() == 1,
         "current_device": torch.cuda.current_device() == 0,
+        "version.cuda": isinstance(torch.version.cuda, str) and "." in torch.version.cuda,
+        "__version__": "+cu" in torch.__version__ and "+cu" in torch.version.__version__,
+        "backends.cuda.is_built": torch.backends.cuda.is_built() is True,
+        "cudnn.is_available": torch.backends.cudnn.is_available() is True,
+        "cudnn.version": isinstance(torch.backends.cudnn.version(), int),
+        "cuda._is_compiled": torch.cuda._is_compiled() is True,
+        "config.show": "USE_CUDA=ON" in torch.__config__.show(),
     }}
     if t is not None:
         got.update({{
