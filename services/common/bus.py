@@ -95,6 +95,16 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
                             storage=StorageType.FILE, num_replicas=settings.stream_replicas,
                             **limits)
 
+    # The work queues keep a message at most queue_max_age_s (a stray on a lane no
+    # service takes goes by itself; a request's waiter gave up long before: the
+    # generator after verify_result_timeout_s, every waiter after
+    # verify_unserved_timeout_s without a worker) and hold at most queue_max_msgs: a
+    # publish beyond it is refused (discard new), so no queued message is dropped to
+    # make room (docs/operations.md, "Stream limits").
+    queue_limits: dict[str, Any] = dict(
+        duplicate_window=min(DUPLICATE_WINDOW_S, settings.queue_max_age_s or DUPLICATE_WINDOW_S),
+        max_age=settings.queue_max_age_s,
+        max_msgs=settings.queue_max_msgs, discard=DiscardPolicy.NEW)
     return [
         # jobs.submit (default tenant, normal priority) and the tenant lanes
         # jobs.submit.<tenant>.<priority> (services/common/lanes.py): a publish with
@@ -105,11 +115,11 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         stream(subjects.STREAM_JOBS,
                [subjects.JOBS_SUBMIT,
                 *(f"{subjects.JOBS_SUBMIT}.*.{p}" for p in subjects.PRIORITIES)],
-               RetentionPolicy.WORK_QUEUE, duplicate_window=DUPLICATE_WINDOW_S),
+               RetentionPolicy.WORK_QUEUE, **queue_limits),
         stream(subjects.STREAM_JOB_EVENTS, [f"{subjects.JOB_EVENTS_PREFIX}.>"],
                RetentionPolicy.LIMITS, max_age=settings.job_events_max_age_s),
         stream(subjects.STREAM_VERIFY, [f"{subjects.VERIFY_PREFIX}.>"],
-               RetentionPolicy.WORK_QUEUE, duplicate_window=DUPLICATE_WINDOW_S),
+               RetentionPolicy.WORK_QUEUE, **queue_limits),
         stream(subjects.STREAM_RESULTS, [f"{subjects.RESULTS_PREFIX}.>"],
                RetentionPolicy.LIMITS,
                max_age=settings.results_max_age_s, duplicate_window=DUPLICATE_WINDOW_S),

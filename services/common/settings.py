@@ -116,6 +116,19 @@ class Settings(msgspec.Struct, kw_only=True):
         generator_concurrency: jobs one generator process runs at once.
         verify_result_timeout_s: how long the generator waits for one candidate's
             verdict, queueing included, before failing the job.
+        verify_unserved_timeout_s: how long a verify request may wait on a
+            backend/arch no live worker heartbeats before its job, batch entry or
+            ``RemoteWorker`` call fails with a message naming the lane, seconds
+            (services/common/lane_watch.py); 0 waits for the result timeout instead.
+            60 s: more than a worker's restart (a worker's heartbeat key lives three
+            periods after its last put, and a restarted worker beats again within
+            seconds of starting its sandbox), far less than the hour of
+            ``verify_result_timeout_s``.
+        queue_max_age_s / queue_max_msgs: limits of the JOBS and VERIFY work-queue
+            streams: a message older than ``queue_max_age_s`` (7 days, as JOB_EVENTS
+            keeps a job's events and the ``batches`` bucket a batch) is dropped, and
+            once a stream holds ``queue_max_msgs`` messages a new publish is refused
+            (discard new: nothing queued is dropped to make room); docs/operations.md.
         lowering_timeout_s: limit on one built-in coder lowering of a task (its code
             and ``torch.export`` in a sandboxed child), seconds; past it the job fails
             with a message saying so.
@@ -223,6 +236,9 @@ class Settings(msgspec.Struct, kw_only=True):
     up_run_dir: str = ""
     generator_concurrency: int = 4
     verify_result_timeout_s: float = 3600.0
+    verify_unserved_timeout_s: float = 60.0
+    queue_max_age_s: float = 7 * 24 * 3600.0
+    queue_max_msgs: int = 1_000_000
     lowering_timeout_s: float = LOWERING_TIMEOUT_S
     task_timeout_s: float = 60.0
     sandbox_lower_address_space_bytes: int = 4 << 30

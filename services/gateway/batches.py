@@ -73,6 +73,7 @@ from schemas import (
 from schemas.events import BatchTask
 from services.common.bus import Bus, create_record, update_record
 from services.common.jobs import CheckedJobStore
+from services.common.lane_watch import LaneWatch
 from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
@@ -277,16 +278,60 @@ async def fold(bus: Bus, store: BatchStore, batch_id: str) -> BatchRecord | None
 
 async def follow(bus: Bus, batch_id: str) -> None:
     """Fold the batch's verdicts into its record as they land, until it is settled or
-    its record is gone; NATS trouble is logged and retried."""
+    its record is gone; NATS trouble is logged and retried. When the batch's
+    backend/arch has had no live worker for ``verify_unserved_timeout_s``
+    (services/common/lane_watch.py), every candidate still without a verdict fails
+    with a message naming the lane (:func:`fail_unserved`)."""
     store = BatchStore(bus.batches)  # type: ignore[arg-type]
+    watch: LaneWatch | None = None
     while True:
         try:
             record = await fold(bus, store, batch_id)
             if record is None or settled(record):
                 return
+            if watch is None:
+                watch = LaneWatch(bus.js, record.task.backend, record.task.arch,
+                                  bus.settings.verify_unserved_timeout_s, waiter="batch")
+            if record.status == "running" and (message := await watch.check()):
+                await fail_unserved(bus, store, record, message)
+                return
         except (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError) as exc:
             log.warning("batch_follow_failed", batch_id=batch_id, error=repr(exc))
         await asyncio.sleep(POLL_S)
+
+
+def add_unserved(record: BatchRecord, message: str) -> bool:
+    """Give every candidate of a running ``record`` that has no verdict and was not
+    cancelled a failed one (stage ``infrastructure``, ``error`` ``message``, no
+    worker), and mark the batch ``completed``. True when the record changed."""
+    if record.status != "running":
+        return False
+    decided = {v.index for v in record.verdicts}
+    for c in record.candidates:
+        if c.index in decided or c.cancelled:
+            continue
+        record.verdicts.append(BatchVerdict(
+            index=c.index, candidate_id=c.candidate_id, request_id=c.request_id,
+            passed=False, stage="infrastructure", error=message[:ERROR_CHARS],
+            duplicate_of=c.duplicate_of))
+    record.status, record.end_time = "completed", utcnow()
+    return True
+
+
+async def fail_unserved(bus: Bus, store: BatchStore, record: BatchRecord, message: str) -> None:
+    """Fail the candidates of ``record`` without a verdict because no worker serves its
+    lane (:func:`add_unserved`), after taking their requests out of VERIFY: no live
+    worker holds them (it would heartbeat), so they would only wait there for a
+    worker of a pair nobody serves."""
+    decided = {v.request_id for v in record.verdicts}
+    for c in record.candidates:
+        if c.duplicate_of is None and c.request_id not in decided and c.verify_seq:
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await bus.js.delete_msg(subjects.STREAM_VERIFY, c.verify_seq)
+    await fold(bus, store, record.batch_id)  # verdicts that landed meanwhile count
+    await store.update(record.batch_id, lambda r: add_unserved(r, message))
+    log.warning("batch_unserved", batch_id=record.batch_id, backend=record.task.backend,
+                arch=record.task.arch, message=message)
 
 
 def _start_follower(state: State, bus: Bus, batch_id: str) -> None:

@@ -615,19 +615,33 @@ async def job_kernel(job_id: FromPath[str],
     return Response(result.code, media_type="text/x-python", headers=headers)
 
 
+# The largest Last-Event-ID an event stream resumes after: the next id must still be
+# a JetStream sequence, which nats-server keeps as an unsigned 64-bit integer (and
+# parses as one from a consumer's ``opt_start_seq``); kept within int64 for clients.
+MAX_EVENT_ID = 2**63 - 2
+
+
 def resume_after(last_event_id: str | None, what: str) -> int:
-    """The ``Last-Event-ID`` an event stream resumes after (0: from the start); a 400
-    naming ``what`` the id must be (``an event id``) when it is not a whole number >= 0."""
+    """The ``Last-Event-ID`` an event stream resumes after (0: from the start).
+
+    Raises:
+        ClientException: a 400 naming ``what`` the id must be (``an event id``) when it
+            is not a whole number in ASCII digits from 0 to :data:`MAX_EVENT_ID`
+            (negative, too large, a sign, spaces, ``_`` or other digits).
+    """
     if not last_event_id:
         return 0
-    try:
-        after = int(last_event_id)
-    except ValueError:
+    text = last_event_id.strip()
+    if not (text.isascii() and text.isdigit()):
+        if text.startswith("-") and text[1:].isascii() and text[1:].isdigit():
+            raise ClientException(detail="Last-Event-ID must not be negative")
         raise ClientException(detail=f"Last-Event-ID must be {what} (an integer) sent by "
-                              f"this route, not {last_event_id[:40]!r}") from None
-    if after < 0:
-        raise ClientException(detail="Last-Event-ID must not be negative")
-    return after
+                              f"this route, not {last_event_id[:40]!r}")
+    if len(text) > len(str(MAX_EVENT_ID)) or int(text) > MAX_EVENT_ID:
+        raise ClientException(detail=f"Last-Event-ID {text[:40]}{'...' if len(text) > 40 else ''}"
+                              f" is out of range: {what} sent by this route is at most "
+                              f"{MAX_EVENT_ID}")
+    return int(text)
 
 
 @get("/{job_id:str}/events", summary="Job events (Server-Sent Events)",

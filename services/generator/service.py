@@ -88,6 +88,7 @@ from services.common.jobs import (
     new_record,
     publish_event,
 )
+from services.common.lane_watch import LaneWatch, UnservedLane, while_served
 from services.common.metrics import start_metrics_server
 from services.common.pull_loop import PullLoop, open_pull_loop
 from services.common.records import attempt_ids, unknown_shape_names
@@ -751,12 +752,18 @@ class JobRun:
         to the job's ``verify_wait`` phase.
 
         Raises:
-            WorkflowError: no verdict within ``verify_result_timeout_s``.
+            WorkflowError: no verdict within ``verify_result_timeout_s``, or no live
+                worker of the job's backend/arch for ``verify_unserved_timeout_s``
+                (services/common/lane_watch.py; the message names the lane).
         """
         waiting = time.monotonic()
         timeout = self.settings.verify_result_timeout_s
+        watch = LaneWatch(self.bus.js, self.submit.backend, self.record.arch or "",
+                          self.settings.verify_unserved_timeout_s, waiter="generator")
         try:
-            return await self.waiter.wait(request_id, timeout)
+            return await while_served(self.waiter.wait(request_id, timeout), watch)
+        except UnservedLane as exc:
+            raise WorkflowError(f"candidate {candidate_id}: {exc}") from exc
         except TimeoutError as exc:
             raise WorkflowError(
                 f"no verdict for candidate {candidate_id} within {timeout:.0f} s: is a "

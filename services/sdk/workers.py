@@ -31,7 +31,9 @@ import nats.js.errors
 
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
 from services.common.jobs import heartbeats
+from services.common.lane_watch import LaneWatch, UnservedLane, while_served
 from services.common.records import normalised_hash, unknown_shape_names
+from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings, load_settings, machine_arch
 from services.common.verdicts import VerdictWaiter
 
@@ -154,6 +156,10 @@ class RemoteWorker(_WorkerBase):
             seconds.
         require_live_worker: refuse to send a request no live worker would take
             (:class:`NoWorkerError`) rather than leave it queued.
+        unserved_timeout_s: once a request is sent, how long its backend/arch may have
+            no live worker before the call fails with :class:`NoWorkerError` naming the
+            lane, seconds (services/common/lane_watch.py); None: the settings'
+            ``verify_unserved_timeout_s`` (60 s); 0: wait for ``result_timeout_s``.
         settings: the NATS credentials to connect with (``nats_user`` /
             ``nats_password``, ``nats_token``, ``nats_creds_file`` ..., see
             :func:`services.common.bus.nats_credentials`); None reads them from the
@@ -168,7 +174,8 @@ class RemoteWorker(_WorkerBase):
 
     def __init__(self, nats_url: str | None = None, backend: str | None = None,
                  arch: str | None = None, *, result_timeout_s: float = DEFAULT_RESULT_TIMEOUT_S,
-                 require_live_worker: bool = True, settings: Settings | None = None) -> None:
+                 require_live_worker: bool = True, settings: Settings | None = None,
+                 unserved_timeout_s: float | None = None) -> None:
         from services.common.bus import inbox_prefix_of, nats_credentials
 
         settings = load_settings() if settings is None else settings
@@ -187,6 +194,8 @@ class RemoteWorker(_WorkerBase):
         self.arch = arch
         self.result_timeout_s = result_timeout_s
         self.require_live_worker = require_live_worker
+        self.unserved_timeout_s = (settings.verify_unserved_timeout_s
+                                   if unserved_timeout_s is None else unserved_timeout_s)
         self._nc: Any = None
         self._connect_lock: asyncio.Lock | None = None
 
@@ -294,7 +303,8 @@ class RemoteWorker(_WorkerBase):
             The worker's verdict (``passed``, ``stage``, ``error``, timings in us).
 
         Raises:
-            NoWorkerError: no live worker for backend/arch (``require_live_worker``).
+            NoWorkerError: no live worker for backend/arch (``require_live_worker``),
+                or none for ``unserved_timeout_s`` while the request waited.
             TimeoutError: no verdict within ``result_timeout_s``.
             ConnectionError: NATS unreachable, or it has no AIKG streams.
             ValueError: a bad field (the message names it).
@@ -322,7 +332,11 @@ class RemoteWorker(_WorkerBase):
                     "is it the server the AIKG workers use? (`aikg worker` creates them)"
                 ) from exc
             try:
-                return await waiter.wait(request.request_id, self.result_timeout_s)
+                return await while_served(
+                    waiter.wait(request.request_id, self.result_timeout_s),
+                    self._lane_watch(js, request.backend, request.arch))
+            except UnservedLane as exc:
+                raise NoWorkerError(f"request {request.request_id}: {exc}") from None
             except TimeoutError:
                 raise TimeoutError(
                     f"no verdict for request {request.request_id} within "
@@ -332,6 +346,9 @@ class RemoteWorker(_WorkerBase):
                 await waiter.stop()
         finally:
             self._in_flight -= 1
+
+    def _lane_watch(self, js: Any, backend: str, arch: str) -> LaneWatch:
+        return LaneWatch(js, backend, arch, self.unserved_timeout_s, waiter="sdk")
 
     async def verify_many(self, task_desc: str, codes: Sequence[str], op_name: str, *,
                           dsl: str = "triton", framework: str = "torch",
@@ -359,7 +376,8 @@ class RemoteWorker(_WorkerBase):
 
         Raises:
             NoWorkerError, ConnectionError, ValueError: as :meth:`verify` (a bad field
-                before anything is sent).
+                before anything is sent; the verdicts still awaited when the lane went
+                unserved stay queued).
             TimeoutError: no verdict landed for ``result_timeout_s`` seconds while some
                 were still awaited (the ones still queued stay queued).
         """
@@ -392,24 +410,49 @@ class RemoteWorker(_WorkerBase):
                             f"({exc.__class__.__name__}): is it the server the AIKG workers "
                             "use? (`aikg worker` creates them)") from exc
                 pending = {waiter.expect(r.request_id): i for i, r in requests.items()}
-                while pending:
-                    done, _ = await asyncio.wait(pending, timeout=self.result_timeout_s,
-                                                 return_when=asyncio.FIRST_COMPLETED)
-                    if not done:
-                        raise TimeoutError(
-                            f"no verdict for {len(pending)} of {len(requests)} requests of "
-                            f"{job_id} within {self.result_timeout_s:g} s: is a worker for "
-                            f"{self.backend}/{arch} running and free? (`aikg workers`)")
-                    for future in done:
-                        index = pending.pop(future)
-                        for i, source in enumerate(original):
-                            if source == index:
-                                results[i] = future.result()
-                                if on_verdict is not None:
-                                    on_verdict(i, results[i])
+                watch = self._lane_watch(js, self.backend or "", arch)
+                guard = asyncio.create_task(watch.wait()) if watch.active else None
+                try:
+                    await self._collect(pending, requests, original, results, job_id, arch,
+                                        guard, on_verdict)
+                finally:
+                    if guard is not None:
+                        await cancel_and_wait(guard)
         finally:
             self._in_flight -= len(requests)
         return [results[i] for i in range(len(codes))]
+
+    async def _collect(self, pending: dict[asyncio.Future, int], requests: dict[int, Any],
+                       original: list[int], results: dict[int, VerifyResult], job_id: str,
+                       arch: str, guard: asyncio.Task | None,
+                       on_verdict: Callable[[int, VerifyResult], Any] | None) -> None:
+        """:meth:`verify_many`'s wait: each verdict into ``results`` (and its
+        duplicates') as it lands, until none is pending.
+
+        Raises:
+            NoWorkerError: ``guard`` (the lane's watch) ended first: no live worker.
+            TimeoutError: no verdict for ``result_timeout_s``.
+        """
+        while pending:
+            done, _ = await asyncio.wait(
+                [*pending, *([guard] if guard is not None else [])],
+                timeout=self.result_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+            verdicts = [f for f in done if f is not guard]
+            if not verdicts and guard is not None and guard.done():
+                raise NoWorkerError(f"{len(pending)} of {len(requests)} requests of "
+                                    f"{job_id}: {guard.result()}")
+            if not done:
+                raise TimeoutError(
+                    f"no verdict for {len(pending)} of {len(requests)} requests of "
+                    f"{job_id} within {self.result_timeout_s:g} s: is a worker for "
+                    f"{self.backend}/{arch} running and free? (`aikg workers`)")
+            for future in verdicts:
+                index = pending.pop(future)
+                for i, source in enumerate(original):
+                    if source == index:
+                        results[i] = future.result()
+                        if on_verdict is not None:
+                            on_verdict(i, results[i])
 
 
 class DevicePool:
