@@ -19,8 +19,14 @@ first call, where each storage's bytes came from (:class:`InitRecorder`, a
 * *computed*: the output of any other ATen operator, a storage such an operator wrote
   in place, and copies of those; a tensor made from host values (``torch.tensor``,
   ``torch.from_numpy``: Python or numpy computed them); a storage no recorded operator
-  made; and, once a computed value was read into Python (``.item()``), fills and
-  allocations that take a Python number (it may carry that value).
+  made; once a value of the init's tensors, computed or init-seeded, was read into
+  Python (``.item()``), fills and allocations that take a Python number (it may carry
+  that value); and a storage joined from constant pieces of more than one value
+  (:data:`JOINED`): ``torch.cat`` / ``torch.stack`` of ``torch.full`` pieces, fills
+  written into parts of one buffer, constant padding of a fill, random fills too
+  narrow to be random (``uniform_(v, v)``): each piece is a constant, together they are
+  a table Python computed. One fill value throughout (a ``torch.ones`` scale, zeros)
+  stays clean, as does a fill joined to init-seeded weights (zero padding).
 
 A captured storage that is computed is exempt when its values equal a tensor of the
 task's own ``Model`` built under the same init seed (:func:`value_digests`; the
@@ -74,6 +80,18 @@ MODULE_PREFIX = "module:"
 HOST = "torch.tensor/from_numpy of host values"
 OUTSIDE = "no recorded operator (made outside torch's operators)"
 ITEM = ".item() of computed values"
+ITEM_SEEDED = ".item() of the init's tensors"
+JOINED = "constant pieces of different values joined (cat/stack/part writes of fills)"
+# A piece's constant value, by operator: where the value is (an argument's name) or
+# what it is. Random fills whose spread is below _NARROW of their magnitude are
+# constants in disguise (uniform_(v, v), normal_(v, 0), randint(v, v + 1)).
+_FILL_ARGUMENT = {"full": "fill_value", "full_like": "fill_value", "new_full": "fill_value",
+                  "fill_": "value", "scalar_tensor": "s", "constant_pad_nd": "value"}
+_FILL_CONSTANT = {"ones": 1.0, "ones_like": 1.0, "new_ones": 1.0, "zeros": 0.0,
+                  "zeros_like": 0.0, "new_zeros": 0.0, "zero_": 0.0}
+_NARROW = 0.1
+# Operators whose output replaces what the storage held when they write all of it.
+_OVERWRITES = frozenset({"fill_", "zero_"}) | RANDOM_OPS
 
 
 @dataclass
@@ -85,6 +103,94 @@ class Origin:
     labels: set[str] = field(default_factory=set)
     dtype: torch.dtype | None = None
     shape: tuple[int, ...] = ()
+    # The constant pieces its bytes came from (their values), and whether any part is
+    # init-seeded random or a constructor argument.
+    pieces: set[str] = field(default_factory=set)
+    seeded: bool = False
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return None
+
+
+def _narrow(center: float | None, spread: float | None) -> bool:
+    """Whether a random fill of this center and spread is a constant in disguise."""
+    if center is None or spread is None:
+        return False
+    return abs(spread) <= _NARROW * abs(center) or spread == 0
+
+
+def _bound(func: Any, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``func``'s arguments by their schema names (defaults filled in)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return {}
+    out: dict[str, Any] = {}
+    for i, argument in enumerate(schema.arguments):
+        if i < len(args):
+            out[argument.name] = args[i]
+        elif argument.name in kwargs:
+            out[argument.name] = kwargs[argument.name]
+        elif argument.has_default_value():
+            out[argument.name] = argument.default_value
+    return out
+
+
+def piece(packet: str, bound: dict[str, Any]) -> tuple[str | None, bool]:
+    """The constant one operator writes (its value as text, or None) and whether it
+    writes init-seeded random values instead: ``full(.., 2.5)`` -> ``("2.5", False)``,
+    ``uniform_(-b, b)`` -> ``(None, True)``, ``uniform_(2.5, 2.5)`` -> ``("2.5",
+    False)``, ``arange(0, n)`` -> ``("arange from 0.0 step 1.0", False)``."""
+    if packet in _FILL_CONSTANT:
+        return repr(_FILL_CONSTANT[packet]), False
+    if packet in _FILL_ARGUMENT:
+        value = _number(bound.get(_FILL_ARGUMENT[packet], 0 if packet == "constant_pad_nd"
+                                  else None))
+        return (repr(value) if value is not None else None), False
+    if packet == "arange":
+        start = _number(bound.get("start", 0)) if "end" in bound else 0.0
+        step = _number(bound.get("step", 1))
+        return f"arange from {start!r} step {step!r}", False
+    if packet not in RANDOM_OPS:
+        return None, False
+    low = high = None
+    if packet == "uniform_":
+        low, high = _number(bound.get("from")), _number(bound.get("to"))
+    elif packet in ("randint", "random_"):
+        low, high = _number(bound.get("low", bound.get("from", 0))), \
+            _number(bound.get("high", bound.get("to")))
+        if low is None and packet == "random_":
+            low = 0.0
+        if low is not None and high is not None and high - low <= 1:
+            return repr(low), False
+        return None, True
+    elif packet in ("normal_", "normal", "log_normal_", "cauchy_"):
+        center = _number(bound.get("mean", bound.get("median")))
+        spread = _number(bound.get("std", bound.get("sigma")))
+        if packet == "log_normal_" and spread is not None and center is not None:
+            return (f"exp {center!r}" if spread <= _NARROW else None), spread > _NARROW
+        return (repr(center), False) if _narrow(center, spread) else (None, True)
+    elif packet in ("bernoulli_", "bernoulli", "geometric_"):
+        p = _number(bound.get("p"))
+        if p is not None and (p <= 0 or p >= 1):
+            return repr(1.0 if p >= 1 else 0.0), False
+        return None, True
+    if low is not None and high is not None and _narrow((low + high) / 2, high - low):
+        return repr((low + high) / 2), False
+    return None, True
+
+
+def _covers(t: Any) -> bool:
+    """Whether tensor ``t`` spans all of its storage's bytes."""
+    try:
+        return t.is_contiguous() and t.storage_offset() == 0 and \
+            t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _key(t: torch.Tensor) -> int | None:
@@ -112,7 +218,8 @@ class InitRecorder(TorchDispatchMode):
         for t in tensors:
             key = _key(t)
             if key is not None and key not in self.origins:
-                self.origins[key] = Origin(t.untyped_storage(), set(), t.dtype, tuple(t.shape))
+                self.origins[key] = Origin(t.untyped_storage(), set(), t.dtype, tuple(t.shape),
+                                           seeded=True)
 
     def labels_of(self, t: torch.Tensor) -> set[str]:
         key = _key(t)
@@ -132,10 +239,25 @@ class InitRecorder(TorchDispatchMode):
             pass
         return out
 
+    def _pieces(self, given: list[torch.Tensor]) -> tuple[set[str], bool]:
+        pieces: set[str] = set()
+        seeded = False
+        for t in given:
+            origin = self.origins.get(_key(t)) if _key(t) is not None else None
+            if origin is not None:
+                pieces |= origin.pieces
+                seeded = seeded or origin.seeded
+        return pieces, seeded
+
     def _note(self, func: Any, args: tuple, kwargs: dict[str, Any], out: Any) -> None:
         packet = op_packet(str(func))
         given = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         labels: set[str] = set()
+        pieces, seeded = self._pieces(given)
+        own, random = piece(packet, _bound(func, args, kwargs))
+        if own is not None:
+            pieces.add(own)
+        seeded = seeded or random
         if packet in ("lift_fresh", "lift_fresh_copy"):
             labels = {HOST} if any(_key(t) not in self.origins for t in given) else set()
             for t in given:
@@ -146,7 +268,11 @@ class InitRecorder(TorchDispatchMode):
         if packet == "_local_scalar_dense":
             if labels:
                 self.taint |= labels | {ITEM}
+            elif seeded:
+                self.taint.add(ITEM_SEEDED)
             return
+        if len(pieces) > 8:
+            pieces = set(sorted(pieces)[:8])
         if packet not in NOT_COMPUTE:
             labels.add(f"aten.{packet}")
         if self.taint and packet in _SCALAR_VALUE_OPS and any(
@@ -161,26 +287,46 @@ class InitRecorder(TorchDispatchMode):
                     continue
                 value = kwargs.get(argument.name, args[i] if i < len(args) else None)
                 for t in tree_leaves(value):
-                    self._write(t, labels)
+                    if packet == "copy_" and _covers(t):
+                        # a copy over all of it: the source's pieces replace its own
+                        src = self._pieces([g for g in given if g is not t])
+                        self._write(t, labels, *src, True)
+                        continue
+                    whole = packet in _OVERWRITES and _covers(t)
+                    self._write(t, labels, ({own} if own else set()) if whole else pieces,
+                                random if whole else seeded, whole)
         for t in tree_leaves(out):
             key = _key(t)
             if key is not None and key not in self.origins:
-                self.origins[key] = Origin(t.untyped_storage(), set(labels), t.dtype,
-                                           tuple(t.shape))
+                self.origins[key] = Origin(t.untyped_storage(),
+                                           labels | ({JOINED} if len(pieces) > 1 else set()),
+                                           t.dtype, tuple(t.shape), set(pieces), seeded)
                 self._since_retire += 1
         if self._since_retire > 4096:
             self.retire_dead()
 
-    def _write(self, t: Any, labels: set[str]) -> None:
+    def _write(self, t: Any, labels: set[str], pieces: set[str], seeded: bool,
+               whole: bool) -> None:
+        """An operator wrote ``t`` in place: its storage takes the operator's labels and
+        pieces (replacing the pieces when a fill or random fill wrote all of it)."""
         key = _key(t)
         if key is None:
             return
         origin = self.origins.get(key)
         if origin is None:
             self.origins[key] = Origin(t.untyped_storage(), labels | {OUTSIDE}, t.dtype,
-                                       tuple(t.shape))
+                                       tuple(t.shape), set(pieces), seeded)
+            return
+        origin.labels |= labels
+        if whole:
+            origin.pieces, origin.seeded = set(pieces), seeded
         else:
-            origin.labels |= labels
+            origin.pieces |= pieces
+            origin.seeded = origin.seeded or seeded
+        if len(origin.pieces) > 1:
+            origin.labels.add(JOINED)
+        if len(origin.pieces) > 8:
+            origin.pieces = set(sorted(origin.pieces)[:8])
 
     def retire_dead(self) -> None:
         """Forget storages only this recorder still holds."""
