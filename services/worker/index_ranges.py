@@ -31,8 +31,10 @@ holds every value any program of the grid, any lane of a block and any iteration
 loop may take (program ids range over ``0 .. grid - 1``, a loop variable over its
 range, a variable incremented in a loop ``x += d`` over ``x0 + [0, trips - 1] * d``).
 
+Calls of the module's other functions (``@triton.jit`` helpers, which Triton inlines)
+are followed with their arguments' values when :func:`evaluate` is given ``defs``.
 What is not understood is *unknown* and never guessed: values loaded from memory,
-floats, calls of other ``@triton.jit`` functions, ``while`` loops (the names they
+floats, calls of other functions without ``defs``, ``while`` loops (the names they
 assign become unknown), tuples that are not literals, subscripts other than
 ``x[:, None]``-style broadcasts, block pointers (``tl.make_block_ptr``). An offset
 with an unknown part raises no finding; a loop with an unknown bound has no trip
@@ -256,12 +258,48 @@ def _compare(op: ast.cmpop, a: Ival, b: Ival) -> str | None:
     return None
 
 
+# How deep calls of the module's other functions are followed.
+_MAX_DEPTH = 4
+
+
 class _Walker:
-    def __init__(self, grid: list[int], constants: dict[str, int]) -> None:
+    def __init__(self, grid: list[int], constants: dict[str, int],
+                 defs: dict[str, ast.FunctionDef] | None = None) -> None:
         self.grid = list(grid) + [1] * (3 - len(grid))
         self.constants = constants
+        self.defs = defs or {}
         self.out = Ranges()
         self._branches: dict[tuple[int, int, int], Branch] = {}
+        self._returns: list[list[Any]] = []
+
+    def inline(self, fn: ast.FunctionDef, node: ast.Call, env: dict[str, Any]) -> Any:
+        """A call of another function of the module (a ``@triton.jit`` helper, inlined
+        by Triton): its body walked with its parameters bound to the call's values;
+        what it returns (the hull of its ``return`` values)."""
+        params = fn.args.args + fn.args.kwonlyargs
+        bound: dict[str, Any] = {}
+        defaults = fn.args.defaults
+        for p, d in zip(fn.args.args[len(fn.args.args) - len(defaults):], defaults,
+                        strict=True):
+            bound[p.arg] = self.value(d, env)
+        for p, d in zip(fn.args.kwonlyargs, fn.args.kw_defaults, strict=True):
+            if d is not None:
+                bound[p.arg] = self.value(d, env)
+        for p, a in zip(fn.args.args, node.args, strict=False):
+            bound[p.arg] = None if isinstance(a, ast.Starred) else self.value(a, env)
+        for k in node.keywords:
+            if k.arg is not None:
+                bound[k.arg] = self.value(k.value, env)
+        inner = {p.arg: bound.get(p.arg) for p in params}
+        self._returns.append([])
+        self.block(fn.body, inner)
+        returned = self._returns.pop()
+        if not returned:
+            return None
+        out = returned[0]
+        for r in returned[1:]:
+            out = _hull(out, r)
+        return out
 
     def note(self, node: ast.expr, part: int, text: str, truth: str | None) -> None:
         """Record condition ``node`` (``part`` of a chained comparison) as ``truth``."""
@@ -367,6 +405,9 @@ class _Walker:
         name = _callee(node.func)
         args = node.args
         kwargs = {k.arg: k.value for k in node.keywords if k.arg}
+        if isinstance(node.func, ast.Name) and name in self.defs and \
+                len(self._returns) < _MAX_DEPTH:
+            return self.inline(self.defs[name], node, env)
         if name in ("load", "store") or name in _ATOMICS:
             self.access(name, node, env)
             return None
@@ -536,7 +577,9 @@ class _Walker:
         elif isinstance(stmt, ast.With):
             self.block(stmt.body, env)
         elif isinstance(stmt, ast.Return) and stmt.value is not None:
-            self.value(stmt.value, env)
+            returned = self.value(stmt.value, env)
+            if self._returns:
+                self._returns[-1].append(returned)
 
     def bind(self, target: ast.expr, node: ast.expr, value: Any, env: dict[str, Any]) -> None:
         if isinstance(target, ast.Name):
@@ -633,11 +676,13 @@ def _increments(body: list[ast.stmt]) -> dict[str, ast.expr]:
 
 
 def evaluate(fn: ast.FunctionDef, launch: dict[str, Any],
-             constants: dict[str, int] | None = None) -> Ranges:
-    """The loops and memory accesses of kernel ``fn`` at one recorded launch
+             constants: dict[str, int] | None = None,
+             defs: dict[str, ast.FunctionDef] | None = None) -> Ranges:
+    """The loops, memory accesses and conditions of kernel ``fn`` at one recorded launch
     (``{"grid": [x, y, z], "args": {name: encoded value}}``, a dry run's or a plan's;
-    see the module doc for what is modelled)."""
-    walker = _Walker([int(g) for g in launch.get("grid") or [1]], constants or {})
+    see the module doc for what is modelled). ``defs``: the module's functions, whose
+    calls are followed (up to 4 deep; without, a call of one is not modelled)."""
+    walker = _Walker([int(g) for g in launch.get("grid") or [1]], constants or {}, defs)
     env: dict[str, Any] = {}
     args = launch.get("args") or {}
     for a in fn.args.args + fn.args.kwonlyargs:

@@ -273,8 +273,8 @@ def _loops_congruent(name: str, a: dict[str, Any], b: dict[str, Any],
     ``tl.where`` test) is true for every program and lane, for none, or for some alike
     (a condition unknown at the task's own sizes, on loaded values, is not compared)."""
     fn = source.defs[name]
-    big = index_ranges.evaluate(fn, a, source.constants)
-    small = index_ranges.evaluate(fn, b, source.constants)
+    big = index_ranges.evaluate(fn, a, source.constants, source.defs)
+    small = index_ranges.evaluate(fn, b, source.constants, source.defs)
     for x, y in zip(big.loops, small.loops, strict=False):
         cx, cy = index_ranges.trip_class(x.trips), index_ranges.trip_class(y.trips)
         if cx is None or cx == cy:

@@ -100,3 +100,11 @@ def test_a_condition_inside_an_unmodelled_call_is_still_seen():
     fn = index_ranges.kernel_defs(source)["k"]
     found = index_ranges.evaluate(fn, {"grid": [16384], "args": {"BLOCK": 64}}).branches
     assert [(b.text, b.truth) for b in found] == [("pid < 8192", index_ranges.SOME)]
+
+
+def test_a_condition_in_a_jit_helper_is_followed_into_the_helper():
+    name = "hostile/branch_in_jit_helper.py"
+    reason = _check(name, _launch(N_REAL), _launch(N_SMALL))
+    assert reason is not None and reason.startswith(
+        "relu_kernel's condition `pid < 8192` (line 13) holds for some programs"), reason
+    assert _check(name, _launch(N_REAL), _launch(9000 * 1024)) is None
