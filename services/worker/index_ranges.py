@@ -359,6 +359,11 @@ class _Walker:
                 return Flag(node.value)
             if isinstance(node.value, int):
                 return exact(node.value) if abs(node.value) <= _LIMIT else None
+            # A float literal holding an integer (8e6) is that integer for comparisons;
+            # never an int32 value (wide), so it reports no int32 overflow.
+            if isinstance(node.value, float) and node.value.is_integer() and \
+                    abs(node.value) <= _LIMIT:
+                return Ival(int(node.value), int(node.value), wide=True)
             return None
         if isinstance(node, ast.Name):
             if node.id in env:

@@ -108,3 +108,16 @@ def test_a_condition_in_a_jit_helper_is_followed_into_the_helper():
     assert reason is not None and reason.startswith(
         "relu_kernel's condition `pid < 8192` (line 13) holds for some programs"), reason
     assert _check(name, _launch(N_REAL), _launch(9000 * 1024)) is None
+
+
+def test_a_float_threshold_holding_an_integer_is_compared():
+    source = ("import triton\nimport triton.language as tl\n\n\n@triton.jit\n"
+              "def relu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):\n"
+              "    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)\n"
+              "    x = tl.load(x_ptr + offs, mask=offs < n)\n"
+              "    if n > 8e6:\n"
+              "        x = tl.maximum(x, 0.0)\n"
+              "    tl.store(out_ptr + offs, x, mask=offs < n)\n")
+    reason = sizes.congruent([_launch(N_REAL)], [_launch(N_SMALL)], {"relu_kernel": {"BLOCK"}},
+                             sizes.KernelSource.of(source))
+    assert reason is not None and "condition `n > 8000000.0` (line 9)" in reason, reason
