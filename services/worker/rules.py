@@ -181,11 +181,16 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "tests/sandbox/test_compile_fails_closed.py::"
          "test_a_compile_child_that_dies_fails_at_compile"),
     DynamicRule("D025", "a verification whose task's own sizes launch a path no checked size "
-         "reaches (other kernels, constexprs, grid functions, loop trip classes) fails at stage "
-         "unchecked, naming the kernel, the sizes and why; allow_unchecked accepts the partial "
-         "check (it passes, keeps the list, and says so in notes)",
+         "reaches (other kernels, constexprs, grid functions, loop trip classes, or a condition "
+         "on program ids, scalar arguments, constexprs or module constants: a comparison, "
+         "if/while/conditional/tl.where test, followed into @triton.jit helpers, that holds for "
+         "every program and lane, for none, or for some differently than at the checked size) "
+         "fails at stage unchecked, naming the kernel, the sizes and why (the condition and its "
+         "line); conditions on loaded values are not compared; allow_unchecked accepts the "
+         "partial check (it passes, keeps the list, and says so in notes)",
          "KernelBench shape-generalisation reports; this project's red-team (a size-dependent "
-         "second kernel never run passed)",
+         "second kernel never run passed; if n > 8000000 and tl.where(pid < 8192) in a kernel "
+         "body passed)",
          "tests/sandbox/test_unchecked.py::test_a_size_threshold_kernel_fails_unchecked_by_default"),
     DynamicRule("D026", "a tl.load, tl.store or atomic offset whose int32 arithmetic leaves "
          "[-2**31, 2**31) at the task's own sizes (the dry run's grid and arguments, interval "
@@ -207,11 +212,13 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
     DynamicRule("D028", "the CUDA emulation answers the candidate's code as the request's GPU "
          "would, in __init__, heuristics, prune_configs_by and forward (device name and "
          "properties, capability, is_available, device_count, current_device; a tensor's "
-         "is_cpu, is_cuda, get_device(), device, data_ptr); the dry run's meta tensors answer "
-         "as CUDA ones (is_meta false)",
+         "is_cpu, is_cuda, get_device(), device, data_ptr; the torch build: torch.version.cuda, "
+         "torch.__version__ +cu128, backends.cuda.is_built, cudnn.is_available and version, "
+         "cuda._is_compiled, torch._C._has_cuda/_has_cudnn, __config__.show); the dry run's "
+         "meta tensors answer as CUDA ones (is_meta false)",
          "NVIDIA datasheets; CUDA C++ Programming Guide; this project's red-team "
          "(get_device_name() said emulated, is_cpu true, get_device() -1, x.is_meta in the "
-         "dry run)",
+         "dry run; torch.version.cuda None and cudnn unavailable in __init__)",
          "tests/sandbox/test_emulation_answers.py::test_every_answer_is_the_gpus"),
     DynamicRule("D029", "a value-changing cast in the plan (float or complex to int or bool, "
          "complex to real, a narrowing float cast) is compute (stage audit) unless its result "
@@ -221,13 +228,15 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "tests/unit/test_casts.py::test_float_to_int_to_float_is_compute"),
     DynamicRule("D030", "values computed before forward: a captured storage (parameter, buffer, "
          "module constant) whose bytes a torch compute operator, host values "
-         "(torch.tensor/from_numpy) or a fill from a computed .item() made while the candidate "
-         "was imported or ModelNew built, equal to no tensor of the task's Model under the same "
-         "init seed, is named in notes; the first call replayed with it perturbed from a secret "
+         "(torch.tensor/from_numpy), a fill after .item() of any of the init's tensors, or a "
+         "join of constant pieces of more than one value (cat/stack of fills, fills or copies "
+         "into parts of one buffer, constant padding, aranges, near-constant random fills) made "
+         "while the candidate was imported or ModelNew built, equal to no tensor of the task's "
+         "Model under the same init seed, is named in notes; the first call replayed with it perturbed from a secret "
          "seed must give the same outputs, else audit (init-seed random fills, allocations and "
          "copies of weights and constructor arguments are not compute)",
          "this project's red-team (a table torch computes in __init__ from constants, which a "
-         "kernel only gathers from)",
+         "kernel only gathers from; a table of torch.full pieces joined by torch.cat)",
          "tests/sandbox/test_init_compute.py::"
          "test_a_table_torch_computed_in_init_fails_and_a_kernel_computing_it_passes"),
 )
