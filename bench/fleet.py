@@ -240,7 +240,7 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
     import msgspec
 
     from schemas import VerifyRequest, VerifyResult, encode, subjects, utcnow
-    from services.common.bus import connect_bus
+    from services.common.bus import bucket_entries, connect_bus
     from services.common.settings import load_settings
 
     point = Point(config, workers)
@@ -270,7 +270,7 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             with contextlib.suppress(Exception):
-                if len(await bus.workers.keys()) >= workers:
+                if len(await bucket_entries(bus.js, subjects.BUCKET_WORKERS)) >= workers:
                     break
             if time.monotonic() > deadline or any(pr.poll() is not None for pr in procs):
                 raise RuntimeError(f"{workers} simulated workers ({config}) did not come up; "
@@ -312,7 +312,7 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
                     point.dispatch.append(result.phases.get("simulated_dispatch", 0.0))
             spawn()
 
-        sub = await bus.nc.subscribe(subjects.results(JOB_ID), cb=on_result)
+        sub = await bus.nc.subscribe(subjects.job_verdicts(JOB_ID), cb=on_result)
         for _ in range(workers * args.depth):
             spawn()
         await asyncio.sleep(args.warmup)

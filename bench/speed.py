@@ -93,14 +93,14 @@ async def _wait_worker(url: str, proc: subprocess.Popen, log: Path) -> None:
 
     nc = await nats.connect(url)
     try:
-        kv = None
+        from services.common.bus import bucket_entries
+
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the worker exited; see {log}")
             with contextlib.suppress(Exception):
-                kv = kv or await nc.jetstream().key_value("workers")
-                if await kv.keys():
+                if await bucket_entries(nc.jetstream(), "workers"):
                     return
             await asyncio.sleep(0.2)
         raise RuntimeError(f"no worker heartbeat in 300 s; see {log}")

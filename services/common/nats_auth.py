@@ -27,8 +27,9 @@ of nats-server's ``server/jetstream_api.go``, https://github.com/nats-io/nats-se
 - ``$KV.<bucket>.<key>``: put, update (with ``Nats-Expected-Last-Subject-Sequence``)
   and delete a key (a delete is a put with a ``KV-Operation`` header), so write access
   to a key is publish access to ``$KV.<bucket>.<key>``;
-- ``$JS.API.DIRECT.GET.<stream>.>`` / ``$JS.API.STREAM.MSG.GET.<stream>``: read a key;
-  a watch or key listing is a consumer on ``KV_<bucket>`` (a listing pulls from it);
+- ``$JS.API.STREAM.MSG.GET.<stream>`` (JSON-wrapped reply) / ``$JS.API.DIRECT.GET.<stream>.>``
+  (raw reply): read a key; ``$JS.API.STREAM.INFO.<stream>`` with a subjects filter
+  lists the keys; a watch is a consumer on ``KV_<bucket>``;
 - ``$O.<store>.>``: object store chunks and metadata;
 - ``<inbox prefix>.>``: replies to the client's requests (JetStream API answers,
   PubAcks, pulled messages) and its push consumers' deliveries; ``$SRV.>``: ``nats
@@ -40,11 +41,30 @@ pull, key-value watch and object store replies all use), and nobody but the admi
 ``_INBOX.>``: the gateway's user cannot read the job submissions and verify requests a
 generator pulls, nor one worker the reference-cache reads of another.
 
-Consumers. No service may create, update or delete a consumer of JOBS or VERIFY: a
-create of an existing consumer is an update (the request body's ``action``, which no
-subject permission sees), so the right to create a shared durable would be the right
-to rewrite it. The services look their consumers up and pull from them; the admin-side
-provisioner makes them (services/common/provision.py).
+Consumers. No service may create, update or delete any consumer, in any API form
+(``CONSUMER.CREATE.<stream>[.<name>[.<filter>]]``, ``CONSUMER.DURABLE.CREATE``,
+``CONSUMER.DELETE``), nor use ``DIRECT.GET`` or answer flow control (``$JS.FC``):
+
+- a create of an existing consumer is an update (the request body's ``action``, which
+  no subject permission sees), so the right to create a shared durable would be the
+  right to rewrite it;
+- nats-server does not check a push consumer's ``deliver_subject`` against its
+  creator's publish rights (https://github.com/nats-io/nats-server/issues/8274), so
+  any create right let a user have stream messages delivered onto any subject: a
+  worker's ``drain`` endpoint, a result subject, a bucket's key;
+- nor is the reply subject of a JetStream API request checked: a ``DIRECT.GET``
+  (or a pull, ``MSG.NEXT``) answers with the raw stored message on whatever reply
+  subject the asker gives, and a stream listening there stores that copy (a key of
+  another bucket rewritten with bytes of the asker's choosing).
+
+So services read streams with ``STREAM.MSG.GET`` only (its reply is a JSON envelope,
+which decodes as no record), list keys with ``STREAM.INFO`` and a subjects filter,
+and pull only from the durables the admin-side provisioner makes
+(services/common/provision.py), of streams whose content the puller cannot write.
+What stays: any user with any JetStream API right can have the server write a
+JSON-wrapped API reply onto any subject, which can spoil a record but not forge one
+(readers skip what does not decode, and key listings skip copies with relay headers,
+:func:`services.common.bus.bucket_entries`); docs/security.md.
 
 Workers' keys. A worker writes only its own heartbeat, ``$KV.workers.<worker_id>``, and
 its own leases, ``$KV.leases.<worker_id>.>``, and answers only its own control subjects
@@ -99,18 +119,22 @@ def _common() -> list[str]:
 
 
 def _read(stream: str) -> list[str]:
-    """Read a stream: ephemeral consumers on it (ordered push, or pull as a bucket
-    listing's), and single-message gets."""
-    return [f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
-            f"$JS.API.CONSUMER.INFO.{stream}.>", f"$JS.API.CONSUMER.DELETE.{stream}.>",
-            f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
-            f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.DIRECT.GET.{stream}",
-            f"$JS.API.DIRECT.GET.{stream}.>", f"$JS.FC.{stream}.>"]
+    """Read single messages of ``stream``: ``STREAM.MSG.GET`` (by sequence, by subject,
+    the last of a subject), whose reply is JSON-wrapped. No consumer of any kind (a
+    push consumer delivers wherever its creator says, unchecked: nats-server issue
+    #8274) and no ``DIRECT.GET`` (its raw reply goes to any reply subject the asker
+    names, unchecked, and a stream listening there stores it)."""
+    return [f"$JS.API.STREAM.MSG.GET.{stream}"]
 
 
 def _pull(stream: str) -> list[str]:
     """Look up and pull from the durable consumers of ``stream`` (made by the
-    provisioner: no create, update or delete), and ask the provisioner for a missing one."""
+    provisioner: no create, update or delete), and ask the provisioner for a missing one.
+
+    A pull (``MSG.NEXT``) delivers the raw message to the request's reply subject,
+    which nats-server does not check against the puller's rights: only a stream whose
+    content the puller cannot write may be pulled (JOBS by the generator, VERIFY by the
+    workers), and the workers' control endpoints ignore such deliveries."""
     return [f"$JS.API.CONSUMER.INFO.{stream}.*", f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*",
             f"$JS.ACK.{stream}.>", subjects.PROVISION_CONSUMER]
 
@@ -177,7 +201,9 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$JS.API.CONSUMER.INFO.{subjects.STREAM_JOBS}.*",
             f"$JS.API.STREAM.MSG.GET.{subjects.STREAM_JOBS}",
         ),
-        subscribe=(f"{inbox_prefix('gateway')}.>",),
+        # A job's events subject wakes its SSE stream (services/gateway/events.py), which
+        # reads the events themselves with message gets.
+        subscribe=(f"{inbox_prefix('gateway')}.>", f"{subjects.JOB_EVENTS_PREFIX}.>"),
     ),
     "generator": Permissions(
         what="pulls jobs.submit, writes job records, publishes verify requests and job "

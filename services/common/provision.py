@@ -27,9 +27,11 @@ So one admin-side provisioner creates them:
   holds messages (so a service cannot fill the server with idle consumers of made-up
   tenants).
 
-Without an answering provisioner (a development server without permissions) the
-service creates the consumer itself, as before; on a permissioned server that create
-is refused, and the service says to run ``aikg nats-setup --serve``.
+Without an answering provisioner, a service on a server that requires no
+authentication (a development server, every client its own admin) creates the
+consumer itself; on a server that requires authentication it tries no create (its
+user may create no consumer: services/common/nats_auth.py) and says to run ``aikg
+nats-setup --serve``.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ JOB_ACK_WAIT_S = 10.0
 JOB_MAX_DELIVER = 5
 # How long one provisioning request waits for the provisioner's answer, seconds.
 REQUEST_TIMEOUT_S = 5.0
-# How long a service's own create (no provisioner answered) waits; a permissioned
-# server drops a refused request without a reply, seconds.
+# How long a service's own create (no provisioner answered, a server without
+# authentication) waits, seconds.
 SELF_CREATE_TIMEOUT_S = 2.0
 # The streams whose consumers are provisioned here.
 CONSUMER_STREAMS = (subjects.STREAM_JOBS, subjects.STREAM_VERIFY)
@@ -195,7 +197,8 @@ async def ensure_consumer(js: JetStreamContext, nc: Any, stream: str, subject: s
                           config: ConsumerConfig) -> str:
     """Make sure the durable consumer ``config.durable_name`` of lane ``subject`` exists:
     look it up, else ask the provisioner, else (nobody answers) create it with
-    ``config`` (a server without permissions).
+    ``config`` when the server requires no authentication (its ``INFO`` has no
+    ``auth_required``); a server that requires it gets no create from a service.
 
     Returns:
         The consumer's name.
@@ -211,7 +214,9 @@ async def ensure_consumer(js: JetStreamContext, nc: Any, stream: str, subject: s
     ask = json.dumps({"stream": stream, "subject": subject}).encode()
     try:
         reply = await nc.request(subjects.PROVISION_CONSUMER, ask, timeout=REQUEST_TIMEOUT_S)
-    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError) as exc:
+        if (getattr(nc, "_server_info", None) or {}).get("auth_required"):
+            raise ProvisionError(f"consumer {name} on {stream}: {HINT}") from exc
         try:
             await js.add_consumer(stream, config, timeout=SELF_CREATE_TIMEOUT_S)
         except nats.js.errors.BadRequestError:

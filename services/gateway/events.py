@@ -1,5 +1,11 @@
 """A job's events as Server-Sent Events: its history from JOB_EVENTS, then live.
 
+The events are read without a JetStream consumer (the gateway's user may create none:
+services/common/nats_auth.py): one ``STREAM.MSG.GET`` per event walks the job's subject
+in stream order (the next message of the subject at or after a sequence), and a core
+NATS subscription on that subject is only a wake-up that says a new one may be there
+(the walk also runs every :data:`RESCAN_S` seconds, for a wake-up lost to a reconnect).
+
 Each SSE message is one :class:`~schemas.events.JobEvent`: ``event:`` is its kind
 (``submitted``, ``started``, ... ``completed``), ``data:`` the event as JSON and ``id:``
 its JOB_EVENTS stream sequence, so a client that reconnects with ``Last-Event-ID``
@@ -28,9 +34,9 @@ from typing import Any
 
 import msgspec
 import nats.errors
+import nats.js.errors
 import structlog
 from litestar.response import ServerSentEventMessage
-from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from schemas import TERMINAL_STATUSES, JobEvent, decode, encode, subjects
 from services.common.bus import Bus, JobNotFound
@@ -46,24 +52,117 @@ RECORD_CHECK_S = 2.0
 # How long after the record turned terminal we wait for the terminal event, seconds
 # (the generator writes the record first and publishes the event right after).
 TERMINAL_GRACE_S = 3.0
-# The consumer behind a stream is removed by the server this long after its client is gone.
-_CONSUMER_INACTIVE_S = 60.0
 _POLL_S = 0.5
+# How often a follower reads the stream without a wake-up, seconds; after a wake-up
+# that found nothing yet (the stream stores a message after routing it to plain
+# subscribers), how long it waits before each further read.
+RESCAN_S = 2.0
+_WAKE_RETRIES_S = (0.01, 0.05, 0.2)
 # How often a waiting job's queue position is looked at, seconds.
 QUEUE_CHECK_S = 1.0
 
 
-async def open_event_subscription(bus: Bus, job_id: str, after_seq: int = 0):
-    """An ordered consumer on ``jobs.events.<job_id>``: from the stream's first event of
-    the job, or from the one after stream sequence ``after_seq``."""
-    config = None
-    if after_seq > 0:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE,
-                                opt_start_seq=after_seq + 1)
-    return await bus.js.subscribe(
-        subjects.job_events(job_id), stream=subjects.STREAM_JOB_EVENTS, ordered_consumer=True,
-        config=config, inactive_threshold=_CONSUMER_INACTIVE_S,
-    )
+class StoredEvent(msgspec.Struct, frozen=True):
+    """One message of JOB_EVENTS: its bytes and its stream sequence (the SSE ``id:``)."""
+
+    data: bytes
+    seq: int
+
+
+class EventFollower:
+    """The events of one job in stream order, after stream sequence ``after_seq``.
+
+    :meth:`next_msg` returns the job's next stored event, read with
+    ``STREAM.MSG.GET`` (``next_by_subj``), waiting for a wake-up from the core
+    subscription on ``jobs.events.<job_id>`` (a publish there) or :data:`RESCAN_S`.
+
+    Args:
+        bus: the gateway's bus (its user may subscribe on ``jobs.events.>`` and get
+            messages of JOB_EVENTS).
+        job_id: the job.
+        after_seq: the last stream sequence already seen (0: from the first event).
+    """
+
+    def __init__(self, bus: Bus, job_id: str, after_seq: int = 0) -> None:
+        self.js = bus.js
+        self.nc = bus.nc
+        self.subject = subjects.job_events(job_id)
+        self.last = after_seq
+        self.woken = asyncio.Event()
+        self.sub: Any = None
+        self._next_read = 0.0
+
+    async def start(self) -> None:
+        """Subscribe to the wake-ups (confirmed by the server before the first read, so
+        an event published after that read wakes this follower).
+
+        Raises:
+            nats.errors.Error: NATS trouble.
+        """
+        async def on_publish(_msg: Any) -> None:
+            self.woken.set()
+
+        self.sub = await self.nc.subscribe(self.subject, cb=on_publish)
+        await self.nc.flush()
+        self.woken.set()  # the history first
+
+    async def _read(self) -> StoredEvent | None:
+        try:
+            raw = await self.js.get_msg(subjects.STREAM_JOB_EVENTS, seq=self.last + 1,
+                                        subject=self.subject, next=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        if raw.seq is None or raw.seq <= self.last:
+            return None
+        self.last = raw.seq
+        return StoredEvent(data=raw.data or b"", seq=raw.seq)
+
+    async def next_msg(self, timeout: float) -> StoredEvent:
+        """The next event after the last one returned.
+
+        Raises:
+            nats.errors.TimeoutError: none within ``timeout`` seconds.
+            nats.errors.Error: NATS trouble.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            now = loop.time()
+            if self.woken.is_set() or now >= self._next_read:
+                woken = self.woken.is_set()
+                self.woken.clear()
+                self._next_read = now + RESCAN_S
+                event = await self._read()
+                for pause in (_WAKE_RETRIES_S if woken and event is None else ()):
+                    await asyncio.sleep(pause)
+                    if (event := await self._read()) is not None:
+                        break
+                if event is not None:
+                    self.woken.set()  # more may be stored already
+                    return event
+            wait = min(deadline, self._next_read) - loop.time()
+            if loop.time() >= deadline:
+                raise nats.errors.TimeoutError
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.woken.wait(), max(wait, 0.0))
+
+    async def unsubscribe(self) -> None:
+        if self.sub is not None:
+            with contextlib.suppress(Exception):
+                await self.sub.unsubscribe()
+            self.sub = None
+
+
+async def open_event_subscription(bus: Bus, job_id: str, after_seq: int = 0) -> EventFollower:
+    """A started :class:`EventFollower` of ``jobs.events.<job_id>``: from the stream's
+    first event of the job, or from the one after stream sequence ``after_seq``.
+
+    Raises:
+        nats.errors.Error: NATS trouble.
+    """
+    follower = EventFollower(bus, job_id, after_seq)
+    await follower.start()
+    return follower
 
 
 def _queued(job_id: str, position: int, eta) -> ServerSentEventMessage:
@@ -155,7 +254,7 @@ async def job_event_stream(bus: Bus, job_id: str, sub, *, ended: bool = False,
             if event.status is not None and event.status != "pending":
                 waiting = False
             yield ServerSentEventMessage(data=encode(event).decode(), event=event.event,
-                                         id=msg.metadata.sequence.stream)
+                                         id=msg.seq)
             if event.event in TERMINAL_STATUSES:
                 return
     finally:

@@ -1,8 +1,9 @@
 """What the gateway reads back for listings: job summaries, workers with load and leases.
 
-Buckets are read with one consumer pass each (:func:`services.common.bus.bucket_entries`:
-the last value of every key) rather than one ``get`` per key, so listing a thousand jobs
-is a few batches of messages, not a thousand requests.
+Buckets are read with :func:`services.common.bus.bucket_entries` (the last value of
+every key, without a consumer, which the gateway's user may not create): one stream
+info request lists the keys, then one message get per key, so listing a thousand jobs
+is a thousand requests (~0.25 ms each on loopback).
 """
 
 from __future__ import annotations

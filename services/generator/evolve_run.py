@@ -23,6 +23,7 @@ from schemas import (
     VerifyResult,
     subjects,
 )
+from services.common.bus import object_bytes
 from services.common.jobs import live_workers, publish_event
 from services.common.records import request_id_of
 from services.generator.coders.base import Candidate
@@ -70,13 +71,16 @@ class EvolveJob:
         return max(1, min(devices, self.submit.max_rounds * self.submit.parallel_num))
 
     async def load(self) -> EvolveState | None:
-        store = await artifacts(self.bus.js)
+        await artifacts(self.bus.js)
         try:
-            found = await store.get(checkpoint_name(self.job_id))
+            # Message gets, not ObjectStore.get (a consumer, which the generator may
+            # not create: services/common/nats_auth.py).
+            found = await object_bytes(self.bus.js, subjects.OBJECT_STORE_ARTIFACTS,
+                                       checkpoint_name(self.job_id))
         except nats.js.errors.ObjectNotFoundError:
             return None
         try:
-            return msgspec.json.decode(found.data, type=EvolveState)
+            return msgspec.json.decode(found, type=EvolveState)
         except msgspec.ValidationError as exc:
             log.warning("evolve_checkpoint_unreadable", error=str(exc))
             return None

@@ -45,6 +45,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import Counter
 
 from schemas import subjects, utcnow
+from services.common.bus import message_get_kv
 from services.common.settings import Settings
 
 log = structlog.get_logger("aikg.worker.cache")
@@ -194,15 +195,16 @@ class SharedCache:
         if settings.baseline_cache_bytes <= 0:
             return None
         try:
-            baselines = await js.key_value(subjects.BUCKET_BASELINES)
+            await js.key_value(subjects.BUCKET_BASELINES)
         except nats.js.errors.BucketNotFoundError:
-            baselines = await js.create_key_value(KeyValueConfig(
+            await js.create_key_value(KeyValueConfig(
                 bucket=subjects.BUCKET_BASELINES,
                 description="AIKG baseline timings (eager, torch.compile) shared by workers",
-                history=1, ttl=settings.baseline_cache_ttl_s,
+                history=1, ttl=settings.baseline_cache_ttl_s, direct=False,
                 max_bytes=settings.baseline_cache_bytes, storage=StorageType.FILE,
                 replicas=settings.stream_replicas))
-        return cls(baselines, worker_id=worker_id)
+        # Reads by STREAM.MSG.GET: a worker may not use DIRECT.GET (nats_auth.py).
+        return cls(message_get_kv(js, subjects.BUCKET_BASELINES), worker_id=worker_id)
 
     async def get_baseline(self, key: str) -> Baseline | None:
         """The baseline under ``key``, or None (absent, malformed or failed: counted)."""

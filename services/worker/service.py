@@ -33,7 +33,6 @@ import re
 import socket
 import time
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import structlog
@@ -100,6 +99,22 @@ VERIFY_PHASE_SECONDS = Histogram(
 )
 DEAD_LETTERED = Counter("aikg_worker_dead_lettered_total",
                         "Verify requests moved to the DLQ, by reason.", ["backend", "arch", "reason"])
+RELAYED_CONTROL = Counter(
+    "aikg_worker_relayed_control_requests_total",
+    "Messages on this worker's control endpoints ignored because the server relayed them "
+    "(a JetStream delivery: its reply subject a $JS. ack subject, or relay headers), by "
+    "endpoint: a pull or direct get whose asker named the endpoint as its reply subject.",
+    ["endpoint"],
+)
+
+
+def relayed_by_server(reply: str | None, headers: dict[str, str] | None) -> bool:
+    """Whether a message arrived as the server's relay of a stream message rather than as
+    a client's request: its reply subject is a JetStream subject (``$JS.ACK...`` of a
+    pulled message) or its headers carry a direct get's ``Nats-Stream``/``Nats-Subject``.
+    nats-server delivers those to any reply subject a puller names, unchecked."""
+    return (reply or "").startswith("$JS.") or \
+        any(h in (headers or {}) for h in ("Nats-Stream", "Nats-Subject"))
 
 
 def default_worker_id() -> str:
@@ -150,18 +165,20 @@ _DEVICE_NAME_CHARS = 32
 
 class DeviceShares:
     """The fleet's devices of one backend/arch and who holds them, as every worker sees
-    them: a read of the ``leases`` bucket every heartbeat period (each lease names its
-    tenant, backend and arch) and a watch of the ``workers`` bucket (each worker's
-    capacity).
+    them: a read of the ``leases`` bucket (each lease names its tenant, backend and
+    arch) and of the ``workers`` bucket (each worker's capacity) every heartbeat period,
+    with message gets (:func:`services.common.bus.bucket_entries`: a worker may create
+    no consumer, so it may not watch).
 
     The leases are read, not watched: every verification puts and deletes a lease, so
     a watch would deliver two messages per verification to every worker of the fleet
     (n workers: 2n per verification, the first thing that bent the dispatch curve of
     ``bench/fleet.py``); a read costs one pass over the held leases per period,
-    whatever the rate. Other workers' leases are thus up to one period old. A worker
-    entry not renewed for :data:`SHARE_STALE_PERIODS` heartbeat periods counts as gone
-    (a bucket's TTL expiry sends watchers nothing). Until the first read and the watch
-    answer, only this worker's own devices and runs are known.
+    whatever the rate. Other workers' leases and capacities are thus up to one period
+    old; a key the bucket expired is gone from the next read, and an entry not read
+    again for :data:`SHARE_STALE_PERIODS` heartbeat periods (reads failing) counts as
+    gone. Until the first read answers, only this worker's own devices and runs are
+    known.
 
     Args:
         worker_id / backend / arch: this worker (its own leases are counted by the
@@ -181,7 +198,6 @@ class DeviceShares:
         self.leases: dict[str, tuple[str, float]] = {}
         self.capacity: dict[str, tuple[int, float]] = {}
         self.watches: list[asyncio.Task] = []
-        self.watchers: list[Any] = []
 
     def _fresh(self, seen: float) -> bool:
         return time.monotonic() - seen < SHARE_STALE_PERIODS * self.period_s
@@ -199,28 +215,29 @@ class DeviceShares:
                    and not key.startswith(f"{self.worker_id}."))
 
     async def start(self, bus: Bus) -> None:
-        """Start watching the ``workers`` bucket and reading the ``leases`` bucket, and
-        wait (at most :data:`SHARE_WATCH_START_S`) for their current entries; a failure
-        leaves this worker's own view."""
-        loaded = [asyncio.Event()]
-        self.watches.append(asyncio.create_task(self._read_leases(bus, loaded[0])))
-        try:
-            watcher = await bus.workers.watchall()
-        except Exception as exc:  # noqa: BLE001 - shares then count this worker only
-            log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
-        else:
-            loaded.append(asyncio.Event())
-            self.watchers.append(watcher)
-            self.watches.append(asyncio.create_task(
-                self._follow(watcher, self._on_worker, loaded[-1])))
+        """Start reading the ``leases`` and ``workers`` buckets every period, and wait
+        (at most :data:`SHARE_WATCH_START_S`) for the first reads; a failure leaves this
+        worker's own view."""
+        loaded = asyncio.Event()
+        self.watches.append(asyncio.create_task(self._read_fleet(bus, loaded)))
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in loaded)),
-                                   SHARE_WATCH_START_S)
+            await asyncio.wait_for(loaded.wait(), SHARE_WATCH_START_S)
 
-    async def _read_leases(self, bus: Bus, ready: asyncio.Event) -> None:
-        """Every ``period_s``: the ``leases`` bucket's entries of this backend/arch
-        replace :attr:`leases` (a failed read keeps the last, which goes stale)."""
+    async def _read_fleet(self, bus: Bus, ready: asyncio.Event) -> None:
+        """Every ``period_s``: the ``workers`` bucket's capacities and the ``leases``
+        bucket's entries of this backend/arch replace :attr:`capacity` and
+        :attr:`leases` (a failed read keeps the last, which goes stale)."""
         while True:
+            try:
+                workers = await bucket_entries(bus.js, subjects.BUCKET_WORKERS)
+            except Exception as exc:  # noqa: BLE001 - tried again next period
+                log.warning("share_watch_failed", error=str(exc) or type(exc).__name__)
+            else:
+                capacity: dict[str, tuple[int, float]] = {}
+                for key, entry in workers.items():
+                    with contextlib.suppress(Exception):
+                        self._on_worker(capacity, key, entry.value)
+                self.capacity = capacity
             try:
                 entries = await bucket_entries(bus.js, subjects.BUCKET_LEASES)
             except Exception as exc:  # noqa: BLE001 - tried again next period
@@ -239,20 +256,7 @@ class DeviceShares:
 
     async def stop(self) -> None:
         await cancel_and_wait(*self.watches)
-        for watcher in self.watchers:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
         self.watches.clear()
-        self.watchers.clear()
-
-    async def _follow(self, watcher, on_entry: Callable[[Any], None],
-                      ready: asyncio.Event) -> None:
-        async for entry in watcher:
-            if entry is None:
-                ready.set()  # the end of the initial values
-                continue
-            with contextlib.suppress(Exception):
-                on_entry(entry)
 
     def _lease_tenant(self, raw: bytes | None) -> str | None:
         """The tenant of a lease value of this backend/arch, else None."""
@@ -263,13 +267,15 @@ class DeviceShares:
             return str(value.get("tenant") or subjects.DEFAULT_TENANT)
         return None
 
-    def _on_worker(self, entry) -> None:
-        if entry.operation in ("DEL", "PURGE") or not entry.value:
-            self.capacity.pop(entry.key, None)
+    def _on_worker(self, capacity: dict[str, tuple[int, float]], key: str,
+                   raw: bytes | None) -> None:
+        """Add worker ``key``'s capacity to ``capacity`` when its heartbeat ``raw`` is of
+        this backend/arch (raises on a value that is no JSON object)."""
+        if not raw:
             return
-        value = msgspec.json.decode(entry.value)
+        value = msgspec.json.decode(raw)
         if value.get("backend") == self.backend and value.get("arch") == self.arch:
-            self.capacity[entry.key] = (int(value.get("capacity") or 0), time.monotonic())
+            capacity[key] = (int(value.get("capacity") or 0), time.monotonic())
 
 
 class Worker:
@@ -474,10 +480,10 @@ class Worker:
         """This worker's entries of the ``leases`` bucket."""
         out = []
         with contextlib.suppress(Exception):
-            for key in await self.bus.leases.keys():
+            entries = await bucket_entries(self.bus.js, subjects.BUCKET_LEASES)
+            for key, entry in sorted(entries.items()):
                 if key.startswith(f"{self.worker_id}."):
                     with contextlib.suppress(Exception):
-                        entry = await self.bus.leases.get(key)
                         out.append(msgspec.json.decode(entry.value))
         return out
 
@@ -486,7 +492,9 @@ class Worker:
         ``aikg.worker.<worker_id>.{status,drain}``.
 
         ``status`` answers WorkerInfo plus the leases held; ``drain`` stops taking new
-        requests, lets the in-flight ones finish, then stops the worker.
+        requests, lets the in-flight ones finish, then stops the worker. A message the
+        server relayed there (:func:`relayed_by_server`) is ignored, unanswered (an
+        answer to a pulled message's ack subject would ack it), logged and counted.
         """
         service = await micro.add_service(
             self.bus.nc, name="aikg-worker", version=_semver(services.__version__),
@@ -495,12 +503,25 @@ class Worker:
         )
         prefix = subjects.worker_service(self.worker_id)
 
+        def relayed(req: micro.Request, endpoint: str) -> bool:
+            reply = req._msg.reply
+            if not relayed_by_server(reply, req.headers):
+                return False
+            RELAYED_CONTROL.labels(endpoint=endpoint).inc()
+            self.log.warning("relayed_control_request_ignored", endpoint=endpoint,
+                             reply=reply[:80], headers=sorted(req.headers or {}))
+            return True
+
         async def status(req: micro.Request) -> None:
+            if relayed(req, "status"):
+                return
             body = msgspec.structs.asdict(self.info())
             body["leases"] = await self.leases_held()
             await req.respond(encode(body))
 
         async def drain(req: micro.Request) -> None:
+            if relayed(req, "drain"):
+                return
             self.draining = True
             self.log.info("worker_draining", in_flight=self.in_flight)
             await req.respond(encode({"worker_id": self.worker_id, "status": "draining",

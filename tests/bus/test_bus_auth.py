@@ -28,7 +28,7 @@ import pytest
 from nats.js.api import ConsumerConfig
 
 from schemas import subjects
-from services.common.bus import Bus, connect_bus, nats_credentials
+from services.common.bus import Bus, bucket_entries, connect_bus, nats_credentials
 from services.common.consumer import durable_pull
 from services.common.embedded import EmbeddedNatsServer
 from services.common.lanes import lane_config
@@ -335,7 +335,7 @@ async def test_each_service_gets_replies_only_on_its_own_inbox(settings: Setting
     assert users["worker"] == worker_user(settings.worker_id)
     await bus.jobs.put("job-1", b'{"task": "secret source"}')
     # Each service connects with its own prefix, and its JetStream replies (requests,
-    # key reads, a watch's ordered push consumer) come through it.
+    # key reads, key listings) come through it.
     services = {role: await connect_bus(settings, role, role=role) for role in users}
     spies: list[Client] = []
     seen: list[str] = []
@@ -358,12 +358,8 @@ async def test_each_service_gets_replies_only_on_its_own_inbox(settings: Setting
         for role in ("gateway", "generator", "worker"):
             entry = await services[role].jobs.get("job-1")
             assert entry.value == b'{"task": "secret source"}'
-        watcher = await services["gateway"].jobs.watch("job-1")
-        try:
-            update = await watcher.updates(timeout=scaled(10))
-            assert update is not None and update.value == b'{"task": "secret source"}'
-        finally:
-            await watcher.stop()
+        entries = await bucket_entries(services["gateway"].js, subjects.BUCKET_JOBS)
+        assert entries["job-1"].value == b'{"task": "secret source"}'
         for spy in spies:
             await spy.nc.flush()
         assert seen == []
@@ -547,3 +543,240 @@ def test_nats_setup_help_says_what_it_is_for() -> None:
     for words in ("admin", "durable consumers", "--serve", "--verify", "aikg up"):
         assert words in result.output, words
 
+
+
+# ---------------------------------------------------------------- delivery elsewhere
+# nats-server does not check a push consumer's deliver subject against its creator's
+# publish rights (https://github.com/nats-io/nats-server/issues/8274), nor the reply
+# subject of a JetStream API request: every right that lets a user name where the server
+# delivers is withheld (services/common/nats_auth.py, "Consumers").
+
+OTHER_WORKER = "test-worker-2"
+
+
+def _create_forms(stream: str, filter_subject: str) -> list[str]:
+    """Every subject of nats-server's consumer create API for a consumer ``thief``."""
+    return [f"$JS.API.CONSUMER.CREATE.{stream}",
+            f"$JS.API.CONSUMER.CREATE.{stream}.thief",
+            f"$JS.API.CONSUMER.CREATE.{stream}.thief.{filter_subject}",
+            f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.thief"]
+
+
+# Per service: a stream it reads (and its subjects), and one it does not read.
+_READ_AND_NOT = {
+    "generator": ((subjects.STREAM_RESULTS, "results.>"), (subjects.STREAM_DLQ, "dlq.>")),
+    "gateway": ((subjects.STREAM_JOB_EVENTS, "jobs.events.>"), (subjects.STREAM_DLQ, "dlq.>")),
+    "worker": ((f"KV_{subjects.BUCKET_JOBS}", "$KV.jobs.>"), (subjects.STREAM_DLQ, "dlq.>")),
+}
+
+
+async def _tap(bus: Bus, targets: list[str]) -> list[str]:
+    """Subjects of every message the server routes to ``targets`` from now on."""
+    landed: list[str] = []
+
+    async def on_msg(msg: Any) -> None:
+        landed.append(msg.subject)
+
+    for target in targets:
+        await bus.nc.subscribe(target, cb=on_msg)
+    await bus.nc.flush()
+    return landed
+
+
+async def test_no_service_may_create_a_consumer_delivering_anywhere(settings: Settings,
+                                                                    bus: Bus) -> None:
+    """The generator, the gateway and a worker each try every create form of a push
+    consumer (ephemeral and durable) whose deliver subject is another service's (a
+    worker's drain endpoint, another worker's result subject, a job record's key), on a
+    stream it reads and on one it does not: all refused, nothing delivered, no consumer
+    made; nats-py's ordered consumer (the same create) fails too."""
+    job = "job-target"
+    targets = [f"{subjects.worker_service(OTHER_WORKER)}.drain",
+               f"{subjects.RESULTS_PREFIX}.{job}.{OTHER_WORKER}", f"$KV.{subjects.BUCKET_JOBS}.{job}"]
+    # Something to deliver at once on every stream tried.
+    await bus.js.publish(f"{subjects.RESULTS_PREFIX}.old", b'{"passed": true}')
+    await bus.js.publish(subjects.job_events("old"), b"{}")
+    await bus.jobs.put("old", b"{}")
+    await bus.js.publish(f"{subjects.DLQ_PREFIX}.old", b"{}")
+    landed = await _tap(bus, targets)
+    streams = {stream for pair in _READ_AND_NOT.values() for stream, _ in pair}
+    for role, pairs in _READ_AND_NOT.items():
+        client = await as_user(settings, role)
+        try:
+            for stream, filter_subject in pairs:
+                for target in targets:
+                    config = ConsumerConfig(deliver_subject=target, filter_subject=filter_subject,
+                                            ack_policy="none")
+                    for api in _create_forms(stream, filter_subject.replace(">", "x")):
+                        named = {"name": "thief"} if api.count(".") > 4 else {}
+                        durable = {"durable_name": "thief"} if ".DURABLE." in api else {}
+                        body = {"stream_name": stream, "action": "create",
+                                "config": {**config.as_dict(), **named, **durable}}
+                        client.errors.clear()
+                        await client.nc.publish(api, json.dumps(body).encode())
+                        await client.violation(api)
+            js = client.nc.jetstream(timeout=DENIED_TIMEOUT_S)
+            read_stream, read_subjects = pairs[0]
+            with pytest.raises((nats.errors.TimeoutError, nats.js.errors.Error)):
+                await js.subscribe(read_subjects, stream=read_stream, ordered_consumer=True)
+        finally:
+            await client.close()
+    await bus.nc.flush()
+    await asyncio.sleep(scaled(0.5))
+    assert landed == []
+    for stream in streams:
+        assert await bus.js.consumers_info(stream) == [], stream
+
+
+async def test_no_service_may_direct_get_to_an_injected_reply_subject(settings: Settings,
+                                                                      bus: Bus) -> None:
+    """A direct get answers raw bytes on whatever reply subject the asker names: a worker
+    that asked for its own heartbeat with a job's key as the reply subject had the
+    server store its bytes as that job's record. Refused for every service; a message
+    get's reply, which the server still sends anywhere, is a JSON envelope that decodes
+    as no record."""
+    from schemas import JobRecord, decode
+
+    job = "job-forged"
+    await bus.workers.put(settings.worker_id, b'{"job_id": "job-forged", "status": "completed"}')
+    landed = await _tap(bus, [f"$KV.{subjects.BUCKET_JOBS}.{job}"])
+    own_key = f"$KV.{subjects.BUCKET_WORKERS}.{settings.worker_id}"
+    for role in ROLES:
+        client = await as_user(settings, role)
+        try:
+            for api in (f"$JS.API.DIRECT.GET.KV_{subjects.BUCKET_WORKERS}.{own_key}",
+                        f"$JS.API.DIRECT.GET.KV_{subjects.BUCKET_WORKERS}"):
+                client.errors.clear()
+                await client.nc.publish(api, json.dumps({"last_by_subj": own_key}).encode(),
+                                        reply=f"$KV.{subjects.BUCKET_JOBS}.{job}")
+                await client.violation(api)
+            # The residual: a JSON-wrapped message get lands there, and spoils the key.
+            if role == "worker":
+                await client.nc.publish(
+                    f"$JS.API.STREAM.MSG.GET.KV_{subjects.BUCKET_WORKERS}",
+                    json.dumps({"last_by_subj": own_key}).encode(),
+                    reply=f"$KV.{subjects.BUCKET_JOBS}.{job}")
+                await client.nc.flush()
+        finally:
+            await client.close()
+    deadline = asyncio.get_running_loop().time() + scaled(5)
+    while not landed and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.02)
+    assert landed == [f"$KV.{subjects.BUCKET_JOBS}.{job}"]  # the message get's envelope only
+    stored = (await bus.jobs.get(job)).value or b""
+    assert json.loads(stored)["type"] == "io.nats.jetstream.api.v1.stream_msg_get_response"
+    with pytest.raises(msgspec.ValidationError):
+        decode(stored, JobRecord)
+
+
+async def test_bucket_entries_skip_a_copy_the_server_relayed(settings: Settings,
+                                                             bus: Bus) -> None:
+    """A raw server reply stored on a key (its headers name the stream and subject it
+    was read from) is not the key's writer's value: listings leave it out and count it.
+    Planted as the admin, the one user who may still direct-get, from a bucket of its
+    own that allows direct gets (the AIKG buckets do not)."""
+    from nats.js.api import KeyValueConfig
+
+    from services.common.bus import RELAYED_COPIES
+
+    assert not (await bus.js.stream_info(f"KV_{subjects.BUCKET_WORKERS}")).config.allow_direct
+    source = await bus.js.create_key_value(KeyValueConfig(bucket="source", direct=True))
+    await source.put("w", b'{"forged": true}')
+    await bus.jobs.put("honest", b'{"job_id": "honest"}')
+    before = RELAYED_COPIES.labels(bucket=subjects.BUCKET_JOBS)._value.get()
+    await bus.nc.publish("$JS.API.DIRECT.GET.KV_source.$KV.source.w", b"",
+                         reply=f"$KV.{subjects.BUCKET_JOBS}.relayed")
+    await bus.nc.flush()
+    raw = await poll_stored(bus, f"KV_{subjects.BUCKET_JOBS}", f"$KV.{subjects.BUCKET_JOBS}.relayed")
+    assert raw.data == b'{"forged": true}' and "Nats-Stream" in (raw.headers or {})
+    worker = await connect_bus(settings, "worker", role="worker")
+    try:
+        entries = await bucket_entries(worker.js, subjects.BUCKET_JOBS)
+    finally:
+        await worker.close()
+    assert set(entries) == {"honest"} and entries["honest"].value == b'{"job_id": "honest"}'
+    assert RELAYED_COPIES.labels(bucket=subjects.BUCKET_JOBS)._value.get() == before + 1
+
+
+async def poll_stored(bus: Bus, stream: str, subject: str) -> Any:
+    """The last message stored on ``subject`` of ``stream``, waited for."""
+    deadline = asyncio.get_running_loop().time() + scaled(5)
+    while True:
+        try:
+            return await bus.js.get_last_msg(stream, subject)
+        except nats.js.errors.NotFoundError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+@pytest.mark.slow  # a worker verifies a relu after the attacks
+async def test_a_pull_relayed_to_a_drain_endpoint_drains_nobody_and_the_fleet_serves(
+        settings: Settings, bus: Bus, shared_verifier: Any) -> None:
+    """A pull (``MSG.NEXT``) delivers the raw message to whatever reply subject the
+    puller names, unchecked by the server: the generator's pull of a queued job with a
+    worker's drain endpoint as its reply subject reaches that endpoint. The worker
+    ignores a request that is a JetStream delivery (its reply subject an ack subject)
+    rather than draining, and answering it, which would have acked the job away. After
+    this and the refused creates above, the worker still answers status and verifies."""
+    from tests.bus.test_worker_service import (
+        Results,
+        publish_request,
+        request_body,
+        running_worker,
+        worker_status,
+    )
+
+    results = Results()
+    await results.start(bus)
+    async with running_worker(settings, bus, verifier=shared_verifier) as (ws, _):
+        drain = f"{subjects.worker_service(ws.worker_id)}.drain"
+        landed = await _tap(bus, [drain])
+        await create_consumer(bus.js, subjects.STREAM_JOBS, subjects.JOBS_SUBMIT, settings)
+        await bus.js.publish(subjects.JOBS_SUBMIT, b'{"job_id": "queued"}',
+                             headers={"Nats-Msg-Id": "queued-1"})
+        generator = await as_user(settings, "generator")
+        try:
+            await generator.nc.publish(
+                f"$JS.API.CONSUMER.MSG.NEXT.{subjects.STREAM_JOBS}.{subjects.CONSUMER_GENERATOR}",
+                json.dumps({"batch": 1}).encode(), reply=drain)
+            await generator.nc.flush()
+        finally:
+            await generator.close()
+        deadline = asyncio.get_running_loop().time() + scaled(5)
+        while not landed and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        # The server did deliver it there (under the job's own subject).
+        assert landed == [subjects.JOBS_SUBMIT]
+        await asyncio.sleep(scaled(0.5))
+        status = await worker_status(bus, ws.worker_id)
+        assert status["status"] == "running", status
+        # Not acked by the worker's answer: the job waits for its redelivery.
+        info = await bus.js.consumer_info(subjects.STREAM_JOBS, subjects.CONSUMER_GENERATOR)
+        assert info.num_ack_pending + info.num_pending == 1, info
+        body = request_body(settings, "job-after-attacks")
+        await publish_request(bus, settings, body)
+        (result,) = await results.wait("job-after-attacks")
+        assert result.passed is True, (result.stage, result.error)
+        assert result.worker_id == ws.worker_id
+
+
+async def test_the_generator_reads_an_object_without_a_consumer(settings: Settings,
+                                                                bus: Bus) -> None:
+    """An evolve checkpoint of several chunks comes back whole through message gets
+    (nats-py's ObjectStore.get would create a consumer, which the generator may not);
+    a missing object is ObjectNotFoundError."""
+    from services.common.bus import object_bytes
+
+    store = await bus.js.create_object_store(subjects.OBJECT_STORE_ARTIFACTS)
+    data = os.urandom(300 * 1024)  # three 128 KiB chunks
+    await store.put("evolve/job-1.json", data)
+    generator = await connect_bus(settings, "generator", role="generator")
+    try:
+        got = await object_bytes(generator.js, subjects.OBJECT_STORE_ARTIFACTS,
+                                 "evolve/job-1.json")
+        assert got == data
+        with pytest.raises(nats.js.errors.ObjectNotFoundError):
+            await object_bytes(generator.js, subjects.OBJECT_STORE_ARTIFACTS, "evolve/none")
+    finally:
+        await generator.close()
