@@ -247,7 +247,7 @@ class DeviceShares:
                 held = {}
                 for key, entry in entries.items():
                     with contextlib.suppress(Exception):
-                        tenant = self._lease_tenant(entry.value)
+                        tenant = self._lease_tenant(entry.value, key)
                         if tenant is not None:
                             held[key] = (tenant, now)
                 self.leases = held
@@ -258,11 +258,16 @@ class DeviceShares:
         await cancel_and_wait(*self.watches)
         self.watches.clear()
 
-    def _lease_tenant(self, raw: bytes | None) -> str | None:
-        """The tenant of a lease value of this backend/arch, else None."""
+    def _lease_tenant(self, raw: bytes | None, key: str) -> str | None:
+        """The tenant of a lease value of this backend/arch under ``key``
+        (``<worker_id>.<device>``), else None. A value that does not name the key's
+        worker is no lease: a queued verify request (it has a tenant, backend and arch)
+        a puller had the server deliver onto a lease key."""
         if not raw:
             return None
         value = msgspec.json.decode(raw)
+        if value.get("worker_id") != key.split(".", 1)[0]:
+            return None
         if value.get("backend") == self.backend and value.get("arch") == self.arch:
             return str(value.get("tenant") or subjects.DEFAULT_TENANT)
         return None
@@ -274,6 +279,8 @@ class DeviceShares:
         if not raw:
             return
         value = msgspec.json.decode(raw)
+        if value.get("worker_id") != key:
+            return  # not this worker's heartbeat (a relayed copy of something else)
         if value.get("backend") == self.backend and value.get("arch") == self.arch:
             capacity[key] = (int(value.get("capacity") or 0), time.monotonic())
 

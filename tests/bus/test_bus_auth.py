@@ -780,3 +780,32 @@ async def test_the_generator_reads_an_object_without_a_consumer(settings: Settin
             await object_bytes(generator.js, subjects.OBJECT_STORE_ARTIFACTS, "evolve/none")
     finally:
         await generator.close()
+
+
+async def test_a_request_relayed_onto_a_lease_key_counts_as_no_lease(settings: Settings,
+                                                                    bus: Bus) -> None:
+    """A pull still delivers where the puller says, so a worker can have a queued verify
+    request (tenant, backend and arch in it) stored under another worker's lease or
+    heartbeat key. The fleet's view counts only values that name the key's worker: the
+    copy takes no device share from its tenant, a real lease does. (The bytes are put
+    as the admin: the same stored value the relay leaves.)"""
+    from services.worker.service import DeviceShares
+
+    arch = settings.arch
+    request = {"request_id": "r-1", "job_id": "j-1", "tenant": "acme", "backend": "cpu",
+               "arch": arch, "code": "", "task_desc": ""}
+    await bus.leases.put(f"{OTHER_WORKER}.0", json.dumps(request).encode())
+    await bus.workers.put(OTHER_WORKER, json.dumps({**request, "capacity": 8}).encode())
+    shares = DeviceShares(settings.worker_id, "cpu", arch, 1, period_s=0.2)
+    await shares.start(bus)
+    try:
+        assert shares.held_elsewhere("acme") == 0 and shares.devices() == 1
+        lease = {"worker_id": OTHER_WORKER, "device": "1", "tenant": "acme", "backend": "cpu",
+                 "arch": arch}
+        await bus.leases.put(f"{OTHER_WORKER}.1", json.dumps(lease).encode())
+        deadline = asyncio.get_running_loop().time() + scaled(5)
+        while shares.held_elsewhere("acme") != 1:
+            assert asyncio.get_running_loop().time() < deadline, shares.leases
+            await asyncio.sleep(0.05)
+    finally:
+        await shares.stop()
