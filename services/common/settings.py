@@ -165,6 +165,10 @@ class Settings(msgspec.Struct, kw_only=True):
         tenant_max_generator_share / tenant_max_device_share: the fraction (0 to 1]
             of a generator's job and lowering slots, and of a backend/arch's devices,
             one tenant may hold at once (services/common/shares.py); 1: no cap.
+        share_borrow_idle: let a tenant at its share take a slot or device beyond it
+            while no other tenant's work waits for one (False: a share is a cap even
+            on an idle fleet). On, an idle fleet is used fully, but work that arrives
+            later waits until the borrower's runs end (up to a whole run's timeout).
         llm_base_url: OpenAI-compatible endpoint of the LLM agents
             (``https://api.openai.com/v1``, ``http://gpu-box:8000/v1`` for vLLM,
             ``http://127.0.0.1:11434/v1`` for Ollama). Empty: no LLM; jobs use the
@@ -264,6 +268,7 @@ class Settings(msgspec.Struct, kw_only=True):
     tenant_max_timeout_s: float = 600.0
     tenant_max_generator_share: float = 0.75
     tenant_max_device_share: float = 0.5
+    share_borrow_idle: bool = False
     llm_base_url: str = ""
     llm_api_key: str = ""
     llm_model: str = ""

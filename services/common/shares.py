@@ -7,12 +7,17 @@ is never locked out), at most ``total``.
 
 Where each pool is:
 
-- a generator's job slots and lowering slots (:class:`TenantSlots`, one process): a
-  tenant at its share waits, even while slots are free, so a burst of jobs whose
-  code hangs cannot take every slot before another tenant's job arrives;
+- a generator's job slots and lowering slots (:class:`TenantSlots`, one process);
 - a backend/arch's devices (services/worker/service.py, every worker's leases in the
-  ``leases`` bucket): a tenant at its share is served after the other tenants' lanes
-  (work-conserving: with nothing else waiting it still gets a free device).
+  ``leases`` bucket).
+
+In both a share is a cap: a tenant at its share waits, even while slots or devices
+are free, so a burst of work that hangs cannot take every slot before another
+tenant's work arrives (that work then starts at once, on a slot the cap kept free).
+With ``share_borrow_idle`` (``AIKG_SHARE_BORROW_IDLE``, off by default) a tenant at
+its share may take a free slot while no other tenant's work waits for one; the
+other tenant's work arriving later then waits for a borrowed slot to come back,
+which can be a whole run's timeout (docs/tenants.md, "Fair shares").
 """
 
 from __future__ import annotations
@@ -39,13 +44,19 @@ class TenantSlots:
         total: slots in the pool (>= 1).
         share_of: tenant name -> its share (a fraction in (0, 1]).
         name: what the slots are, for messages (``job``, ``lowering``).
+        borrow: a tenant at its share may take a free slot while no other tenant
+            below its share waits for one (``share_borrow_idle``); False: never.
     """
 
-    def __init__(self, total: int, share_of: Callable[[str], float], name: str = "slot") -> None:
+    def __init__(self, total: int, share_of: Callable[[str], float], name: str = "slot",
+                 *, borrow: bool = False) -> None:
         self.total = max(1, total)
         self.share_of = share_of
         self.name = name
+        self.borrow = borrow
         self.held: Counter[str] = Counter()
+        # Tenants waiting in hold() now, with how many waits each.
+        self.waiting: Counter[str] = Counter()
         self._changed = asyncio.Condition()
 
     def cap(self, tenant: str) -> int:
@@ -60,8 +71,14 @@ class TenantSlots:
         return self.held[tenant] >= self.cap(tenant)
 
     def free_for(self, tenant: str) -> bool:
-        """Whether a slot may be taken for ``tenant`` now."""
-        return self.in_use() < self.total and not self.at_share(tenant)
+        """Whether a slot may be taken for ``tenant`` now: one is free and the tenant
+        is below its share, or (``borrow``) no other tenant below its share waits."""
+        if self.in_use() >= self.total:
+            return False
+        if not self.at_share(tenant):
+            return True
+        return self.borrow and not any(
+            other != tenant and not self.at_share(other) for other in self.waiting)
 
     def take(self, tenant: str) -> None:
         """Count a slot as ``tenant``'s without waiting (the caller checked
@@ -84,7 +101,15 @@ class TenantSlots:
         """Hold one slot for ``tenant`` while the block runs, waiting until one is free
         and the tenant is below its share."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.free_for(tenant))
+            self.waiting[tenant] += 1
+            try:
+                await self._changed.wait_for(lambda: self.free_for(tenant))
+            finally:
+                self.waiting[tenant] -= 1
+                if self.waiting[tenant] <= 0:
+                    del self.waiting[tenant]
+                # One waiter fewer can let a borrower in (a cancelled wait).
+                self._changed.notify_all()
             self.take(tenant)
         try:
             yield

@@ -15,9 +15,14 @@ holds only the SHA-256 of each token (hex), never the token::
     max_priority = "normal"   # highest priority it may ask for (low | normal | high)
     max_timeout_s = 600       # largest timeout_s of one job, seconds; 0: no limit
     max_generator_share = 0.75 # of a generator's job and lowering slots held at once
-    max_device_share = 0.5    # of a backend/arch's devices held while others wait
+    max_device_share = 0.5    # of a backend/arch's devices held at once
 
 ``python -m services.common.tenants <token>`` prints a token's SHA-256 for the file.
+The gateway, every generator and every worker read the same file: the gateway for
+tokens and limits, the generators and workers for the shares they schedule by and
+to refuse work of a tenant the file does not name (:meth:`TenantTable.refusal`). A
+generator or worker without a file warns at start (:func:`warn_without_tenants_file`).
+
 A token is compared by its SHA-256 against every tenant's, each comparison with
 :func:`hmac.compare_digest` (Python's documented defence against timing attacks) and
 none skipped, so the time taken does not depend on which tenant, if any, matched.
@@ -87,7 +92,8 @@ class Tenant:
             (``generator_concurrency``) its jobs may hold at once; at least one slot
             (services/common/shares.py).
         max_device_share: fraction of a backend/arch's devices (all live workers') its
-            verify requests may hold while another tenant's wait; at least one device.
+            verify requests may hold at once; at least one device (beyond it only
+            while nobody else waits, with ``share_borrow_idle``).
     """
 
     name: str
@@ -109,11 +115,13 @@ class Tenant:
 
 @dataclass
 class TenantTable:
-    """The gateway's tenants. ``auth`` False: no token is asked for and every request
-    is the ``default`` tenant's."""
+    """The tenants of a deployment. ``auth`` False: no token is asked for and every
+    request is the ``default`` tenant's. ``file``: the tenants file they were read
+    from (empty: none)."""
 
     tenants: dict[str, Tenant] = field(default_factory=dict)
     auth: bool = False
+    file: str = ""
     _digests: list[tuple[bytes, Tenant]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -145,6 +153,18 @@ class TenantTable:
     def get(self, name: str) -> Tenant:
         """Tenant ``name``'s entry (the ``default`` limits for a name not listed)."""
         return self.tenants.get(name) or self.tenants[subjects.DEFAULT_TENANT]
+
+    def refusal(self, name: str, service: str) -> str | None:
+        """Why ``service`` (``generator``, ``worker``) must refuse work of tenant
+        ``name``: a tenants file is configured and does not name it. None when the
+        tenant is listed (``default`` always is) or no file is configured (every
+        tenant then has the default limits)."""
+        if not self.file or name in self.tenants:
+            return None
+        return (f"tenant {name!r} is not in the tenants file {self.file} "
+                f"(AIKG_TENANTS_FILE), so this {service} refuses its work: add "
+                f"[tenants.{name}] to that file, which the gateway, every generator and "
+                "every worker read, or submit as a tenant it lists")
 
 
 def _defaults(settings: Settings) -> dict[str, object]:
@@ -244,7 +264,26 @@ def load_tenants(settings: Settings) -> TenantTable:
                              "each tenant its own")
         seen[digest] = name
     tenants = {name: Tenant(name=name, **values) for name, values in entries.items()}  # type: ignore[arg-type]
-    return TenantTable(tenants=tenants, auth=bool(path or settings.api_token))
+    return TenantTable(tenants=tenants, auth=bool(path or settings.api_token), file=path)
+
+
+def warn_without_tenants_file(settings: Settings, service: str, logger) -> bool:
+    """Log one warning (``tenants_file_unset``) when ``settings`` names no tenants
+    file: ``service`` (``generator``, ``worker``) schedules by tenant, and without the
+    file every tenant gets the ``AIKG_TENANT_MAX_*_SHARE`` defaults and work of any
+    tenant name is accepted, whatever the gateway's file says. Returns whether it
+    warned."""
+    if settings.tenants_file:
+        return False
+    logger.warning(
+        "tenants_file_unset", service=service, setting="AIKG_TENANTS_FILE",
+        consequence=(f"every tenant gets the default shares (AIKG_TENANT_MAX_GENERATOR_SHARE="
+                     f"{settings.tenant_max_generator_share:g}, AIKG_TENANT_MAX_DEVICE_SHARE="
+                     f"{settings.tenant_max_device_share:g}) and work of any tenant name is "
+                     "served"),
+        hint="set AIKG_TENANTS_FILE to the gateway's tenants file on every generator and "
+             "worker")
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,7 +95,7 @@ from services.common.records import attempt_ids, unknown_shape_names
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
-from services.common.tenants import load_tenants, tenant_label
+from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
 from services.common.verdicts import VerdictWaiter
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import (
@@ -177,13 +177,16 @@ class Generator:
             env_allow=settings.sandbox_env_allow_list)
         # Fair shares (services/common/shares.py): of this process's job slots (the
         # pull loop's messages in hand, at_share) and of its lowering slots, a tenant
-        # holds at most max_generator_share.
+        # holds at most max_generator_share (beyond it only while nobody else waits,
+        # with share_borrow_idle).
         tenants = load_tenants(settings)
+        warn_without_tenants_file(settings, "generator", log)
 
         def share(name: str) -> float:
             return tenants.get(name).max_generator_share
 
-        self.lowering_slots = TenantSlots(settings.generator_concurrency, share, "lowering")
+        self.lowering_slots = TenantSlots(settings.generator_concurrency, share, "lowering",
+                                          borrow=settings.share_borrow_idle)
         self.builtin = BuiltinCoder(self.sandbox, timeout_s=settings.lowering_timeout_s,
                                     slots=self.lowering_slots,
                                     limits=child_limits_from(settings))
@@ -204,13 +207,16 @@ class Generator:
         messages nak'ed, so another generator takes them at once."""
         # Jobs wait in one lane per tenant and priority; they are taken in fair order
         # (services/common/pull_loop.py), a tenant at its share of the job slots left
-        # out until one of its jobs ends.
+        # out until one of its jobs ends (with share_borrow_idle: asked after every
+        # other lane came up empty).
+        borrow = self.settings.share_borrow_idle
         self.loop = await open_pull_loop(
             self.bus.js, self.bus.nc, self.settings, stream=subjects.STREAM_JOBS,
             base=subjects.JOBS_SUBMIT, sweep_strays=True, kind="job submission",
             decode=lambda data: decode(data, JobSubmit), handle=self._handle,
             capacity=lambda: self.settings.generator_concurrency - self.loop.in_hand,
-            exclude=self.at_share, dead_lettered=self._dead_lettered)
+            exclude=None if borrow else self.at_share,
+            defer=self.at_share if borrow else None, dead_lettered=self._dead_lettered)
         try:
             # Before the first job: every lowering runs the task's code in this sandbox.
             await asyncio.to_thread(self.sandbox.start)
@@ -275,10 +281,21 @@ class Generator:
                      priority: str = subjects.DEFAULT_PRIORITY) -> None:
         """Run a decoded job message to its end, then ack it.
 
+        A job whose tenant is not in the tenants file (when one is configured) fails
+        at once, its error naming the tenant and the file.
+
         Raises:
             JobRecordCorrupt: the job's record does not decode (met at any point).
         """
-        record = await self._ensure_record(job_id, submit, tenant, priority)
+        refused = self.tenants.refusal(tenant, "generator")
+        if refused is not None:
+            log.warning("unknown_tenant_refused", tenant=tenant,
+                        tenants_file=self.settings.tenants_file)
+        record = await self._ensure_record(job_id, submit, tenant, priority, refused=refused)
+        if record is not None and refused is not None \
+                and record.status not in TERMINAL_STATUSES:
+            await self._finish(job_id, "failed", error=refused)
+            record = None
         if record is None or record.status in TERMINAL_STATUSES:
             await msg.ack()
             return
@@ -332,15 +349,18 @@ class Generator:
 
     async def _ensure_record(self, job_id: str, submit: JobSubmit,
                              tenant: str = subjects.DEFAULT_TENANT,
-                             priority: str = subjects.DEFAULT_PRIORITY) -> JobRecord | None:
+                             priority: str = subjects.DEFAULT_PRIORITY, *,
+                             refused: str | None = None) -> JobRecord | None:
         """The job's record; created here for a raw ``nats pub`` submission (which did
-        not pass the gateway's checks, so they run now)."""
+        not pass the gateway's checks, so they run now). ``refused``: why the job
+        must fail (an unknown tenant); a record created here is then failed with it
+        and None returned."""
         try:
             return (await self.jobs.get(job_id))[0]
         except JobNotFound:
             pass
         arch = submit.arch
-        error = None
+        error = refused
         try:
             check_task_source(submit.task_desc)
             unknown, defined = unknown_shape_names(submit.task_desc, submit.shape_overrides)
@@ -349,9 +369,10 @@ class Generator:
                          f"task does not assign at top level; it assigns: "
                          f"{', '.join(defined) or '(none)'}")
         except TaskError as exc:
-            error = str(exc)
+            error = error or str(exc)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-            error = f"task_desc cannot be parsed as Python: {type(exc).__name__}: {exc}"
+            error = error or (f"task_desc cannot be parsed as Python: "
+                              f"{type(exc).__name__}: {exc}")
         if error is None and arch is None:
             arch, workers = await live_arch(self.bus, submit.backend, None)
             if arch is None:

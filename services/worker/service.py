@@ -14,8 +14,10 @@ few seconds after the death. The consumer allows ``verify_max_deliver + 1``
 deliveries: the last one only dead-letters the request (``dlq.verify.<backend>.<arch>``),
 and this module publishes a failed ``infrastructure`` result and an ``error`` job
 event. A message that is not a VerifyRequest is dead-lettered at once; requests of
-cancelled jobs are acked unrun. On stop (SIGTERM, or the ``drain`` endpoint) in-flight
-runs finish first; a second signal gives them back to the queue (nak).
+cancelled jobs are acked unrun; a request of a tenant the tenants file does not name
+(when one is configured) gets a failed ``infrastructure`` verdict, unrun. On stop
+(SIGTERM, or the ``drain`` endpoint) in-flight runs finish first; a second signal
+gives them back to the queue (nak).
 
 Why one module: the request handler, device leases, heartbeat and the final publishes
 (result, dead letter, events) are one delivery protocol; its crash-safety (ack only
@@ -58,7 +60,7 @@ from services.common.pull_loop import PullLoop, deliveries, open_pull_loop
 from services.common.runtime import cancel_and_wait, install_signal_handlers, retry_async
 from services.common.settings import Settings
 from services.common.shares import share_slots
-from services.common.tenants import load_tenants, tenant_label
+from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
 from services.sandbox.limits import child_limits_from
 
 log = structlog.get_logger("aikg.worker")
@@ -343,6 +345,7 @@ class Worker:
         self.verifier = verifier
         # Fair shares of this backend/arch's devices (services/common/shares.py).
         self.tenants = load_tenants(settings)
+        warn_without_tenants_file(settings, "worker", log)
         self.fleet = DeviceShares(self.worker_id, self.backend, self.arch, len(self.devices),
                                   settings.worker_heartbeat_s)
         self.jobs = JobStore(bus.jobs)
@@ -417,16 +420,19 @@ class Worker:
             DEVICES.labels(**self.labels).set(len(self.devices))
             subject = subjects.verify(self.backend, self.arch)
             # Requests wait in one lane per tenant and priority, taken in fair order
-            # as devices come free (services/common/pull_loop.py); a tenant at its share
-            # of this backend/arch's devices waits behind the other tenants' lanes (it
-            # still gets a device nobody else wants).
+            # as devices come free (services/common/pull_loop.py); the lanes of a tenant
+            # at its share of this backend/arch's devices are not asked, even with a
+            # device free (with share_borrow_idle: asked after every other lane came
+            # up empty), so that device is there for another tenant's next request.
+            borrow = self.settings.share_borrow_idle
             loop = self.loop = await open_pull_loop(
                 self.bus.js, self.bus.nc, self.settings, stream=subjects.STREAM_VERIFY,
                 base=subject, idle_s=PULL_EXPIRES_S, kind="verify request",
                 decode=lambda data: decode(data, VerifyRequest), handle=self.handle,
                 capacity=self.free.qsize, claim=self._claim,
-                dead_lettered=self._dead_lettered, freed=self.freed, defer=self.at_share,
-                stopping=lambda: self.draining)
+                dead_lettered=self._dead_lettered, freed=self.freed,
+                exclude=None if borrow else self.at_share,
+                defer=self.at_share if borrow else None, stopping=lambda: self.draining)
             await self.fleet.start(self.bus)
             # The control service answers before the first heartbeat says the worker is
             # there (whoever sees the heartbeat may ask its status at once).
@@ -478,7 +484,9 @@ class Worker:
 
     def at_share(self, tenant: str) -> bool:
         """Whether ``tenant`` holds its ``max_device_share`` of this backend/arch's
-        devices: this worker's runs of it, plus the other workers' leases of it."""
+        devices: this worker's runs of it, plus the other workers' leases of it (as
+        last read, at most one heartbeat period old). Its lanes are then not asked
+        (asked last with ``share_borrow_idle``)."""
         cap = share_slots(self.tenants.get(tenant).max_device_share, self.fleet.devices())
         held = self.loop.held[tenant] if self.loop is not None else 0
         return held + self.fleet.held_elsewhere(tenant) >= cap
@@ -578,6 +586,17 @@ class Worker:
         received = time.monotonic() if received is None else received
         bound = self.log.bind(device=device)
         delivered = deliveries(msg)
+        lane_tenant = self.loop.tenant_of(msg) if self.loop is not None else request.tenant
+        refused = self.tenants.refusal(request.tenant, "worker") or \
+            self.tenants.refusal(lane_tenant, "worker")
+        if refused is not None:
+            # Like a request past max_deliver: a failed ``infrastructure`` verdict (the
+            # request was never run), so its job does not wait for one.
+            bound.warning("unknown_tenant_refused", tenant=request.tenant,
+                          lane_tenant=lane_tenant, tenants_file=self.settings.tenants_file)
+            await self._publish_result(self._failure(request, "", "infrastructure", refused))
+            await msg.ack()
+            return
         async with contextlib.AsyncExitStack() as held:
             # The job's record is read while the lease is put (two round trips at
             # once, not one after the other before every run); a cancelled job's lease

@@ -18,9 +18,11 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
+import structlog
 
-from schemas import VerifyRequest, encode, subjects
-from services.common.bus import Bus
+from schemas import JobSubmit, VerifyRequest, VerifyResult, decode, encode, subjects
+from services.common.bus import Bus, JobNotFound, JobStore
+from services.common.jobs import new_record
 from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
@@ -28,11 +30,12 @@ from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter
 from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
+from services.generator.service import Generator, run_generator
 from services.sandbox.limits import ChildLimits, child_limits_from
-from services.worker.service import run_worker
+from services.worker.service import Worker, run_worker
 from services.worker.verifier import Verifier
 from tests import helpers
-from tests.conftest import TEST_WORKER_IDS
+from tests.conftest import TEST_WORKER_IDS, LentSandbox, lend_verifier
 from tests.helpers import RELU_KERNEL, RELU_TASK, scaled, wait_terminal
 
 TOKENS = {"team_a": "tok-a", "team_b": "tok-b"}
@@ -63,9 +66,9 @@ assert HANG_IN_MODEL != RELU_TASK and ALLOC_10GB != RELU_TASK
 
 
 def request(task: str, request_id: str, *, tenant: str = "default", job_id: str = "fair",
-            timeout_s: float = 120.0) -> VerifyRequest:
+            timeout_s: float = 120.0, code: str = RELU_KERNEL) -> VerifyRequest:
     return VerifyRequest(request_id=request_id, job_id=job_id, candidate_id=request_id,
-                         op_name="relu", task_desc=task, code=RELU_KERNEL, backend="cpu",
+                         op_name="relu", task_desc=task, code=code, backend="cpu",
                          arch="x86_64", trials=1, timeout_s=timeout_s, tenant=tenant)
 
 
@@ -363,3 +366,282 @@ async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 60)
+
+
+# ------------------------------------------------------------------ shares are caps
+
+
+# A candidate whose forward hangs (sleeps: no CPU used) until its request's timeout.
+HANG_IN_FORWARD = RELU_KERNEL.replace(
+    "    def forward(self, x):\n",
+    "    def forward(self, x):\n        import time\n        time.sleep(600)\n", 1)
+assert HANG_IN_FORWARD != RELU_KERNEL
+
+
+@pytest.mark.parametrize("borrow", [False, True], ids=["cap", "borrowing"])
+async def test_borrowing_lends_idle_slots_only_when_on_and_gives_them_back_first(
+        borrow: bool) -> None:
+    """Off (the default), a tenant alone on a pool holds its share (2 of 4) and no
+    more. On, it takes all 4 while nobody else waits; a slot it gives back then goes
+    to another tenant waiting below its share before its own next waiter."""
+    slots = TenantSlots(4, lambda tenant: 0.5, "lowering", borrow=borrow)
+    entered: list[str] = []
+    releases: list[asyncio.Event] = []
+
+    async def use(tenant: str, release: asyncio.Event) -> None:
+        async with slots.hold(tenant):
+            entered.append(tenant)
+            await release.wait()
+
+    tasks = []
+    for tenant in ("a",) * 5 + ("b",):
+        releases.append(asyncio.Event())
+        tasks.append(asyncio.create_task(use(tenant, releases[-1])))
+        await asyncio.sleep(0.02)
+    if not borrow:
+        # a's share is a cap: two slots stay free for b, who got in at once.
+        assert entered == ["a", "a", "b"] and slots.in_use() == 3, entered
+    else:
+        assert entered == ["a", "a", "a", "a"] and slots.waiting == {"a": 1, "b": 1}
+        releases[0].set()  # one of a's borrowed slots comes back
+        await asyncio.sleep(0.05)
+        assert entered == ["a", "a", "a", "a", "b"], entered  # b's, not a's fifth
+    for release in releases:
+        release.set()
+    await asyncio.gather(*tasks)
+    assert entered.count("a") == 5 and slots.in_use() == 0 and not slots.waiting
+
+
+class Verdicts:
+    """Every VerifyResult published on ``results.>`` while a test runs, by request id,
+    with its arrival (monotonic)."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, tuple[VerifyResult, float]] = {}
+
+    async def start(self, bus: Bus) -> None:
+        async def on_msg(msg) -> None:
+            if msg.subject.endswith(".claim"):
+                return  # a worker's claim of a request, not a verdict
+            result = decode(msg.data, VerifyResult)
+            self.got.setdefault(result.request_id, (result, time.monotonic()))
+
+        await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.*.*", cb=on_msg)
+        await bus.nc.flush()
+
+    async def wait(self, request_id: str, timeout_s: float = 120) -> tuple[VerifyResult, float]:
+        async def arrived():
+            return self.got.get(request_id)
+
+        return await helpers.poll_until(arrived, timeout_s, f"the verdict of {request_id}",
+                                        every_s=0.02)
+
+
+async def publish_lane(bus: Bus, req: VerifyRequest, tenant: str | None = None) -> None:
+    """Publish ``req`` on the VERIFY lane of ``tenant`` (default: its own)."""
+    await bus.js.publish(subjects.verify_lane("cpu", "x86_64", tenant or req.tenant, "normal"),
+                         encode(req), headers={"Nats-Msg-Id": req.request_id})
+
+
+@contextlib.asynccontextmanager
+async def worker_running(settings: Settings, bus: Bus, verifier, devices: str = "0,1"):
+    """A cpu/x86_64 worker with ``devices`` on the test's bus, in this loop (the
+    session's verifier lent to it); on exit its runs are given up (children killed,
+    messages nak'ed)."""
+    settings = msgspec.structs.replace(settings, worker_devices=devices, worker_arch="x86_64")
+    worker = Worker(bus, settings, verifier=lend_verifier(verifier, settings.worker_id))
+    stop, abandon = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(worker.run(stop, abandon))
+    try:
+        await helpers.wait_for_heartbeat(bus, [task])
+        yield worker
+    finally:
+        stop.set()
+        abandon.set()
+        await asyncio.wait_for(task, scaled(60))
+
+
+async def lease_tenants(bus: Bus) -> list[str]:
+    """The tenant of every lease in the ``leases`` bucket, sorted."""
+    out = []
+    with contextlib.suppress(Exception):  # an empty bucket has no keys
+        for key in await bus.leases.keys():
+            with contextlib.suppress(Exception):
+                out.append(msgspec.json.decode((await bus.leases.get(key)).value)["tenant"])
+    return sorted(out)
+
+
+@pytest.mark.slow  # a worker in this loop, two relu verifications and a hang
+@pytest.mark.timeout(240)
+async def test_a_device_share_is_a_cap_so_another_tenants_relu_starts_at_once(
+        tmp_path: Path, settings: Settings, bus: Bus, shared_verifier) -> None:
+    """team_a at max_device_share 0.5 of a 2-device worker, alone on it with 4 requests
+    whose candidate hangs (600 s timeout), holds one device, its share, and no more; the
+    other stays free, so team_b's relu, measured alone first, takes at most 2x its idle
+    time + 5 s behind them. team_a's other requests wait in its lane, none lost."""
+    settings = msgspec.structs.replace(
+        settings, tenants_file=tenants_toml(tmp_path, team_a={"max_device_share": 0.5}))
+    verdicts = Verdicts()
+    await verdicts.start(bus)
+    async with worker_running(settings, bus, shared_verifier) as worker:
+        started = time.monotonic()
+        await publish_lane(bus, request(RELU_TASK, "b-idle", tenant="team_b"))
+        result, arrived = await verdicts.wait("b-idle")
+        assert result.passed, result
+        idle = arrived - started
+
+        peak = [0]
+
+        async def sample() -> None:
+            while True:
+                peak[0] = max(peak[0], worker.loop.held["team_a"])
+                await asyncio.sleep(0.01)
+
+        sampler = asyncio.create_task(sample())
+        try:
+            for i in range(4):
+                await publish_lane(bus, request(RELU_TASK, f"a-hang-{i}", tenant="team_a",
+                                                code=HANG_IN_FORWARD, timeout_s=600))
+
+            async def a_running():
+                return "team_a" in await lease_tenants(bus)
+
+            await helpers.poll_until(a_running, 60, "team_a's first run")
+            await asyncio.sleep(scaled(1.5))  # a second one would have started by now
+            # Alone on the fleet, team_a gets its share (1 of 2 devices), not more.
+            assert await lease_tenants(bus) == ["team_a"], "team_a holds more than its share"
+            assert worker.loop.held["team_a"] == 1 and worker.free.qsize() == 1
+
+            started = time.monotonic()
+            await publish_lane(bus, request(RELU_TASK, "b-loaded", tenant="team_b",
+                                            code=RELU_KERNEL + "\n# behind team_a\n"))
+            result, arrived = await verdicts.wait("b-loaded")
+            loaded = arrived - started
+        finally:
+            sampler.cancel()
+        print(f"team_b relu: idle {idle:.2f} s, behind team_a's hanging requests "
+              f"{loaded:.2f} s")
+        assert result.passed, result
+        assert loaded <= 2 * idle + 5.0, (idle, loaded)
+        assert peak[0] == 1, peak  # never more than its share, before or after team_b's
+        assert not [rid for rid in verdicts.got if rid.startswith("a-hang")]
+        lane = subjects.verify_lane("cpu", "x86_64", "team_a", "normal")
+        info = await bus.js.stream_info(subjects.STREAM_VERIFY, subjects_filter=lane)
+        assert (info.state.subjects or {}).get(lane) == 4  # 1 running, 3 waiting
+
+
+@pytest.mark.slow  # a worker in this loop, a hang
+@pytest.mark.timeout(180)
+async def test_with_borrowing_on_a_tenant_alone_takes_every_idle_device(
+        tmp_path: Path, settings: Settings, bus: Bus, shared_verifier) -> None:
+    """With AIKG_SHARE_BORROW_IDLE on, team_a (share 0.5) alone on a 2-device worker
+    takes both devices; team_b's request then waits for one of them to come back: the
+    trade-off the setting makes (docs/tenants.md)."""
+    settings = msgspec.structs.replace(
+        settings, tenants_file=tenants_toml(tmp_path, team_a={"max_device_share": 0.5}),
+        share_borrow_idle=True)
+    verdicts = Verdicts()
+    await verdicts.start(bus)
+    async with worker_running(settings, bus, shared_verifier) as worker:
+        for i in range(4):
+            await publish_lane(bus, request(RELU_TASK, f"a-hang-{i}", tenant="team_a",
+                                            code=HANG_IN_FORWARD, timeout_s=600))
+
+        async def both_held():
+            return await lease_tenants(bus) == ["team_a", "team_a"]
+
+        await helpers.poll_until(both_held, 60, "team_a on both devices")
+        await publish_lane(bus, request(RELU_TASK, "b-late", tenant="team_b"))
+        await asyncio.sleep(scaled(1.5))
+        assert worker.loop.held["team_a"] == 2 and worker.loop.held["team_b"] == 0
+        assert "b-late" not in verdicts.got
+
+
+# ------------------------------------------------------------------ one tenants file
+
+
+async def test_a_generator_or_worker_without_a_tenants_file_warns_once_at_start(
+        tmp_path: Path, settings: Settings, bus: Bus) -> None:
+    for build in (lambda s: Worker(bus, s), lambda s: Generator(bus, s)):
+        with structlog.testing.capture_logs() as logs:
+            build(settings)
+        warned = [e for e in logs if e["event"] == "tenants_file_unset"]
+        assert len(warned) == 1, logs
+        assert warned[0]["log_level"] == "warning" and warned[0]["setting"] == \
+            "AIKG_TENANTS_FILE"
+        assert "every tenant gets the default shares" in warned[0]["consequence"]
+        with structlog.testing.capture_logs() as logs:
+            build(msgspec.structs.replace(settings, tenants_file=tenants_toml(tmp_path)))
+        assert not [e for e in logs if e["event"] == "tenants_file_unset"], logs
+
+
+@pytest.mark.slow  # a worker in this loop (~10 s to start and stop)
+async def test_a_worker_fails_a_request_of_a_tenant_not_in_the_tenants_file(
+        tmp_path: Path, settings: Settings, bus: Bus, shared_verifier) -> None:
+    """With a tenants file, a request of a tenant it does not name (on that tenant's
+    lane, or a listed tenant's lane with the unknown tenant in the body) gets a failed
+    verdict at stage ``infrastructure`` naming the tenant and the file, unrun, and is
+    acked."""
+    path = tenants_toml(tmp_path)
+    settings = msgspec.structs.replace(settings, tenants_file=path)
+    verdicts = Verdicts()
+    await verdicts.start(bus)
+    async with worker_running(settings, bus, shared_verifier, devices="0"):
+        await publish_lane(bus, request(RELU_TASK, "x-own-lane", tenant="team_x"))
+        await publish_lane(bus, request(RELU_TASK, "x-in-a-lane", tenant="team_x"),
+                           tenant="team_a")
+        for rid in ("x-own-lane", "x-in-a-lane"):
+            result, _ = await verdicts.wait(rid, 60)
+            assert not result.passed and result.stage == "infrastructure", result
+            assert result.error.startswith(f"tenant 'team_x' is not in the tenants file {path} "
+                                           "(AIKG_TENANTS_FILE)"), result.error
+            assert not result.phases.get("trial"), result.phases
+    info = await bus.js.stream_info(subjects.STREAM_VERIFY)
+    assert info.state.messages == 0  # both acked: nothing left to redeliver
+
+
+async def test_a_generator_fails_a_job_of_a_tenant_not_in_the_tenants_file(
+        tmp_path: Path, settings: Settings, bus: Bus, lowering_sandbox) -> None:
+    """With a tenants file, a job on the lane of a tenant it does not name fails at
+    once, naming the tenant and the file: published raw (no record yet) or with a
+    record (as a gateway with another tenants file would write it). Both messages are
+    acked."""
+    path = tenants_toml(tmp_path)
+    settings = msgspec.structs.replace(settings, tenants_file=path)
+    jobs = JobStore(bus.jobs)
+    with_record = JobSubmit(op_name="relu", task_desc=RELU_TASK, backend="cpu",
+                            job_id="x-recorded")
+    await jobs.create(new_record(with_record, arch="x86_64", tenant="team_x"))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_generator(settings, stop, sandbox=LentSandbox(lowering_sandbox)))
+    try:
+        for submit in (JobSubmit(op_name="relu", task_desc=RELU_TASK, backend="cpu",
+                                 job_id="x-raw"), with_record):
+            await bus.js.publish(subjects.job_submit("team_x", "normal"), encode(submit),
+                                 headers={"Nats-Msg-Id": submit.job_id})
+
+        async def failed():
+            out = []
+            for job_id in ("x-raw", "x-recorded"):
+                with contextlib.suppress(JobNotFound):
+                    record, _ = await jobs.get(job_id)
+                    if record.status == "failed":
+                        out.append(record)
+            if task.done():
+                task.result()
+            return out if len(out) == 2 else None
+
+        for record in await helpers.poll_until(failed, 60, "both team_x jobs failed"):
+            assert record.error.startswith(f"tenant 'team_x' is not in the tenants file {path} "
+                                           "(AIKG_TENANTS_FILE)"), record.error
+            assert record.start_time is None  # never started
+        info = await bus.js.stream_info(subjects.STREAM_JOBS)
+        for _ in range(50):  # the ack follows the record's end
+            if info.state.messages == 0:
+                break
+            await asyncio.sleep(0.1)
+            info = await bus.js.stream_info(subjects.STREAM_JOBS)
+        assert info.state.messages == 0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, scaled(60))
