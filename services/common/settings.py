@@ -164,7 +164,9 @@ class Settings(msgspec.Struct, kw_only=True):
             does not say may submit, seconds (0: no limit beyond the schema's 3600).
         tenant_max_generator_share / tenant_max_device_share: the fraction (0 to 1]
             of a generator's job and lowering slots, and of a backend/arch's devices,
-            one tenant may hold at once (services/common/shares.py); 1: no cap.
+            one tenant of the tenants file may hold at once (services/common/shares.py);
+            1: no cap. Without a tenants file shares are whole (no tenants to share
+            between).
         share_borrow_idle: let a tenant at its share take a slot or device beyond it
             while no other tenant's work waits for one (False: a share is a cap even
             on an idle fleet). On, an idle fleet is used fully, but work that arrives

@@ -250,7 +250,12 @@ def load_tenants(settings: Settings) -> TenantTable:
             values = {**defaults, **{k: v for k, v in entry.items() if k != "token_sha256"}}
             _check_limits(where, values)
             entries[name] = {**values, "token_sha256": token_hash}
-    default = entries.setdefault(subjects.DEFAULT_TENANT, {**defaults, "token_sha256": ""})
+    # Without a tenants file there are no tenants to share between (every name gets the
+    # default tenant's entry): shares are whole, since a cap would leave devices and
+    # slots idle for nobody.
+    alone = {} if path else {key: 1.0 for key in _SHARE_KEYS}
+    default = entries.setdefault(subjects.DEFAULT_TENANT,
+                                 {**defaults, **alone, "token_sha256": ""})
     if settings.api_token:
         if default["token_sha256"]:
             raise ValueError(f"{path}: [tenants.default] has a token_sha256 and AIKG_API_TOKEN "
@@ -277,10 +282,9 @@ def warn_without_tenants_file(settings: Settings, service: str, logger) -> bool:
         return False
     logger.warning(
         "tenants_file_unset", service=service, setting="AIKG_TENANTS_FILE",
-        consequence=(f"every tenant gets the default shares (AIKG_TENANT_MAX_GENERATOR_SHARE="
-                     f"{settings.tenant_max_generator_share:g}, AIKG_TENANT_MAX_DEVICE_SHARE="
-                     f"{settings.tenant_max_device_share:g}) and work of any tenant name is "
-                     "served"),
+        consequence=("no tenants to share between: every tenant's work is served, with "
+                     "whole shares (the AIKG_TENANT_MAX_*_SHARE caps apply only to tenants "
+                     "of a file), whatever the gateway's file says"),
         hint="set AIKG_TENANTS_FILE to the gateway's tenants file on every generator and "
              "worker")
     return True
