@@ -197,6 +197,13 @@ class VerifyRequest(Struct, kw_only=True):
     what the task's own sizes launch was checked (else ``passed: false``, stage
     ``unchecked``); with it, such a verdict passes, keeps ``stage: "unchecked"`` and
     the ``unchecked`` list, and says so in ``notes``.
+
+    ``claim_nonce``: a secret of the requester for this request (hex; from
+    :func:`services.common.verdicts.claim_nonce`). Only the worker JetStream delivers
+    the request to reads it; its claim and verdict carry a proof made from it
+    (``VerifyClaim.proof``, ``VerifyResult.proof``), and the requester counts a
+    verdict only with a proof of the worker that holds the request. Empty: the
+    request was made by hand (``nats pub``) and no provenance can be checked.
     """
 
     request_id: Token
@@ -214,6 +221,7 @@ class VerifyRequest(Struct, kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
     allow_unchecked: bool = False
+    claim_nonce: str = ""
     created_at: dt.datetime = field(default_factory=utcnow)
     # The job's tenant and priority (also in the lane subject the request waits on).
     tenant: TenantName = "default"
@@ -343,7 +351,7 @@ class ProfiledKernel(Struct, kw_only=True):
 
 
 class VerifyResult(Struct, kw_only=True):
-    """A worker's verdict on one candidate, published on ``results.<job_id>``.
+    """A worker's verdict on one candidate, published on ``results.<job_id>.<worker_id>``.
 
     Times are microseconds (``base_time_us`` the eager reference, ``gen_time_us`` the
     candidate); ``speedup`` is ``base_time_us / gen_time_us`` and is None when timings
@@ -437,7 +445,31 @@ class VerifyResult(Struct, kw_only=True):
     launch_floor_us: float | None = None
     profiled_kernels: list[ProfiledKernel] = field(default_factory=list)
     finished_at: dt.datetime = field(default_factory=utcnow)
+    # HMAC of the request's claim nonce over this verdict's worker and request
+    # (services/common/verdicts.py: ``proof``); empty when the request had no nonce.
+    proof: str = ""
     type: Literal["verify.result"] = "verify.result"
+    schema_version: int = SCHEMA_VERSION
+
+
+class VerifyClaim(Struct, kw_only=True):
+    """A worker's claim of a verify request it was delivered, published on
+    ``results.<job_id>.<worker_id>.claim`` before it runs the request.
+
+    The latest claim of a request names the worker that holds it (JetStream hands a
+    request to a second worker only after the first gave it back or went silent);
+    a verdict counts only from that worker (services/common/verdicts.py).
+    ``proof``: HMAC of the request's ``claim_nonce`` (which only the delivered
+    worker read) over ``claim``, the worker id and the request id.
+    """
+
+    request_id: str
+    job_id: str
+    worker_id: str
+    device: str = ""
+    proof: str = ""
+    claimed_at: dt.datetime = field(default_factory=utcnow)
+    type: Literal["verify.claim"] = "verify.claim"
     schema_version: int = SCHEMA_VERSION
 
 
@@ -860,6 +892,7 @@ ALL_RECORDS: tuple[type[Struct], ...] = (
     JobEvent,
     VerifyRequest,
     VerifyResult,
+    VerifyClaim,
     WorkerInfo,
     KernelRow,
     BatchSubmit,

@@ -21,6 +21,9 @@ WORKER_SERVICE_PREFIX = "aikg.worker"
 # admin-side provisioner (services/common/provision.py): services may not create
 # consumers on JOBS and VERIFY themselves.
 PROVISION_CONSUMER = "aikg.provision.consumer"
+# Headers-only copies of stored verify requests (the VERIFY stream's republish):
+# ``aikg.wake.verify.<backend>.<arch>[.<tenant>.<priority>]``; no stream captures them.
+WAKE_PREFIX = "aikg.wake"
 
 # Streams.
 STREAM_JOBS = "JOBS"
@@ -172,9 +175,51 @@ def verify(backend: str, arch: str) -> str:
     return f"{VERIFY_PREFIX}.{_token('backend', backend)}.{_token('arch', arch)}"
 
 
-def results(job_id: str) -> str:
-    """Subject of one job's verify results: ``results.<job_id>``."""
-    return f"{RESULTS_PREFIX}.{_token('job_id', job_id)}"
+def results(job_id: str, worker_id: str) -> str:
+    """Subject of the worker ``worker_id``'s verdicts and claims on one job's verify
+    requests: ``results.<job_id>.<worker_id>``. A worker's user may publish only on
+    ``results.*.<its worker_id>`` (services/common/nats_auth.py), so the last token
+    says which worker sent a message.
+
+    Raises:
+        ValueError: ``job_id`` or ``worker_id`` is not one subject token.
+    """
+    return f"{RESULTS_PREFIX}.{_token('job_id', job_id)}.{_token('worker_id', worker_id)}"
+
+
+def claims(job_id: str, worker_id: str) -> str:
+    """Subject of the worker ``worker_id``'s claims of one job's verify requests:
+    ``results.<job_id>.<worker_id>.claim`` (beside its verdicts, so one filter reads
+    both in order, and ``results.<job_id>.*`` counts verdicts alone)."""
+    return f"{results(job_id, worker_id)}.claim"
+
+
+def job_verdicts(job_id: str) -> str:
+    """Filter of one job's verdicts (not claims): ``results.<job_id>.*``."""
+    return f"{RESULTS_PREFIX}.{_token('job_id', job_id)}.*"
+
+
+def job_results(job_id: str) -> str:
+    """Filter of every message on one job's verify requests: ``results.<job_id>.>``."""
+    return f"{RESULTS_PREFIX}.{_token('job_id', job_id)}.>"
+
+
+def results_sender(subject: str) -> tuple[str, bool] | None:
+    """``(worker id, is a claim)`` of a ``results.<job_id>.<worker_id>[.claim]``
+    subject, else None."""
+    parts = subject.split(".")
+    claim = len(parts) == 4 and parts[3] == "claim"
+    if len(parts) != 3 + claim or parts[0] != RESULTS_PREFIX or not _TOKEN.match(parts[2]):
+        return None
+    return parts[2], claim
+
+
+def verify_wake(subject: str) -> str:
+    """Where the VERIFY stream republishes the headers (not the body) of each request
+    it stores on ``subject`` (a ``verify.>`` lane): ``aikg.wake.<subject>``. Workers
+    wake on these: a request's body (with its claim nonce) reaches only the worker
+    JetStream delivers it to."""
+    return f"{WAKE_PREFIX}.{subject}"
 
 
 def dlq(subject: str) -> str:

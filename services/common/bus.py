@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -125,8 +126,15 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
                RetentionPolicy.WORK_QUEUE, **queue_limits),
         stream(subjects.STREAM_JOB_EVENTS, [f"{subjects.JOB_EVENTS_PREFIX}.>"],
                RetentionPolicy.LIMITS, max_age=settings.job_events_max_age_s),
+        # Each stored request's headers (not its body, which holds the requester's
+        # claim nonce) are republished on aikg.wake.verify.> to wake idle workers
+        # (services/common/lanes.py, services/common/verdicts.py).
         stream(subjects.STREAM_VERIFY, [f"{subjects.VERIFY_PREFIX}.>"],
-               RetentionPolicy.WORK_QUEUE, **queue_limits),
+               RetentionPolicy.WORK_QUEUE,
+               republish=RePublish(src=f"{subjects.VERIFY_PREFIX}.>",
+                                   dest=subjects.verify_wake(f"{subjects.VERIFY_PREFIX}.>"),
+                                   headers_only=True),
+               **queue_limits),
         stream(subjects.STREAM_RESULTS, [f"{subjects.RESULTS_PREFIX}.>"],
                RetentionPolicy.LIMITS,
                max_age=settings.results_max_age_s, duplicate_window=DUPLICATE_WINDOW_S),

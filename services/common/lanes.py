@@ -140,8 +140,13 @@ class LanePull:
 
     async def listen(self) -> None:
         """Subscribe the wake-up subjects (again, after :meth:`deafen`)."""
+        # Verify requests wake workers through the VERIFY stream's headers-only
+        # republish (subjects.verify_wake): a worker never sees a request's body (and
+        # its claim nonce) unless JetStream delivers the request to it.
+        wake = f"{subjects.WAKE_PREFIX}." if self.stream == subjects.STREAM_VERIFY else ""
+
         async def on_publish(msg) -> None:
-            lane = subjects.parse_lane(self.base, msg.subject or "")
+            lane = subjects.parse_lane(self.base, (msg.subject or "").removeprefix(wake))
             if lane is not None:
                 self.seen.add(lane)
             self.woken.set()
@@ -149,7 +154,7 @@ class LanePull:
         if self.wakeups:
             return
         for subject in (self.base, f"{self.base}.*.*"):
-            self.wakeups.append(await self.nc.subscribe(subject, cb=on_publish))
+            self.wakeups.append(await self.nc.subscribe(wake + subject, cb=on_publish))
 
     async def deafen(self) -> None:
         """Unsubscribe the wake-up subjects while the caller has no capacity to take

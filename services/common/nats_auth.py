@@ -225,8 +225,10 @@ PERMISSIONS: dict[str, Permissions] = {
             f"$JS.API.STREAM.PURGE.{_OBJ}",
         ),
         # The lanes' subjects wake an idle generator (services/common/lanes.py).
+        # A job's results subjects wake its verdict waiter (services/common/verdicts.py),
+        # which reads the verdicts themselves with message gets.
         subscribe=(f"{inbox_prefix('generator')}.>", subjects.JOBS_SUBMIT,
-                   f"{subjects.JOBS_SUBMIT}.*.*"),
+                   f"{subjects.JOBS_SUBMIT}.*.*", f"{subjects.RESULTS_PREFIX}.>"),
     ),
 }
 
@@ -243,8 +245,11 @@ def worker_permissions(worker_id: str) -> Permissions:
              "job events, writes its own heartbeat and leases and the shared cache of "
              "baselines, reads job records, answers nats micro on its own subjects",
         publish=(
-            f"{subjects.RESULTS_PREFIX}.>", f"{subjects.JOB_EVENTS_PREFIX}.>",
-            f"{subjects.DLQ_PREFIX}.>",
+            # Its own verdicts and claims only: the subject's last token names the
+            # worker that sent a verdict (services/common/verdicts.py).
+            f"{subjects.RESULTS_PREFIX}.*.{worker_id}",
+            f"{subjects.RESULTS_PREFIX}.*.{worker_id}.claim",
+            f"{subjects.JOB_EVENTS_PREFIX}.>", f"{subjects.DLQ_PREFIX}.>",
             # Its heartbeat key and its leases (``<worker_id>.<device>``) only.
             f"$KV.{subjects.BUCKET_WORKERS}.{worker_id}",
             f"$KV.{subjects.BUCKET_LEASES}.{worker_id}.>",
@@ -257,8 +262,10 @@ def worker_permissions(worker_id: str) -> Permissions:
             f"$KV.{subjects.BUCKET_BASELINES}.>", *_read(_KV_BASELINES),
         ),
         subscribe=(f"{inbox_prefix(worker_user(worker_id))}.>", "$SRV.>", f"{prefix}.>",
-                   # Verify lanes' subjects wake an idle worker (services/common/lanes.py).
-                   f"{subjects.VERIFY_PREFIX}.>"),
+                   # The headers-only copies of stored verify requests wake an idle
+                   # worker (services/common/lanes.py); the requests' bodies, with their
+                   # claim nonces, reach only the worker they are delivered to.
+                   f"{subjects.WAKE_PREFIX}.{subjects.VERIFY_PREFIX}.>"),
         allow_responses=True,
     )
 

@@ -44,6 +44,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
+from cachetools import LRUCache
 from litestar import Request, Router, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
@@ -77,6 +78,7 @@ from services.common.lane_watch import LaneWatch
 from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
+from services.common.verdicts import ResultsReader, claim_nonce, requester_key
 from services.gateway.deps import provide_tenant
 from services.gateway.jobs import (
     check_task,
@@ -241,25 +243,27 @@ def add_verdicts(record: BatchRecord, results: list[tuple[int, VerifyResult]]) -
 # --- on the bus -------------------------------------------------------------------
 
 
+# One reader per batch this gateway folds (its place in the stream and the holders
+# of the batch's requests; services/common/verdicts.py), so a fold reads only what
+# landed since the last; a gateway that restarts reads a batch's subject from the start
+# once.
+_READERS: LRUCache[str, ResultsReader] = LRUCache(maxsize=4096)
+
+
+def batch_key(bus: Bus, batch_id: str) -> bytes:
+    """The requester key of the batch's verify requests: from the gateway's own NATS
+    secret, so every gateway replica (and one restarted) derives it again."""
+    return requester_key(bus.settings, "gateway", f"batch:{batch_id}")
+
+
 async def _results_after(bus: Bus, batch_id: str, after: int) -> list[tuple[int, VerifyResult]]:
-    """Results on ``results.<batch_id>`` after RESULTS sequence ``after``, read with the
-    stream's message-get API (no consumer to lose; services/common/verdicts.py says
-    why); a message that is not a VerifyResult is skipped, logged."""
-    out = []
-    subject = subjects.results(batch_id)
-    while True:
-        try:
-            raw = await bus.js.get_msg(subjects.STREAM_RESULTS, seq=after + 1,
-                                       subject=subject, next=True)
-        except nats.js.errors.NotFoundError:
-            return out
-        if raw.seq is None or raw.seq <= after:
-            return out
-        after = raw.seq
-        try:
-            out.append((raw.seq, decode(raw.data or b"", VerifyResult)))
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("malformed_result", batch_id=batch_id, seq=raw.seq, error=str(exc))
+    """The verdicts that count (services/common/verdicts.py: from the worker that holds
+    the request) on ``results.<batch_id>.>`` after RESULTS sequence ``after``, read
+    with the stream's message-get API (no consumer)."""
+    reader = _READERS.get(batch_id)
+    if reader is None or reader.js is not bus.js:
+        reader = _READERS[batch_id] = ResultsReader(bus.js, batch_id, batch_key(bus, batch_id))
+    return [(seq, result) for seq, result in await reader.read() if seq > after]
 
 
 async def fold(bus: Bus, store: BatchStore, batch_id: str) -> BatchRecord | None:
@@ -428,7 +432,8 @@ async def _publish_requests(bus: Bus, record: BatchRecord, codes: list[str]) -> 
                 mode="verify" if task.backend == "cpu" else "profile",
                 shape_overrides=task.shape_overrides, timeout_s=task.timeout_s,
                 trials=task.trials, tenant=record.tenant, priority=task.priority,
-                allow_unchecked=task.allow_unchecked)
+                allow_unchecked=task.allow_unchecked,
+                claim_nonce=claim_nonce(batch_key(bus, record.batch_id), c.request_id))
             ack = await bus.js.publish(subject, encode(request),
                                        headers={"Nats-Msg-Id": c.request_id})
             seqs[c.request_id] = ack.seq

@@ -228,11 +228,11 @@ async def _batch_requests(bus: Bus, batch_id: str) -> int | None:
 
 
 async def _verdicts_in(bus: Bus, batch_id: str) -> int:
-    """Messages on ``results.<batch_id>`` in RESULTS (one per verified request, bar a
-    rare duplicate of a redelivered one)."""
-    subject = subjects.results(batch_id)
-    info = await bus.js.stream_info(subjects.STREAM_RESULTS, subjects_filter=subject)
-    return (info.state.subjects or {}).get(subject, 0)
+    """Verdicts on ``results.<batch_id>.*`` in RESULTS, claims not counted (one per
+    verified request, bar a rare second one of a request run twice)."""
+    info = await bus.js.stream_info(subjects.STREAM_RESULTS,
+                                    subjects_filter=subjects.job_verdicts(batch_id))
+    return sum((info.state.subjects or {}).values())
 
 
 async def _settle(bus: Bus, store: CheckedJobStore, state: _Admission, now: float,

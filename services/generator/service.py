@@ -4,7 +4,7 @@ Every generator process binds the durable pull consumer ``generator`` on the JOB
 stream, so several instances share the jobs. For each job the generator keeps the
 record in the ``jobs`` bucket (compare-and-swap) and ``jobs.events.<job_id>`` up to
 date, publishes each candidate as a verify request on ``verify.<backend>.<arch>``
-and waits for its verdict on ``results.<job_id>``.
+and waits for its verdict on ``results.<job_id>.>``.
 
 Crash recovery. Before a candidate's verify request is published, the candidate is
 written into the job record (``progress.candidates``: attempt, ids, coder, code
@@ -16,7 +16,7 @@ JetStream redelivers it (after the JOBS consumer's ack wait,
 :data:`services.common.provision.JOB_ACK_WAIT_S`) to another instance or to the
 restarted one, which rebuilds the attempts from the record: verdicts already
 recorded are reused, a request already published is awaited again on
-``results.<job_id>`` (read from the start of the RESULTS stream) instead of being
+``results.<job_id>.>`` (read from the start of the RESULTS stream) instead of being
 resent, a recorded request without a sequence is republished under the same id
 (the stream drops it if the first publish did land), and the attempt loop goes on
 from there. The final status is set by compare-and-swap from a non-terminal state,
@@ -96,7 +96,7 @@ from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
-from services.common.verdicts import VerdictWaiter
+from services.common.verdicts import VerdictWaiter, requester_key
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import (
     JOB_TENANT,
@@ -418,7 +418,8 @@ class Generator:
                  resumed_candidates=recorded)
         phases: dict[str, float] = {}
         try:
-            waiter = VerdictWaiter(self.bus.js, job_id)
+            waiter = VerdictWaiter(self.bus.js, job_id,
+                                   requester_key(self.settings, "generator", f"job:{job_id}"))
             await waiter.start()
             try:
                 run = JobRun(bus=self.bus, jobs=self.jobs, settings=self.settings,
@@ -740,7 +741,7 @@ class JobRun:
         window is dropped by the stream) and report ``verify_started``.
 
         The verdict is awaited with :meth:`await_verdict`; a waiter on
-        ``results.<job_id>`` exists from the run's start, so a verdict that comes
+        ``results.<job_id>.>`` exists from the run's start, so a verdict that comes
         before the await is kept.
 
         Returns:
@@ -756,6 +757,7 @@ class JobRun:
             trials=submit.trials, tenant=self.record.tenant, priority=self.record.priority,
             allow_unchecked=submit.allow_unchecked,
         )
+        self.waiter.seal(request)
         self.waiter.expect(request_id)
         # The job's lane on VERIFY, so that workers serve tenants in turn too.
         subject = subjects.verify_lane(request.backend, request.arch, request.tenant,

@@ -35,7 +35,7 @@ from services.common.lane_watch import LaneWatch, UnservedLane, while_served
 from services.common.records import normalised_hash, unknown_shape_names
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings, load_settings, machine_arch
-from services.common.verdicts import VerdictWaiter
+from services.common.verdicts import VerdictWaiter, random_key
 
 # How long a verify call waits for its verdict, queueing included, seconds (as the
 # generator's verify_result_timeout_s).
@@ -142,7 +142,7 @@ class RemoteWorker(_WorkerBase):
     """Verify candidates on AIKG workers over NATS (worker-only mode).
 
     Publishes each request on ``verify.<backend>.<arch>`` (stream VERIFY, shared by
-    every worker of that pair) and waits for the verdict on ``results.<job_id>``
+    every worker of that pair) and waits for the verdict on ``results.<job_id>.>``
     (stream RESULTS). There is no job record: the request carries a fresh job id
     of its own, which workers accept as a worker-only request.
 
@@ -180,6 +180,9 @@ class RemoteWorker(_WorkerBase):
 
         settings = load_settings() if settings is None else settings
         self._credentials = nats_credentials(settings)
+        # Seals this client's requests (services/common/verdicts.py): it never reads
+        # verdicts after a restart, so a random key does.
+        self._verdict_key = random_key()
         # Replies on the user's own inbox prefix: the only one its user may subscribe to.
         self._credentials["inbox_prefix"] = inbox_prefix_of(settings, self._credentials)
         url = nats_url or os.environ.get("AIKG_NATS_URL", "")
@@ -293,7 +296,7 @@ class RemoteWorker(_WorkerBase):
         Args:
             timeout_s: the worker's wall-clock limit for the candidate's run, seconds.
             trials: seeds, each with fresh inputs.
-            job_id: results subject to use (``results.<job_id>``); default a fresh id.
+            job_id: results subject to use (``results.<job_id>.>``); default a fresh id.
             mode: ``verify``, or ``profile`` to time it too (GPU backends).
             allow_unchecked: accept a partial check: a verdict whose path at the task's
                 own sizes no checked size reached passes, with ``stage`` ``unchecked``
@@ -319,7 +322,8 @@ class RemoteWorker(_WorkerBase):
         js = nc.jetstream(timeout=10)
         self._in_flight += 1
         try:
-            waiter = VerdictWaiter(js, request.job_id)
+            waiter = VerdictWaiter(js, request.job_id, self._verdict_key)
+            waiter.seal(request)
             try:
                 await waiter.start()
                 await js.publish(subjects.verify(request.backend, request.arch), encode(request),
@@ -361,7 +365,7 @@ class RemoteWorker(_WorkerBase):
         ones (same normalised AST, :func:`services.common.records.normalised_hash`)
         once, sharing the verdict.
 
-        All requests go out at once under one job id (``results.<job_id>``; default a
+        All requests go out at once under one job id (``results.<job_id>.>``; default a
         fresh one); the workers of the pair take them as they have devices free.
 
         Args:
@@ -397,8 +401,9 @@ class RemoteWorker(_WorkerBase):
         results: dict[int, VerifyResult] = {}
         self._in_flight += len(requests)
         try:
-            async with VerdictWaiter(js, job_id) as waiter:
+            async with VerdictWaiter(js, job_id, self._verdict_key) as waiter:
                 for request in requests.values():
+                    waiter.seal(request)
                     try:
                         await js.publish(subjects.verify(request.backend, request.arch),
                                          encode(request),

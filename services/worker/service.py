@@ -1,10 +1,11 @@
 """The worker service: pulls verify requests for its backend/arch and runs them.
 
 One durable pull consumer per ``verify.<backend>.<arch>`` is shared by every worker
-of that pair (docs/architecture.md, "The life of a verify request"). A worker fetches only as many requests as it
-has free devices, leases the device in the ``leases`` bucket, runs the candidate in
-the sandbox (:class:`services.worker.verifier.Verifier`), publishes the
-:class:`VerifyResult` on ``results.<job_id>``, acks, and releases the lease.
+of that pair (docs/architecture.md, "The life of a verify request"). A worker fetches
+only as many requests as it has free devices, leases the device in the ``leases``
+bucket, claims the request (:class:`VerifyClaim`), runs the candidate in the sandbox
+(:class:`services.worker.verifier.Verifier`), publishes the :class:`VerifyResult` on
+``results.<job_id>.<worker_id>``, acks, and releases the lease.
 
 Delivery rules (services/common/pull_loop.py, the generator's too): while it holds a
 request the worker sends ``in_progress()`` every fifth of the consumer's ack wait
@@ -44,6 +45,7 @@ from prometheus_client import Counter, Gauge, Histogram
 import services
 from schemas import (
     JobEvent,
+    VerifyClaim,
     VerifyRequest,
     VerifyResult,
     WorkerInfo,
@@ -61,6 +63,7 @@ from services.common.runtime import cancel_and_wait, install_signal_handlers, re
 from services.common.settings import Settings
 from services.common.shares import share_slots
 from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
+from services.common.verdicts import proof
 from services.sandbox.limits import child_limits_from
 
 log = structlog.get_logger("aikg.worker")
@@ -594,7 +597,9 @@ class Worker:
             # request was never run), so its job does not wait for one.
             bound.warning("unknown_tenant_refused", tenant=request.tenant,
                           lane_tenant=lane_tenant, tenants_file=self.settings.tenants_file)
-            await self._publish_result(self._failure(request, "", "infrastructure", refused))
+            await self._publish_claim(request, "")
+            await self._publish_result(self._failure(request, "", "infrastructure", refused),
+                                       request)
             await msg.ack()
             return
         async with contextlib.AsyncExitStack() as held:
@@ -610,6 +615,10 @@ class Worker:
                 bound.info("skipped_cancelled_job")
                 await msg.ack()
                 return
+            # The claim names this worker as the request's holder: readers count a
+            # verdict only from the latest claimant (services/common/verdicts.py). If
+            # it cannot be published the request goes back (the pull loop naks it).
+            await self._publish_claim(request, device)
             cap = self.tenants.get(request.tenant).max_timeout_s
             if cap and request.timeout_s > cap:
                 # The gateway refuses such jobs; a request sent another way (nats pub,
@@ -638,7 +647,7 @@ class Worker:
         if result.stage in ("timeout", "crash"):
             SANDBOX_KILLS.labels(**self.labels, reason=result.stage).inc()
         publishing = time.monotonic()
-        await self._publish_result(result)
+        await self._publish_result(result, request)
         await msg.ack()
         phases = {**result.phases, "publish": time.monotonic() - publishing}
         for name, seconds in phases.items():
@@ -663,7 +672,9 @@ class Worker:
         self.log.error("max_deliver_exceeded", error=reason, job_id=request.job_id,
                        request_id=request.request_id)
         try:
-            await self._publish_result(self._failure(request, "", "infrastructure", moved))
+            await self._publish_claim(request, "")
+            await self._publish_result(self._failure(request, "", "infrastructure", moved),
+                                       request)
         except Exception as exc:  # noqa: BLE001 - the DLQ copy keeps the request
             self.log.error("result_publish_failed", error=str(exc))
             moved += f"; its failed result could not be published: {exc}"
@@ -715,15 +726,36 @@ class Worker:
             return False
         return record.status == "cancelled"
 
-    async def _publish_result(self, result: VerifyResult) -> None:
-        """Publish on ``results.<job_id>`` (deduplicated by request id), retrying.
+    async def _publish_claim(self, request: VerifyRequest, device: str) -> None:
+        """Publish this worker's :class:`VerifyClaim` of ``request`` on
+        ``results.<job_id>.<worker_id>.claim``, with its proof from the request's claim
+        nonce, retrying (each delivery claims again: a request handed back and given
+        to this worker once more is held by it again).
 
         Raises:
             Exception: the last attempt's error (nats errors: timeout, no responders).
         """
+        claim = VerifyClaim(request_id=request.request_id, job_id=request.job_id,
+                            worker_id=self.worker_id, device=device,
+                            proof=proof(request.claim_nonce, "claim", self.worker_id,
+                                        request.request_id))
         await retry_async(lambda: self.bus.js.publish(
-            subjects.results(result.job_id), encode(result),
-            headers={"Nats-Msg-Id": f"result-{result.request_id}"},
+            subjects.claims(request.job_id, self.worker_id), encode(claim),
+        ), attempts=FINAL_PUBLISH_ATTEMPTS, first_wait_s=0.5, logger=self.log,
+            event="claim_publish_retry")
+
+    async def _publish_result(self, result: VerifyResult, request: VerifyRequest) -> None:
+        """Publish on ``results.<job_id>.<worker_id>`` (deduplicated by request and
+        worker), with the proof from ``request``'s claim nonce, retrying.
+
+        Raises:
+            Exception: the last attempt's error (nats errors: timeout, no responders).
+        """
+        result.worker_id = self.worker_id
+        result.proof = proof(request.claim_nonce, "result", self.worker_id, request.request_id)
+        await retry_async(lambda: self.bus.js.publish(
+            subjects.results(result.job_id, self.worker_id), encode(result),
+            headers={"Nats-Msg-Id": f"result-{result.request_id}-{self.worker_id}"},
         ), attempts=FINAL_PUBLISH_ATTEMPTS, first_wait_s=0.5, logger=self.log,
             event="result_publish_retry")
 

@@ -202,7 +202,7 @@ async def explain(bus: Bus, job_ids: list[str]) -> str:
     for job_id in job_ids:
         with contextlib.suppress(Exception):
             lines.append(f"record {job_id}: {(await bus.jobs.get(job_id)).value.decode()[:3000]}")
-        for subject in (f"{subjects.JOB_EVENTS_PREFIX}.{job_id}", f"{subjects.RESULTS_PREFIX}.{job_id}"):
+        for subject in (f"{subjects.JOB_EVENTS_PREFIX}.{job_id}", subjects.job_results(job_id)):
             for data in await read_all(bus, subject):
                 lines.append(f"{subject}: {data[:400]!r}")
     for stream in (subjects.STREAM_JOBS, subjects.STREAM_VERIFY):
@@ -315,7 +315,7 @@ async def test_fifty_jobs_survive_a_node_kill_and_restart(
         assert {j: completed[j] for j in job_ids if completed[j] != 1} == {}, \
             "each job must have exactly one 'completed' event"
 
-        results = [decode(d, VerifyResult) for d in await read_all(bus, f"{subjects.RESULTS_PREFIX}.>")]
+        results = [decode(d, VerifyResult) for d in await read_all(bus, f"{subjects.RESULTS_PREFIX}.*.*")]
         per_request = collections.Counter(r.request_id for r in results)
         assert {r: n for r, n in per_request.items() if n > 1} == {}, "a verdict was published twice"
         passed_jobs = {r.job_id for r in results if r.passed}

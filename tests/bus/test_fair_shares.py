@@ -27,7 +27,7 @@ from services.common.nats_auth import BusCredentials
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
-from services.common.verdicts import VerdictWaiter
+from services.common.verdicts import VerdictWaiter, claim_nonce, random_key
 from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
 from services.generator.service import Generator, run_generator
@@ -131,6 +131,11 @@ def test_tenant_share_and_timeout_keys_are_checked(tmp_path: Path, settings: Set
     assert table.get("team_b").max_device_share == settings.tenant_max_device_share == 0.5
     assert table.get("team_b").max_generator_share == 0.75
     assert table.get("team_b").max_timeout_s == 600
+    assert table.get("default").max_device_share == 0.5  # a tenant of the file like any
+    # Without a file there are no tenants to share between: whole shares.
+    alone = load_tenants(settings)
+    assert alone.get("default").max_device_share == alone.get("default").max_generator_share == 1
+    assert alone.get("team_b").max_device_share == 1
     for bad, words in (({"max_device_share": 0}, "max_device_share = 0 must be a fraction"),
                        ({"max_generator_share": 1.5}, "max_generator_share = 1.5"),
                        ({"max_timeout_s": -1}, "max_timeout_s = -1 must be a number")):
@@ -319,16 +324,21 @@ async def test_hanging_tasks_of_one_tenant_leave_another_tenants_relu_near_idle(
 
 @pytest.mark.slow
 async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request(
-        settings: Settings, bus: Bus, bus_credentials: BusCredentials) -> None:
-    """Two one-device workers of one backend/arch. team_a's first request hangs in its
-    reference on worker 1 (half the devices: its share); then team_a and team_b each
-    publish one more. Worker 2, started after, takes team_b's, though team_a's lane
-    comes first in turn; team_a's hung request ends naming the task."""
+        settings: Settings, bus: Bus, bus_credentials: BusCredentials, tmp_path: Path) -> None:
+    """Two one-device workers of one backend/arch, both tenants in the tenants file at
+    the default device share (0.5). team_a's first request hangs in its reference on
+    worker 1 (half the devices: its share); then team_a and team_b each publish one
+    more. Worker 2, started after, takes team_b's, though team_a's lane comes first in
+    turn; team_a's hung request ends naming the task."""
     hang_s = 30.0
-    base = msgspec.structs.replace(settings, task_timeout_s=hang_s, worker_devices="0")
+    base = msgspec.structs.replace(settings, task_timeout_s=hang_s, worker_devices="0",
+                                   tenants_file=tenants_toml(tmp_path))
     stop = asyncio.Event()
 
+    key = random_key()
+
     async def publish(req: VerifyRequest) -> None:
+        req.claim_nonce = claim_nonce(key, req.request_id)
         await bus.js.publish(subjects.verify_lane("cpu", "x86_64", req.tenant, "normal"),
                              encode(req), headers={"Nats-Msg-Id": req.request_id})
 
@@ -336,7 +346,7 @@ async def test_a_tenant_at_its_device_share_waits_behind_another_tenants_request
         base, **bus_credentials.worker_settings(TEST_WORKER_IDS[0]), worker_arch="x86_64"),
         stop))]
     try:
-        async with VerdictWaiter(bus.js, "fair") as waiter:
+        async with VerdictWaiter(bus.js, "fair", key) as waiter:
             for rid in ("a-hang", "a-next", "b-relu"):
                 waiter.expect(rid)
             await publish(request(HANG_IN_MODEL, "a-hang", tenant="team_a"))
@@ -569,7 +579,7 @@ async def test_a_generator_or_worker_without_a_tenants_file_warns_once_at_start(
         assert len(warned) == 1, logs
         assert warned[0]["log_level"] == "warning" and warned[0]["setting"] == \
             "AIKG_TENANTS_FILE"
-        assert "every tenant gets the default shares" in warned[0]["consequence"]
+        assert "no tenants to share between" in warned[0]["consequence"]
         with structlog.testing.capture_logs() as logs:
             build(msgspec.structs.replace(settings, tenants_file=tenants_toml(tmp_path)))
         assert not [e for e in logs if e["event"] == "tenants_file_unset"], logs

@@ -1,30 +1,61 @@
-"""The verdict waiter gets every verdict, also when its consumer is lost.
+"""Which verdicts count: only the worker that holds a request decides it.
 
-Real nats-server; the waiter connects with the generator's credentials. A lost
-consumer is made the way a server failover loses it: the server-side consumer is
-deleted under the subscription, so nothing is delivered to it any more.
+Real nats-server with the project's users: the waiter reads with the generator's
+credentials, the workers publish with their own (``worker-test-worker`` and
+``worker-test-worker-2``), so every refusal here is the server's or the reader's, as
+in a deployed fleet.
 """
 
 from __future__ import annotations
 
 import asyncio
 
+import nats
 import pytest
 
-from schemas import VerifyResult, encode, subjects
-from services.common.bus import Bus, connect_bus
+from schemas import VerifyClaim, VerifyResult, encode, subjects
+from services.common.bus import Bus, connect_bus, nats_credentials
 from services.common.settings import Settings
-from services.common.verdicts import VERDICTS_RECOVERED, VerdictWaiter
-from tests.conftest import as_role
+from services.common.verdicts import (
+    VERDICTS_RECOVERED,
+    VERDICTS_REJECTED,
+    VerdictWaiter,
+    claim_nonce,
+    proof,
+    random_key,
+)
+from tests.conftest import TEST_WORKER_IDS, as_role
+
+W1, W2 = TEST_WORKER_IDS
 
 
-def verdict(job_id: str, request_id: str, passed: bool = True) -> VerifyResult:
-    return VerifyResult(request_id=request_id, job_id=job_id, candidate_id=f"{request_id}-c",
-                        worker_id="w", device="0", passed=passed, stage=None if passed else "mismatch")
+def rejected(reason: str) -> float:
+    return VERDICTS_REJECTED.labels(reason=reason)._value.get()
 
 
-async def publish(bus: Bus, result: VerifyResult) -> None:
-    await bus.js.publish(subjects.results(result.job_id), encode(result))
+class Worker:
+    """A NATS client with one worker's credentials that claims and answers requests by
+    hand (what a real worker or a compromised one can publish)."""
+
+    def __init__(self, nc, worker_id: str) -> None:
+        self.nc, self.js, self.worker_id = nc, nc.jetstream(), worker_id
+
+    async def claim(self, job_id: str, request_id: str, nonce: str | None) -> None:
+        good = proof(nonce, "claim", self.worker_id, request_id) if nonce else "forged"
+        await self.js.publish(subjects.claims(job_id, self.worker_id), encode(VerifyClaim(
+            request_id=request_id, job_id=job_id, worker_id=self.worker_id, proof=good)))
+
+    def result(self, job_id: str, request_id: str, nonce: str | None, *, passed: bool,
+               speedup: float | None = None) -> VerifyResult:
+        good = proof(nonce, "result", self.worker_id, request_id) if nonce else "forged"
+        return VerifyResult(request_id=request_id, job_id=job_id, candidate_id="c",
+                            worker_id=self.worker_id, device="0", passed=passed,
+                            stage=None if passed else "mismatch", speedup=speedup, proof=good)
+
+    async def answer(self, job_id: str, request_id: str, nonce: str | None, *,
+                     passed: bool, speedup: float | None = None) -> None:
+        await self.js.publish(subjects.results(job_id, self.worker_id), encode(
+            self.result(job_id, request_id, nonce, passed=passed, speedup=speedup)))
 
 
 @pytest.fixture
@@ -36,48 +67,141 @@ async def generator_bus(settings: Settings):
         await b.close()
 
 
-async def test_verdicts_before_and_after_subscribing_reach_their_waiters(
-        bus: Bus, generator_bus: Bus) -> None:
-    await publish(bus, verdict("job-v1", "early"))
-    await publish(bus, verdict("job-other", "not-mine"))
-    async with VerdictWaiter(generator_bus.js, "job-v1") as waiter:
+@pytest.fixture
+async def workers(settings: Settings, bus_credentials):
+    out = []
+    for worker_id in (W1, W2):
+        own = bus_credentials.worker_settings(worker_id)
+        nc = await nats.connect(settings.nats_url, user=own["nats_worker_user"],
+                                password=own["nats_worker_password"],
+                                inbox_prefix=f"_INBOX_{own['nats_worker_user']}")
+        out.append(Worker(nc, worker_id))
+    try:
+        yield out
+    finally:
+        for w in out:
+            await w.nc.close()
+
+
+async def test_the_holders_verdicts_reach_their_waiters_before_and_after_subscribing(
+        generator_bus: Bus, workers: list[Worker]) -> None:
+    w1, _ = workers
+    key = random_key()
+    nonce = claim_nonce(key, "early")
+    await w1.claim("job-v1", "early", nonce)
+    await w1.answer("job-v1", "early", nonce, passed=True)
+    async with VerdictWaiter(generator_bus.js, "job-v1", key) as waiter:
         assert (await waiter.wait("early", 5)).request_id == "early"
         late = waiter.expect("late")
-        await publish(bus, verdict("job-v1", "late", passed=False))
-        await publish(bus, verdict("job-v1", "late"))  # a second copy: the first counts
+        nonce = claim_nonce(key, "late")
+        await w1.claim("job-v1", "late", nonce)
+        await w1.answer("job-v1", "late", nonce, passed=False)
+        await w1.answer("job-v1", "late", nonce, passed=True)  # a second copy: the first counts
         result = await asyncio.wait_for(late, 5)
-        assert (result.request_id, result.passed) == ("late", False)
-        assert "not-mine" not in waiter.results
+        assert (result.request_id, result.passed, result.worker_id) == ("late", False, W1)
         with pytest.raises(TimeoutError):
             await waiter.wait("never", 0.3)
 
 
-async def test_a_verdict_the_lost_consumer_never_delivers_is_caught_up(
-        bus: Bus, generator_bus: Bus) -> None:
-    before = VERDICTS_RECOVERED._value.get()
-    async with VerdictWaiter(generator_bus.js, "job-v2", catch_up_s=0.2) as waiter:
-        await publish(bus, verdict("job-v2", "first"))
-        assert (await waiter.wait("first", 5)).passed
-        consumers = await bus.js.consumers_info(subjects.STREAM_RESULTS)
-        assert len(consumers) == 1, "the waiter's ordered consumer"
-        await bus.js.delete_consumer(subjects.STREAM_RESULTS, consumers[0].name)
+async def test_a_second_workers_forged_passing_verdict_is_ignored(
+        settings: Settings, generator_bus: Bus, workers: list[Worker]) -> None:
+    """w1 holds the request; w2 knows the job and request ids (they are no secret) but
+    was never delivered the request, so it lacks the nonce: its claim and its passing
+    verdict with speedup 999 do not count, on its own subject or on w1's."""
+    w1, w2 = workers
+    key = random_key()
+    nonce = claim_nonce(key, "r1")
+    before = {r: rejected(r) for r in ("bad_proof", "unclaimed", "not_holder")}
+    async with VerdictWaiter(generator_bus.js, "job-forged", key) as waiter:
+        pending = waiter.expect("r1")
+        await w1.claim("job-forged", "r1", nonce)
+        await w2.claim("job-forged", "r1", None)           # no nonce: a bad proof
+        await w2.answer("job-forged", "r1", None, passed=True, speedup=999.0)
+        # On w1's subject the server refuses it (a worker publishes under its own id).
+        with pytest.raises(nats.errors.Error):
+            await w2.js.publish(subjects.results("job-forged", W1), encode(
+                w2.result("job-forged", "r1", None, passed=True, speedup=999.0)))
+        await asyncio.sleep(0.5)
+        assert not pending.done(), "the forged verdict ended the wait"
+        await w1.answer("job-forged", "r1", nonce, passed=False)
+        result = await asyncio.wait_for(pending, 5)
+    assert (result.worker_id, result.passed, result.speedup) == (W1, False, None)
+    assert rejected("bad_proof") >= before["bad_proof"] + 2  # the claim and the verdict
 
-        await publish(bus, verdict("job-v2", "second", passed=False))
-        # Well inside the two missed heartbeats (10 s) after which nats-py would try
-        # to recreate the consumer: the catch-up read found it.
-        result = await waiter.wait("second", 3)
-        assert (result.request_id, result.passed) == ("second", False)
+
+async def test_a_workers_proof_for_another_worker_does_not_transfer(
+        generator_bus: Bus, workers: list[Worker]) -> None:
+    """Even a worker that learnt the nonce (it was delivered the request earlier and gave
+    it back) decides nothing once another worker holds the request: the latest claim
+    names the holder, and a verdict from anyone else is dropped (not_holder)."""
+    w1, w2 = workers
+    key = random_key()
+    nonce = claim_nonce(key, "r2")
+    before = rejected("not_holder")
+    async with VerdictWaiter(generator_bus.js, "job-redelivered", key) as waiter:
+        pending = waiter.expect("r2")
+        await w2.claim("job-redelivered", "r2", nonce)     # delivered first, gave it back
+        await w1.claim("job-redelivered", "r2", nonce)     # JetStream gave it to w1
+        await w2.answer("job-redelivered", "r2", nonce, passed=True, speedup=999.0)
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        await w1.answer("job-redelivered", "r2", nonce, passed=True, speedup=1.5)
+        result = await asyncio.wait_for(pending, 5)
+    assert (result.worker_id, result.speedup) == (W1, 1.5)
+    assert rejected("not_holder") == before + 1
+
+
+async def test_relayed_unclaimed_and_malformed_messages_are_skipped(
+        bus: Bus, generator_bus: Bus, workers: list[Worker]) -> None:
+    w1, _ = workers
+    key = random_key()
+    nonce = claim_nonce(key, "r3")
+    before = {r: rejected(r) for r in ("relayed", "unclaimed", "malformed", "wrong_subject")}
+    good = w1.result("job-v3", "r3", nonce, passed=True)
+    # A copy the server relayed (a JetStream direct get's reply sent onto a results
+    # subject carries these headers); planted here by the admin.
+    await bus.js.publish(subjects.results("job-v3", W1), encode(good),
+                         headers={"Nats-Stream": "KV_workers", "Nats-Subject": "$KV.workers.x"})
+    await w1.answer("job-v3", "r3", nonce, passed=True)    # before any claim
+    await w1.js.publish(subjects.results("job-v3", W1), b"{not json")
+    await bus.js.publish(subjects.results("job-v3", W2), encode(good))  # body names w1
+    async with VerdictWaiter(generator_bus.js, "job-v3", key, catch_up_s=0.1) as waiter:
+        pending = waiter.expect("r3")
+        await asyncio.sleep(0.5)
+        assert not pending.done()
+        await w1.claim("job-v3", "r3", nonce)
+        await w1.answer("job-v3", "r3", nonce, passed=True)
+        assert (await asyncio.wait_for(pending, 5)).passed
+        assert await waiter.catch_up() == 0, "a read resumes after the last sequence seen"
+    for reason in before:
+        assert rejected(reason) == before[reason] + 1, reason
+
+
+async def test_a_verdict_no_wake_up_announced_is_read_all_the_same(
+        generator_bus: Bus, workers: list[Worker]) -> None:
+    w1, _ = workers
+    key = random_key()
+    before = VERDICTS_RECOVERED._value.get()
+    async with VerdictWaiter(generator_bus.js, "job-v4", key, catch_up_s=0.3) as waiter:
+        pending = waiter.expect("r4")
+        await waiter._sub.unsubscribe()  # a wake-up lost (a reconnect, a slow consumer)
+        await asyncio.sleep(0.5)  # the read expect() asked for is over
+        nonce = claim_nonce(key, "r4")
+        await w1.claim("job-v4", "r4", nonce)
+        await w1.answer("job-v4", "r4", nonce, passed=True)
+        assert (await asyncio.wait_for(pending, 5)).passed
     assert VERDICTS_RECOVERED._value.get() == before + 1
 
 
-async def test_malformed_verdicts_are_skipped(bus: Bus, generator_bus: Bus) -> None:
-    await bus.js.publish(subjects.results("job-v3"), b"{not json")
-    await bus.js.publish(subjects.results("job-v3"), b'{"request_id": 3}')
-    await publish(bus, verdict("job-v3", "good"))
-    waiter = VerdictWaiter(generator_bus.js, "job-v3", catch_up_s=0.1)
-    await waiter.start()
-    try:
-        assert (await waiter.wait("good", 5)).passed
-        assert await waiter.catch_up() == 0, "the catch-up resumes after the last sequence seen"
-    finally:
-        await waiter.stop()
+def test_the_requester_key_comes_from_its_own_secret(settings: Settings) -> None:
+    """A generator restarted (or another replica) derives the same key; the gateway's
+    differs, and so do two jobs'."""
+    from services.common.verdicts import bus_secret, requester_key, verdict_key
+
+    generator = requester_key(settings, "generator", "job:a")
+    assert generator == requester_key(settings, "generator", "job:a")
+    assert generator != requester_key(settings, "gateway", "job:a")
+    assert generator != requester_key(settings, "generator", "job:b")
+    assert bus_secret(nats_credentials(as_role(settings, "generator"))) == \
+        settings.nats_generator_password.encode()
+    assert verdict_key(b"", "job:a") == verdict_key(b"", "job:a")

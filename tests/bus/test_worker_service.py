@@ -108,7 +108,7 @@ class Results:
             result = decode(msg.data, VerifyResult)
             self.by_job.setdefault(result.job_id, []).append(result)
 
-        await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.>", cb=on_msg)
+        await bus.nc.subscribe(f"{subjects.RESULTS_PREFIX}.*.*", cb=on_msg)
         await bus.nc.flush()
 
     async def wait(self, job_id: str, count: int = 1,
@@ -404,7 +404,8 @@ async def test_request_of_cancelled_job_is_acked_without_running(
         await poll_until(lambda: queue_drained(bus, settings), 10, "both acked")
         assert "job-cancelled" not in results.by_job
         with pytest.raises(nats.js.errors.NotFoundError):
-            await bus.js.get_last_msg(subjects.STREAM_RESULTS, subjects.results("job-cancelled"))
+            await bus.js.get_last_msg(subjects.STREAM_RESULTS,
+                                      subjects.job_results("job-cancelled"))
         assert await lease_keys(bus, ws.worker_id) == set()
 
 

@@ -41,7 +41,7 @@ def variant(kernel: str, i: int) -> str:
 async def results_of(bus: Bus, batch_id: str) -> list[VerifyResult]:
     """Every result the workers published for the batch, in stream order."""
     return [decode(m, VerifyResult) for m in
-            await stream_messages(bus, subjects.results(batch_id))]
+            await stream_messages(bus, subjects.job_verdicts(batch_id))]
 
 
 async def until_verify_is_empty(bus: Bus) -> None:

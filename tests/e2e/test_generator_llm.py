@@ -43,7 +43,7 @@ def llm_settings(settings: Settings, fake: FakeLLM, **extra) -> Settings:
 
 
 async def verdicts(bus: Bus, job_id: str) -> list[VerifyResult]:
-    return [decode(m, VerifyResult) for m in await stream_messages(bus, subjects.results(job_id))]
+    return [decode(m, VerifyResult) for m in await stream_messages(bus, subjects.job_verdicts(job_id))]
 
 
 async def test_softmax_job_completes_after_one_repair_round(

@@ -159,7 +159,7 @@ async def test_kill_9_mid_job_twice_then_restart_completes_without_redoing_work(
             final = await record()
             await asyncio.sleep(1.0)  # a duplicate finish would show by now
             events = await job_events(bus, JOB_ID)
-            results = [decode(m, VerifyResult) for m in await stream_messages(bus, subjects.results(JOB_ID))]
+            results = [decode(m, VerifyResult) for m in await stream_messages(bus, subjects.job_verdicts(JOB_ID))]
             verify_info = await bus.js.stream_info(subjects.STREAM_VERIFY)
     finally:
         gens.stop_all()

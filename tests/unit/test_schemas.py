@@ -99,7 +99,12 @@ def test_records_round_trip() -> None:
 
 def test_subject_builders_refuse_tokens_that_would_split_a_subject() -> None:
     assert subjects.verify("cuda", "h200") == "verify.cuda.h200"
-    assert subjects.results("job-1") == "results.job-1"
+    assert subjects.results("job-1", "w1") == "results.job-1.w1"
+    assert subjects.claims("job-1", "w1") == "results.job-1.w1.claim"
+    assert subjects.results_sender("results.job-1.w1") == ("w1", False)
+    assert subjects.results_sender("results.job-1.w1.claim") == ("w1", True)
+    for other in ("results.job-1", "results.job-1.w1.x", "jobs.job-1.w1", "results.j.w1.claim.x"):
+        assert subjects.results_sender(other) is None
     assert subjects.dlq("verify.cpu.x86_64") == "dlq.verify.cpu.x86_64"
     for bad in ("a.b", "a*", ">", "a b", ""):
         with pytest.raises(ValueError):
