@@ -22,6 +22,31 @@ H100 SXM's compute), NVIDIA A100 (80GB SXM 2.039 TB/s, 40GB 1.555 TB/s; FP32 19.
 FP8 242; L40S: 864 GB/s, FP32 91.6, TF32 183, FP16/BF16 362, FP8 733). The launch
 overhead (3 us) is an assumption of the model, the order of one CUDA kernel launch's
 cost that the CUDA C++ Best Practices Guide describes; it is not measured here.
+
+Occupancy limits (:class:`Occupancy`, what :mod:`services.worker.gpu_facts` turns a
+compiled kernel's registers and shared memory into resident warps with): NVIDIA CUDA
+C++ Programming Guide, "Technical Specifications per Compute Capability" (65536 32-bit
+registers per SM, at most 255 per thread; resident warps per SM 64 on 8.0 and 9.0, 48 on
+8.6 and 8.9; resident blocks per SM 32 on 8.0 and 9.0, 16 on 8.6, 24 on 8.9; shared
+memory per SM 164 KB on 8.0, 100 KB on 8.6 and 8.9, 228 KB on 9.0) and its compute
+capability 8.x/9.0 sections (the driver reserves 1 KB of shared memory per block); the
+register allocation unit, 256 registers per warp, as the CUDA Occupancy Calculator and
+Nsight Compute's occupancy section give it for these capabilities.
+
+AMD Instinct targets (``backend="hip"``, wave64; a ``gfx`` arch instead of an sm): ROCm
+documentation, "AMD GPU specifications" (MI300X: CDNA3, gfx942, 304 CUs, 64 KiB LDS and
+a 512 KiB VGPR file per CU, 4 MB L2 per XCD; MI250X: CDNA2, gfx90a, 220 CUs, MI250: 208
+CUs, 64 KiB LDS and 512 KiB VGPRs per CU, 8 MB L2 per GCD) and the AMD CDNA2/CDNA3 ISA
+references: a CU has 4 SIMDs, each with 512 VGPRs per lane shared by the arch VGPRs and
+the AGPRs (allocated in blocks of 8) and at most 8 resident waves, as LLVM's AMDGPU
+backend computes occupancy for gfx90a and gfx942 (the ``; Occupancy:`` line it writes in
+the kernel's assembly); a workgroup uses at most 64 KiB of LDS. Datasheets, dense peaks:
+AMD Instinct MI300X (5.3 TB/s; FP32 163.4 TFLOPS, TF32 653.7, FP16/BF16 1307.4, FP8
+2614.9), MI250X (package: 3.2 TB/s, 220 CUs; FP32 47.9 vector and 95.7 matrix, FP16/BF16
+383) and MI250 (3.2 TB/s, 208 CUs; FP32 45.3 and 90.5, FP16/BF16 362.1). An MI250/MI250X
+package is two GCDs that a program sees as two devices: the ``mi250``/``mi250x`` targets
+are one GCD (half the CUs, half the bandwidth and peaks), the device a kernel runs on.
+CDNA2 has no TF32: ``tf32`` there is the FP32 matrix rate.
 """
 
 from __future__ import annotations
@@ -34,13 +59,47 @@ WARP_SIZE = 32
 
 
 @dataclass(frozen=True)
+class Occupancy:
+    """What bounds the warps (waves) resident on one SM (CU) of an arch, by ``sm``
+    (``sm_90``, ``gfx942``): ``registers`` (32-bit registers per SM on NVIDIA; per SIMD
+    lane on AMD), ``register_unit`` (allocation granularity: registers per warp on
+    NVIDIA, VGPRs per lane on AMD), ``max_registers`` (per thread), ``max_warps`` (per
+    SM; per CU on AMD), ``max_blocks`` (per SM/CU), ``shared`` (shared memory or LDS
+    bytes per SM/CU), ``reserved_shared`` (bytes the driver reserves per block),
+    ``simds`` (SIMDs per CU that a workgroup's waves are spread over; 1 on NVIDIA).
+    Sources: the module doc."""
+
+    registers: int
+    register_unit: int
+    max_registers: int
+    max_warps: int
+    max_blocks: int
+    shared: int
+    reserved_shared: int = 0
+    simds: int = 1
+
+
+OCCUPANCY: dict[str, Occupancy] = {
+    "sm_80": Occupancy(65536, 256, 255, 64, 32, 167936, 1024),
+    "sm_86": Occupancy(65536, 256, 255, 48, 16, 102400, 1024),
+    "sm_89": Occupancy(65536, 256, 255, 48, 24, 102400, 1024),
+    "sm_90": Occupancy(65536, 256, 255, 64, 32, 233472, 1024),
+    # Per SIMD lane: 512 VGPRs (arch + AGPRs), 8 waves per SIMD, 4 SIMDs per CU.
+    "gfx90a": Occupancy(512, 8, 512, 32, 32, 65536, 0, 4),
+    "gfx942": Occupancy(512, 8, 512, 32, 32, 65536, 0, 4),
+}
+
+
+@dataclass(frozen=True)
 class GpuTarget:
     """``name`` (``h100``), compute ``capability`` (90 for sm_90), ``sms`` (streaming
     multiprocessors), ``shared_bytes`` (largest shared memory one block may use),
     ``bandwidth_bytes_s`` (peak device-memory bandwidth, bytes per second),
     ``peak_flops`` (dense peak FLOP/s by input dtype: ``fp32`` on CUDA cores, ``tf32``,
     ``fp16``, ``bf16``, ``fp8`` on tensor cores), ``launch_overhead_us`` (the model's
-    cost of one kernel launch, microseconds)."""
+    cost of one kernel launch, microseconds), ``backend`` (``cuda``, or ``hip`` for AMD:
+    then ``gfx`` names the arch, ``capability`` is what torch's
+    ``get_device_capability`` reports there, 94 for gfx942, and an SM is a CU)."""
 
     name: str
     capability: int
@@ -49,10 +108,32 @@ class GpuTarget:
     bandwidth_bytes_s: float = 0.0
     peak_flops: dict[str, float] = field(default_factory=dict, hash=False, compare=False)
     launch_overhead_us: float = 3.0
+    backend: str = "cuda"
+    gfx: str = ""
 
     @property
     def sm(self) -> str:
-        return f"sm_{self.capability}"
+        """The arch Triton compiles for: ``sm_90``, or ``gfx942`` on AMD."""
+        return self.gfx if self.backend == "hip" else f"sm_{self.capability}"
+
+    @property
+    def warp_size(self) -> int:
+        """Threads per warp: 32, or 64 (a wave64 wavefront) on AMD CDNA."""
+        return 64 if self.backend == "hip" else WARP_SIZE
+
+    @property
+    def vendor(self) -> str:
+        return "AMD" if self.backend == "hip" else "NVIDIA"
+
+    @property
+    def occupancy(self) -> Occupancy:
+        """The arch's occupancy limits (:data:`OCCUPANCY`; an unlisted sm takes sm_90's)."""
+        return OCCUPANCY.get(self.sm) or OCCUPANCY["sm_90"]
+
+    def triton_target(self) -> tuple[str, int | str, int]:
+        """``(backend, arch, warp size)`` for ``triton.backends.compiler.GPUTarget``."""
+        return (self.backend, self.gfx if self.backend == "hip" else self.capability,
+                self.warp_size)
 
 
 _T = 1e12
@@ -67,6 +148,13 @@ _L4 = {"fp32": 30.3 * _T, "tf32": 60 * _T, "fp16": 121 * _T, "bf16": 121 * _T,
        "fp8": 242 * _T}
 _L40S = {"fp32": 91.6 * _T, "tf32": 183 * _T, "fp16": 362 * _T, "bf16": 362 * _T,
          "fp8": 733 * _T}
+_MI300X = {"fp32": 163.4 * _T, "tf32": 653.7 * _T, "fp16": 1307.4 * _T, "bf16": 1307.4 * _T,
+           "fp8": 2614.9 * _T}
+# One GCD of the package (half its peaks): the device a program sees.
+_MI250X_GCD = {"fp32": 47.9 / 2 * _T, "tf32": 95.7 / 2 * _T, "fp16": 383 / 2 * _T,
+               "bf16": 383 / 2 * _T}
+_MI250_GCD = {"fp32": 45.3 / 2 * _T, "tf32": 90.5 / 2 * _T, "fp16": 362.1 / 2 * _T,
+              "bf16": 362.1 / 2 * _T}
 
 TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
     GpuTarget("a100", 80, 108, 166912, 2.039e12, _A100),
@@ -84,6 +172,12 @@ TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
     GpuTarget("sm_80", 80, 108, 166912, 2.039e12, _A100),
     GpuTarget("sm_89", 89, 128, 101376, 1.008e12, _RTX4090),
     GpuTarget("sm_90", 90, 132, 232448, 3.35e12, _H100_SXM),
+    # AMD Instinct (hip, wave64): shared_bytes is a workgroup's LDS limit.
+    GpuTarget("mi300x", 94, 304, 65536, 5.3e12, _MI300X, backend="hip", gfx="gfx942"),
+    GpuTarget("gfx942", 94, 304, 65536, 5.3e12, _MI300X, backend="hip", gfx="gfx942"),
+    GpuTarget("mi250x", 90, 110, 65536, 1.6e12, _MI250X_GCD, backend="hip", gfx="gfx90a"),
+    GpuTarget("mi250", 90, 104, 65536, 1.6e12, _MI250_GCD, backend="hip", gfx="gfx90a"),
+    GpuTarget("gfx90a", 90, 110, 65536, 1.6e12, _MI250X_GCD, backend="hip", gfx="gfx90a"),
 )}
 DEFAULT_TARGET = "h100"
 
