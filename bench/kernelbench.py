@@ -36,6 +36,7 @@ import argparse
 import ast
 import asyncio
 import json
+import math
 import os
 import re
 import statistics
@@ -43,8 +44,11 @@ import sys
 import time
 import types
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
+
+import msgspec
 
 # Module-level names that are not tensor extents: halving them changes the operator,
 # not its size (the same substrings the worker's second-size rule leaves alone, plus
@@ -68,6 +72,16 @@ class Row:
     sizes: str = ""
     traffic_ratio: float | None = None
     modeled_speedup: float | None = None
+    roofline_speedup: float | None = None
+    modeled_time_us: float | None = None
+    roofline_time_us: float | None = None
+    # Measured on a GPU (--backend cuda, mode profile), microseconds.
+    eager_us: float | None = None
+    compile_us: float | None = None
+    kernel_us: float | None = None
+    speedup_eager: float | None = None
+    speedup_compile: float | None = None
+    peak_fraction: float | None = None
 
 
 def family(level: int, name: str) -> str:
@@ -242,20 +256,33 @@ async def run(args: argparse.Namespace) -> list[Row]:
     if args.only:
         wanted = {int(x) for x in args.only.split(",")}
         problems = [p for p in problems if int(p.name.split("_")[0]) in wanted]
+    if args.limit:
+        problems = problems[:args.limit]
+    gpu = args.backend == "cuda"
     # Per process: two runs at once (level 1 beside level 2) must not share, and then
     # remove, one scratch directory.
     sandbox = lowering_sandbox(f"kernelbench-{os.getpid()}")
     verifier = Verifier(args.backend, worker_id=f"kernelbench-{os.getpid()}")
+    # On a GPU the replayer counts nothing: the model's time comes from a cpu
+    # verification of the same candidate at the same sizes, where it is small enough.
+    modeler = Verifier("cpu", worker_id=f"kernelbench-model-{os.getpid()}") \
+        if gpu and args.model_max_elements else None
     await asyncio.to_thread(sandbox.start)
     await asyncio.to_thread(verifier.start)
+    if modeler is not None:
+        await asyncio.to_thread(modeler.start)
     rows: list[Row] = []
     try:
         for path in problems:
             started = time.monotonic()
             row = Row(path.stem, family(args.level, path.stem), "failed")
             try:
-                task, row.sizes = await asyncio.to_thread(
-                    reduce_sizes, path.read_text(), args.max_elements)
+                if gpu:  # the problem's own sizes
+                    task = path.read_text()
+                    row.sizes = "own"
+                else:
+                    task, row.sizes = await asyncio.to_thread(
+                        reduce_sizes, path.read_text(), args.max_elements)
                 code = await lower_in_sandbox(sandbox, task, {}, launch_defaults(args.backend),
                                               timeout_s=args.timeout,
                                               label=f"kb{path.stem.split('_')[0]}")
@@ -267,14 +294,20 @@ async def run(args: argparse.Namespace) -> list[Row]:
                 request = VerifyRequest(
                     request_id=f"kb-{args.level}-{path.stem.split('_')[0]}", job_id="kernelbench",
                     candidate_id="c0", op_name=path.stem[:60], task_desc=task, code=code,
-                    backend=args.backend, arch="x86_64" if args.backend == "cpu" else "h200",
-                    trials=args.trials, timeout_s=args.timeout)
-                result = await verifier.verify(request, device="0")
+                    backend=args.backend, arch=args.arch, trials=args.trials,
+                    timeout_s=args.timeout, mode="profile" if gpu else "verify")
+                result = await verifier.verify(request, device=args.device)
                 if result.passed:
                     row.status = "passed"
-                    if result.traffic is not None:
-                        row.traffic_ratio = result.traffic.traffic_ratio
-                        row.modeled_speedup = result.traffic.modeled_speedup
+                    measured(row, result)
+                    counted = result
+                    if modeler is not None and await asyncio.to_thread(
+                            _elements, task) <= args.model_max_elements:
+                        counted = await modeler.verify(
+                            msgspec.structs.replace(request, backend="cpu", mode="verify",
+                                                    request_id=request.request_id + "-m"),
+                            device="0")
+                    modeled(row, counted)
                 else:
                     row.error = f"{result.stage}: {result.error}"[:500]
             row.seconds = round(time.monotonic() - started, 1)
@@ -285,8 +318,28 @@ async def run(args: argparse.Namespace) -> list[Row]:
                       file=sys.stderr, flush=True)
     finally:
         verifier.close()
+        if modeler is not None:
+            modeler.close()
         sandbox.close()
     return rows
+
+
+def measured(row: Row, result: Any) -> None:
+    """A GPU verdict's measured times and speedups into ``row`` (``mode="profile"``)."""
+    row.eager_us, row.kernel_us = result.base_time_us, result.gen_time_us
+    row.compile_us = result.compile_time_us
+    row.speedup_eager = result.speedup_eager if result.speedup_eager is not None \
+        else result.speedup
+    row.speedup_compile, row.peak_fraction = result.speedup_compile, result.peak_fraction
+
+
+def modeled(row: Row, result: Any) -> None:
+    """A cpu verdict's counted traffic and both models into ``row``."""
+    t = result.traffic
+    if result.passed and t is not None:
+        row.traffic_ratio, row.modeled_speedup = t.traffic_ratio, t.modeled_speedup
+        row.roofline_speedup = t.roofline_speedup
+        row.modeled_time_us, row.roofline_time_us = t.modeled_time_us, t.roofline_time_us
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -295,14 +348,16 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def medians(rows: list[Row]) -> dict[str, dict[str, float | None]]:
-    """Median ``traffic_ratio`` and ``modeled_speedup`` of the passing problems, per
-    family and ``overall`` (None where no passing problem has counted traffic)."""
+    """Median ``traffic_ratio``, ``modeled_speedup`` (the tile model) and
+    ``roofline_speedup`` (the roofline) of the passing problems, per family and
+    ``overall`` (None where no passing problem has counted traffic)."""
     passed = [row for row in rows if row.status == "passed"]
     groups = {fam: [r for r in passed if r.family == fam]
               for fam in sorted({r.family for r in passed})}
     groups["overall"] = passed
     return {name: {"traffic_ratio": _median([r.traffic_ratio for r in group]),
-                   "modeled_speedup": _median([r.modeled_speedup for r in group])}
+                   "modeled_speedup": _median([r.modeled_speedup for r in group]),
+                   "roofline_speedup": _median([r.roofline_speedup for r in group])}
             for name, group in groups.items()}
 
 
@@ -319,16 +374,19 @@ def table(rows: list[Row]) -> str:
         counts[0] += row.status == "passed"
         counts[1] += 1
     med = medians(rows)
-    none = {"traffic_ratio": None, "modeled_speedup": None}
-    lines = [f"{'family':28} pass / total  median traffic_ratio  median modeled_speedup"]
+    none = {"traffic_ratio": None, "modeled_speedup": None, "roofline_speedup": None}
+    lines = [f"{'family':28} pass / total  median traffic_ratio  median modeled_speedup "
+             "(tile model / roofline)"]
     lines += [f"{fam:28} {p:4} / {t:<5} {_num(med.get(fam, none)['traffic_ratio']):>20}  "
-              f"{_num(med.get(fam, none)['modeled_speedup']):>22}"
+              f"{_num(med.get(fam, none)['modeled_speedup']):>14} / "
+              f"{_num(med.get(fam, none)['roofline_speedup'])}"
               for fam, (p, t) in sorted(fams.items())]
     passing = [row for row in rows if row.status == "passed"]
     if passing:
-        lines += ["", f"{'passed':48} traffic_ratio  modeled_speedup"]
+        lines += ["", f"{'passed':48} traffic_ratio  modeled_speedup  roofline_speedup"]
         lines += [f"  {row.problem[:46]:46} {_num(row.traffic_ratio):>13}  "
-                  f"{_num(row.modeled_speedup):>15}" for row in passing]
+                  f"{_num(row.modeled_speedup):>15}  {_num(row.roofline_speedup):>16}"
+                  for row in passing]
     refused = Counter(row.op for row in rows if row.status == "refused")
     if refused:
         lines += ["", "refused operators (count):"]
@@ -341,16 +399,124 @@ def table(rows: list[Row]) -> str:
     overall = med["overall"]
     lines += ["", f"total: {passed} / {len(rows)} passed; median traffic_ratio "
               f"{_num(overall['traffic_ratio'])}, median modeled_speedup "
-              f"{_num(overall['modeled_speedup'])}"]
+              f"{_num(overall['modeled_speedup'])} (roofline "
+              f"{_num(overall['roofline_speedup'])})"]
     return "\n".join(lines)
+
+
+def _geomean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None and v > 0]
+    if not present:
+        return None
+    return round(math.exp(sum(math.log(v) for v in present) / len(present)), 4)
+
+
+def gpu_summary(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
+    """Per family and ``overall``, of GPU-measured rows: ``problems``, ``passed``,
+    ``fast_1`` (the share of all its problems that passed and ran faster than both
+    eager PyTorch and ``torch.compile``, i.e. than max(eager, compile) in speed: as
+    KernelBench's ``fast_p`` at p = 1; a problem whose compile time is missing counts
+    against eager alone), the geomeans of ``speedup_eager`` and ``speedup_compile`` over
+    the passing problems, the median ``peak_fraction``, and the model's error: the
+    geomean of modeled / measured kernel time (``model_ratio``, 1 is exact) and the
+    median of ``|log2(modeled / measured)|`` (``model_error_log2``), for the tile model
+    and the roofline (``roofline_ratio``)."""
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(row.family, []).append(row)
+    groups = dict(sorted(groups.items()))
+    groups["overall"] = list(rows)
+    out: dict[str, dict[str, float | int | None]] = {}
+    for name, group in groups.items():
+        passed = [r for r in group if r.status == "passed"]
+        fast = [r for r in passed if r.speedup_eager is not None and r.speedup_eager > 1
+                and (r.speedup_compile is None or r.speedup_compile > 1)]
+        ratios = [r.modeled_time_us / r.kernel_us for r in passed
+                  if r.modeled_time_us and r.kernel_us]
+        roof = [r.roofline_time_us / r.kernel_us for r in passed
+                if r.roofline_time_us and r.kernel_us]
+        out[name] = {
+            "problems": len(group), "passed": len(passed),
+            "fast_1": round(len(fast) / len(group), 4) if group else None,
+            "geomean_speedup_eager": _geomean([r.speedup_eager for r in passed]),
+            "geomean_speedup_compile": _geomean([r.speedup_compile for r in passed]),
+            "median_peak_fraction": _median([r.peak_fraction for r in passed]),
+            "model_ratio": _geomean(ratios),
+            "model_error_log2": _median([abs(math.log2(v)) for v in ratios]),
+            "roofline_ratio": _geomean(roof),
+            "modeled": len(ratios)}
+    return out
+
+
+def gpu_table(rows: list[Row]) -> str:
+    """The GPU line as text: each problem's measured times (eager, torch.compile, the
+    kernel), speedups, peak fraction and modeled times beside the measured one, then
+    per family and overall: pass / total, fast_1, geomean speedups, median peak
+    fraction and the model's error."""
+    lines = [f"{'problem':40} {'eager us':>9} {'compile us':>10} {'kernel us':>9} "
+             f"{'x eager':>7} {'x compile':>9} {'peak':>5} {'tile us':>9} {'roof us':>9}"]
+    for r in rows:
+        if r.status != "passed":
+            lines.append(f"{r.problem[:40]:40} {r.status}: {(r.op or r.error)[:80]}")
+            continue
+        lines.append(f"{r.problem[:40]:40} {_num(r.eager_us):>9} {_num(r.compile_us):>10} "
+                     f"{_num(r.kernel_us):>9} {_num(r.speedup_eager):>7} "
+                     f"{_num(r.speedup_compile):>9} {_num(r.peak_fraction):>5} "
+                     f"{_num(r.modeled_time_us):>9} {_num(r.roofline_time_us):>9}")
+    lines += ["", f"{'family':28} {'pass':>9} {'fast_1':>7} {'geo x eager':>11} "
+              f"{'geo x compile':>13} {'med peak':>8} {'tile/meas':>9} {'|log2|':>6} "
+              f"{'roof/meas':>9}"]
+    for name, s in gpu_summary(rows).items():
+        lines.append(f"{name:28} {s['passed']:>4} / {s['problems']:<3} {_num(s['fast_1']):>7} "
+                     f"{_num(s['geomean_speedup_eager']):>11} "
+                     f"{_num(s['geomean_speedup_compile']):>13} "
+                     f"{_num(s['median_peak_fraction']):>8} {_num(s['model_ratio']):>9} "
+                     f"{_num(s['model_error_log2']):>6} {_num(s['roofline_ratio']):>9}")
+    return "\n".join(lines)
+
+
+def read_rows(path: str) -> list[Row]:
+    """Rows from a file of JSON lines (what ``--json`` prints; a ``{"medians": ...}`` or
+    ``{"gpu": ...}`` line is skipped). Raises ValueError naming a line that is not a
+    row."""
+    names = {f.name for f in fields(Row)}
+    rows = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
+        if not isinstance(item, dict) or "medians" in item or "gpu" in item:
+            continue
+        unknown = set(item) - names
+        if unknown or not {"problem", "family", "status"} <= set(item):
+            raise ValueError(f"{path}:{number}: not a row (unknown {sorted(unknown)} or "
+                             "missing problem/family/status)")
+        rows.append(Row(**item))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kernelbench-dir", required=True,
-                        help="KernelBench's problem directory (holds level1/, level2/, ...)")
-    parser.add_argument("--level", type=int, required=True, choices=(1, 2, 3, 4))
+    parser.add_argument("--kernelbench-dir", default=os.environ.get("KERNELBENCH_DIR", ""),
+                        help="KernelBench's problem directory (holds level1/, level2/, ...; "
+                        "default: $KERNELBENCH_DIR)")
+    parser.add_argument("--level", type=int, choices=(1, 2, 3, 4))
     parser.add_argument("--only", default="", help="comma-separated problem ids, e.g. 1,23,47")
+    parser.add_argument("--limit", type=int, default=0,
+                        help="the first N problems of the level only (0: all)")
+    parser.add_argument("--arch", default="",
+                        help="the GPU modeled (cpu) or run (cuda): a target of "
+                        "services/worker/targets.py (default: h100 on cpu, h200 on cuda)")
+    parser.add_argument("--device", default="0", help="the cuda device index (cuda)")
+    parser.add_argument("--model-max-elements", type=int, default=1 << 22,
+                        help="cuda: also count a passing problem on cpu for the models when "
+                        "its inputs and parameters hold at most this many elements (0: "
+                        "never)")
+    parser.add_argument("--measurements", default="",
+                        help="print the report of rows saved with --json (no run)")
     parser.add_argument("--max-elements", type=int, default=DEFAULT_MAX_ELEMENTS,
                         help="input + parameter elements of one reduced problem")
     parser.add_argument("--backend", default="cpu", choices=("cpu", "cuda"))
@@ -359,13 +525,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds per lowering and per verification")
     parser.add_argument("--json", action="store_true", help="one JSON object per problem")
     args = parser.parse_args(argv)
-    rows = asyncio.run(run(args))
+    if args.measurements:
+        try:
+            rows = read_rows(args.measurements)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        gpu = any(r.kernel_us is not None for r in rows)
+    else:
+        if args.level is None or not args.kernelbench_dir:
+            parser.error("--level and --kernelbench-dir (or $KERNELBENCH_DIR) are required "
+                         "unless --measurements is given")
+        args.arch = args.arch or ("h100" if args.backend == "cpu" else "h200")
+        rows = asyncio.run(run(args))
+        gpu = args.backend == "cuda"
     if args.json:
         for row in rows:
             print(json.dumps(asdict(row)))
-        print(json.dumps({"medians": medians(rows)}))
+        print(json.dumps({"gpu": gpu_summary(rows)} if gpu else {"medians": medians(rows)}))
     else:
-        print(table(rows))
+        print(gpu_table(rows) if gpu else table(rows))
     return 0
 
 

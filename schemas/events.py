@@ -279,7 +279,11 @@ class LaunchTraffic(Struct, kw_only=True, omit_defaults=True):
     for an operator of the plan that runs a kernel in eager PyTorch), bytes ``loaded``
     / ``stored`` / ``atomic`` (read-modify-write, counted once), ``dot_flops`` by the
     dot's input dtype (``tf32``, ``fp32`` (IEEE), ``fp16``, ``bf16``, ``fp8``),
-    element-wise ``flops``."""
+    element-wise ``flops``. What the tile-aware time model reads (0 / empty: not
+    known, e.g. an ``aten`` operator): ``programs`` (the grid's size), ``unique_loaded``
+    (distinct bytes the launch's loads reached: ``loaded`` less re-reads), ``num_warps``
+    and ``num_stages`` (the launch's options), ``dot_tile`` (``[M, N, K, element
+    bytes]`` of its largest ``tl.dot``)."""
 
     kernel: str
     loaded: int = 0
@@ -287,6 +291,11 @@ class LaunchTraffic(Struct, kw_only=True, omit_defaults=True):
     atomic: int = 0
     dot_flops: dict[str, int] = field(default_factory=dict)
     flops: int = 0
+    programs: int = 0
+    unique_loaded: int = 0
+    num_warps: int = 0
+    num_stages: int = 0
+    dot_tile: list[int] = field(default_factory=list)
 
 
 class EagerCount(Struct, kw_only=True):
@@ -312,7 +321,11 @@ class Traffic(Struct, kw_only=True):
     GPU target modeled (services/worker/targets.py); ``modeled_time_us`` of the
     candidate, ``modeled_eager_time_us`` of the task's eager ATen graph and
     ``modeled_speedup`` (their ratio) are a model, not a measurement (see
-    docs/verification.md, "Counted traffic", for what it leaves out)."""
+    docs/verification.md, "Counted traffic", for what it leaves out): the tile-aware
+    model (L2, occupancy, tile shape, spills); ``roofline_time_us``,
+    ``roofline_eager_time_us`` and ``roofline_speedup`` are the plain roofline of the
+    same counts (every byte from device memory), kept beside it;
+    ``modeled_dram_bytes``: the device-memory bytes the tile-aware model charges."""
 
     counted_by: str = "interpreter"
     bytes_moved: int = 0
@@ -326,6 +339,10 @@ class Traffic(Struct, kw_only=True):
     modeled_time_us: float | None = None
     modeled_eager_time_us: float | None = None
     modeled_speedup: float | None = None
+    roofline_time_us: float | None = None
+    roofline_eager_time_us: float | None = None
+    roofline_speedup: float | None = None
+    modeled_dram_bytes: int | None = None
 
 
 class ProfiledKernel(Struct, kw_only=True):

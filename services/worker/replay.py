@@ -113,6 +113,11 @@ class Variant:
 # ---------------------------------------------------------------- bounds (interpreter)
 
 
+# Loaded elements a launch may reach before its distinct bytes are no longer tracked
+# (8 bytes of address each: 64 MiB).
+_UNIQUE_CAP = 1 << 23
+
+
 class _Bounds:
     """A stand-in for ``triton._C.libtriton.interpreter`` that checks every address a
     kernel loads from or stores to against the storages of the running launch."""
@@ -122,8 +127,12 @@ class _Bounds:
         self.ranges: list[tuple[int, int, str]] = []
         self._starts: list[int] = []
         self.kernel = ""
-        # The running launch's counts (None: not counting), see services.worker.traffic.
-        self.count: LaunchTraffic | None = None
+        # The running launch's counts (None: not counting), see services.worker.traffic;
+        # the addresses its loads reached, by element size (None: past _UNIQUE_CAP), for
+        # its unique_loaded, filled in when counting moves on (the count setter).
+        self._count: LaunchTraffic | None = None
+        self._loads: dict[int, list[np.ndarray]] | None = {}
+        self._load_elements = 0
         # Other orders (see the module doc): run position -> program (x, y, z) (None:
         # program order), the concurrent model (None: every store visible at once).
         self.order: list[tuple[int, int, int]] | None = None
@@ -138,6 +147,21 @@ class _Bounds:
         self.atomic_adds: list[tuple[np.ndarray, np.ndarray]] | None = None
         # The semantics of the atomic load/store running (None: a plain access).
         self.atomic_sem: str | None = None
+
+    @property
+    def count(self) -> LaunchTraffic | None:
+        return self._count
+
+    @count.setter
+    def count(self, value: LaunchTraffic | None) -> None:
+        previous = self._count
+        if previous is not None and previous is not value:
+            if self._loads is not None:
+                previous.unique_loaded = sum(
+                    int(np.unique(np.concatenate(parts)).size) * itemsize
+                    for itemsize, parts in self._loads.items())
+        self._count = value
+        self._loads, self._load_elements = {}, 0
 
     def start_program(self, program: tuple[int, int, int]) -> None:
         """A program of the running launch starts (the interpreter's grid loop)."""
@@ -174,6 +198,12 @@ class _Bounds:
             moved = int(addresses.size) * itemsize
             if what == "loaded":
                 count.loaded += moved
+                if self._loads is not None:
+                    self._load_elements += int(addresses.size)
+                    if self._load_elements > _UNIQUE_CAP:
+                        self._loads = None  # unique_loaded stays 0: not known
+                    else:
+                        self._loads.setdefault(itemsize, []).append(addresses)
             elif what == "stored":
                 count.stored += moved
             else:
@@ -445,6 +475,9 @@ def _count_flops(bounds: _Bounds) -> None:
             key = dot_dtype(getattr(getattr(a, "dtype", None), "name", None)
                             or str(a.data.dtype), ieee)
             count.dot_flops[key] = count.dot_flops.get(key, 0) + 2 * batch * m * n * k
+            tile = [int(m), int(n), int(k), int(a.data.dtype.itemsize)]
+            if not count.dot_tile or math.prod(tile[:3]) > math.prod(count.dot_tile[:3]):
+                count.dot_tile = tile
         return out
 
     InterpreterBuilder.create_dot = create_dot
@@ -693,6 +726,11 @@ class Replayer:
             else None
         if launch is not None:
             self._note_captured(args)
+            launch.programs = math.prod(grid)
+            for option in ("num_warps", "num_stages"):
+                value = options.get(option)
+                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                    setattr(launch, option, value)
         if self._orders is not None and not benchmark and math.prod(grid) > 1:
             self._in_orders(fn, name, grid, args, options, launch)
         else:

@@ -181,6 +181,47 @@ TARGETS: dict[str, GpuTarget] = {t.name: t for t in (
 )}
 DEFAULT_TARGET = "h100"
 
+# L2 by target: (bytes, read bandwidth in bytes/s), what the tile model of
+# services.worker.traffic serves re-read bytes from. Sizes: NVIDIA A100 Tensor Core GPU
+# Architecture whitepaper (40 MB), NVIDIA H100 Tensor Core GPU Architecture whitepaper
+# (50 MB on H100 SXM5 and PCIe; the H200 is the same GH100 configuration with HBM3e: 50
+# MB), NVIDIA Ada GPU Architecture whitepaper (RTX 4090: 72 MB; L40S: 96 MB; L4: 48 MB),
+# AMD CDNA3 whitepaper and MI300X datasheet (256 MB Infinity Cache beside 4 MB of L2 per
+# XCD; programs are dealt round-robin over the 8 XCDs, so a tile's re-reads by its
+# neighbours meet in the Infinity Cache: the model uses it), AMD CDNA2 whitepaper (8 MB
+# of L2 per GCD). Bandwidths: the A100 whitepaper's L2 read bandwidth, 5120 bytes per
+# clock (108 SMs) at 1.41 GHz; NVIDIA publishes none for Hopper or Ada, so the model
+# assumes A100's bytes per clock per SM at each part's clock (the one its datasheet fp16
+# peak implies: 1.83 GHz H100 SXM/H200, 1.62 H100 PCIe, 2.52 RTX 4090, 2.04 L4, 2.49
+# L40S); MI300X: the CDNA3 whitepaper's 17.2 TB/s peak Infinity Cache bandwidth; MI250X
+# and MI250 GCDs: 128 bytes per clock per channel over 16 channels at 1.7 GHz, an
+# assumption from the CDNA2 whitepaper's L2 description.
+_MB = 1 << 20
+
+
+def _nvidia_l2(sms: int, clock_hz: float) -> float:
+    return 5120 / 108 * sms * clock_hz
+
+
+L2_CACHE: dict[str, tuple[int, float]] = {
+    **{name: (40 * _MB, 5120 * 1.41e9) for name in ("a100", "a100_80gb", "a100_40gb",
+                                                      "sm_80")},
+    **{name: (50 * _MB, _nvidia_l2(132, 1.83e9)) for name in ("h100", "h100_sxm", "h200",
+                                                               "sm_90")},
+    "h100_pcie": (50 * _MB, _nvidia_l2(114, 1.62e9)),
+    **{name: (72 * _MB, _nvidia_l2(128, 2.52e9)) for name in ("4090", "rtx4090", "sm_89")},
+    "l4": (48 * _MB, _nvidia_l2(58, 2.04e9)),
+    "l40s": (96 * _MB, _nvidia_l2(142, 2.49e9)),
+    **{name: (256 * _MB, 17.2e12) for name in ("mi300x", "gfx942")},
+    **{name: (8 * _MB, 128 * 16 * 1.7e9) for name in ("mi250x", "mi250", "gfx90a")},
+}
+
+
+def l2_cache(target: GpuTarget) -> tuple[int, float]:
+    """``(L2 bytes, L2 bandwidth in bytes/s)`` of ``target`` (:data:`L2_CACHE`); ``(0,
+    0.0)`` for a target the table does not list (the model then has no L2)."""
+    return L2_CACHE.get(target.name, (0, 0.0))
+
 
 def target_for(arch: str, default: str = DEFAULT_TARGET) -> GpuTarget:
     """The target an ``arch`` names, else ``default``'s (an arch such as ``x86_64``
