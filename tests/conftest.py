@@ -154,7 +154,8 @@ def lowering_sandbox():
 # What a worker's verifier or a generator's sandbox is built from (Worker, Generator):
 # a test that changes one of them cannot borrow the session's.
 _SANDBOX_SETTINGS = ("worker_backend", "memory_limit_bytes", "sandbox_require", "sandbox_env_allow",
-                     "worker_aot_target", "sandbox_scratch_bytes", "task_timeout_s",
+                     "worker_aot_target", "worker_compile_extra_targets",
+                     "worker_compile_extra_required", "sandbox_scratch_bytes", "task_timeout_s",
                      *(f"sandbox_{role}_{limit}" for role in ("lower", "reference", "candidate",
                                                               "compile")
                        for limit in ("address_space_bytes", "cpu_s")))

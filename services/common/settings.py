@@ -144,6 +144,12 @@ class Settings(msgspec.Struct, kw_only=True):
         worker_aot_target: the GPU every kernel a candidate launches is compiled for
             ahead of time when the request's arch names none (``h100``, ``a100``,
             ``4090`` ...: services/worker/targets.py); ``none`` turns the check off.
+        worker_compile_extra_targets: comma-separated GPU targets every kernel is also
+            compiled for, beside the request's (their compiler facts join the verdict's
+            ``compile_facts``); ``auto``: the other vendor's (``mi300x`` beside an NVIDIA
+            target, ``h100`` beside an AMD one); ``none``: only the request's.
+        worker_compile_extra_required: a kernel that does not compile for an extra
+            target fails the verdict at stage ``compile`` naming it (default: a note).
         worker_check_bytes: on a cpu worker, the most input bytes of a size checked
             besides the requested ones (the task's own, a size congruent with them,
             the shape-generality size), bytes; 0: the built-in default (4 MiB,
@@ -259,6 +265,8 @@ class Settings(msgspec.Struct, kw_only=True):
     sandbox_env_allow: str = ""
     sandbox_scratch_bytes: int = 256 << 20
     worker_aot_target: str = "h100"
+    worker_compile_extra_targets: str = "auto"
+    worker_compile_extra_required: bool = False
     worker_check_bytes: int = 0
     api_token: str = ""
     tenants_file: str = ""

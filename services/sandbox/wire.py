@@ -90,7 +90,7 @@ class ChildSpec(msgspec.Struct, kw_only=True):
     env_allow: list[str] = []
     landlock: bool = True
     seccomp: bool = True
-    lower_params: dict[str, int] = {}
+    lower_params: dict[str, int | str] = {}  # lower_task's keywords (arch: a str)
     warmup: int = 3
     repeats: int = 20
     flush_bytes: int = 256 << 20
@@ -518,7 +518,9 @@ class ReplayFailed(msgspec.Struct, tag="replay.failed"):
 
 
 class CompileResult(msgspec.Struct):
-    """One kernel specialisation compiled ahead of time (``key`` as the spec's)."""
+    """One kernel specialisation compiled ahead of time (``key`` as the spec's); the
+    compiler's facts of it (``target`` ... ``limiter``: services/worker/gpu_facts.py
+    ``KernelFacts``; ``facts_error`` when they could not be read)."""
 
     key: str
     ok: bool
@@ -526,6 +528,13 @@ class CompileResult(msgspec.Struct):
     shared_bytes: int = 0
     num_warps: int = 0
     seconds: float = 0.0
+    target: str = ""
+    registers: int = 0
+    spill_bytes: int = 0
+    occupancy_warps: int = 0
+    max_warps: int = 0
+    limiter: str = ""
+    facts_error: str = ""
 
 
 class Compiled(msgspec.Struct, tag="compiled"):

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.sandbox import values
-from services.worker.targets import MAX_GRID, MAX_THREADS_PER_BLOCK, WARP_SIZE, GpuTarget
+from services.worker.targets import MAX_GRID, MAX_THREADS_PER_BLOCK, GpuTarget
 
 # Triton's default launch options (triton/backends/nvidia/compiler.py CUDAOptions).
 _DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3, "num_ctas": 1}
@@ -64,14 +64,17 @@ class CompileSpec:
     source_sha: str
     where: str = ""
     body: str = ""
+    arch: str = ""
 
     @property
     def key(self) -> str:
         """Digest of what the compiler sees: the kernel (its definition's digest where
         known, so same-bodied kernels of one module share a compile; else its name), the
-        specialisation, options, target and the module."""
-        body = json.dumps([self.body or self.kernel, self.signature, self.constexprs,
-                           self.options, self.capability, self.source_sha],
+        specialisation, options, target (``arch``, an AMD target's ``gfx942``, beside the
+        capability) and the module."""
+        parts = [self.body or self.kernel, self.signature, self.constexprs,
+                 self.options, self.capability, self.source_sha]
+        body = json.dumps(parts + ([self.arch] if self.arch else []),
                           sort_keys=True, default=str)
         return hashlib.sha256(body.encode()).hexdigest()[:32]
 
@@ -79,7 +82,7 @@ class CompileSpec:
         return {"key": self.key, "kernel": self.kernel, "signature": dict(self.signature),
                 "constexprs": [[list(path), value] for path, value in self.constexprs],
                 "options": dict(self.options), "capability": self.capability,
-                "where": self.where}
+                "where": self.where, "target": self.target}
 
 
 def _int_type(value: int) -> str:
@@ -206,7 +209,8 @@ def specs(launches: list[tuple[str, dict[str, Any]]], constexpr_params: dict[str
                                constexprs=tuple(constants), options=tuple(sorted(options.items())),
                                target=target.name, capability=target.capability,
                                source_sha=source_sha, where=label,
-                               body=(bodies or {}).get(kernel, ""))
+                               body=(bodies or {}).get(kernel, ""),
+                               arch=target.gfx if target.backend == "hip" else "")
             found.setdefault(spec.key, spec)
     return list(found.values()), problems
 
@@ -287,50 +291,61 @@ def _typed(value: Any) -> Any:
     return tuple(_typed(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
-def compile_one(module: Any, spec: dict[str, Any], shared_limit: int) -> dict[str, Any]:
-    """Compile one :meth:`CompileSpec.wire` dict; returns a :class:`CompileResult`'s
-    fields (an allocation refused names the child's address-space limit). Runs in the
-    compile child."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_one(module: Any, spec: dict[str, Any], target: GpuTarget) -> dict[str, Any]:
+    """Compile one :meth:`CompileSpec.wire` dict for ``target`` (NVIDIA or AMD:
+    :func:`services.worker.gpu_facts.compile_for`); returns a :class:`CompileResult`'s
+    fields with the compiler's facts (:func:`services.worker.gpu_facts.facts_of`:
+    registers, spills, occupancy; a kernel over the target's shared memory or thread
+    limits, or of which no block fits on an SM, is not ``ok``). An allocation refused
+    names the child's address-space limit. Runs in the compile child."""
     from services.sandbox.child import memory_note, out_of_memory
+    from services.worker import gpu_facts
 
     started = time.perf_counter()
     fn = getattr(module, spec["kernel"], None)
     if fn is None:
-        return {"key": spec["key"], "ok": False,
+        return {"key": spec["key"], "ok": False, "target": target.name,
                 "error": f"{spec['kernel']} is not a module-level @triton.jit function"}
     constexprs = {}
     for path, value in spec["constexprs"]:
         if path[0] not in fn.arg_names:
-            return {"key": spec["key"], "ok": False,
+            return {"key": spec["key"], "ok": False, "target": target.name,
                     "error": f"TypeError: {spec['kernel']} has no parameter {path[0]!r}"}
         constexprs[(fn.arg_names.index(path[0]), *path[1:])] = _decode_constant(value)
     signature = {k: _typed(v) for k, v in spec["signature"].items()}
     options = dict(spec["options"])
     try:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
-                                  target=GPUTarget("cuda", spec["capability"], WARP_SIZE),
-                                  options=options)
+        compiled = gpu_facts.compile_for(fn, signature, constexprs, options, target)
     except Exception as exc:  # noqa: BLE001 - the compiler's own errors, of many types
         text = f"{type(exc).__name__}: {exc}"[:4000]
         if out_of_memory(exc):
             text += memory_note()
-        return {"key": spec["key"], "ok": False, "error": text,
+        return {"key": spec["key"], "ok": False, "error": text, "target": target.name,
                 "seconds": time.perf_counter() - started}
     shared = int(getattr(compiled.metadata, "shared", 0) or 0)
     warps = int(getattr(compiled.metadata, "num_warps", options.get("num_warps", 4)))
+    try:
+        facts = gpu_facts.facts_of(compiled, target)
+    except Exception as exc:  # noqa: BLE001 - a tool that failed: the compile stands
+        facts = None
+        facts_error = f"{type(exc).__name__}: {exc}"[:400]
+    if facts is not None:
+        return {"key": spec["key"], "ok": facts.ok, "error": facts.error,
+                "shared_bytes": facts.shared_bytes, "num_warps": facts.num_warps,
+                "seconds": time.perf_counter() - started, "target": target.name,
+                "registers": facts.registers, "spill_bytes": facts.spill_bytes,
+                "occupancy_warps": facts.occupancy_warps, "max_warps": facts.max_warps,
+                "limiter": facts.limiter}
     error = ""
-    if shared > shared_limit:
+    if shared > target.shared_bytes:
         error = (f"OutOfResources: shared memory, required {shared} bytes, the target allows "
-                 f"{shared_limit} per block (smaller block sizes or fewer stages fit)")
-    elif warps * WARP_SIZE > MAX_THREADS_PER_BLOCK:
-        error = (f"OutOfResources: {warps} warps are {warps * WARP_SIZE} threads per block; "
-                 f"at most {MAX_THREADS_PER_BLOCK}")
+                 f"{target.shared_bytes} per block (smaller block sizes or fewer stages fit)")
+    elif warps * target.warp_size > MAX_THREADS_PER_BLOCK:
+        error = (f"OutOfResources: {warps} warps are {warps * target.warp_size} threads per "
+                 f"block; at most {MAX_THREADS_PER_BLOCK}")
     return {"key": spec["key"], "ok": not error, "error": error, "shared_bytes": shared,
-            "num_warps": warps, "seconds": time.perf_counter() - started}
+            "num_warps": warps, "seconds": time.perf_counter() - started,
+            "target": target.name, "facts_error": facts_error}
 
 
 def _jit_functions(source: str) -> list[tuple[str, int, int]]:
@@ -403,9 +418,11 @@ def run_compile(spec: Any, channel: Any) -> None:
     module = load_kernels(spec.candidate_path, where)
     results = []
     for s in spec.compile_specs:
-        channel.send(Progress(phase=f"compiling the Triton kernel {s['kernel']} for {where} "
-                              f"({s.get('where') or 'a launch'})"))
-        results.append(CompileResult(**compile_one(module, s, target.shared_bytes)))
+        # A spec may name another target than the request's (the extra targets).
+        this = target_for(s.get("target") or spec.compile_target, default=target.name)
+        channel.send(Progress(phase=f"compiling the Triton kernel {s['kernel']} for "
+                              f"{this.sm} ({this.name}) ({s.get('where') or 'a launch'})"))
+        results.append(CompileResult(**compile_one(module, s, this)))
     channel.send(Compiled(results=results))
 
 

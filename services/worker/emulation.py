@@ -157,6 +157,15 @@ _PARTS: dict[str, _Part] = {
 }
 _PARTS["sm_80"], _PARTS["sm_89"], _PARTS["sm_90"] = _PARTS["a100"], _PARTS["4090"], \
     _PARTS["h100"]
+# AMD Instinct (ROCm's "AMD GPU specifications" and the datasheets: MI300X 192 GB HBM3,
+# 8192-bit, 2100 MHz peak engine clock, 4 MB L2 per XCD as a device reports it; one
+# MI250/MI250X GCD: 64 GB HBM2e, 4096-bit, 1700 MHz, 8 MB L2), named as
+# ``torch.cuda.get_device_name`` gives them on ROCm.
+_PARTS["mi300x"] = _PARTS["gfx942"] = _Part("AMD Instinct MI300X", 196592 * _MIB, 4 * _MIB,
+                                            2100000, 1300000, 8192)
+_PARTS["mi250x"] = _PARTS["gfx90a"] = _Part("AMD Instinct MI250X", 65520 * _MIB, 8 * _MIB,
+                                            1700000, 1600000, 4096)
+_PARTS["mi250"] = _Part("AMD Instinct MI250", 65520 * _MIB, 8 * _MIB, 1700000, 1600000, 4096)
 # Per compute capability (CUDA C++ Programming Guide, technical specifications): threads
 # and shared memory per multiprocessor.
 _THREADS_PER_SM = {80: 2048, 86: 1536, 89: 1536, 90: 2048}
@@ -182,19 +191,21 @@ class _CudaDeviceProperties:
         self.is_multi_gpu_board = 0
         self.max_threads_per_multi_processor = _THREADS_PER_SM.get(target.capability, 2048)
         self.max_threads_per_block = 1024
-        self.warp_size = 32
+        self.warp_size = target.warp_size
         self.regs_per_multiprocessor = 65536
-        self.shared_memory_per_block = 49152
+        self.shared_memory_per_block = 49152 if target.backend == "cuda" else target.shared_bytes
         self.shared_memory_per_block_optin = target.shared_bytes
-        self.shared_memory_per_multiprocessor = _SHARED_PER_SM.get(target.capability,
-                                                                   target.shared_bytes)
+        self.shared_memory_per_multiprocessor = (
+            _SHARED_PER_SM.get(target.capability, target.shared_bytes)
+            if target.backend == "cuda" else target.occupancy.shared)
         self.L2_cache_size = part.l2
         self.clock_rate = part.sm_clock
         self.memory_clock_rate = part.mem_clock
         self.memory_bus_width = part.bus
         self.uuid = str(uuid.UUID(int=secrets.randbits(128), version=4))
         self.pci_bus_id, self.pci_device_id, self.pci_domain_id = 0x18, 0, 0
-        self.gcnArchName = "NVIDIA CUDA"
+        self.gcnArchName = ("NVIDIA CUDA" if target.backend == "cuda"
+                            else f"{target.gfx}:sramecc+:xnack-")
 
     def __repr__(self) -> str:
         return (f"_CudaDeviceProperties(name='{self.name}', major={self.major}, "
@@ -477,7 +488,7 @@ class CudaEmulation:
                 return 0
 
             def get_current_target(self) -> Any:
-                return GPUTarget("cuda", gpu.capability, 32)
+                return GPUTarget(*gpu.triton_target())
 
             def get_active_torch_device(self) -> torch.device:
                 return _CUDA

@@ -163,8 +163,8 @@ def occupancy(target: GpuTarget | str, registers: int, shared_bytes: int,
     by["blocks"] = lim.max_blocks
     if warps * t.warp_size > MAX_THREADS_PER_BLOCK:
         by["warps"] = 0
-    limiter = min(by, key=lambda k: (by[k], ["registers", "shared", "warps",
-                                             "blocks"].index(k)))
+    limiter = min(by, key=lambda k: (by[k], ["warps", "blocks", "registers",
+                                             "shared"].index(k)))
     blocks = max(0, by[limiter])
     return blocks * warps, blocks, limiter
 

@@ -339,6 +339,8 @@ class Worker:
                 sandbox_require=settings.sandbox_require_list,
                 sandbox_env_allow=settings.sandbox_env_allow_list,
                 aot_target=settings.worker_aot_target,
+                compile_extra_targets=settings.worker_compile_extra_targets,
+                compile_extra_required=settings.worker_compile_extra_required,
                 scratch_bytes=settings.sandbox_scratch_bytes or None,
                 task_timeout_s=settings.task_timeout_s,
                 child_limits=child_limits_from(settings),

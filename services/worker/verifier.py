@@ -224,6 +224,13 @@ class Verifier:
         aot_target: the GPU (:data:`services.worker.targets.TARGETS`) every kernel is
             compiled for ahead of time when the request's arch names none; ``""`` or
             ``"none"`` turns the compile check off.
+        compile_extra_targets: GPU targets every kernel is also compiled for, beside
+            the request's, comma-separated (setting ``worker_compile_extra_targets``):
+            ``auto`` the other vendor's (:meth:`extra_targets`), ``none`` or ``""``
+            none.
+        compile_extra_required: a kernel that does not compile for an extra target
+            fails at stage ``compile`` (setting ``worker_compile_extra_required``;
+            default: a note).
         scratch_bytes: the size of the tmpfs each child works in (None: no tmpfs).
         task_timeout_s: limit on one call into the task's own code in the reference
             child, seconds (setting ``task_timeout_s``; 0: only the request's
@@ -254,6 +261,8 @@ class Verifier:
                  compare_threads: int | None | str = "auto",
                  client_command: str | None = "aikg submit",
                  aot_target: str = DEFAULT_AOT_TARGET,
+                 compile_extra_targets: str = "auto",
+                 compile_extra_required: bool = False,
                  scratch_bytes: int | None = DEFAULT_SCRATCH_BYTES,
                  task_timeout_s: float = DEFAULT_TASK_TIMEOUT_S,
                  child_limits: ChildLimits | None = None,
@@ -273,6 +282,14 @@ class Verifier:
         self.output_limit_bytes = output_limit_bytes
         self.speedup_flag_bound = speedup_flag_bound
         self.aot_target = "" if not aot_target or aot_target.lower() == "none" else aot_target
+        extra = [t.strip().lower() for t in (compile_extra_targets or "").split(",")
+                 if t.strip() and t.strip().lower() != "none"]
+        unknown = [t for t in extra if t != "auto" and t not in TARGETS]
+        if unknown:
+            raise ValueError(f"unknown compile extra target {unknown[0]!r}; choose from "
+                             f"{', '.join(sorted(TARGETS))}, auto or none")
+        self.compile_extra_targets = tuple(extra)
+        self.extra_targets_required = compile_extra_required
         self.scratch_bytes = scratch_bytes
         self.task_timeout_s = task_timeout_s
         self.compile_timeout_s = compile_timeout_s
@@ -482,6 +499,20 @@ class Verifier:
         return outcome
 
     # ------------------------------------------------------------ compile check
+
+    def extra_targets(self, primary: GpuTarget) -> list[GpuTarget]:
+        """The targets every kernel is compiled for beside ``primary`` (the request's):
+        those of ``compile_extra_targets``, ``auto`` being the other vendor's flagship
+        (``mi300x`` beside an NVIDIA target, ``h100`` beside an AMD one); never one of
+        ``primary``'s arch."""
+        names = [("h100" if primary.backend == "hip" else "mi300x") if n == "auto" else n
+                 for n in self.compile_extra_targets]
+        found: list[GpuTarget] = []
+        for name in names:
+            t = target_for(name)
+            if t.sm != primary.sm and all(t.sm != f.sm for f in found):
+                found.append(t)
+        return found
 
     async def compile(self, request: VerifyRequest, specs: list[aot.CompileSpec],
                       target: GpuTarget, source: str) -> tuple[

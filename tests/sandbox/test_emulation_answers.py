@@ -27,6 +27,9 @@ GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", (9, 0), 132, 50 * MIB, 79 * 10**9, 86 * 10**9),
     "4090": ("NVIDIA GeForce RTX 4090", (8, 9), 128, 72 * MIB, 23 * 10**9, 26 * 10**9),
     "a100_40gb": ("NVIDIA A100-SXM4-40GB", (8, 0), 108, 40 * MIB, 39 * 10**9, 43 * 10**9),
+    # ROCm's torch: gfx942 is capability (9, 4), a CU is a multiprocessor, 4 MB of L2
+    # per XCD, 192 GB of HBM3.
+    "mi300x": ("AMD Instinct MI300X", (9, 4), 304, 4 * MIB, 190 * 10**9, 210 * 10**9),
 }
 
 CANDIDATE = '''

@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from schemas.events import CompileFact
 from services.worker import aot
 from services.worker import sizes as size_rules
 from services.worker.children import ChildFailed
+from services.worker.gpu_facts import HEAVY_SPILL_BYTES
 from services.worker.procedure.outcome import Verdict
 from services.worker.targets import target_for
 
@@ -48,6 +50,7 @@ class Checks:
             return
         if self.compile_target is None:
             self.compile_target = target_for(self.request.arch, default=target_name)
+            self.compile_extra = self.v.extra_targets(self.compile_target)
         launches = []
         if trial is self.first_call:
             launches += [("the task's own sizes (dry run)", e) for e in self.real_launches or []]
@@ -56,6 +59,10 @@ class Checks:
                      if isinstance(e, dict) and "launch" in e]
         specs, problems = aot.specs(launches, self.kernels.constexpr_params,
                                     self.compile_target, self.source_sha, self.kernels.bodies)
+        for extra in self.compile_extra:
+            # The same launches for another target (its launch problems are the same).
+            specs += aot.specs(launches, self.kernels.constexpr_params, extra,
+                               self.source_sha, self.kernels.bodies)[0]
         self.compile_problems.extend(p for p in problems if p not in self.compile_problems)
         new = [s for s in specs if s.key not in self.compile_keys]
         if not new and self.compile_jobs:
@@ -99,6 +106,42 @@ class Checks:
             return Verdict("infrastructure", f"the GPU compile check returned no result for "
                            f"{missing[0].kernel} ({missing[0].where}); nothing was judged",
                            trials=self.compared)
+        facts = self._compile_facts(specs, results)
+        primary = [s for s in specs if s.target == target.name]
+        failed = self._first_failure(primary, results, target)
+        if failed is not None:
+            spec, result = failed
+            return Verdict("compile", f"the Triton kernel {spec.kernel} does not compile for "
+                           f"{target.sm} ({target.name}) at {spec.where}: "
+                           f"{self._summary(spec, result)}",
+                           log=result.error, trials=self.compared, compile_facts=facts)
+        for extra in self.compile_extra:
+            failed = self._first_failure([s for s in specs if s.target == extra.name],
+                                         results, extra)
+            if failed is None:
+                continue
+            spec, result = failed
+            text = (f"the Triton kernel {spec.kernel} compiles for {target.sm} ({target.name}) "
+                    f"but not for {extra.sm} ({extra.name}) at {spec.where}: "
+                    f"{self._summary(spec, result)}")
+            if self.v.extra_targets_required:
+                return Verdict("compile", text, log=result.error, trials=self.compared,
+                               compile_facts=facts)
+            self.notes.append(f"compile: {text} (advisory: the request's target is "
+                              f"{target.name})")
+        if specs:
+            extra = "".join(f", {len([s for s in specs if s.target == t.name])} for "
+                            f"{t.sm} ({t.name})" for t in self.compile_extra)
+            self.notes.append(f"compile: {len(primary)} kernel specialisation(s) compiled for "
+                              f"{target.sm} ({target.name}){extra} ahead of time, from every "
+                              "call recorded")
+        self.compile_facts = facts
+        return None
+
+    def _first_failure(self, specs: list[Any], results: dict[str, Any],
+                       target: Any) -> tuple[Any, Any] | None:
+        """The first specialisation of ``specs`` that failed to compile for ``target``
+        and is not an autotune config a GPU autotuner would skip (those are noted)."""
         by_kernel: dict[str, list[tuple[Any, Any]]] = {}
         for spec in specs:
             by_kernel.setdefault(spec.kernel + spec.where.split(", config")[0], []).append(
@@ -115,20 +158,59 @@ class Checks:
                                       f"{target.sm} ({target.name}) as a GPU autotuner would: "
                                       f"{r.error}")
                 continue
-            spec, result = failed[0]
-            error = self.kernels.file_line(spec.kernel, result.error)
-            lines = [line.strip() for line in error.splitlines() if line.strip()]
-            summary = lines[0][:400] if lines else "no message"
-            if len(lines) > 1 and lines[-1] not in summary:
-                summary += f" ... {lines[-1][:300]}"
-            return Verdict("compile", f"the Triton kernel {spec.kernel} does not compile for "
-                           f"{target.sm} ({target.name}) at {spec.where}: {summary}",
-                           log=result.error, trials=self.compared)
-        if specs:
-            self.notes.append(f"compile: {len(specs)} kernel specialisation(s) compiled for "
-                              f"{target.sm} ({target.name}) ahead of time, from every call "
-                              "recorded")
+            return failed[0]
         return None
+
+    def _summary(self, spec: Any, result: Any) -> str:
+        """The compiler's error of ``result`` in a line or two, at the candidate's line."""
+        error = self.kernels.file_line(spec.kernel, result.error)
+        lines = [line.strip() for line in error.splitlines() if line.strip()]
+        summary = lines[0][:400] if lines else "no message"
+        if len(lines) > 1 and lines[-1] not in summary:
+            summary += f" ... {lines[-1][:300]}"
+        return summary
+
+    def _config(self, spec: Any) -> str:
+        """``BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3``: the kernel's scalar
+        ``tl.constexpr`` arguments of ``spec`` and its launch options."""
+        params = self.kernels.constexpr_params.get(spec.kernel, set())
+        items = [f"{path[0]}={value}" for path, value in spec.constexprs
+                 if len(path) == 1 and path[0] in params
+                 and isinstance(value, (int, float, bool, str))]
+        options = dict(spec.options)
+        items += [f"{k}={options[k]}" for k in ("num_warps", "num_stages", "maxnreg")
+                  if options.get(k) is not None]
+        return ", ".join(items)
+
+    def _compile_facts(self, specs: list[Any], results: dict[str, Any]) -> list[CompileFact]:
+        """A :class:`~schemas.events.CompileFact` per compiled specialisation and target;
+        every one that spills or cannot launch is named in the notes."""
+        from services.worker.targets import TARGETS
+
+        facts = []
+        for spec in specs:
+            r = results.get(spec.key)
+            if r is None or not (r.ok or r.error.startswith("OutOfResources")):
+                continue
+            t = TARGETS.get(spec.target)
+            fact = CompileFact(kernel=spec.kernel, target=spec.target,
+                               arch=t.sm if t is not None else "", where=spec.where,
+                               config=self._config(spec), registers=r.registers,
+                               spill_bytes=r.spill_bytes, shared_bytes=r.shared_bytes,
+                               num_warps=r.num_warps, occupancy_warps=r.occupancy_warps,
+                               max_warps=r.max_warps, limiter=r.limiter, ok=r.ok,
+                               error=r.error[:300])
+            facts.append(fact)
+            name = f"{spec.kernel} [{fact.config}] on {fact.arch} ({fact.target})"
+            if fact.spill_bytes > 0:
+                heavy = "; heavily" if fact.spill_bytes >= HEAVY_SPILL_BYTES else ""
+                self.notes.append(f"compile facts: {name} spills {fact.spill_bytes} bytes per "
+                                  f"thread ({fact.registers} registers{heavy}; at "
+                                  f"{spec.where}): a GPU would run it with local-memory "
+                                  "traffic (smaller tiles or more warps per tile avoid it)")
+            elif not r.ok and ", config" not in spec.where:
+                self.notes.append(f"compile facts: {name} cannot launch: {r.error[:300]}")
+        return facts
 
     # ------------------------------------------------------------ audit
 

@@ -86,6 +86,8 @@ class Procedure(SizeChoice, TrialRuns, Checks):
         self.compile_keys: set[str] = set()
         self.compile_problems: list[str] = []
         self.compile_target: Any = None
+        self.compile_extra: list[Any] = []  # other targets compiled for (gpu facts, AMD)
+        self.compile_facts: list[Any] = []
         self.ghost_replay: str | None = None
         self.no_launch_variant = False
         # Secrets of the replays (TrialRuns): how often each autotune config runs; the
@@ -318,6 +320,7 @@ class Procedure(SizeChoice, TrialRuns, Checks):
             if problem is not None:
                 raise problem
         outcome = self._passed_outcome()
+        outcome.compile_facts = self.compile_facts or None
         outcome.traffic = await self._traffic()
         if timings is not None:
             outcome = outcome.timed(timings)

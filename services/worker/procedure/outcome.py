@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from schemas.events import ProfiledKernel, Stage, Traffic, VerifyResult
+from schemas.events import CompileFact, ProfiledKernel, Stage, Traffic, VerifyResult
 
 # The verdict stages a child's failure may name (schemas.events.Stage, the one list).
 STAGES = frozenset(typing.get_args(Stage))
@@ -84,6 +84,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     peak_bound: Literal["memory", "compute"] | None = None
     launch_floor_us: float | None = None
     profiled_kernels: list[ProfiledKernel] | None = None
+    compile_facts: list[CompileFact] | None = None
 
     def timed(self, timings: Timings) -> Outcome:
         """This outcome with the times of a profiled run; the speedup flag, or None,
