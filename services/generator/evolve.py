@@ -43,6 +43,7 @@ from schemas import (
 )
 from services.common.records import normalised_hash
 from services.generator.coders.base import Candidate, CoderError
+from services.generator.launch_configs import TABLE, family_of
 
 # How many candidates the final result lists.
 BEST_N = 5
@@ -119,9 +120,45 @@ DEFAULT_PARAMS: dict[str, int] = {"block_size": 1024, "num_warps": 4, "num_stage
 
 
 def _key(params: dict[str, int]) -> tuple[int | None, ...]:
-    """The point of SEARCH_SPACE ``params`` stands for (older checkpoints lack tiles)."""
+    """The point of SEARCH_SPACE ``params`` stands for (older checkpoints lack tiles);
+    a GPU point (:func:`gpu_space`) adds its ``tune``."""
     full = {**DEFAULT_PARAMS, **params}
-    return tuple(full[name] for name in sorted(SEARCH_SPACE))
+    point = tuple(full[name] for name in sorted(SEARCH_SPACE))
+    return point + ((params["tune"],) if "tune" in params else ())
+
+
+def gpu_space(arch: str | None) -> dict[str, list[int]]:
+    """The search space on a GPU backend: the values of the launch-configuration table
+    (services/generator/launch_configs.py) for ``arch``'s family, the fusion choices
+    of :data:`SEARCH_SPACE`, and ``tune`` (1: every kernel autotuned over the table's
+    list for its schedule; 0: every kernel launched with the point's parameters as a
+    one-config list)."""
+    table = TABLE[family_of(arch)]
+    tiles = table["matmul"] + table["conv"]
+    every = [c for rows in table.values() for c in rows]
+    return {
+        "block_size": sorted({c.block_size for c in table["elementwise"]}),
+        "num_warps": sorted({c.num_warps for c in every}),
+        "num_stages": sorted({c.num_stages for c in every}),
+        "block_m": sorted({c.block_m for c in tiles}),
+        "block_n": sorted({c.block_n for c in tiles}),
+        "block_k": sorted({c.block_k for c in tiles}),
+        **{name: SEARCH_SPACE[name] for name in ("row_fusion", "online", "rows")},
+        "tune": [0, 1],
+    }
+
+
+def gpu_point(arch: str | None, index: int) -> dict[str, int]:
+    """The ``index``-th configuration of the table for ``arch``'s family as an evolve
+    point (``tune`` 0): the matmul list's tiles, warps and stages, the element-wise
+    list's block size, both taken round-robin; the fusion choices of
+    :data:`DEFAULT_PARAMS`."""
+    table = TABLE[family_of(arch)]
+    mm = table["matmul"][index % len(table["matmul"])]
+    ew = table["elementwise"][index % len(table["elementwise"])]
+    return {**DEFAULT_PARAMS, "block_size": ew.block_size, "num_warps": mm.num_warps,
+            "num_stages": mm.num_stages, "block_m": mm.block_m, "block_n": mm.block_n,
+            "block_k": mm.block_k, "tune": 0}
 
 _LAUNCH = re.compile(r"BLOCK_SIZE=(\d+), num_warps=(\d+), num_stages=(\d+)")
 _GRID = re.compile(r"triton\.cdiv\((n_elements|n), (\d+)\)")
@@ -154,7 +191,11 @@ class BuiltinMutator:
     fusion choices.
 
     Seeds are random points of :data:`SEARCH_SPACE`; a child changes one or two of its
-    parent's parameters to a neighbouring value, skipping points already tried.
+    parent's parameters to a neighbouring value, skipping points already tried. On a
+    GPU backend the space is the launch-configuration table's (:func:`gpu_space`): the
+    first seed autotunes every kernel over the table's lists (``tune`` 1), the others
+    are the table's configurations one by one (:func:`gpu_point`), and a child's
+    values are the table's.
     """
 
     name = "builtin"
@@ -182,24 +223,31 @@ class BuiltinMutator:
         candidate.meta = dict(params)
         return candidate
 
-    def _fresh(self, params: dict[str, int], rng: random.Random) -> dict[str, int]:
+    def _fresh(self, params: dict[str, int], rng: random.Random,
+               space: dict[str, list[int]] = SEARCH_SPACE) -> dict[str, int]:
         for _ in range(50):
             if _key(params) not in self.tried:
                 return params
-            params = self._step(params, rng)
+            params = self._step(params, rng, space)
         return params
 
     @staticmethod
-    def _step(params: dict[str, int], rng: random.Random) -> dict[str, int]:
+    def _step(params: dict[str, int], rng: random.Random,
+              space: dict[str, list[int]] = SEARCH_SPACE) -> dict[str, int]:
         out = dict(params)
-        for name in rng.sample(sorted(SEARCH_SPACE), k=rng.choice([1, 2])):
-            values = SEARCH_SPACE[name]
+        for name in rng.sample(sorted(space), k=rng.choice([1, 2])):
+            values = space[name]
             i = values.index(out[name]) if out[name] in values else 0
             i = min(len(values) - 1, max(0, i + rng.choice([-1, 1])))
             out[name] = values[i]
         return out
 
     async def seed(self, submit: JobSubmit, index: int, rng: random.Random) -> Candidate:
+        if submit.backend != "cpu":
+            params = ({**gpu_point(submit.arch, 0), "tune": 1} if index == 0
+                      else gpu_point(submit.arch, index - 1))
+            space = gpu_space(submit.arch)
+            return await self._render(submit, self._fresh(params, rng, space))
         if index == 0:
             params = dict(DEFAULT_PARAMS)
         else:
@@ -210,6 +258,11 @@ class BuiltinMutator:
                      inspirations: list[tuple[EvolveCandidate, str]],
                      rng: random.Random) -> Candidate:
         base = {**DEFAULT_PARAMS, **(parent.params or {})}
+        if submit.backend != "cpu":
+            space = gpu_space(submit.arch)
+            base = {"tune": 1, **base}
+            return await self._render(submit, self._fresh(self._step(base, rng, space), rng,
+                                                          space))
         return await self._render(submit, self._fresh(self._step(base, rng), rng))
 
 

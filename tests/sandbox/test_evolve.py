@@ -202,13 +202,17 @@ def test_builtin_mutator_tunes_reduction_and_matmul_tiles(coder) -> None:
 
 
 async def test_a_single_jobs_launch_parameters_follow_its_backend(coder) -> None:
-    # cpu runs Triton's interpreter: larger blocks (fewer programs); GPUs keep 1024.
+    # cpu runs Triton's interpreter: larger blocks (fewer programs); on a GPU every
+    # kernel is autotuned over the launch-configuration table of its arch's family.
     cpu = await coder.generate(make_submit(job_type="single", backend="cpu"))
     assert cpu.meta == {"block_size": CPU_BLOCK_SIZE, **CPU_TILES}
     assert f"BLOCK_SIZE={CPU_BLOCK_SIZE}," in cpu.code
     assert f"triton.cdiv(n, {CPU_BLOCK_SIZE})" in cpu.code
-    cuda = await coder.generate(make_submit(job_type="single", backend="cuda"))
-    assert cuda.meta == {} and "BLOCK_SIZE=1024," in cuda.code
+    submit = make_submit(job_type="single", backend="cuda")
+    cuda = await coder.generate(submit)
+    assert cuda.meta == {"arch": submit.arch or "sm_90"}
+    assert "@triton.autotune(" in cuda.code and "key=['n_elements']" in cuda.code
+    assert "BLOCK_SIZE=" not in cuda.code.split("class ModelNew")[1]
     # A job's own parameters win over the backend's defaults.
     tuned = await coder.generate(make_submit(job_type="single", backend="cpu"), block_size=256)
     assert tuned.meta == {"block_size": 256, **CPU_TILES} and "BLOCK_SIZE=256," in tuned.code

@@ -23,6 +23,7 @@ from services.common.shares import TenantSlots
 from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
 from services.generator.coders.screen import decline
+from services.generator.launch_configs import DEFAULT_FAMILY
 from services.sandbox.limits import ChildLimits
 from services.sandbox.pool import PoolBroken, Sandbox
 
@@ -53,11 +54,15 @@ CPU_BLOCK_SIZE = 4096
 CPU_TILES = {"block_m": 128, "block_n": 128, "block_k": 64}
 
 
-def launch_defaults(backend: str) -> dict[str, int]:
+def launch_defaults(backend: str, arch: str | None = None) -> dict[str, int | str]:
     """The built-in coder's launch parameters for ``backend`` when a job names none:
-    ``{"block_size": CPU_BLOCK_SIZE, **CPU_TILES}`` on ``cpu``, else nothing
-    (lower_task's own)."""
-    return {"block_size": CPU_BLOCK_SIZE, **CPU_TILES} if backend == "cpu" else {}
+    ``{"block_size": CPU_BLOCK_SIZE, **CPU_TILES}`` on ``cpu``; on a GPU backend
+    ``{"arch": arch}`` (the family's default, ``sm_90``, without one): every kernel
+    then carries ``@triton.autotune`` over the launch-configuration table of its
+    schedule and the arch's family (services/generator/launch_configs.py)."""
+    if backend == "cpu":
+        return {"block_size": CPU_BLOCK_SIZE, **CPU_TILES}
+    return {"arch": arch or DEFAULT_FAMILY}
 
 
 class CoderError(Exception):
@@ -139,7 +144,7 @@ class BuiltinCoder:
         declined = decline(submit.task_desc)
         if declined is not None:  # no sandboxed child for what the source shows
             raise CoderError(_llm_hint(declined))
-        params = {**launch_defaults(submit.backend), **params}
+        params = {**launch_defaults(submit.backend, submit.arch), **params}
         key = (hashlib.sha256(submit.task_desc.encode()).hexdigest(),
                json.dumps(submit.shape_overrides, sort_keys=True),
                json.dumps(params, sort_keys=True))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
+from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.ir import Kernel, meta_val
 from services.generator.lowering.parameters import init_lines
 
@@ -238,7 +239,21 @@ def launch_blocks(lw: Lowerer, kname: str, out: str, args: list[str],
                   constexprs: list[str] | None = None) -> None:
     """Emit ``kname``'s launch with one program per BLOCK_SIZE elements of ``out``
     (skipped when ``out`` is empty; ``n`` is its element count); ``args`` are the
-    kernel's run-time arguments, ``constexprs`` further ``NAME=expr`` ones."""
+    kernel's run-time arguments, ``constexprs`` further ``NAME=expr`` ones. On a GPU
+    the kernel is autotuned over the ``elementwise`` list
+    (:mod:`services.generator.launch_configs`), keyed on ``n_elements``, and its grid
+    reads BLOCK_SIZE from the chosen config."""
+    if on_gpu(lw):  # BLOCK_SIZE, num_warps, num_stages from the table
+        autotune(lw, kname, "elementwise", ["n_elements"], ("BLOCK_SIZE",))
+        lw.forward += [
+            f"n = {out}.numel()",
+            "if n > 0:",
+            f"    {kname}[lambda META: (triton.cdiv(n, META['BLOCK_SIZE']),)](",
+            f"        {', '.join(args)},",
+            *(f"        {c}," for c in constexprs or []),
+            "    )",
+        ]
+        return
     block = lw.p["block_size"]
     lw.forward += [
         f"n = {out}.numel()",

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from services.generator.coders.errors import LoweringError
+from services.generator.launch_configs import ROW_BLOCK
 from services.generator.lowering.lowerer import Lowerer
 from services.generator.lowering.task import export_program, load_task, scalar_tensors
 
@@ -26,6 +27,8 @@ def lower_task(
     row_fusion: int = 1,
     online: int = 1,
     rows: int = 8,
+    arch: str = "",
+    tune: int = 1,
     progress: Any = None,
 ) -> str:
     """Return candidate source (a Python module defining ``class ModelNew``) for a task.
@@ -74,6 +77,15 @@ def lower_task(
             trailing dims and fit a one-pass tile together (at most ``block_size //
             next_pow2(row length)``): an operand the same for every row (layer norm's
             weight and bias) is loaded once per program; a power of two from 1 to 64.
+        arch: "" (the cpu backend, Triton's interpreter): every launch takes the
+            parameters above. A GPU arch (``h100``, ``sm_90``, ``mi300x``, ``gfx942``
+            ...): every kernel carries ``@triton.autotune`` over its schedule's list
+            for the arch's family (:mod:`services.generator.launch_configs`), keyed
+            on the extents that matter; reduction tiles stay a size-dependent choice
+            of forward.
+        tune: with ``arch``: 1, the table's lists (a row reduction's tile is then
+            :data:`services.generator.launch_configs.ROW_BLOCK` elements); 0, a
+            one-config list of the launch parameters given (an evolve point).
         progress: called with a phase (``the task's get_inputs()``, ``the task's
             Model.forward ...``) as each call into the task's code starts, for a caller
             that must name what hangs.
@@ -97,7 +109,7 @@ def lower_task(
             raise ValueError(f"{name} must be a power of two of at least 16, not {value}")
     if rows not in (1, 2, 4, 8, 16, 32, 64):
         raise ValueError(f"rows must be a power of two from 1 to 64, not {rows}")
-    for name, value in (("row_fusion", row_fusion), ("online", online)):
+    for name, value in (("row_fusion", row_fusion), ("online", online), ("tune", tune)):
         if value not in (0, 1):
             raise ValueError(f"{name} must be 0 or 1, not {value}")
     task = load_task(task_desc, shape_overrides, progress)
@@ -106,6 +118,10 @@ def lower_task(
     params = {"block_size": block_size, "num_warps": num_warps, "num_stages": num_stages,
               "block_m": block_m, "block_n": block_n, "block_k": block_k,
               "row_fusion": row_fusion, "online": online, "rows": rows, "precision": "ieee"}
+    if arch:
+        params.update(arch=arch, tune=tune)
+        if tune:
+            params["block_size"] = ROW_BLOCK
     scalars = scalar_tensors(task)
     if scalars is not None:
         try:

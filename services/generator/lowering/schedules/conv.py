@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, tile_epilogue
 from services.generator.lowering.ir import PendingConv, Value, bind_args, meta_val
 from services.generator.lowering.registry import check_dtype, refuse
@@ -312,6 +313,21 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
     # tl.dot needs 16 columns at least. The direct kernel takes as many more output
     # pixels as it has columns fewer (the same tile size): each program walks the whole
     # window once, so fewer programs make fewer steps.
+    if on_gpu(lw):  # tiles, num_warps and num_stages from the table
+        names = ("BLOCK_M", "BLOCK_N") if pc.direct else ("BLOCK_M", "BLOCK_N", "BLOCK_K")
+        autotune(lw, kname, "conv", ["M", "COG", "KTOT"], names)
+        lw.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[lambda META: (triton.cdiv({m}, META['BLOCK_M']), "
+            f"triton.cdiv({cols}, META['BLOCK_N']), {grid_z})](",
+            f"        {', '.join(launch)},",
+            f"        {''.join(f'KS{d}={w}.shape[{d + 2}], ' for d in spatial)}",
+            "    )",
+        ]
+        lw.values[root] = Value("tensor", out)
+        if epilogue is not None:
+            lw.values[node] = Value("fused")
+        return
     block_n = lw.fresh("block_n")
     fit = f"min({bn}, triton.next_power_of_2({cols}))"
     forward = [f"{block_n} = {fit if pc.direct else f'max(16, {fit})'}"]

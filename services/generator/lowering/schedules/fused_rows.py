@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
+from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel, prod
 from services.generator.lowering.ir import Value, bind_args, meta_val
 from services.generator.lowering.schedules.fused_bodies import (
@@ -451,7 +452,7 @@ def lower(lw: Lowerer, g: Group) -> None:
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
         f"        {args},",
         f"        BLOCK_R={block_r}, BLOCK_I={block_i}, ONE_PASS=one_pass,{extra}",
-        f"        num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})",
+        f"        {launch_options(lw, kname, 'reduction', ['R', 'INNER'])})",
     ]
 
 

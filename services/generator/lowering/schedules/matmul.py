@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
+from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, literal, tile_epilogue
 from services.generator.lowering.ir import PendingConv, PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.registry import CONSTANTS
@@ -178,13 +179,23 @@ def emit(lw: Lowerer, node: torch.fx.Node, epilogue: torch.fx.Node | None = None
                "ragged M, N and K edges.", lines, ops)
     bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
     batch = f"{out}.shape[0]" if batched else "1"
-    lw.forward += [
-        f"if {out}.numel() > 0:",
-        f"    {kname}[(triton.cdiv({out}.shape[-2], {bm}), triton.cdiv({out}.shape[-1], {bn}), {batch})](",
-        f"        {', '.join(launch)},",
-        f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
-        f"num_stages={lw.p['num_stages']})",
-    ]
+    if on_gpu(lw):  # tiles, num_warps and num_stages from the table, keyed on M, N, K
+        autotune(lw, kname, "matmul", ["M", "N", "K"], ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        lw.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[lambda META: (triton.cdiv({out}.shape[-2], META['BLOCK_M']), "
+            f"triton.cdiv({out}.shape[-1], META['BLOCK_N']), {batch})](",
+            f"        {', '.join(launch)},",
+            "    )",
+        ]
+    else:
+        lw.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[(triton.cdiv({out}.shape[-2], {bm}), triton.cdiv({out}.shape[-1], {bn}), {batch})](",
+            f"        {', '.join(launch)},",
+            f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
+            f"num_stages={lw.p['num_stages']})",
+        ]
     lw.values[root] = Value("tensor", out)
     if epilogue is not None:
         lw.values[node] = Value("fused")  # read only by the epilogue, now stored

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, tile_epilogue
 from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.registry import CONSTANTS, RULES
@@ -198,13 +199,22 @@ def try_lower(lw: Lowerer, node: torch.fx.Node, op: str) -> bool:
                + (" + bias" if pm.bias else "") + "); the product is never stored.",
                lines, ops)
     bm, bn, bk = lw.p["block_m"], lw.p["block_n"], lw.p["block_k"]
-    lw.forward += [
-        f"if {out}.numel() > 0:",
-        f"    {kname}[(triton.cdiv({out}.shape[0], {bm}), 1)](",
-        f"        {', '.join(launch)},",
-        f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
-        f"num_stages={lw.p['num_stages']})",
-    ]
+    if on_gpu(lw):  # tiles, num_warps and num_stages from the table, keyed on M, N, K
+        autotune(lw, kname, "matmul", ["M", "N", "K"], ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+        lw.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[lambda META: (triton.cdiv({out}.shape[0], META['BLOCK_M']), 1)](",
+            f"        {', '.join(launch)},",
+            "    )",
+        ]
+    else:
+        lw.forward += [
+            f"if {out}.numel() > 0:",
+            f"    {kname}[(triton.cdiv({out}.shape[0], {bm}), 1)](",
+            f"        {', '.join(launch)},",
+            f"        BLOCK_M={bm}, BLOCK_N={bn}, BLOCK_K={bk}, num_warps={lw.p['num_warps']}, "
+            f"num_stages={lw.p['num_stages']})",
+        ]
     lw.values[product] = Value("fused")
     if lse is not None:
         for n in (node, *lse["inner"], lse["sub"], lse["exp"]):

@@ -32,6 +32,7 @@ import torch
 import torch.fx
 
 from services.generator.coders.errors import LoweringError
+from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel, torch_dtype_name
 from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.schedules import matmul
@@ -120,7 +121,9 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
     # batch of 10 rows, a hidden size of 16): tl.dot's 16 at least.
     tiles = [f(n) for n in ("block_m", "block_n", "block_k", "block_m", "block_n",
                             "block_k")]
-    warps = f"num_warps={lw.p['num_warps']}, num_stages={lw.p['num_stages']})"
+    # GPU: num_warps/num_stages tuned (the reduction list), the tiles as fitted here
+    gemm_opts = launch_options(lw, gemm[0], "reduction", ["M", "N", "K"]) + ")"
+    step_opts = launch_options(lw, step, "reduction", ["B", "H"]) + ")"
 
     def tile(var: str, extent: str) -> str:
         return (f"{var} = max(16, min({lw.p[var.rstrip('0123456789')]}, "
@@ -178,7 +181,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"            {gemm[0]}[(triton.cdiv({pre2}.shape[0], {tiles[0]}), "
         f"triton.cdiv({pre2}.shape[1], {tiles[1]}), 1)](",
         f"                {', '.join(gemm_launch)},",
-        f"                BLOCK_M={tiles[0]}, BLOCK_N={tiles[1]}, BLOCK_K={tiles[2]}, {warps}",
+        f"                BLOCK_M={tiles[0]}, BLOCK_N={tiles[1]}, BLOCK_K={tiles[2]}, {gemm_opts}",
         f"        {pseq} = {pre}.transpose(0, 1)" if batch_first else f"        {pseq} = {pre}",
         f"        {idx} = {layer} * {dirs} + {d}",
         f"        {outd} = {oseq}.narrow(2, {d} * {hidden}, {hidden})",
@@ -191,7 +194,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"            {step}[(triton.cdiv({batch}, {tiles[3]}), "
         f"triton.cdiv({hidden}, {tiles[4]}))](",
         f"                {', '.join(step_args)},",
-        f"                BLOCK_M={tiles[3]}, BLOCK_N={tiles[4]}, BLOCK_K={tiles[5]}, {warps}",
+        f"                BLOCK_M={tiles[3]}, BLOCK_N={tiles[4]}, BLOCK_K={tiles[5]}, {step_opts}",
         f"            {t_prev} = {t}",
         f"    {xin} = {out}",
     ]

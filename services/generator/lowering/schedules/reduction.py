@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
+from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel, cast_out, computed, prod, triton_next_pow2
 from services.generator.lowering.ir import Value, bind_args, meta_val
 from services.generator.lowering.schedules import fused_rows, matmul_rows
@@ -231,9 +232,8 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
             f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
             f"        {', '.join([*launch, *outs, f'{sizes}[1]', f'{sizes}[2]'])},",
         ]
-    lw.forward.append(
-        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={lw.p['num_warps']}, "
-        f"num_stages={lw.p['num_stages']})")
+    lw.forward.append(f"        BLOCK_R={block_r}, BLOCK_I={block_i}, "
+                      f"{launch_options(lw, kname, 'reduction', ['R', 'INNER'])})")
     if len(outs) == 1 and not isinstance(meta_val(node), tuple | list):
         lw.values[node] = Value("tensor", outs[0])
     else:  # (an output nothing reads is not computed: fused away)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx
 
+from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel
 from services.generator.lowering.ir import Value, bind_args, meta_val
 from services.generator.lowering.registry import refuse
@@ -61,7 +62,7 @@ def lower(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
         f"if {out}.numel() > 0:",
         f"    {kname}[({sizes}[0], triton.cdiv({sizes}[2], {block_i}))](",
         f"        {', '.join([*launch, out, f'{sizes}[1]', f'{sizes}[2]'])},",
-        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, num_warps={lw.p['num_warps']}, "
-        f"num_stages={lw.p['num_stages']})",
+        f"        BLOCK_R={block_r}, BLOCK_I={block_i}, "
+        f"{launch_options(lw, kname, 'reduction', ['R', 'INNER'])})",
     ]
     lw.values[node] = Value("tensor", out)
