@@ -25,8 +25,19 @@ traffic, ``VerifyResult.traffic``: bytes moved over the minimal bytes, and the m
 eager time over the candidate's; cpu backend only) and the total with the overall
 medians; ``--json`` prints one JSON object per problem instead (``problem``,
 ``family``, ``status``: ``passed`` / ``refused`` / ``failed``, ``op``, ``error``,
-``seconds``, ``traffic_ratio``, ``modeled_speedup``), then one ``{"medians": ...}``
-object (per family and ``overall``).
+``seconds``, ``traffic_ratio``, ``modeled_speedup``, ...), then one ``{"medians":
+...}`` object (per family and ``overall``). Both time models are printed: the tile
+model's speedup (``tile_speedup``, L2, occupancy and tile shape) beside the roofline's
+(``modeled_speedup``). ``--limit N`` runs the first N problems only.
+
+The GPU line, ``--backend cuda``: each problem at its own sizes (no reduction),
+verified and timed in ``profile`` mode (eager PyTorch, ``torch.compile`` and the
+candidate), and, where it holds at most ``--model-max-elements`` elements, verified on
+``cpu`` as well for both models' times; prints per problem the measured times, both
+speedups, ``peak_fraction`` and the modeled times beside the measured one, and per
+family ``fast_1``, the geomean speedups, the median peak fraction and the model's
+error (:func:`gpu_summary`). ``--measurements FILE`` prints that report from rows
+saved with ``--json`` instead of running.
 Nothing of the checkout is copied anywhere but the verifier's scratch directories.
 """
 
@@ -71,9 +82,9 @@ class Row:
     seconds: float = 0.0
     sizes: str = ""
     traffic_ratio: float | None = None
-    modeled_speedup: float | None = None
-    roofline_speedup: float | None = None
-    modeled_time_us: float | None = None
+    modeled_speedup: float | None = None  # the roofline's (the verdict's modeled_speedup)
+    tile_speedup: float | None = None
+    tile_time_us: float | None = None
     roofline_time_us: float | None = None
     # Measured on a GPU (--backend cuda, mode profile), microseconds.
     eager_us: float | None = None
@@ -338,8 +349,8 @@ def modeled(row: Row, result: Any) -> None:
     t = result.traffic
     if result.passed and t is not None:
         row.traffic_ratio, row.modeled_speedup = t.traffic_ratio, t.modeled_speedup
-        row.roofline_speedup = t.roofline_speedup
-        row.modeled_time_us, row.roofline_time_us = t.modeled_time_us, t.roofline_time_us
+        row.tile_speedup = t.tile_speedup
+        row.tile_time_us, row.roofline_time_us = t.tile_time_us, t.modeled_time_us
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -348,8 +359,8 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def medians(rows: list[Row]) -> dict[str, dict[str, float | None]]:
-    """Median ``traffic_ratio``, ``modeled_speedup`` (the tile model) and
-    ``roofline_speedup`` (the roofline) of the passing problems, per family and
+    """Median ``traffic_ratio``, ``modeled_speedup`` (the roofline) and
+    ``tile_speedup`` (the tile model) of the passing problems, per family and
     ``overall`` (None where no passing problem has counted traffic)."""
     passed = [row for row in rows if row.status == "passed"]
     groups = {fam: [r for r in passed if r.family == fam]
@@ -357,7 +368,7 @@ def medians(rows: list[Row]) -> dict[str, dict[str, float | None]]:
     groups["overall"] = passed
     return {name: {"traffic_ratio": _median([r.traffic_ratio for r in group]),
                    "modeled_speedup": _median([r.modeled_speedup for r in group]),
-                   "roofline_speedup": _median([r.roofline_speedup for r in group])}
+                   "tile_speedup": _median([r.tile_speedup for r in group])}
             for name, group in groups.items()}
 
 
@@ -374,18 +385,18 @@ def table(rows: list[Row]) -> str:
         counts[0] += row.status == "passed"
         counts[1] += 1
     med = medians(rows)
-    none = {"traffic_ratio": None, "modeled_speedup": None, "roofline_speedup": None}
+    none = {"traffic_ratio": None, "modeled_speedup": None, "tile_speedup": None}
     lines = [f"{'family':28} pass / total  median traffic_ratio  median modeled_speedup "
              "(tile model / roofline)"]
     lines += [f"{fam:28} {p:4} / {t:<5} {_num(med.get(fam, none)['traffic_ratio']):>20}  "
-              f"{_num(med.get(fam, none)['modeled_speedup']):>14} / "
-              f"{_num(med.get(fam, none)['roofline_speedup'])}"
+              f"{_num(med.get(fam, none)['tile_speedup']):>14} / "
+              f"{_num(med.get(fam, none)['modeled_speedup'])}"
               for fam, (p, t) in sorted(fams.items())]
     passing = [row for row in rows if row.status == "passed"]
     if passing:
-        lines += ["", f"{'passed':48} traffic_ratio  modeled_speedup  roofline_speedup"]
+        lines += ["", f"{'passed':48} traffic_ratio  tile_speedup  roofline_speedup"]
         lines += [f"  {row.problem[:46]:46} {_num(row.traffic_ratio):>13}  "
-                  f"{_num(row.modeled_speedup):>15}  {_num(row.roofline_speedup):>16}"
+                  f"{_num(row.tile_speedup):>12}  {_num(row.modeled_speedup):>16}"
                   for row in passing]
     refused = Counter(row.op for row in rows if row.status == "refused")
     if refused:
@@ -399,8 +410,8 @@ def table(rows: list[Row]) -> str:
     overall = med["overall"]
     lines += ["", f"total: {passed} / {len(rows)} passed; median traffic_ratio "
               f"{_num(overall['traffic_ratio'])}, median modeled_speedup "
-              f"{_num(overall['modeled_speedup'])} (roofline "
-              f"{_num(overall['roofline_speedup'])})"]
+              f"{_num(overall['tile_speedup'])} (tile model) / "
+              f"{_num(overall['modeled_speedup'])} (roofline)"]
     return "\n".join(lines)
 
 
@@ -431,8 +442,8 @@ def gpu_summary(rows: list[Row]) -> dict[str, dict[str, float | int | None]]:
         passed = [r for r in group if r.status == "passed"]
         fast = [r for r in passed if r.speedup_eager is not None and r.speedup_eager > 1
                 and (r.speedup_compile is None or r.speedup_compile > 1)]
-        ratios = [r.modeled_time_us / r.kernel_us for r in passed
-                  if r.modeled_time_us and r.kernel_us]
+        ratios = [r.tile_time_us / r.kernel_us for r in passed
+                  if r.tile_time_us and r.kernel_us]
         roof = [r.roofline_time_us / r.kernel_us for r in passed
                 if r.roofline_time_us and r.kernel_us]
         out[name] = {
@@ -462,7 +473,7 @@ def gpu_table(rows: list[Row]) -> str:
         lines.append(f"{r.problem[:40]:40} {_num(r.eager_us):>9} {_num(r.compile_us):>10} "
                      f"{_num(r.kernel_us):>9} {_num(r.speedup_eager):>7} "
                      f"{_num(r.speedup_compile):>9} {_num(r.peak_fraction):>5} "
-                     f"{_num(r.modeled_time_us):>9} {_num(r.roofline_time_us):>9}")
+                     f"{_num(r.tile_time_us):>9} {_num(r.roofline_time_us):>9}")
     lines += ["", f"{'family':28} {'pass':>9} {'fast_1':>7} {'geo x eager':>11} "
               f"{'geo x compile':>13} {'med peak':>8} {'tile/meas':>9} {'|log2|':>6} "
               f"{'roof/meas':>9}"]

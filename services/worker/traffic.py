@@ -16,11 +16,12 @@ process, and a kernel that reached for it could not compile for a GPU (stage
 What is **modeled** (never measured), two models on one
 :class:`~services.worker.targets.GpuTarget`:
 
-- the **roofline** (:func:`modeled_time_us`, also :func:`roofline_time_us`) ``=
-  max(bytes / bandwidth, dot FLOPs / tensor-core peak) + launches x launch overhead``:
-  every byte counted comes from device memory, every FLOP runs at the peak;
-- the **tile model** (:func:`launch_model`, :func:`tile_time_us`), what the verdict's
-  ``modeled_time_us`` is: per launch, the bytes its programs re-read within one wave
+- the **roofline** (:func:`modeled_time_us`, also :func:`roofline_time_us`), the
+  verdict's ``modeled_time_us`` (what evolve ranks by) ``= max(bytes / bandwidth, dot
+  FLOPs / tensor-core peak) + launches x launch overhead``: every byte counted comes
+  from device memory, every FLOP runs at the peak;
+- the **tile model** (:func:`launch_model`, :func:`tile_time_us`), the verdict's
+  ``tile_time_us`` beside it: per launch, the bytes its programs re-read within one wave
   of resident programs are served from L2, and across waves too while the launch's
   distinct bytes fit in L2 (:data:`~services.worker.targets.L2_CACHE`); achieved
   bandwidth scales with the warps resident per SM (occupancy) and the loads a
@@ -427,9 +428,9 @@ def summarize(launches: list[LaunchTraffic], bytes_min: int, eager: EagerCount |
               target: GpuTarget | None, facts: Mapping[str, Any] | None = None) -> Traffic:
     """The verdict's :class:`Traffic` of one call's launches, ``bytes_min`` (its
     inputs, captured storages and outputs once) and the task's eager count; the modeled
-    fields stay None without a target that can be modeled. ``modeled_*`` are the tile
-    model (``facts``: the compiler's facts by kernel name, see :func:`launch_model`),
-    ``roofline_*`` the roofline of the same counts."""
+    fields stay None without a target that can be modeled. ``modeled_*`` are the
+    roofline, ``tile_*`` the tile model of the same counts (``facts``: the compiler's
+    facts by kernel name, see :func:`launch_model`)."""
     moved = sum(launch.loaded + launch.stored + launch.atomic for launch in launches)
     dots: dict[str, int] = {}
     for launch in launches:
@@ -445,19 +446,19 @@ def summarize(launches: list[LaunchTraffic], bytes_min: int, eager: EagerCount |
         facts = facts or {}
         models = [launch_model(launch, target, facts.get(launch.kernel))
                   for launch in launches]
-        summary.modeled_time_us = round(sum(m.time_us for m in models), 4)
-        summary.modeled_dram_bytes = sum(m.dram_bytes for m in models)
-        summary.roofline_time_us = round(modeled_time_us(moved, dots, len(launches), target), 4)
+        summary.tile_time_us = round(sum(m.time_us for m in models), 4)
+        summary.tile_dram_bytes = sum(m.dram_bytes for m in models)
+        summary.modeled_time_us = round(modeled_time_us(moved, dots, len(launches), target), 4)
         if eager is not None and eager.launches:
-            summary.modeled_eager_time_us = round(eager_tile_time_us(eager, target), 4)
-            summary.roofline_eager_time_us = round(modeled_time_us(
+            summary.tile_eager_time_us = round(eager_tile_time_us(eager, target), 4)
+            summary.modeled_eager_time_us = round(modeled_time_us(
                 eager.bytes, eager.dot_flops, eager.launches, target), 4)
+            if summary.tile_time_us > 0:
+                summary.tile_speedup = round(
+                    summary.tile_eager_time_us / summary.tile_time_us, 4)
             if summary.modeled_time_us > 0:
                 summary.modeled_speedup = round(
                     summary.modeled_eager_time_us / summary.modeled_time_us, 4)
-            if summary.roofline_time_us > 0:
-                summary.roofline_speedup = round(
-                    summary.roofline_eager_time_us / summary.roofline_time_us, 4)
     return summary
 
 

@@ -127,13 +127,13 @@ def test_the_summary_keeps_the_roofline_beside_the_tile_model() -> None:
     eager = traffic.EagerCount(bytes=3 * 4096 * 4096 * 2, dot_flops={"fp16": 2 * 4096 ** 3},
                                launches=1)
     summary = traffic.summarize([launch], 3 * 4096 * 4096 * 2, eager, H100)
-    assert summary.roofline_time_us == pytest.approx(traffic.roofline_time_us(
+    assert summary.modeled_time_us == pytest.approx(traffic.roofline_time_us(
         launch.loaded + launch.stored, launch.dot_flops, 1, H100), rel=1e-4)
-    assert summary.modeled_time_us == pytest.approx(
+    assert summary.tile_time_us == pytest.approx(
         traffic.tile_time_us([launch], H100), rel=1e-4)
-    assert summary.modeled_time_us < summary.roofline_time_us
+    assert summary.tile_time_us < summary.modeled_time_us
+    assert summary.tile_speedup == pytest.approx(
+        summary.tile_eager_time_us / summary.tile_time_us, rel=1e-3)
     assert summary.modeled_speedup == pytest.approx(
         summary.modeled_eager_time_us / summary.modeled_time_us, rel=1e-3)
-    assert summary.roofline_speedup == pytest.approx(
-        summary.roofline_eager_time_us / summary.roofline_time_us, rel=1e-3)
-    assert summary.modeled_dram_bytes == traffic.launch_model(launch, H100).dram_bytes
+    assert summary.tile_dram_bytes == traffic.launch_model(launch, H100).dram_bytes

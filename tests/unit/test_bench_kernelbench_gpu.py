@@ -20,16 +20,16 @@ def rows() -> list[dict]:
         # Faster than eager and compile: fast_1; modeled at twice its measured time.
         row("1_Conv2d_ReLU", "conv+epilogue", eager_us=100.0, compile_us=80.0,
             kernel_us=50.0, speedup_eager=2.0, speedup_compile=1.6, peak_fraction=0.5,
-            modeled_time_us=100.0, roofline_time_us=400.0),
+            tile_time_us=100.0, roofline_time_us=400.0),
         # Faster than eager, slower than torch.compile: not fast_1.
         row("2_Conv2d_Add", "conv+epilogue", eager_us=100.0, compile_us=40.0,
             kernel_us=50.0, speedup_eager=2.0, speedup_compile=0.8, peak_fraction=0.3,
-            modeled_time_us=25.0, roofline_time_us=100.0),
+            tile_time_us=25.0, roofline_time_us=100.0),
         # Refused: counts against its family's fast_1, not in the geomeans.
         row("3_Conv2d_Odd", "conv+epilogue", status="refused", op="aten.foo.default"),
         # No torch.compile time (compile failed): judged against eager alone.
         row("4_Gemm_ReLU", "gemm+epilogue", eager_us=30.0, kernel_us=10.0,
-            speedup_eager=3.0, peak_fraction=0.8, modeled_time_us=10.0),
+            speedup_eager=3.0, peak_fraction=0.8, tile_time_us=10.0),
     ]
 
 
