@@ -367,6 +367,40 @@ class ProfiledKernel(Struct, kw_only=True):
     op: str | None = None
 
 
+class CompileFact(Struct, kw_only=True):
+    """What the GPU compiler says of one kernel specialisation the compile check built
+    (``VerifyResult.compile_facts``; read without a GPU: services/worker/gpu_facts.py).
+
+    ``kernel``: the Triton function; ``target`` / ``arch``: the GPU
+    (services/worker/targets.py: ``h100`` / ``sm_90``, ``mi300x`` / ``gfx942``);
+    ``where``: the launch it was first compiled for (a trial, a size, an autotune
+    config's number); ``config``: the specialisation's block sizes and options
+    (``BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3``); ``registers``: per
+    thread (NVIDIA's REG; AMD's VGPRs + AGPRs); ``spill_bytes``: per thread (NVIDIA's
+    stack frame, where ptxas spills; AMD's scratch per lane), > 0 when registers
+    spilled; ``shared_bytes``: shared memory (LDS) per block, bytes; ``num_warps``:
+    warps (waves) per block; ``occupancy_warps``: resident warps per SM (waves per CU)
+    that registers, shared memory and the arch's limits allow; ``max_warps``: the
+    arch's limit of those; ``limiter``: what binds first (``registers``, ``shared``,
+    ``warps``, ``blocks``); ``ok``: it compiled and a block fits; ``error``: why not.
+    """
+
+    kernel: str
+    target: str
+    arch: str
+    where: str = ""
+    config: str = ""
+    registers: int = 0
+    spill_bytes: int = 0
+    shared_bytes: int = 0
+    num_warps: int = 0
+    occupancy_warps: int = 0
+    max_warps: int = 0
+    limiter: str = ""
+    ok: bool = True
+    error: str = ""
+
+
 class VerifyResult(Struct, kw_only=True):
     """A worker's verdict on one candidate, published on ``results.<job_id>.<worker_id>``.
 
@@ -418,6 +452,11 @@ class VerifyResult(Struct, kw_only=True):
     ``gen_time_us`` near it is launch-bound. ``profiled_kernels``: what the profiler
     recorded in the candidate's timed calls (:class:`ProfiledKernel`); empty when
     nothing was profiled.
+
+    ``compile_facts``: registers, spills, shared memory and occupancy of every kernel
+    specialisation the GPU compile check compiled, per target (:class:`CompileFact`;
+    the request's target and the compile check's extra targets, e.g. ``mi300x`` beside
+    ``h100``); empty when the check did not run or nothing compiled.
     """
 
     request_id: str
@@ -461,6 +500,7 @@ class VerifyResult(Struct, kw_only=True):
     peak_bound: Literal["memory", "compute"] | None = None
     launch_floor_us: float | None = None
     profiled_kernels: list[ProfiledKernel] = field(default_factory=list)
+    compile_facts: list[CompileFact] = field(default_factory=list)
     finished_at: dt.datetime = field(default_factory=utcnow)
     # HMAC of the request's claim nonce over this verdict's worker and request
     # (services/common/verdicts.py: ``proof``); empty when the request had no nonce.
