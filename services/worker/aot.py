@@ -13,8 +13,11 @@ type, a grid beyond the target's limits) is a problem the verdict names. The
 not its interpreter) loads every ``@triton.jit`` function of the candidate's kernel
 module as a GPU's ``import`` would (:func:`load_kernels`), then compiles each spec with
 ``triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cc,
-32))``, which needs no GPU, and checks the compiled kernel's shared memory and threads
-against the target's limits (:mod:`services.worker.targets`). Results are cached by
+32))`` (``GPUTarget("hip", "gfx942", 64)`` for an AMD target; a spec names its
+target, so one child compiles for the request's GPU and the extra targets), which needs
+no GPU, reads the compiler's facts (registers, spills, occupancy:
+:mod:`services.worker.gpu_facts`) and checks the compiled kernel's shared memory and
+threads against the target's limits (:mod:`services.worker.targets`). Results are cached by
 :attr:`CompileSpec.key` (kernel source, specialisation, options, target). On the cpu
 backend the compile child comes from the same fork server as the others, which
 imported Triton for its interpreter; :func:`compile_mode` turns that back.
@@ -223,9 +226,9 @@ _WARM_KERNEL = (
 
 
 def warm_up() -> None:
-    """Fork-server warm-up: one tiny compile, so that every compile child starts with
-    LLVM initialised (measured here: 1.3 s for the first compile in a process, 0.1-0.2 s
-    for the next ones). The kernel is wrapped as a JITFunction by hand: the server may
+    """Fork-server warm-up: one tiny compile per vendor, so that every compile child
+    starts with LLVM and both backends initialised (measured here: 1.3 s for the first
+    compile in a process, 0.1-0.2 s for the next ones). The kernel is wrapped as a JITFunction by hand: the server may
     have imported Triton for its interpreter, whose ``@triton.jit`` does not compile."""
     import importlib.util
     import os
@@ -247,10 +250,18 @@ def warm_up() -> None:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         try:
-            triton.compile(ASTSource(JITFunction(module.warm_kernel),
-                                     {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
-                                     constexprs={"BLOCK": 16}),
-                           target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+            # Both vendors' backends (the extra target compiles for the other one), and
+            # cuobjdump's first run, which reads the compiler's facts.
+            for target in (GPUTarget("cuda", 90, 32), GPUTarget("hip", "gfx942", 64)):
+                compiled = triton.compile(
+                    ASTSource(JITFunction(module.warm_kernel),
+                              {"x_ptr": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                              constexprs={"BLOCK": 16}),
+                    target=target, options={"num_warps": 1})
+                if target.backend == "cuda":
+                    from services.worker.gpu_facts import cubin_resources
+
+                    cubin_resources(compiled.asm["cubin"])
         finally:
             if previous is None:
                 os.environ.pop("TRITON_CACHE_DIR", None)
