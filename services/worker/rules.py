@@ -239,6 +239,19 @@ DYNAMIC_RULES: tuple[DynamicRule, ...] = (
          "kernel only gathers from; a table of torch.full pieces joined by torch.cat)",
          "tests/sandbox/test_init_compute.py::"
          "test_a_table_torch_computed_in_init_fails_and_a_kernel_computing_it_passes"),
+    DynamicRule("D031", "the compile check compiles every kernel specialisation for the "
+         "request's GPU and for the extra targets (AIKG_WORKER_COMPILE_EXTRA_TARGETS, default "
+         "the other vendor's: mi300x beside NVIDIA, h100 beside AMD); compile_facts gives "
+         "registers, spill bytes, shared memory and occupancy per target and config; any spill "
+         "is named in the notes (heavily from 256 B a thread); a specialisation where no block "
+         "fits fails at compile; a failure on an extra target is a note naming both targets, or "
+         "stage compile naming it when the request names that target or "
+         "AIKG_WORKER_COMPILE_EXTRA_REQUIRED is on",
+         "Triton 3.9 compiler for GPUTarget('cuda', cc, 32) and GPUTarget('hip', gfx, 64); "
+         "cuobjdump --dump-resource-usage; AMDGPU code object metadata; NVIDIA CUDA occupancy "
+         "and AMD CDNA3 ISA limits (services/worker/targets.py)",
+         "tests/sandbox/test_gpu_facts_verdict.py::"
+         "test_every_specialisation_has_facts_per_target_and_a_spill_is_named"),
 )
 # ATen operators a candidate's forward may execute (the op's packet name, e.g.
 # ``aten.view`` for ``aten.view.default``); anything else is a compute operator.
