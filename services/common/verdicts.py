@@ -4,8 +4,10 @@ caller, and decides which verdicts count.
 Provenance. A verdict counts only from the worker that holds its request:
 
 - every request carries a **claim nonce**, ``HMAC(key, request_id)`` under a key only
-  its requester knows (:func:`verdict_key`: derived from the requester's own NATS
-  secret, so a restarted generator derives it again). Only the worker JetStream
+  its requester knows (a job's in the generators' ``artifacts`` object store,
+  :func:`job_key`; a batch's in the gateways' ``batches`` bucket, :func:`batch_key`;
+  ``RemoteWorker``'s in its memory), kept where workers cannot read it so a restarted
+  generator or gateway (even with new bus credentials) reads it again. Only the worker JetStream
   delivers the request to reads the body: workers wake on headers-only copies of
   verify requests (``aikg.wake.>``), cannot read the VERIFY, RESULTS or JOB_EVENTS
   streams, and job records hold no nonce;
@@ -44,7 +46,6 @@ import contextlib
 import hashlib
 import hmac
 import secrets
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -80,51 +81,67 @@ VERDICTS_REJECTED = Counter(
 # reply; nats-server server/stream.go): a results message carrying one is a copy the
 # server made on someone's request, not a worker's publish.
 RELAY_HEADERS = ("Nats-Stream", "Nats-Subject", "Nats-Sequence", "Nats-Time-Stamp")
-# The key of a bus without credentials: anyone may publish anything there, so nothing
-# can be proven; requests still carry nonces so the checks run the same way.
-_OPEN_BUS = b"aikg-open-bus"
+def random_key() -> bytes:
+    """A requester key: 32 random bytes (kept by :func:`job_key` / :func:`batch_key`,
+    or in memory by a process that never reads its verdicts after a restart, the SDK's
+    ``RemoteWorker``)."""
+    return secrets.token_bytes(32)
 
 
-def bus_secret(credentials: dict[str, Any]) -> bytes:
-    """The secret a service holds on the bus, from ``nats_credentials(settings, role)``
-    (services/common/bus.py): its password, token, NKEY seed or ``.creds`` file; empty
-    on a bus without credentials."""
-    for name in ("password", "token"):
-        if credentials.get(name):
-            return str(credentials[name]).encode()
-    for name in ("nkeys_seed", "user_credentials"):
-        path = credentials.get(name)
-        if isinstance(path, str) and path:
-            with contextlib.suppress(OSError):
-                return Path(path).read_bytes()
-    return b""
-
-
-def verdict_key(secret: bytes, scope: str) -> bytes:
-    """The requester key of ``scope`` (``job:<job_id>``, ``batch:<batch_id>``):
-    ``HMAC-SHA256(secret, scope)``, 32 bytes. The same secret derives it again after a
-    restart (and in every replica of the service); an empty secret (a bus without
-    credentials) gives a key anyone can derive."""
-    return hmac.new(secret or _OPEN_BUS, f"aikg-verdict:{scope}".encode(),
-                    hashlib.sha256).digest()
-
-
-def requester_key(settings: Any, role: str, scope: str) -> bytes:
-    """:func:`verdict_key` of ``scope`` from the secret of ``role``'s NATS credentials
-    under ``settings`` (services/common/bus.py ``nats_credentials``).
+async def job_key(js: JetStreamContext, job_id: str) -> bytes:
+    """The requester key of a generator's job: 32 random bytes kept as the object
+    ``verdict-keys/<job_id>`` of the ``artifacts`` object store (which only generators
+    may read), made on the job's first start and read again when it resumes (after a
+    crash, on another generator, or after the bus credentials were rotated).
 
     Raises:
-        ValueError: contradictory credentials settings (as ``nats_credentials``).
+        nats.errors.Error: NATS trouble (the job is retried as for any such failure).
     """
-    from services.common.bus import nats_credentials
+    from services.common.bus import object_bytes
 
-    return verdict_key(bus_secret(nats_credentials(settings, role)), scope)
+    name = f"verdict-keys/{job_id}"
+    try:
+        store = await js.object_store(subjects.OBJECT_STORE_ARTIFACTS)
+    except nats.js.errors.BucketNotFoundError:
+        store = await js.create_object_store(subjects.OBJECT_STORE_ARTIFACTS)
+    try:
+        return bytes.fromhex((await object_bytes(js, subjects.OBJECT_STORE_ARTIFACTS,
+                                                 name)).decode())
+    except nats.js.errors.ObjectNotFoundError:
+        pass
+    key = random_key()
+    await store.put(name, key.hex().encode())
+    return key
 
 
-def random_key() -> bytes:
-    """A requester key for a process that never reads its verdicts after a restart
-    (the SDK's ``RemoteWorker``): 32 random bytes."""
-    return secrets.token_bytes(32)
+async def forget_job_key(js: JetStreamContext, job_id: str) -> None:
+    """Delete a finished job's key object (best effort: a leftover costs 64 bytes)."""
+    with contextlib.suppress(Exception):
+        store = await js.object_store(subjects.OBJECT_STORE_ARTIFACTS)
+        await store.delete(f"verdict-keys/{job_id}")
+
+
+async def batch_key(kv: Any, batch_id: str) -> bytes:
+    """The requester key of a gateway's batch: 32 random bytes (hex) under
+    ``verdict-key.<batch_id>`` in the ``batches`` bucket (which only gateways may
+    read), made by the first gateway that asks and read by every other one.
+
+    Raises:
+        nats.errors.Error: NATS trouble.
+    """
+    name = f"verdict-key.{batch_id}"
+    for _ in range(2):
+        try:
+            return bytes.fromhex((await kv.get(name)).value.decode())
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
+            pass
+        key = random_key()
+        try:
+            await kv.create(name, key.hex().encode())
+            return key
+        except nats.js.errors.KeyWrongLastSequenceError:
+            continue  # another gateway made it first: read theirs
+    raise nats.js.errors.KeyNotFoundError
 
 
 def claim_nonce(key: bytes, request_id: str) -> str:

@@ -78,7 +78,7 @@ from services.common.lane_watch import LaneWatch
 from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
-from services.common.verdicts import ResultsReader, claim_nonce, requester_key
+from services.common.verdicts import ResultsReader, batch_key, claim_nonce
 from services.gateway.deps import provide_tenant
 from services.gateway.jobs import (
     check_task,
@@ -250,19 +250,14 @@ def add_verdicts(record: BatchRecord, results: list[tuple[int, VerifyResult]]) -
 _READERS: LRUCache[str, ResultsReader] = LRUCache(maxsize=4096)
 
 
-def batch_key(bus: Bus, batch_id: str) -> bytes:
-    """The requester key of the batch's verify requests: from the gateway's own NATS
-    secret, so every gateway replica (and one restarted) derives it again."""
-    return requester_key(bus.settings, "gateway", f"batch:{batch_id}")
-
-
 async def _results_after(bus: Bus, batch_id: str, after: int) -> list[tuple[int, VerifyResult]]:
     """The verdicts that count (services/common/verdicts.py: from the worker that holds
     the request) on ``results.<batch_id>.>`` after RESULTS sequence ``after``, read
     with the stream's message-get API (no consumer)."""
     reader = _READERS.get(batch_id)
     if reader is None or reader.js is not bus.js:
-        reader = _READERS[batch_id] = ResultsReader(bus.js, batch_id, batch_key(bus, batch_id))
+        key = await batch_key(bus.batches, batch_id)
+        reader = _READERS[batch_id] = ResultsReader(bus.js, batch_id, key)
     return [(seq, result) for seq, result in await reader.read() if seq > after]
 
 
@@ -421,6 +416,7 @@ async def _publish_requests(bus: Bus, record: BatchRecord, codes: list[str]) -> 
     task = record.task
     subject = subjects.verify_lane(task.backend, task.arch, record.tenant, task.priority)
     seqs: dict[str, int] = {}
+    key = await batch_key(bus.batches, record.batch_id)
     try:
         for c in record.candidates:
             if c.duplicate_of is not None:
@@ -433,7 +429,7 @@ async def _publish_requests(bus: Bus, record: BatchRecord, codes: list[str]) -> 
                 shape_overrides=task.shape_overrides, timeout_s=task.timeout_s,
                 trials=task.trials, tenant=record.tenant, priority=task.priority,
                 allow_unchecked=task.allow_unchecked,
-                claim_nonce=claim_nonce(batch_key(bus, record.batch_id), c.request_id))
+                claim_nonce=claim_nonce(key, c.request_id))
             ack = await bus.js.publish(subject, encode(request),
                                        headers={"Nats-Msg-Id": c.request_id})
             seqs[c.request_id] = ack.seq

@@ -96,7 +96,7 @@ from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
-from services.common.verdicts import VerdictWaiter, requester_key
+from services.common.verdicts import VerdictWaiter, forget_job_key, job_key
 from services.generator.agents import Conductor, Designer, LLMCoder
 from services.generator.coders.base import (
     JOB_TENANT,
@@ -418,8 +418,7 @@ class Generator:
                  resumed_candidates=recorded)
         phases: dict[str, float] = {}
         try:
-            waiter = VerdictWaiter(self.bus.js, job_id,
-                                   requester_key(self.settings, "generator", f"job:{job_id}"))
+            waiter = VerdictWaiter(self.bus.js, job_id, await job_key(self.bus.js, job_id))
             await waiter.start()
             try:
                 run = JobRun(bus=self.bus, jobs=self.jobs, settings=self.settings,
@@ -434,11 +433,14 @@ class Generator:
                 await waiter.stop()
         except JobCancelled:
             log.info("job_cancelled")
+            await forget_job_key(self.bus.js, job_id)
             return "cancelled"
         except WorkflowError as exc:
             await self._finish(job_id, "failed", error=str(exc), result=exc.result,
                                phases=phases)
+            await forget_job_key(self.bus.js, job_id)
             return "failed"
+        await forget_job_key(self.bus.js, job_id)
         if result.passed:
             await self._finish(job_id, "completed", result=result, phases=phases)
             return "completed"

@@ -14,7 +14,7 @@ import nats
 import pytest
 
 from schemas import VerifyClaim, VerifyResult, encode, subjects
-from services.common.bus import Bus, connect_bus, nats_credentials
+from services.common.bus import Bus, connect_bus
 from services.common.settings import Settings
 from services.common.verdicts import (
     VERDICTS_RECOVERED,
@@ -193,15 +193,25 @@ async def test_a_verdict_no_wake_up_announced_is_read_all_the_same(
     assert VERDICTS_RECOVERED._value.get() == before + 1
 
 
-def test_the_requester_key_comes_from_its_own_secret(settings: Settings) -> None:
-    """A generator restarted (or another replica) derives the same key; the gateway's
-    differs, and so do two jobs'."""
-    from services.common.verdicts import bus_secret, requester_key, verdict_key
+async def test_a_jobs_and_a_batchs_keys_are_kept_where_a_restart_finds_them(
+        bus: Bus, generator_bus: Bus, settings: Settings) -> None:
+    """A generator that resumes a job (after a crash, or with rotated bus credentials)
+    reads the job's key again, so the verdicts of requests sent before still count; two
+    jobs' keys differ; a batch's key is made once and read by every gateway."""
+    from services.common.verdicts import batch_key, forget_job_key, job_key
 
-    generator = requester_key(settings, "generator", "job:a")
-    assert generator == requester_key(settings, "generator", "job:a")
-    assert generator != requester_key(settings, "gateway", "job:a")
-    assert generator != requester_key(settings, "generator", "job:b")
-    assert bus_secret(nats_credentials(as_role(settings, "generator"))) == \
-        settings.nats_generator_password.encode()
-    assert verdict_key(b"", "job:a") == verdict_key(b"", "job:a")
+    first = await job_key(generator_bus.js, "job-k1")
+    assert len(first) == 32
+    again = await connect_bus(as_role(settings, "generator"), "test-generator-2",
+                              role="generator")
+    try:
+        assert await job_key(again.js, "job-k1") == first
+    finally:
+        await again.close()
+    assert await job_key(generator_bus.js, "job-k2") != first
+    await forget_job_key(generator_bus.js, "job-k1")
+    assert await job_key(generator_bus.js, "job-k1") != first  # a new job's, after the end
+
+    made = await batch_key(bus.batches, "batch-k1")
+    assert await batch_key(bus.batches, "batch-k1") == made
+    assert await batch_key(bus.batches, "batch-k2") != made
