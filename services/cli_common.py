@@ -218,7 +218,11 @@ def shape_overrides(file: Path, task_desc: str, shapes: list[str] | None) -> dic
 
 # Options and set-up shared by the local commands (``aikg run``, ``aikg verify``).
 BackendOption = Annotated[str, typer.Option(help="cpu (Triton interpreter) | cuda | ascend.")]
-ArchOption = Annotated[str | None, typer.Option(help="Arch reported; default this machine's CPU.")]
+ArchOption = Annotated[str | None, typer.Option(
+    help="The GPU to check for: what the compile check compiles for (beside the other "
+         "vendor's), the emulation answers as and the time model models (h100, h200, a100, "
+         "4090, l4, l40s, mi300x, mi250 ...); default on cpu: this machine's CPU, checked "
+         "for AIKG_WORKER_AOT_TARGET (h100).")]
 DevicesOption = Annotated[str, typer.Option(
     help="Devices to verify on, comma-separated (GPU ordinals; on cpu, slots).")]
 TrialsOption = Annotated[int, typer.Option(min=1, max=20, help="Correctness trials (seeds).")]

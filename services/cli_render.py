@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from schemas import JobRecord, VerifyResult
+from schemas.events import CompileFact
 
 _STATUS_STYLE = {
     "pending": "yellow",
@@ -140,6 +141,8 @@ def verdict_table(v: VerifyResult) -> Table:
         t.add_row("shape generic", _shape_generic(v))
     for what in v.unchecked:
         t.add_row("unchecked", Text(what, style="yellow"))
+    for line in _compile_lines(v):
+        t.add_row("GPU compile", line)
     t.add_row("worker", f"{v.worker_id} (device {v.device})")
     t.add_row("duration", f"{v.duration_s:.2f} s")
     traffic = v.traffic
@@ -161,6 +164,35 @@ def verdict_table(v: VerifyResult) -> Table:
             t.add_row("time (reference / kernel)",
                       f"{_fmt_float(v.base_time_us, ' us')} / {_fmt_float(v.gen_time_us, ' us')}")
     return t
+
+
+# Rows of compiler facts shown in a verdict panel at most (``--json`` has them all).
+COMPILE_ROWS = 6
+
+
+def _compile_lines(v: VerifyResult) -> list[Text]:
+    """One line per kernel and target of ``v.compile_facts`` (the specialisation with
+    the most registers of each; a spill or a failure in red): registers, spills, shared
+    memory and occupancy, as the GPU compiler reported them (no GPU needed)."""
+    worst: dict[tuple[str, str], CompileFact] = {}
+    for f in v.compile_facts:
+        key = (f.kernel, f.target)
+        if key not in worst or (not f.ok, f.spill_bytes, f.registers) > (
+                not worst[key].ok, worst[key].spill_bytes, worst[key].registers):
+            worst[key] = f
+    lines = []
+    for (kernel, target), f in list(worst.items())[:COMPILE_ROWS]:
+        where = f"{kernel} on {target} ({f.arch})"
+        if not f.ok:
+            lines.append(Text(f"{where}: {f.error or 'does not compile'}", style="red"))
+            continue
+        text = (f"{where}: {f.registers} registers, {f.spill_bytes} B spilled, "
+                f"{f.shared_bytes:,} B shared, {f.occupancy_warps}/{f.max_warps} warps "
+                f"resident ({f.limiter or 'warps'} bound)")
+        lines.append(Text(text, style="red" if f.spill_bytes else ""))
+    if len(worst) > COMPILE_ROWS:
+        lines.append(Text(f"... {len(worst) - COMPILE_ROWS} more (--json: compile_facts)"))
+    return lines
 
 
 def _shape_generic(v: VerifyResult) -> Text:

@@ -144,3 +144,27 @@ def test_the_tolerance_row_states_the_rule() -> None:
                            max_rel_error=0.14, atol=1e-4, rtol=1e-4)
     text = render(verdict_table(verdict))
     assert "0.0001 / 0.0001 (each element: |out - ref| <= atol + rtol * |ref|)" in text, text
+
+
+def test_a_verdict_shows_what_the_gpu_compiler_said_per_kernel_and_target() -> None:
+    from schemas.events import CompileFact
+
+    facts = [
+        CompileFact(kernel="mm", target="h100", arch="sm_90", config="BLOCK_M=64",
+                    registers=96, shared_bytes=16384, occupancy_warps=20, max_warps=64,
+                    limiter="registers"),
+        CompileFact(kernel="mm", target="h100", arch="sm_90", config="BLOCK_M=256",
+                    registers=255, spill_bytes=3944, occupancy_warps=8, max_warps=64,
+                    limiter="registers"),
+        CompileFact(kernel="mm", target="mi300x", arch="gfx942", ok=False,
+                    error="tf32x3 is not supported on gfx942"),
+    ]
+    v = VerifyResult(request_id="r", job_id="j", candidate_id="c", worker_id="w",
+                     device="0", passed=True, interpreted=True, compile_facts=facts)
+    console = Console(width=200, record=True)
+    console.print(verdict_table(v))
+    text = console.export_text()
+    # Of each kernel and target the specialisation that fares worst: the spilling one.
+    assert "mm on h100 (sm_90): 255 registers, 3944 B spilled" in text
+    assert "96 registers" not in text
+    assert "mm on mi300x (gfx942): tf32x3 is not supported on gfx942" in text
