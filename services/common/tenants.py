@@ -17,7 +17,7 @@ holds only the SHA-256 of each token (hex), never the token::
     max_generator_share = 0.75 # of a generator's job and lowering slots held at once
     max_device_share = 0.5    # of a backend/arch's devices held at once
 
-``python -m services.common.tenants <token>`` prints a token's SHA-256 for the file.
+``python -m services.common.tenants < token.txt`` prints a token's SHA-256 for the file.
 The gateway, every generator and every worker read the same file: the gateway for
 tokens and limits, the generators and workers for the shares they schedule by and
 to refuse work of a tenant the file does not name (:meth:`TenantTable.refusal`). A
@@ -246,7 +246,7 @@ def load_tenants(settings: Settings) -> TenantTable:
             if token_hash and (len(token_hash) != 64
                                or any(c not in "0123456789abcdef" for c in token_hash)):
                 raise ValueError(f"{where}: token_sha256 must be 64 hex digits (the SHA-256 "
-                                 "of the token: python -m services.common.tenants <token>)")
+                                 "of the token: python -m services.common.tenants < token.txt)")
             values = {**defaults, **{k: v for k, v in entry.items() if k != "token_sha256"}}
             _check_limits(where, values)
             entries[name] = {**values, "token_sha256": token_hash}
