@@ -452,6 +452,25 @@ async def bucket_entries(js: JetStreamContext, bucket: str) -> dict[str, KeyValu
     return out
 
 
+async def next_stored(js: JetStreamContext, stream: str, subject: str,
+                      after: int) -> Any | None:
+    """The first message of ``stream`` on ``subject`` (wildcards allowed) after stream
+    sequence ``after`` (a ``RawStreamMsg``: subject, seq, data, headers, time), read with
+    ``$JS.API.STREAM.MSG.GET`` ``next_by_subj``, which needs no consumer; None when
+    there is none yet.
+
+    Raises:
+        nats.errors.Error: NATS trouble (e.g. a timeout while the stream elects a leader).
+    """
+    try:
+        raw = await js.get_msg(stream, seq=after + 1, subject=subject, next=True)
+    except nats.js.errors.NotFoundError:
+        return None
+    if raw.seq is None or raw.seq <= after:
+        return None
+    return raw
+
+
 async def object_bytes(js: JetStreamContext, store: str, name: str) -> bytes:
     """The content of object ``name`` of the object store ``store``, read without a
     consumer (nats-py's ``ObjectStore.get`` creates an ordered push consumer, which no

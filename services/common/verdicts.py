@@ -56,6 +56,7 @@ from nats.js import JetStreamContext
 from prometheus_client import Counter
 
 from schemas import VerifyClaim, VerifyRequest, VerifyResult, decode, subjects
+from services.common.bus import next_stored, object_bytes
 from services.common.runtime import cancel_and_wait
 
 log = structlog.get_logger()
@@ -97,8 +98,6 @@ async def job_key(js: JetStreamContext, job_id: str) -> bytes:
     Raises:
         nats.errors.Error: NATS trouble (the job is retried as for any such failure).
     """
-    from services.common.bus import object_bytes
-
     name = f"verdict-keys/{job_id}"
     try:
         store = await js.object_store(subjects.OBJECT_STORE_ARTIFACTS)
@@ -245,19 +244,14 @@ class ResultsReader:
         """
         out = []
         async with self._lock:
-            while True:
-                try:
-                    raw = await self.js.get_msg(subjects.STREAM_RESULTS, seq=self.last_seq + 1,
-                                                subject=self.filter, next=True)
-                except nats.js.errors.NotFoundError:
-                    return out
-                if raw.seq is None or raw.seq <= self.last_seq:
-                    return out
+            while (raw := await next_stored(self.js, subjects.STREAM_RESULTS, self.filter,
+                                            self.last_seq)) is not None:
                 self.last_seq = raw.seq
                 result = self.provenance.take(raw.subject or "", raw.data or b"",
                                               raw.headers, raw.seq)
                 if result is not None:
                     out.append((raw.seq, result))
+        return out
 
 
 class VerdictWaiter:

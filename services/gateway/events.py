@@ -39,7 +39,7 @@ import structlog
 from litestar.response import ServerSentEventMessage
 
 from schemas import TERMINAL_STATUSES, JobEvent, decode, encode, subjects
-from services.common.bus import Bus, JobNotFound
+from services.common.bus import Bus, JobNotFound, next_stored
 from services.common.jobs import CheckedJobStore, JobRecordCorrupt
 
 log = structlog.get_logger("aikg.gateway.events")
@@ -107,12 +107,8 @@ class EventFollower:
         self.woken.set()  # the history first
 
     async def _read(self) -> StoredEvent | None:
-        try:
-            raw = await self.js.get_msg(subjects.STREAM_JOB_EVENTS, seq=self.last + 1,
-                                        subject=self.subject, next=True)
-        except nats.js.errors.NotFoundError:
-            return None
-        if raw.seq is None or raw.seq <= self.last:
+        raw = await next_stored(self.js, subjects.STREAM_JOB_EVENTS, self.subject, self.last)
+        if raw is None:
             return None
         self.last = raw.seq
         return StoredEvent(data=raw.data or b"", seq=raw.seq)

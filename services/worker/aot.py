@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.sandbox import values
-from services.worker.targets import MAX_GRID, MAX_THREADS_PER_BLOCK, GpuTarget
+from services.worker.targets import MAX_GRID, GpuTarget
 
 # Triton's default launch options (triton/backends/nvidia/compiler.py CUDAOptions).
 _DEFAULT_OPTIONS = {"num_warps": 4, "num_stages": 3, "num_ctas": 1}
@@ -347,13 +347,7 @@ def compile_one(module: Any, spec: dict[str, Any], target: GpuTarget) -> dict[st
                 "registers": facts.registers, "spill_bytes": facts.spill_bytes,
                 "occupancy_warps": facts.occupancy_warps, "max_warps": facts.max_warps,
                 "limiter": facts.limiter}
-    error = ""
-    if shared > target.shared_bytes:
-        error = (f"OutOfResources: shared memory, required {shared} bytes, the target allows "
-                 f"{target.shared_bytes} per block (smaller block sizes or fewer stages fit)")
-    elif warps * target.warp_size > MAX_THREADS_PER_BLOCK:
-        error = (f"OutOfResources: {warps} warps are {warps * target.warp_size} threads per "
-                 f"block; at most {MAX_THREADS_PER_BLOCK}")
+    error = gpu_facts.launch_error(target, shared, warps)
     return {"key": spec["key"], "ok": not error, "error": error, "shared_bytes": shared,
             "num_warps": warps, "seconds": time.perf_counter() - started,
             "target": target.name, "facts_error": facts_error}

@@ -238,6 +238,20 @@ def amdgcn_resources(amdgcn: str) -> dict[str, int]:
     return out
 
 
+def launch_error(target: GpuTarget, shared_bytes: int, warps: int) -> str:
+    """Why no block of a kernel with ``shared_bytes`` of shared memory (LDS) and
+    ``warps`` warps (waves) could launch on ``target`` (its per-block shared memory and
+    threads, services/worker/targets.py), or ""."""
+    if shared_bytes > target.shared_bytes:
+        return (f"OutOfResources: shared memory, required {shared_bytes} bytes, the target "
+                f"allows {target.shared_bytes} per block (smaller block sizes or fewer stages "
+                "fit)")
+    if warps * target.warp_size > MAX_THREADS_PER_BLOCK:
+        return (f"OutOfResources: {warps} warps are {warps * target.warp_size} threads per "
+                f"block; at most {MAX_THREADS_PER_BLOCK}")
+    return ""
+
+
 def facts_of(compiled: Any, target: GpuTarget | str, seconds: float = 0.0) -> KernelFacts:
     """The :class:`KernelFacts` of ``compiled`` (a ``triton.compiler.CompiledKernel``
     for ``target``), read without a GPU (see the module doc). A kernel whose shared
@@ -267,14 +281,8 @@ def facts_of(compiled: Any, target: GpuTarget | str, seconds: float = 0.0) -> Ke
         spilled = spill // 4
         shared = dynamic + res["SHARED"]
     resident, blocks, limiter = occupancy(t, registers, shared, warps)
-    error = ""
-    if shared > t.shared_bytes:
-        error = (f"OutOfResources: shared memory, required {shared} bytes, the target allows "
-                 f"{t.shared_bytes} per block (smaller block sizes or fewer stages fit)")
-    elif warps * t.warp_size > MAX_THREADS_PER_BLOCK:
-        error = (f"OutOfResources: {warps} warps are {warps * t.warp_size} threads per "
-                 f"block; at most {MAX_THREADS_PER_BLOCK}")
-    elif blocks == 0:
+    error = launch_error(t, shared, warps)
+    if not error and blocks == 0:
         error = (f"OutOfResources: no block fits on an SM of {t.sm} ({limiter}: "
                  f"{registers} registers per thread, {shared} bytes of shared memory, "
                  f"{warps} warps)")
