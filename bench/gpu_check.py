@@ -293,7 +293,7 @@ def evolve_checks(args: argparse.Namespace, backend: str = "cuda") -> list[Check
     ``backend`` is ``cuda`` here; ``cpu`` (with ``args.arch`` None) runs the same
     plumbing without a GPU, where the speedup expectation cannot hold.
     """
-    from services.cli_render import event_line
+    from services.cli.render import event_line
     from services.common.runtime import free_port
     from services.common.settings import load_settings
     from services.sdk import AIKGClient

@@ -16,9 +16,10 @@ import pytest
 import typer
 
 from schemas import JobResult, VerifyResult
-from services.cli import parse_shape, task_module_names
+from services.cli.common import parse_shape
 from services.common.bus import Bus, JobStore, connect_bus
 from services.common.jobs import live_arch
+from services.common.records import task_module_names
 from services.common.runtime import OWNER_FILE, descendants, running
 from services.common.settings import Settings, load_settings
 from tests.helpers import poll_until, scaled

@@ -22,7 +22,7 @@ import pytest
 from rich.console import Console
 
 from schemas import JobRecord, JobResult, VerifyResult, decode, subjects
-from services.cli_render import jobs_table, record_view
+from services.cli.render import jobs_table, record_view
 from services.common.bus import Bus
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings

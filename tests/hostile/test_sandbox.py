@@ -290,7 +290,7 @@ async def test_local_worker_runs_task_code_in_the_sandbox(secret_env, nats_serve
 
 
 def test_required_mechanisms_and_how_workers_show_them() -> None:
-    from services.cli_render import sandbox_cell
+    from services.cli.render import sandbox_cell
     from services.sandbox.pool import Isolation, Sandbox, SandboxRefused
 
     full = Isolation(run_as=(65534, 65534), network_isolated=True, landlock_abi=7, seccomp=True)

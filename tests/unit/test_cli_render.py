@@ -13,7 +13,7 @@ from schemas import (
     VerifyResult,
 )
 from schemas.events import Traffic
-from services.cli_render import event_line, jobs_table, live_view, record_view, verdict_table
+from services.cli.render import event_line, jobs_table, live_view, record_view, verdict_table
 from services.common.jobs import new_record
 
 
@@ -99,7 +99,7 @@ def test_list_shows_backend_and_submit_time_when_wide() -> None:
 
 
 def test_list_clips_long_results_at_a_word_with_an_ellipsis() -> None:
-    from services.cli_render import _clip
+    from services.cli.render import _clip
 
     assert _clip("passed (2.00x)", 160) == "passed (2.00x)"
     long = "cannot lower aten.mm.default: " + "the built-in coder handles chains " * 10

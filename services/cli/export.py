@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from services.cli_common import ExitCode, err, fail, sdk_errors
+from services.cli.common import ExitCode, err, fail, sdk_errors
 
 
 def export(
@@ -49,7 +49,7 @@ def export(
     The cursor after the last row is kept in OUT.cursor and printed; `--resume` adds
     what ended since. Exit codes: 0 written, 2 bad input or refused, 3 unreachable.
     """
-    from services.cli_client import connect
+    from services.cli.client import connect
     from services.sdk.export import export_kernels
 
     try:

@@ -1,7 +1,6 @@
 """What the ``aikg`` commands share: their exit codes, consoles and options, the one
 place where SDK errors become exit codes (:func:`sdk_errors`), and reading a task file
-with its ``--shape`` overrides. The commands live in :mod:`services.cli` (services,
-``up``, ``demo``, ``run``) and :mod:`services.cli_client` (the gateway's clients).
+with its ``--shape`` overrides, for every command of :mod:`services.cli`.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from services.common.settings import Settings, load_settings
 
 
 class ExitCode(IntEnum):
-    """Exit codes of the client commands (the table in :mod:`services.cli`)."""
+    """Exit codes of the commands (the table in :mod:`services.cli`)."""
 
     OK = 0  # completed and passed; or the listing / cancel was done
     FAILED = 1  # failed, cancelled, or not passed
@@ -146,7 +145,7 @@ def show_record(status: dict[str, Any], as_json: bool) -> ExitCode:
     if as_json:
         print_json(status)
     else:
-        from services.cli_render import print_record
+        from services.cli.render import print_record
 
         print_record(out, record)
     return record_exit(record)

@@ -1,10 +1,10 @@
 """The ``aikg`` commands that talk to a gateway: ``submit``, ``status``, ``list``,
-``cancel``, ``events`` and ``workers`` (``export``: :mod:`services.cli_export`).
+``cancel``, ``events`` and ``workers`` (``export``: :mod:`services.cli.export`).
 
 Each is a thin shell over :class:`~services.sdk.client.AIKGClient`: it reads its
-options, makes the SDK calls inside :func:`~services.cli_common.sdk_errors` (the one
+options, makes the SDK calls inside :func:`~services.cli.common.sdk_errors` (the one
 place SDK errors become exit codes) and renders what came back
-(:mod:`services.cli_render`). Registered on the app by :mod:`services.cli`.
+(:mod:`services.cli.render`). Registered on the app by :mod:`services.cli`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 
 from schemas import TERMINAL_STATUSES
-from services.cli_common import (
+from services.cli.common import (
     DEFAULT_GATEWAY_URL,
     POLL_INTERVAL_S,
     UNREACHABLE_GRACE_S,
@@ -54,7 +54,7 @@ def wait_for_job(client: AIKGClient, job_id: str, timeout_s: float, live: bool,
     """The SDK's wait for ``job_id`` (its final status dict), with the job's progress
     on this terminal when ``live``; errors exit as :func:`sdk_errors` says, ``follow``
     naming the command that picks the job up again."""
-    from services.cli_render import live_view
+    from services.cli.render import live_view
 
     display = (out.status(f"{job_id} submitted", spinner="dots") if live
                else contextlib.nullcontext())
@@ -185,7 +185,7 @@ def list_jobs(
     if as_json:
         print_json(page)
         return
-    from services.cli_render import jobs_table
+    from services.cli.render import jobs_table
 
     if not page["jobs"]:
         out.print("no jobs" + (" match" if status_filter or op_name else " yet"), markup=False)
@@ -230,7 +230,7 @@ def events(
     Exit codes: 0 the job completed, 1 it failed or was cancelled, 2 unknown job,
     3 gateway unreachable or the stream broke, 130 Ctrl-C (the job goes on).
     """
-    from services.cli_render import event_line
+    from services.cli.render import event_line
 
     last: str | None = None
     with connect(gateway_url, token) as client, sdk_errors(follow=f"aikg events {job_id}"):
@@ -266,6 +266,6 @@ def workers(
     if not listing.get("workers"):
         out.print("no live workers: start one with `aikg worker` (or `aikg up`)", markup=False)
         return
-    from services.cli_render import workers_table
+    from services.cli.render import workers_table
 
     out.print(workers_table(listing))

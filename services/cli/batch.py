@@ -30,7 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from services.cli_common import ExitCode, err, out, sdk_errors
+from services.cli.common import ExitCode, err, out, sdk_errors
 from services.common.records import normalised_hash
 
 # Longest error text a table row shows, characters (the JSON output keeps all of it).
@@ -177,7 +177,7 @@ def report(names: list[str], verdicts: list[dict | None], as_json: bool) -> Exit
 
 def gateway_batch(gateway_url: str, token: str | None, **kwargs: Any) -> list[dict | None]:
     """:func:`verify_through_gateway` with the CLI's client and its exit codes."""
-    from services.cli_client import connect
+    from services.cli.client import connect
 
     with connect(gateway_url, token) as client, sdk_errors():
         return verify_through_gateway(client, **kwargs)
