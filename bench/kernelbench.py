@@ -38,6 +38,20 @@ speedups, ``peak_fraction`` and the modeled times beside the measured one, and p
 family ``fast_1``, the geomean speedups, the median peak fraction and the model's
 error (:func:`gpu_summary`). ``--measurements FILE`` prints that report from rows
 saved with ``--json`` instead of running.
+
+The facts line, ``--facts``: each problem is lowered at its own sizes for each GPU
+family of ``--facts-families`` (default ``sm_90`` and ``gfx942``: the H100's and the
+MI300X's autotune lists, services/generator/launch_configs.py) and verified on ``cpu``
+at the reduced sizes given as shape overrides, so the compile check builds every
+autotune config of every launch, the dry run at the task's own sizes included, for
+that family's GPU (``h100``, ``mi300x``) with the real compiler
+(services/worker/gpu_facts.py). Per problem and family it prints the kernels, the
+autotune lists without a config that compiles without spilling (the acceptance: none),
+and per family of problems the medians of the chosen configs' registers, spill bytes
+and occupancy (resident warps over the arch's limit). The chosen config of a kernel is
+the first of its list, in the table's order, that compiles, fits and does not spill
+(the sources' lists lead with their strongest entries; an autotuner on a GPU times
+them all), else the one that spills least.
 Nothing of the checkout is copied anywhere but the verifier's scratch directories.
 """
 
@@ -93,6 +107,8 @@ class Row:
     speedup_eager: float | None = None
     speedup_compile: float | None = None
     peak_fraction: float | None = None
+    # --facts: per compile family (sm_90, gfx942), :func:`compile_summary` of its verdict.
+    facts: dict[str, dict[str, Any]] | None = None
 
 
 def family(level: int, name: str) -> str:
@@ -252,13 +268,8 @@ def refused_op(message: str) -> str:
     return message.split(";")[0][:80]
 
 
-async def run(args: argparse.Namespace) -> list[Row]:
-    from schemas import VerifyRequest
-    from services.generator.coders.base import launch_defaults, lowering_sandbox
-    from services.generator.coders.errors import LoweringError
-    from services.generator.coders.lowering_role import lower_in_sandbox
-    from services.worker.verifier import Verifier
-
+def _problems(args: argparse.Namespace) -> list[Path]:
+    """The level's problem files, in id order, narrowed by ``--only`` and ``--limit``."""
     level_dir = Path(args.kernelbench_dir) / f"level{args.level}"
     if not level_dir.is_dir():
         raise SystemExit(f"no {level_dir}: give --kernelbench-dir the directory that holds "
@@ -269,6 +280,17 @@ async def run(args: argparse.Namespace) -> list[Row]:
         problems = [p for p in problems if int(p.name.split("_")[0]) in wanted]
     if args.limit:
         problems = problems[:args.limit]
+    return problems
+
+
+async def run(args: argparse.Namespace) -> list[Row]:
+    from schemas import VerifyRequest
+    from services.generator.coders.base import launch_defaults, lowering_sandbox
+    from services.generator.coders.errors import LoweringError
+    from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.worker.verifier import Verifier
+
+    problems = _problems(args)
     gpu = args.backend == "cuda"
     # Per process: two runs at once (level 1 beside level 2) must not share, and then
     # remove, one scratch directory.
@@ -333,6 +355,188 @@ async def run(args: argparse.Namespace) -> list[Row]:
             modeler.close()
         sandbox.close()
     return rows
+
+
+# The GPU each compile family's facts are read for (services/worker/targets.py).
+FACTS_TARGETS = {"sm_80": "a100", "sm_89": "l40s", "sm_90": "h100", "gfx90a": "mi250",
+                 "gfx942": "mi300x"}
+
+
+def size_overrides(source: str, reduced: str) -> dict[str, Any]:
+    """The shape overrides that turn ``source``'s module-level sizes into ``reduced``'s
+    (from :func:`reduce_sizes`): each changed ``name = <int>`` by value, a changed list
+    or tuple (``layer_sizes = [400, 800]``) as the whole list."""
+    old, new = _size_literals(ast.parse(source)), _size_literals(ast.parse(reduced))
+    out: dict[str, Any] = {}
+    lists: set[str] = set()
+    for key, constant in new.items():
+        if key in old and old[key].value == constant.value:
+            continue
+        if "[" in key:
+            lists.add(key.split("[")[0])
+        else:
+            out[key] = constant.value
+    for stmt in ast.parse(reduced).body:
+        if (isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+                and stmt.targets[0].id in lists):
+            try:
+                out[stmt.targets[0].id] = list(ast.literal_eval(stmt.value))
+            except ValueError:
+                continue
+    return out
+
+
+def _where_order(where: str) -> int:
+    """The autotune config's number in a compile fact's ``where`` (0 when none)."""
+    match = re.search(r", config (\d+)", where)
+    return int(match.group(1)) if match else 0
+
+
+def compile_summary(compile_facts: list[Any], target: str) -> dict[str, Any]:
+    """One verdict's compile facts (``VerifyResult.compile_facts``) on ``target`` (a
+    targets.py name), per kernel: ``kernels``, ``no_clean`` (kernels none of whose
+    configs compiles, fits and does not spill: what the acceptance allows none of),
+    ``failed`` (kernels with no config that compiled), and the chosen configs'
+    ``registers``, ``spill_bytes`` and ``occupancy`` (resident warps over the arch's
+    limit, 0-1), lists in kernel order. The chosen config is the first clean one in
+    table order, else the one that spills least."""
+    by_kernel: dict[str, list[Any]] = {}
+    for fact in compile_facts:
+        if fact.target == target:
+            by_kernel.setdefault(fact.kernel, []).append(fact)
+    out: dict[str, Any] = {"kernels": len(by_kernel), "no_clean": [], "failed": [],
+                           "registers": [], "spill_bytes": [], "occupancy": []}
+    for kernel, rows in sorted(by_kernel.items()):
+        rows.sort(key=lambda f: _where_order(f.where))
+        built = [f for f in rows if f.ok]
+        clean = [f for f in built if f.spill_bytes == 0]
+        if not built:
+            out["failed"].append(kernel)
+            out["no_clean"].append(kernel)
+            continue
+        if not clean:
+            out["no_clean"].append(kernel)
+        chosen = clean[0] if clean else min(built, key=lambda f: f.spill_bytes)
+        out["registers"].append(chosen.registers)
+        out["spill_bytes"].append(chosen.spill_bytes)
+        out["occupancy"].append(round(chosen.occupancy_warps / chosen.max_warps, 4)
+                                if chosen.max_warps else None)
+    return out
+
+
+async def run_facts(args: argparse.Namespace) -> list[Row]:
+    """The ``--facts`` line (see the module's docstring): rows whose ``facts`` hold
+    :func:`compile_summary` per family; ``status`` is ``passed`` when every family's
+    kernels compiled with a clean config, ``failed`` otherwise (``error`` says which),
+    ``refused`` when the built-in coder does not lower the problem."""
+    from schemas import VerifyRequest
+    from services.generator.coders.base import launch_defaults, lowering_sandbox
+    from services.generator.coders.errors import LoweringError
+    from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.worker.verifier import Verifier
+
+    problems = _problems(args)
+    families = [f.strip() for f in args.facts_families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FACTS_TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown --facts-families {unknown}: choose from "
+                         f"{', '.join(FACTS_TARGETS)}")
+    sandbox = lowering_sandbox(f"kernelbench-facts-{os.getpid()}")
+    verifier = Verifier("cpu", worker_id=f"kernelbench-facts-{os.getpid()}",
+                        compile_extra_targets="none")
+    await asyncio.to_thread(sandbox.start)
+    await asyncio.to_thread(verifier.start)
+    rows: list[Row] = []
+    try:
+        for path in problems:
+            started = time.monotonic()
+            number = path.stem.split("_")[0]
+            row = Row(path.stem, family(args.level, path.stem), "passed", facts={})
+            own = path.read_text()
+            try:
+                reduced, row.sizes = await asyncio.to_thread(reduce_sizes, own,
+                                                             args.max_elements)
+                overrides = size_overrides(own, reduced)
+                for fam in families:
+                    target = FACTS_TARGETS[fam]
+                    code = await lower_in_sandbox(
+                        sandbox, own, {}, launch_defaults("cuda", fam),
+                        timeout_s=args.timeout, label=f"kbf{number}{fam}")
+                    result = await verifier.verify(VerifyRequest(
+                        request_id=f"kbf-{args.level}-{number}-{fam}", job_id="kernelbench",
+                        candidate_id="c0", op_name=path.stem[:60], task_desc=own, code=code,
+                        backend="cpu", arch=target, trials=1, timeout_s=args.timeout,
+                        shape_overrides=overrides, allow_unchecked=True), device="0")
+                    summary = compile_summary(result.compile_facts or [], target)
+                    row.facts[fam] = summary
+                    problem = (f"{fam}: {result.stage}: {result.error}"[:300]
+                               if not summary["kernels"] else
+                               f"{fam}: no clean config for {summary['no_clean']}"
+                               if summary["no_clean"] else "")
+                    if problem:
+                        row.status = "failed"
+                        row.error = "; ".join(filter(None, [row.error, problem]))
+            except LoweringError as exc:
+                row.status, row.op, row.error = "refused", refused_op(str(exc)), str(exc)
+            except ValueError as exc:
+                row.status, row.error = "failed", str(exc)
+            row.seconds = round(time.monotonic() - started, 1)
+            rows.append(row)
+            if not args.json:
+                print(f"{row.status:8} {row.seconds:6.1f}s {row.problem}"
+                      + (f"  [{row.op or row.error[:160]}]" if row.error else ""),
+                      file=sys.stderr, flush=True)
+    finally:
+        verifier.close()
+        sandbox.close()
+    return rows
+
+
+def facts_summary(rows: list[Row]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per family of problems (and ``overall``) and per compile family: ``problems``
+    with facts, ``kernels``, ``no_clean`` (autotune lists with no config that compiles
+    without spilling), ``failed`` (kernels that compiled in no config), and the
+    medians of the chosen configs' ``registers``, ``spill_bytes`` and ``occupancy``."""
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        if row.facts:
+            groups.setdefault(row.family, []).append(row)
+    groups = dict(sorted(groups.items()))
+    groups["overall"] = [r for g in groups.values() for r in g]
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, group in groups.items():
+        fams = sorted({f for r in group for f in (r.facts or {})})
+        out[name] = {}
+        for fam in fams:
+            parts = [r.facts[fam] for r in group if fam in (r.facts or {})]
+            flat = {k: [v for p in parts for v in p[k] if v is not None]
+                    for k in ("registers", "spill_bytes", "occupancy")}
+            out[name][fam] = {
+                "problems": len(parts), "kernels": sum(p["kernels"] for p in parts),
+                "no_clean": sum(len(p["no_clean"]) for p in parts),
+                "failed": sum(len(p["failed"]) for p in parts),
+                **{f"median_{k}": _median([float(v) for v in vs]) for k, vs in flat.items()}}
+    return out
+
+
+def facts_table(rows: list[Row]) -> str:
+    """The ``--facts`` report as text: per family of problems and compile family, the
+    problems and kernels with facts, the lists without a clean config, the kernels that
+    compiled nowhere, and the chosen configs' median registers, spill bytes and
+    occupancy; then each problem whose lists lack a clean config."""
+    lines = [f"{'family':24} {'target':7} {'problems':>8} {'kernels':>7} {'no clean':>8} "
+             f"{'failed':>6} {'regs':>6} {'spill B':>7} {'occupancy':>9}"]
+    for name, per in facts_summary(rows).items():
+        for fam, s in per.items():
+            lines.append(f"{name[:24]:24} {fam:7} {s['problems']:>8} {s['kernels']:>7} "
+                         f"{s['no_clean']:>8} {s['failed']:>6} "
+                         f"{_num(s['median_registers']):>6} {_num(s['median_spill_bytes']):>7} "
+                         f"{_num(s['median_occupancy']):>9}")
+    bad = [r for r in rows if r.status != "passed"]
+    if bad:
+        lines += ["", "refused, failed, or an autotune list without a clean config:"]
+        lines += [f"  {r.problem}: {r.status}: {(r.op or r.error)[:160]}" for r in bad]
+    return "\n".join(lines)
 
 
 def measured(row: Row, result: Any) -> None:
@@ -487,9 +691,9 @@ def gpu_table(rows: list[Row]) -> str:
 
 
 def read_rows(path: str) -> list[Row]:
-    """Rows from a file of JSON lines (what ``--json`` prints; a ``{"medians": ...}`` or
-    ``{"gpu": ...}`` line is skipped). Raises ValueError naming a line that is not a
-    row."""
+    """Rows from a file of JSON lines (what ``--json`` prints; a ``{"medians": ...}``,
+    ``{"gpu": ...}`` or ``{"facts_summary": ...}`` line is skipped). Raises ValueError
+    naming a line that is not a row."""
     names = {f.name for f in fields(Row)}
     rows = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
@@ -499,7 +703,7 @@ def read_rows(path: str) -> list[Row]:
             item = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{number}: not JSON: {exc}") from None
-        if not isinstance(item, dict) or "medians" in item or "gpu" in item:
+        if not isinstance(item, dict) or {"medians", "gpu", "facts_summary"} & set(item):
             continue
         unknown = set(item) - names
         if unknown or not {"problem", "family", "status"} <= set(item):
@@ -535,7 +739,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0,
                         help="seconds per lowering and per verification")
     parser.add_argument("--json", action="store_true", help="one JSON object per problem")
+    parser.add_argument("--facts", action="store_true",
+                        help="the GPU compiler's facts of every autotune config (registers, "
+                        "spills, occupancy) per family, for --facts-families; no GPU needed")
+    parser.add_argument("--facts-families", default="sm_90,gfx942",
+                        help="compile families for --facts, comma-separated "
+                        f"({', '.join(FACTS_TARGETS)})")
     args = parser.parse_args(argv)
+    if args.facts:
+        if args.level is None or not args.kernelbench_dir:
+            parser.error("--facts needs --level and --kernelbench-dir (or $KERNELBENCH_DIR)")
+        rows = asyncio.run(run_facts(args))
+        if args.json:
+            for row in rows:
+                print(json.dumps(asdict(row)))
+            print(json.dumps({"facts_summary": facts_summary(rows)}))
+        else:
+            print(facts_table(rows))
+        return 0
     if args.measurements:
         try:
             rows = read_rows(args.measurements)

@@ -537,8 +537,11 @@ class EvolveCandidate(Struct, kw_only=True):
     ``num_warps``, ``num_stages``) when it wrote the candidate. ``passed`` is None
     while the candidate is being verified. ``duplicate_of`` names an earlier
     candidate with the same normalised code, whose verdict was reused.
-    ``modeled_time_us`` and ``traffic_ratio`` come from the verdict's counted traffic
-    (``VerifyResult.traffic``; a model of a GPU, not a measurement).
+    ``modeled_time_us``, ``modeled_speedup`` and ``traffic_ratio`` come from the
+    verdict's counted traffic (``VerifyResult.traffic``; a model of a GPU, not a
+    measurement): the tile model's time and speedup over eager (``tile_time_us``,
+    ``tile_speedup``: L2, occupancy, the tile's shape) where the verdict has them, else
+    the roofline's (``modeled_time_us``, ``modeled_speedup``).
     """
 
     candidate_id: str
@@ -555,6 +558,7 @@ class EvolveCandidate(Struct, kw_only=True):
     gen_time_us: float | None = None
     base_time_us: float | None = None
     modeled_time_us: float | None = None
+    modeled_speedup: float | None = None
     traffic_ratio: float | None = None
     duplicate_of: str | None = None
     code: str | None = None
@@ -585,9 +589,9 @@ class EvolveSummary(Struct, kw_only=True):
     """State of an evolve job, kept in its record: candidates per island, the elite
     archive across islands, migrations and parent choices. ``fitness`` says how
     candidates were ranked: ``speedup`` on devices with meaningful timings,
-    ``modeled_time`` on the cpu backend (correctness, then the verdict's
-    ``traffic.modeled_time_us``, lower is better: a model of the request's GPU built on
-    the interpreter's counted bytes, FLOPs and launches), ``correctness`` alone where
+    ``modeled_time`` on the cpu backend (correctness, then the candidate's
+    ``modeled_time_us``, lower is better: the tile model of the request's GPU, else the
+    roofline, built on the interpreter's counted bytes, FLOPs and launches), ``correctness`` alone where
     neither exists (an evolve job recorded before verdicts counted traffic)."""
 
     rounds: int

@@ -15,7 +15,9 @@ restarted generator resumes with every verified candidate kept).
 Fitness: correctness first, then speedup. On the ``cpu`` backend timings are not
 meaningful (Triton's interpreter), so candidates rank by correctness, then by the
 modeled time of their counted traffic (``modeled_time``: the verdict's
-``traffic.modeled_time_us``, a model of the request's GPU, lower is better; see
+``traffic.tile_time_us``, the tile model of the request's GPU, which tells a 32x32x32
+tile from a 128x128x64 one by L2 reuse, occupancy and spills; the roofline's
+``traffic.modeled_time_us`` where a verdict has no tile time; lower is better; see
 docs/verification.md, "Counted traffic"); among equally fit parents the least-used one is bred
 first, then a migrant, which spreads the search over islands and lineages instead of
 always re-breeding the oldest candidate.
@@ -41,6 +43,7 @@ from schemas import (
     ParentChoice,
     VerifyResult,
 )
+from schemas.events import Traffic
 from services.common.records import normalised_hash
 from services.generator.coders.base import Candidate, CoderError
 from services.generator.launch_configs import TABLE, family_of
@@ -87,6 +90,16 @@ def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
         modeled = c.modeled_time_us
         return (bool(c.passed), modeled is not None, -(modeled or 0.0))
     return (bool(c.passed), 0.0)
+
+
+def modeled_fitness(t: Traffic) -> tuple[float | None, float | None]:
+    """A verdict's modeled time (microseconds) and speedup over eager for ranking: the
+    tile model's (``tile_time_us``, ``tile_speedup``) where it ran, else the
+    roofline's (``modeled_time_us``, ``modeled_speedup``): the tile model is the one
+    that ranks launch configurations as a GPU does (services/worker/traffic.py)."""
+    if t.tile_time_us is not None:
+        return t.tile_time_us, t.tile_speedup
+    return t.modeled_time_us, t.modeled_speedup
 
 
 # --- the built-in coder's search space ------------------------------------------------
@@ -486,7 +499,7 @@ class EvolveSearch:
             src = self.by_id[duplicate]
             entry.duplicate_of = duplicate
             for f in ("passed", "stage", "error", "speedup", "gen_time_us", "base_time_us",
-                      "modeled_time_us", "traffic_ratio"):
+                      "modeled_time_us", "modeled_speedup", "traffic_ratio"):
                 setattr(entry, f, getattr(src, f))
             await self._record(entry, None)
             return
@@ -498,7 +511,7 @@ class EvolveSearch:
         entry.gen_time_us = result.gen_time_us
         entry.base_time_us = result.base_time_us
         if result.traffic is not None:
-            entry.modeled_time_us = result.traffic.modeled_time_us
+            entry.modeled_time_us, entry.modeled_speedup = modeled_fitness(result.traffic)
             entry.traffic_ratio = result.traffic.traffic_ratio
         self.by_hash.setdefault(entry.code_hash, cid)
         await self._record(entry, result)
@@ -606,7 +619,8 @@ def describe_candidate(c: EvolveCandidate) -> str:
         return f"failed at stage '{c.stage}': {c.error or 'no detail'}"
     if c.gen_time_us is None and c.modeled_time_us is not None:
         ratio = f", {c.traffic_ratio:.2f}x the minimal bytes" if c.traffic_ratio else ""
-        return (f"passed; modeled {c.modeled_time_us:.1f} us on the target GPU{ratio} "
+        speed = f", {c.modeled_speedup:.2f}x eager" if c.modeled_speedup else ""
+        return (f"passed; modeled {c.modeled_time_us:.1f} us on the target GPU{speed}{ratio} "
                 "(a model from counted traffic; interpreter timings are not meaningful)")
     if c.gen_time_us is None:
         return "passed (timings not meaningful on this backend)"

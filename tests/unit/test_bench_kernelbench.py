@@ -61,3 +61,41 @@ def test_a_task_that_does_not_run_is_a_value_error():
 
 def test_refusals_name_the_operator():
     assert refused_op("cannot lower aten.rand_like.default: random") == "aten.rand_like.default"
+
+
+def test_size_overrides_give_the_reduced_sizes_lists_whole():
+    from bench.kernelbench import size_overrides
+
+    task = TASK.replace("features = 64", "features = 64\nlayer_sizes = [400, 800]")
+    reduced, _ = reduce_sizes(task, max_elements=1 << 15)
+    overrides = size_overrides(task, reduced)
+    namespace: dict = {}
+    exec(compile(reduced, "<reduced>", "exec"), namespace)
+    assert overrides["depth"] == namespace["depth"] < 16
+    assert overrides["layer_sizes"] == list(namespace["layer_sizes"])
+    assert "channels" not in overrides or overrides["channels"] == namespace["channels"]
+
+
+def test_compile_summary_picks_the_first_clean_config_and_names_lists_without_one():
+    from bench.kernelbench import Row, compile_summary, facts_summary, facts_table
+    from schemas.events import CompileFact
+
+    def fact(kernel, n, spill, ok=True, regs=100, target="h100"):
+        return CompileFact(kernel=kernel, target=target, arch="sm_90",
+                           where=f"trial 1, config {n}", registers=regs, spill_bytes=spill,
+                           occupancy_warps=16, max_warps=64, ok=ok)
+
+    rows = [fact("mm", 0, 512, regs=255), fact("mm", 1, 0, regs=128), fact("mm", 2, 0),
+            fact("relu", 0, 64, regs=40), fact("relu", 1, 32, regs=40),
+            fact("bad", 0, 0, ok=False), fact("other", 0, 0, target="mi300x")]
+    s = compile_summary(rows, "h100")
+    assert s["kernels"] == 3
+    assert s["no_clean"] == ["bad", "relu"] and s["failed"] == ["bad"]
+    # mm: config 1 (the first that does not spill), relu: the least spilling
+    assert s["registers"] == [128, 40] and s["spill_bytes"] == [0, 32]
+    assert s["occupancy"] == [0.25, 0.25]
+    row = Row("1_mm", "matmul", "failed", facts={"sm_90": s})
+    summary = facts_summary([row])
+    assert summary["matmul"]["sm_90"]["no_clean"] == 2
+    assert summary["overall"]["sm_90"]["median_registers"] == 84.0
+    assert "sm_90" in facts_table([row]) and "1_mm" in facts_table([row])
