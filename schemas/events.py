@@ -36,14 +36,15 @@ Source = Annotated[str, Meta(min_length=1, max_length=MAX_SOURCE_BYTES)]
 # A shape override assigns one module-level name of the task: a size, a dim, a flag,
 # a mode. Bounds: an int is an int32 (what a kernel's offsets and a dim hold; a
 # negative one is a dim or an offset), a shape's extents are in [0, 2**31), a float is
-# within +-2**31, a string at most 256 characters, a shape at most 8 dimensions, at
-# most 64 names. Anything larger is no size a device holds, and refusing it at the
+# within +-2**31, a string at most 256 characters, a list of extents (a shape, or the
+# layer widths of an MLP: KernelBench level 3's DeepNarrowMLP has 16) at most 256 long,
+# at most 64 names. Anything larger is no size a device holds, and refusing it at the
 # door keeps it from failing later in a generator or worker.
 ShapeInt = Annotated[int, Meta(ge=-(2**31), lt=2**31)]
 ShapeExtent = Annotated[int, Meta(ge=0, lt=2**31)]
 ShapeValue = (ShapeInt | Annotated[float, Meta(ge=-2.0**31, le=2.0**31)] | bool
               | Annotated[str, Meta(max_length=256)]
-              | Annotated[list[ShapeExtent], Meta(max_length=8)])
+              | Annotated[list[ShapeExtent], Meta(max_length=256)])
 ShapeOverrides = Annotated[
     dict[Annotated[str, Meta(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=128)], ShapeValue],
     Meta(max_length=64)]
