@@ -476,14 +476,11 @@ class Verifier:
             outcome = await procedure.run()
         except Verdict as verdict:
             failed = verdict.outcome
-            failed.log = _join_log(procedure.output_log(), failed.log or "",
-                                   limit=self.output_limit_bytes)
-            if failed.trials is None:
-                failed.trials = procedure.compared
-            if failed.notes is None:
-                failed.notes = procedure.notes
-            if failed.sizes_checked is None and "main" in procedure.sizes:
-                failed.sizes_checked = procedure._checked_sizes()
+            failed.set(log=_join_log(procedure.output_log(), failed.fields.log,
+                                     limit=self.output_limit_bytes))
+            failed.fill(trials=procedure.compared, notes=procedure.notes)
+            if "main" in procedure.sizes:
+                failed.fill(sizes_checked=procedure._checked_sizes())
             raise
         finally:
             await procedure.close()
@@ -492,10 +489,10 @@ class Verifier:
             await settle_children()
         provenance.update(getattr(procedure, "provenance", {}))
         if request.mode == "profile" and self.backend == "cpu":
-            outcome.log = _join_log(
-                outcome.log or "", "profile: no timings on the cpu backend (Triton runs "
+            outcome.set(log=_join_log(
+                outcome.fields.log, "profile: no timings on the cpu backend (Triton runs "
                 "in its interpreter; times would not mean anything)",
-                limit=self.output_limit_bytes)
+                limit=self.output_limit_bytes))
         return outcome
 
     # ------------------------------------------------------------ compile check
@@ -702,7 +699,7 @@ class Verifier:
         try:
             self.check_timing(timing, ref.profiling_at, "the compiled reference Model")
         except Verdict as verdict:
-            procedure.notes.append(f"speedup_compile: {verdict.outcome.error}")
+            procedure.notes.append(f"speedup_compile: {verdict.outcome.fields.error}")
             return None
         return (await self._keep_baseline(request, "compile", timing.median_us)).median_us
 

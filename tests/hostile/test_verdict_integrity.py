@@ -462,8 +462,8 @@ def test_timing_sample_count_and_wall_time(verifier):
     with pytest.raises(_Verdict) as info:
         verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate", repeats=20,
                                stage="audit")
-    assert info.value.outcome.stage == "audit"
-    assert "19 samples; 20 were asked for" in info.value.outcome.error
+    assert info.value.outcome.fields.stage == "audit"
+    assert "19 samples; 20 were asked for" in info.value.outcome.fields.error
     # No profiling phase observed by the parent: no timing is consistent.
     timing = wire.Timing(median_us=0.5, samples_us=[0.5] * 20, wall_s=0.001)
     with pytest.raises(_Verdict):

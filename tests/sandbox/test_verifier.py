@@ -318,8 +318,8 @@ def test_timings_larger_than_wall_time_are_inconsistent(verifier):
     timing = wire.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
     with pytest.raises(_Verdict) as info:
         verifier._check_timing(timing, time.monotonic(), "the candidate")
-    assert info.value.outcome.stage == "infrastructure"
-    assert info.value.outcome.error.startswith("timings inconsistent")
+    assert info.value.outcome.fields.stage == "infrastructure"
+    assert info.value.outcome.fields.error.startswith("timings inconsistent")
     # 20 ms of samples after 1 s of wall time is consistent.
     verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate")
 
@@ -486,7 +486,8 @@ def test_speedup_flagging():
     assert flagged.flag.startswith("flagged: speedup 100.0 exceeds the bound 50")
     # The flag becomes the passed outcome's error; the pass stands.
     outcome = Outcome(passed=True, trials=3).timed(flagged)
-    assert outcome.passed and outcome.error == flagged.flag and outcome.gen_time_us == 10.0
+    assert outcome.fields.passed and outcome.fields.error == flagged.flag
+    assert outcome.fields.gen_time_us == 10.0
     assert speedup_fields(1000.0, 0.0, bound=50.0).speedup == float("inf")
 
 

@@ -7,7 +7,9 @@ import msgspec
 import pytest
 
 from schemas.events import VerifyResult
-from services.worker.procedure import Outcome, Verdict
+from services.worker.procedure import Outcome, Timings, Verdict
+from services.worker.procedure.outcome import DECIDED
+from services.worker.procedure.outcome import ENVELOPE as WORKER_FIELDS
 
 ENVELOPE = {"request_id": "r1", "job_id": "j1", "candidate_id": "c1", "worker_id": "w1",
             "device": "0"}
@@ -20,9 +22,41 @@ def test_a_misspelt_field_fails_where_the_outcome_is_made():
         Verdict("audit", "outputs do not depend on the kernels", ghost_replays="matched")
 
 
-def test_every_outcome_field_is_a_verify_result_field():
+def test_the_schema_is_the_one_list_of_fields():
+    # Every VerifyResult field is either decided by a verification or set by the
+    # worker around it, never both: a field added to the schema is an Outcome field.
     result_fields = set(VerifyResult.__struct_fields__)
-    assert set(Outcome.__struct_fields__) <= result_fields
+    assert WORKER_FIELDS <= result_fields
+    assert DECIDED == result_fields - WORKER_FIELDS
+    assert {"passed", "stage", "error", "trials", "traffic", "compile_facts",
+            "baseline_source"} <= DECIDED
+    with pytest.raises(TypeError, match="worker_id"):
+        Outcome(passed=True, worker_id="w1")
+    # Reads are the schema's fields: an unset one reads as its default.
+    outcome = Outcome(trials=2)
+    assert outcome.fields.trials == 2 and outcome.fields.notes == []
+    assert outcome.decided == {"passed", "trials"}
+
+
+def test_none_leaves_a_field_unset_and_fill_keeps_what_is_set():
+    outcome = Outcome(passed=False, stage="mismatch", max_abs_error=None, trials=1)
+    assert "max_abs_error" not in outcome.decided
+    outcome.fill(trials=5, notes=["seen"], log="")
+    assert (outcome.fields.trials, outcome.fields.notes) == (1, ["seen"])
+    assert outcome.set_fields() == {"passed": False, "stage": "mismatch", "log": "",
+                                    "trials": 1, "notes": ["seen"]}
+
+
+def test_timings_set_the_times_and_the_flag_becomes_the_error():
+    timings = Timings(base_time_us=100.0, gen_time_us=1.0, speedup=100.0,
+                      flag="flagged: speedup 100.0", baseline_source="shared_cache",
+                      baseline_age_s=3.0)
+    timed = Outcome(passed=True, trials=3).timed(timings).fields
+    assert (timed.passed, timed.error, timed.speedup, timed.speedup_eager) == \
+        (True, "flagged: speedup 100.0", 100.0, 100.0)
+    assert (timed.baseline_source, timed.baseline_age_s) == ("shared_cache", 3.0)
+    unflagged = Outcome(passed=True).timed(msgspec.structs.replace(timings, flag=None))
+    assert "error" not in unflagged.decided
 
 
 def test_unset_fields_take_the_verify_result_defaults():

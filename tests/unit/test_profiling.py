@@ -40,9 +40,9 @@ def test_both_speedups_are_base_over_candidate():
 def test_speedup_fields_keep_speedup_as_the_eager_one():
     timings = speedup_fields(300.0, 100.0, 50.0, compile_time_us=150.0, launch_floor_us=4.0)
     assert (timings.speedup, timings.speedup_eager, timings.speedup_compile) == (3.0, 3.0, 1.5)
-    outcome = Outcome(passed=True, trials=3).timed(timings)
-    assert (outcome.speedup, outcome.speedup_eager, outcome.speedup_compile,
-            outcome.compile_time_us, outcome.launch_floor_us) == (3.0, 3.0, 1.5, 150.0, 4.0)
+    timed = Outcome(passed=True, trials=3).timed(timings).fields
+    assert (timed.speedup, timed.speedup_eager, timed.speedup_compile,
+            timed.compile_time_us, timed.launch_floor_us) == (3.0, 3.0, 1.5, 150.0, 4.0)
     # The flag stays on the eager speedup; no compiled baseline leaves its speedup None.
     flagged = speedup_fields(1000.0, 10.0, 50.0)
     assert flagged.flag.startswith("flagged: speedup 100.0") and flagged.speedup_compile is None

@@ -320,12 +320,11 @@ class Procedure(SizeChoice, TrialRuns, Checks):
             if problem is not None:
                 raise problem
         outcome = self._passed_outcome()
-        outcome.compile_facts = self.compile_facts or None
-        outcome.traffic = await self._traffic()
+        outcome.set(compile_facts=self.compile_facts or None, traffic=await self._traffic())
         if timings is not None:
-            outcome = outcome.timed(timings)
-        if outcome.error:
-            self.notes.append(outcome.error)
+            outcome.timed(timings)
+        if outcome.fields.error:
+            self.notes.append(outcome.fields.error)
         return outcome
 
     # ------------------------------------------------------------ counted traffic

@@ -1,12 +1,15 @@
 """What a verification decides: :class:`Outcome`, the fields of a verdict, and
 :class:`Verdict`, the exception that stops a verification with one.
 
-An :class:`Outcome` holds exactly the fields of :class:`schemas.events.VerifyResult`
-that a verification sets (the worker adds the request's identity, its own, the
-device, the phases and the provenance). ``None`` means "not set": :meth:`Outcome.result`
-leaves such a field to the VerifyResult's default, and the verifier fills ``trials``,
-``notes`` and ``sizes_checked`` of a failed verification only where the step that
-failed left them unset. A misspelt field name fails where the outcome is made
+An :class:`Outcome` holds the fields of a :class:`schemas.events.VerifyResult` that a
+verification decides: every field but :data:`ENVELOPE` (the request's identity, the
+worker's, the device, the phases and the message's own fields, which the worker adds).
+It keeps them in a VerifyResult (``fields``, its envelope blank), so the schema is
+their one definition and each read is typed as the schema types it. ``None`` given
+for a field means "not set": :meth:`Outcome.result` leaves such a field to the
+VerifyResult's default, and the verifier fills ``trials``, ``notes`` and
+``sizes_checked`` of a failed verification only where the step that failed left them
+unset (:meth:`Outcome.fill`). A misspelt field name fails where the outcome is made
 (``TypeError``), not later as a silently dropped key.
 """
 
@@ -17,10 +20,21 @@ from typing import Any, Literal
 
 import msgspec
 
-from schemas.events import CompileFact, ProfiledKernel, Stage, Traffic, VerifyResult
+from schemas.events import ProfiledKernel, Stage, VerifyResult
 
 # The verdict stages a child's failure may name (schemas.events.Stage, the one list).
 STAGES = frozenset(typing.get_args(Stage))
+
+# The VerifyResult fields the worker sets around a verification (its request, itself,
+# the device, how long it took and where its reference came from) and the message's
+# own; a verification decides every other field (DECIDED).
+ENVELOPE = frozenset({"request_id", "job_id", "candidate_id", "worker_id", "device",
+                      "interpreted", "duration_s", "phases", "reference_source",
+                      "finished_at", "proof", "type", "schema_version"})
+DECIDED = frozenset(VerifyResult.__struct_fields__) - ENVELOPE
+
+_BLANK = VerifyResult(request_id="", job_id="", candidate_id="", worker_id="", device="",
+                      passed=False)
 
 
 class Timings(msgspec.Struct, kw_only=True, frozen=True):
@@ -31,7 +45,8 @@ class Timings(msgspec.Struct, kw_only=True, frozen=True):
     else None. The rest as the VerifyResult fields of the same names:
     ``compile_time_us`` and ``speedup_compile`` (the ``torch.compile`` baseline; None
     without one), ``peak_fraction`` / ``peak_bound``, ``launch_floor_us``,
-    ``profiled_kernels``."""
+    ``profiled_kernels``, and where the eager baseline came from
+    (``baseline_source``, ``baseline_age_s``)."""
 
     base_time_us: float
     gen_time_us: float
@@ -41,67 +56,66 @@ class Timings(msgspec.Struct, kw_only=True, frozen=True):
     speedup_compile: float | None = None
     compile_time_us: float | None = None
     peak_fraction: float | None = None
-    peak_bound: str | None = None
-    launch_floor_us: float | None = None
-    profiled_kernels: list[ProfiledKernel] | None = None
-
-
-class Outcome(msgspec.Struct, kw_only=True):
-    """The fields of one verification's :class:`~schemas.events.VerifyResult` (their
-    meanings are documented there); None: not set, the VerifyResult's default applies.
-
-    Raises:
-        TypeError: (at construction) a field name that is not one of these.
-    """
-
-    passed: bool = False
-    stage: Stage | None = None
-    error: str | None = None
-    log: str | None = None
-    max_abs_error: float | None = None
-    max_rel_error: float | None = None
-    rel_l2_error: float | None = None
-    mismatch_count: int | None = None
-    mismatch_indices: list[list[int]] | None = None
-    atol: float | None = None
-    rtol: float | None = None
-    trials: int | None = None
-    base_time_us: float | None = None
-    gen_time_us: float | None = None
-    speedup: float | None = None
-    sizes_checked: list[dict[str, Any]] | None = None
-    task_sizes_checked: bool | None = None
-    ghost_replay: str | None = None
-    shape_generic: bool | None = None
-    shape_generic_sizes: dict[str, Any] | None = None
-    unchecked: list[str] | None = None
-    notes: list[str] | None = None
-    traffic: Traffic | None = None
-    speedup_eager: float | None = None
-    speedup_compile: float | None = None
-    compile_time_us: float | None = None
-    peak_fraction: float | None = None
     peak_bound: Literal["memory", "compute"] | None = None
     launch_floor_us: float | None = None
     profiled_kernels: list[ProfiledKernel] | None = None
-    compile_facts: list[CompileFact] | None = None
+    baseline_source: Literal["measured", "worker_cache", "shared_cache"] | None = None
+    baseline_age_s: float | None = None
+
+
+class Outcome:
+    """The fields one verification decided (:data:`DECIDED`; their meanings are
+    :class:`~schemas.events.VerifyResult`'s). ``fields``: those fields as a
+    VerifyResult whose envelope is blank (an unset field reads as the schema's
+    default); ``decided``: the names set. ``passed`` is always set (False unless
+    given).
+
+    Raises:
+        TypeError: (at construction, :meth:`set`) a name that is not one of
+            :data:`DECIDED`.
+    """
+
+    __slots__ = ("decided", "fields")
+
+    def __init__(self, **fields: Any) -> None:
+        self.fields = _BLANK
+        self.decided: set[str] = {"passed"}
+        self.set(**fields)
+
+    def set(self, **fields: Any) -> None:
+        """Set ``fields`` (a None value leaves its field as it is).
+
+        Raises:
+            TypeError: a name that is not one of :data:`DECIDED`.
+        """
+        unknown = sorted(set(fields) - DECIDED)
+        if unknown:
+            raise TypeError(f"Outcome has no field {', '.join(unknown)}: a verification "
+                            "decides the fields of schemas.events.VerifyResult outside "
+                            "outcome.ENVELOPE")
+        given = {name: value for name, value in fields.items() if value is not None}
+        self.fields = msgspec.structs.replace(self.fields, **given)
+        self.decided |= set(given)
+
+    def fill(self, **fields: Any) -> None:
+        """Set those of ``fields`` that are not set yet."""
+        self.set(**{name: value for name, value in fields.items()
+                    if name not in self.decided})
 
     def timed(self, timings: Timings) -> Outcome:
-        """This outcome with the times of a profiled run; the speedup flag, or None,
-        becomes ``error``."""
-        return msgspec.structs.replace(
-            self, base_time_us=timings.base_time_us, gen_time_us=timings.gen_time_us,
-            speedup=timings.speedup, error=timings.flag,
-            speedup_eager=timings.speedup if timings.speedup_eager is None
-            else timings.speedup_eager,
-            speedup_compile=timings.speedup_compile, compile_time_us=timings.compile_time_us,
-            peak_fraction=timings.peak_fraction, peak_bound=timings.peak_bound,
-            launch_floor_us=timings.launch_floor_us, profiled_kernels=timings.profiled_kernels)
+        """Set the times of a profiled run (the speedup flag, when there is one,
+        becomes ``error``); returns this outcome."""
+        times = {name: getattr(timings, name) for name in timings.__struct_fields__
+                 if name != "flag"}
+        if times["speedup_eager"] is None:
+            times["speedup_eager"] = timings.speedup
+        self.set(**times, error=timings.flag)
+        return self
 
     def set_fields(self) -> dict[str, Any]:
-        """The fields that are set (not None), by name."""
-        return {name: value for name in self.__struct_fields__
-                if (value := getattr(self, name)) is not None}
+        """The fields that are set, by name."""
+        return {name: getattr(self.fields, name) for name in self.fields.__struct_fields__
+                if name in self.decided}
 
     def result(self, **envelope: Any) -> VerifyResult:
         """The VerifyResult of this outcome: ``envelope`` gives the fields a
@@ -117,10 +131,10 @@ class Outcome(msgspec.Struct, kw_only=True):
 
 class Verdict(Exception):
     """Stop verifying with a failed :class:`Outcome` (``outcome``): ``stage``, ``error``
-    and the keyword fields (names of Outcome's fields).
+    and the keyword fields (names of :data:`DECIDED`).
 
     Raises:
-        TypeError: a keyword that is not a field of :class:`Outcome`.
+        TypeError: a keyword that is not a field of :data:`DECIDED`.
     """
 
     def __init__(self, stage: str, error: str, **fields: Any) -> None:

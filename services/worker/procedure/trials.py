@@ -161,12 +161,12 @@ class TrialRuns:
                          "generic": "at the shape-generality sizes"}[trial.key]
                 label = f" ({size_rules.text(sizes.names)})" if sizes else ""
                 outcome = verdict.outcome
-                outcome.sizes_checked = self._checked_sizes()
+                outcome.set(sizes_checked=self._checked_sizes())
                 if trial.key == "generic":
                     self.shape_generic = False
-                    self.shape_generic_error = f"{outcome.error}"
+                    self.shape_generic_error = f"{outcome.fields.error}"
                     continue
-                outcome.error = f"{where}{label}: {outcome.error}"
+                outcome.set(error=f"{where}{label}: {outcome.fields.error}")
                 raise
             if trial.key == "generic":
                 self.shape_generic = True
@@ -449,7 +449,7 @@ class TrialRuns:
                                              self.v.backend, tf32=ran_tf32(frame.traffic))
             changed = None if result.passed else result.message
         except Verdict as verdict:
-            changed = f"the replay failed: {verdict.outcome.error}"
+            changed = f"the replay failed: {verdict.outcome.fields.error}"
         if changed is None:
             self.notes.append(f"the outputs do not depend on what ModelNew computed before "
                               f"forward ({what}): replayed with it perturbed, they matched")
