@@ -18,7 +18,6 @@ import typer
 
 from schemas import TERMINAL_STATUSES
 from services.cli.common import (
-    DEFAULT_GATEWAY_URL,
     POLL_INTERVAL_S,
     UNREACHABLE_GRACE_S,
     ExitCode,
@@ -38,6 +37,7 @@ from services.cli.common import (
     shape_overrides,
     show_record,
 )
+from services.common.settings import GATEWAY_URL
 from services.sdk.client import AIKGClient
 
 JobIdArgument = Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")]
@@ -110,7 +110,7 @@ def submit(
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
     as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Submit a task file as a job: print its id, or with --wait follow it to the verdict.
@@ -150,7 +150,7 @@ def submit(
 def status(
     job_id: JobIdArgument,
     as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Print a job's record: status, progress, verdict and kernel.
@@ -172,7 +172,7 @@ def list_jobs(
     limit: Annotated[int, typer.Option(min=1, max=500, help="Jobs to show.")] = 20,
     offset: Annotated[int, typer.Option(min=0, help="Newest jobs to skip.")] = 0,
     as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """List jobs, newest first: id, status, op, backend/arch, submitted, result.
@@ -200,7 +200,7 @@ def list_jobs(
 def cancel(
     job_id: JobIdArgument,
     as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Cancel a job: the generator stops it, workers skip its pending candidates.
@@ -222,7 +222,7 @@ def events(
     job_id: JobIdArgument,
     as_json: Annotated[bool, typer.Option(
         "--json", help="One JSON event per line (JobEvent fields plus `seq`).")] = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Print a job's events, one line each: its history, then live until it ends.
@@ -251,7 +251,7 @@ def events(
 
 def workers(
     as_json: JsonOption = False,
-    gateway_url: GatewayOption = DEFAULT_GATEWAY_URL,
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """List live workers: backend/arch, devices, load (in-flight/capacity), leases held.

@@ -21,7 +21,7 @@ from schemas import TERMINAL_STATUSES, JobRecord
 from schemas.events import ShapeValue
 from services.common.pyast import parse
 from services.common.records import unknown_shape_names
-from services.common.settings import Settings, load_settings
+from services.common.settings import Settings, load_setting, load_settings
 
 
 class ExitCode(IntEnum):
@@ -37,7 +37,6 @@ class ExitCode(IntEnum):
     INTERRUPTED = 130  # Ctrl-C while waiting (the shell's code for SIGINT)
 
 
-DEFAULT_GATEWAY_URL = "http://127.0.0.1:8000"
 POLL_INTERVAL_S = 0.5
 # While waiting on a job, a gateway that stays unreachable this long ends the wait
 # (a restart of the gateway takes a few seconds; the job itself lives in NATS).
@@ -233,8 +232,6 @@ def local_inputs(file: Path, backend: str, devices: str,
                   shape: list[str] | None) -> tuple[str, list[str], dict[str, Any]]:
     """``run``/``verify``: the task's text, the device list and the shape overrides,
     each checked (bad input exits 2); logging set up for a local run."""
-    import os
-
     from services.common.logging import configure_logging
     from services.common.records import TaskError, check_task_source
 
@@ -249,7 +246,7 @@ def local_inputs(file: Path, backend: str, devices: str,
     if backend not in ("cpu", "cuda", "ascend"):
         fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
     overrides = shape_overrides(file, task_desc, shape)
-    configure_logging("run", os.environ.get("AIKG_LOG_LEVEL", "warning"), "console")
+    configure_logging("run", load_setting("log_level", "warning"), "console")
     return task_desc, device_list, overrides
 
 

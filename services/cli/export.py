@@ -15,7 +15,8 @@ from typing import Annotated
 
 import typer
 
-from services.cli.common import ExitCode, err, fail, sdk_errors
+from services.cli.common import ExitCode, GatewayOption, err, fail, sdk_errors
+from services.common.settings import GATEWAY_URL
 
 
 def export(
@@ -36,9 +37,7 @@ def export(
         "--resume", help="Add the kernels of jobs that ended since the last export to "
         "OUT, from the cursor kept in OUT.cursor.")] = False,
     page_size: Annotated[int, typer.Option(min=1, max=500, help="Rows per request.")] = 200,
-    gateway_url: Annotated[str, typer.Option(
-        "--gateway", envvar="AIKG_GATEWAY_URL", help="Gateway base URL.")
-    ] = "http://127.0.0.1:8000",
+    gateway_url: GatewayOption = GATEWAY_URL,
     token: Annotated[str | None, typer.Option(
         "--token", envvar="AIKG_API_TOKEN", show_default=False,
         help="Bearer token, when the gateway has AIKG_API_TOKEN set.")] = None,

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from services.cli.common import ExitCode, cli_settings, fail
-from services.common.settings import Settings
+from services.common.settings import GATEWAY_PORT, Settings
 
 
 def _run_service(service: str, settings: Settings, main: Any) -> None:
@@ -51,7 +51,7 @@ def gateway(
     host: Annotated[str | None, typer.Option(envvar="AIKG_GATEWAY_HOST",
                                              help="Address to listen on.")] = None,
     port: Annotated[int | None, typer.Option(envvar="AIKG_GATEWAY_PORT",
-                                             help="Port to listen on (default 8000).")] = None,
+                                             help=f"Port to listen on (default {GATEWAY_PORT}).")] = None,
 ) -> None:
     """Serve the HTTP API (job submission and status, worker listing, /metrics).
 

@@ -15,7 +15,6 @@ import typer
 
 from services.cli.client import connect, wait_for_job
 from services.cli.common import (
-    DEFAULT_GATEWAY_URL,
     ExitCode,
     cli_settings,
     err,
@@ -28,12 +27,13 @@ from services.cli.common import (
     show_record,
 )
 from services.common.runtime import free_port, install_signal_handlers
+from services.common.settings import GATEWAY_PORT, GATEWAY_URL
 from services.stack import LocalStack, StackError, local_stack
 
 
 def up(
     host: Annotated[str, typer.Option(help="Gateway address.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(envvar="AIKG_GATEWAY_PORT", help="Gateway port.")] = 8000,
+    port: Annotated[int, typer.Option(envvar="AIKG_GATEWAY_PORT", help="Gateway port.")] = GATEWAY_PORT,
     backend: Annotated[str, typer.Option(envvar="AIKG_WORKER_BACKEND",
                                          help="Worker backend: cpu | cuda | ascend.")] = "cpu",
     arch: Annotated[str | None, typer.Option(envvar="AIKG_WORKER_ARCH",
@@ -95,7 +95,7 @@ def up(
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)
-                if stack.gateway_url != DEFAULT_GATEWAY_URL:
+                if stack.gateway_url != GATEWAY_URL:
                     out.print(f"point client commands at it: export AIKG_GATEWAY_URL="
                               f"{stack.gateway_url}", markup=False, soft_wrap=True)
             while not stopping.wait(0.5):

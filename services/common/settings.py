@@ -11,6 +11,7 @@ import os
 import platform
 import re
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -30,10 +31,32 @@ SECRET_FIELDS = frozenset({"api_token", "llm_api_key", "llm_designer_api_key",
 NATS_ROLES = ("gateway", "generator", "worker")
 
 
+# Defaults that code outside Settings needs too, each defined once here and used
+# both as the field's default and by that code.
 # Seconds one built-in coder lowering of a task (its code run and torch.export'ed in
 # a sandboxed child) may take: the default of ``lowering_timeout_s`` and of every
 # lowering that is not given one (the SDK's Task, lower_in_sandbox).
 LOWERING_TIMEOUT_S = 120.0
+# Where the gateway listens and where clients reach it: ``gateway_port``,
+# ``gateway_url``, the SDK's ``AIKGClient`` and the CLI's ``--gateway`` and ``aikg up
+# --port`` (8000: the reference server's port).
+GATEWAY_PORT = 8000
+GATEWAY_URL = f"http://127.0.0.1:{GATEWAY_PORT}"
+# Bound on a task's input tensors on a cpu worker, bytes, when ``memory_limit_bytes``
+# is 0: a worker's, the SDK's LocalWorker's, ``aikg run``'s and ``aikg verify``'s.
+CPU_MEMORY_LIMIT_BYTES = 4 << 30
+# How long a requester waits for one candidate's verdict, queueing included, seconds:
+# ``verify_result_timeout_s`` and the SDK's RemoteWorker.
+VERIFY_RESULT_TIMEOUT_S = 3600.0
+# Limit on one LLM HTTP call, seconds: ``llm_timeout_s`` and the generator's LLMConfig.
+LLM_TIMEOUT_S = 600.0
+
+
+def memory_limit_for(backend: str, limit_bytes: int | None = 0) -> int | None:
+    """The bound on a task's input tensors (item 7 of the worker contract), bytes:
+    ``limit_bytes`` when set, else :data:`CPU_MEMORY_LIMIT_BYTES` (4 GiB) on ``cpu``,
+    else None (no bound)."""
+    return limit_bytes or (CPU_MEMORY_LIMIT_BYTES if backend == "cpu" else None)
 
 
 class Settings(msgspec.Struct, kw_only=True):
@@ -224,8 +247,8 @@ class Settings(msgspec.Struct, kw_only=True):
     log_level: str = "info"
     log_format: str = "json"
     gateway_host: str = "127.0.0.1"
-    gateway_port: int = 8000
-    gateway_url: str = "http://127.0.0.1:8000"
+    gateway_port: int = GATEWAY_PORT
+    gateway_url: str = GATEWAY_URL
     metrics_port: int = 0
     worker_backend: str = "cpu"
     worker_arch: str = ""
@@ -247,7 +270,7 @@ class Settings(msgspec.Struct, kw_only=True):
     up_restart_backoff_max_s: float = 30.0
     up_run_dir: str = ""
     generator_concurrency: int = 4
-    verify_result_timeout_s: float = 3600.0
+    verify_result_timeout_s: float = VERIFY_RESULT_TIMEOUT_S
     verify_unserved_timeout_s: float = 60.0
     queue_max_age_s: float = 7 * 24 * 3600.0
     queue_max_msgs: int = 1_000_000
@@ -284,7 +307,7 @@ class Settings(msgspec.Struct, kw_only=True):
     llm_model: str = ""
     llm_temperature: float = 0.2
     llm_max_tokens: int = 8192
-    llm_timeout_s: float = 600.0
+    llm_timeout_s: float = LLM_TIMEOUT_S
     llm_max_retries: int = 4
     llm_concurrency: int = 4
     llm_reasoning: str = ""
@@ -344,7 +367,26 @@ _OPTIONAL_FIELDS = frozenset(
 _VALIDATION_ERROR = re.compile(r"^(?:Expected `(?P<type>[^`]+)`.*|(?P<other>.*)) - at `\$\.(?P<field>\w+)`$")
 
 
-def load_settings(env: dict[str, str] | None = None, **overrides: Any) -> Settings:
+def load_setting(name: str, default: Any = None, env: Mapping[str, str] | None = None) -> Any:
+    """One setting: ``AIKG_<NAME>`` converted to the field's type as
+    :func:`load_settings` does, or, when the variable is unset, ``default`` (None: the
+    field's default). Other ``AIKG_*`` variables are not read, so a bad value of one
+    of them does not fail a client that does not use it.
+
+    Raises:
+        ValueError: the variable cannot be converted (the message names it).
+        TypeError: ``name`` is no field of :class:`Settings`.
+    """
+    if name not in Settings.__struct_fields__:
+        raise TypeError(f"no setting named {name!r}")
+    env = os.environ if env is None else env
+    variable = f"AIKG_{name.upper()}"
+    if variable not in env:
+        return getattr(Settings(), name) if default is None else default
+    return getattr(load_settings({variable: env[variable]}), name)
+
+
+def load_settings(env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
     """Build settings from ``AIKG_*`` variables, then apply non-None ``overrides``.
 
     Each variable is converted to its field's type by ``msgspec.convert(...,

@@ -34,7 +34,7 @@ import structlog
 from prometheus_client import Counter, Histogram
 from tenacity import AsyncRetrying, RetryCallState, stop_after_attempt, wait_exponential_jitter
 
-from services.common.settings import Settings
+from services.common.settings import LLM_TIMEOUT_S, Settings
 
 log = structlog.get_logger("aikg.llm")
 
@@ -111,7 +111,7 @@ class LLMConfig:
     temperature: float | None = None
     max_tokens: int | None = None
     reasoning: str = ""
-    timeout_s: float = 600.0
+    timeout_s: float = LLM_TIMEOUT_S
     max_retries: int = 4
 
     @classmethod

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -30,10 +29,10 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import aconnect_sse, connect_sse
 
+from services.common.settings import GATEWAY_URL, load_setting
 from services.sdk.errors import AIKGConnectionError, AIKGError, AIKGHTTPError
 from services.sdk.job_wait import JobWait, Progress
 
-DEFAULT_URL = "http://127.0.0.1:8000"
 # Event streams send a keepalive comment every ~15 s; a read that waits this long
 # without one means the connection is dead.
 _STREAM_READ_TIMEOUT_S = 60.0
@@ -91,7 +90,7 @@ def _in_candidate_order(record: dict[str, Any]) -> list[dict[str, Any] | None]:
 
 
 def _headers(token: str | None) -> dict[str, str]:
-    token = token if token is not None else os.environ.get("AIKG_API_TOKEN") or None
+    token = token if token is not None else load_setting("api_token") or None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
@@ -111,7 +110,7 @@ class AIKGClient:
         timeout: seconds per HTTP request (waiting for a job is many requests).
     """
 
-    def __init__(self, url: str = DEFAULT_URL, token: str | None = None,
+    def __init__(self, url: str = GATEWAY_URL, token: str | None = None,
                  timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.Client(base_url=self.url, headers=_headers(token), timeout=timeout)
@@ -445,7 +444,7 @@ class AsyncAIKGClient:
     when the waiting task is cancelled (or on Ctrl-C) and re-raises.
     """
 
-    def __init__(self, url: str = DEFAULT_URL, token: str | None = None,
+    def __init__(self, url: str = GATEWAY_URL, token: str | None = None,
                  timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
         self._http = httpx.AsyncClient(base_url=self.url, headers=_headers(token),

@@ -34,14 +34,15 @@ from services.common.jobs import heartbeats
 from services.common.lane_watch import LaneWatch, UnservedLane, while_served
 from services.common.records import normalised_hash, unknown_shape_names
 from services.common.runtime import cancel_and_wait
-from services.common.settings import Settings, load_settings, machine_arch
+from services.common.settings import (
+    VERIFY_RESULT_TIMEOUT_S,
+    Settings,
+    load_settings,
+    machine_arch,
+    memory_limit_for,
+)
 from services.common.verdicts import VerdictWaiter, random_key
 
-# How long a verify call waits for its verdict, queueing included, seconds (as the
-# generator's verify_result_timeout_s).
-DEFAULT_RESULT_TIMEOUT_S = 3600.0
-# Largest task input total a LocalWorker accepts on cpu, bytes (as `aikg worker`).
-CPU_MEMORY_LIMIT_BYTES = 4 << 30
 _CONNECT_TIMEOUT_S = 10.0
 _STATUS_TIMEOUT_S = 2.0
 
@@ -147,8 +148,8 @@ class RemoteWorker(_WorkerBase):
     of its own, which workers accept as a worker-only request.
 
     Args:
-        nats_url: NATS URL(s) of the AIKG workers, comma-separated; None reads
-            ``AIKG_NATS_URL``.
+        nats_url: NATS URL(s) of the AIKG workers, comma-separated; None: the
+            settings' ``nats_url`` (``AIKG_NATS_URL``).
         backend: ``cpu`` | ``cuda`` | ``ascend``; may be left to
             :meth:`WorkerManager.register`.
         arch: e.g. ``h200``; None picks the least loaded live arch of ``backend``.
@@ -173,7 +174,7 @@ class RemoteWorker(_WorkerBase):
     """
 
     def __init__(self, nats_url: str | None = None, backend: str | None = None,
-                 arch: str | None = None, *, result_timeout_s: float = DEFAULT_RESULT_TIMEOUT_S,
+                 arch: str | None = None, *, result_timeout_s: float = VERIFY_RESULT_TIMEOUT_S,
                  require_live_worker: bool = True, settings: Settings | None = None,
                  unserved_timeout_s: float | None = None) -> None:
         from services.common.bus import inbox_prefix_of, nats_credentials
@@ -185,7 +186,7 @@ class RemoteWorker(_WorkerBase):
         self._verdict_key = random_key()
         # Replies on the user's own inbox prefix: the only one its user may subscribe to.
         self._credentials["inbox_prefix"] = inbox_prefix_of(settings, self._credentials)
-        url = nats_url or os.environ.get("AIKG_NATS_URL", "")
+        url = nats_url or settings.nats_url
         if not url:
             raise ValueError("RemoteWorker needs the NATS URL of the AIKG workers: pass "
                              "nats_url='nats://host:4222' or set AIKG_NATS_URL")
@@ -498,8 +499,7 @@ class LocalWorker(_WorkerBase):
             raise ValueError(f"backend must be cpu, cuda or ascend, not {backend!r}")
         self.backend = backend
         self.arch = arch or (machine_arch() if backend == "cpu" else None)
-        self.memory_limit_bytes = memory_limit_bytes or (
-            CPU_MEMORY_LIMIT_BYTES if backend == "cpu" else None)
+        self.memory_limit_bytes = memory_limit_for(backend, memory_limit_bytes)
         self.worker_id = f"local-{socket.gethostname()[:32]}-{os.getpid()}"
         self.client_command = client_command
         self._verifier: Any = None

@@ -60,7 +60,7 @@ from services.common.jobs import publish_event
 from services.common.metrics import start_metrics_server
 from services.common.pull_loop import PullLoop, deliveries, open_pull_loop
 from services.common.runtime import cancel_and_wait, install_signal_handlers, retry_async
-from services.common.settings import Settings
+from services.common.settings import Settings, memory_limit_for
 from services.common.shares import share_slots
 from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
 from services.common.verdicts import proof
@@ -330,7 +330,7 @@ class Worker:
         # wait for) one device.
         self.loop: PullLoop | None = None
         self.draining = False
-        memory = settings.memory_limit_bytes or (4 << 30 if self.backend == "cpu" else None)
+        memory = memory_limit_for(self.backend, settings.memory_limit_bytes)
         if verifier is None:
             from services.worker.verifier import Verifier  # torch and the sandbox: slow
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.settings import Settings, load_settings
+from services.common.settings import (
+    CPU_MEMORY_LIMIT_BYTES,
+    Settings,
+    load_setting,
+    load_settings,
+    memory_limit_for,
+)
 
 
 def test_variables_convert_to_their_fields_types():
@@ -49,3 +55,37 @@ def test_overrides_win_over_the_environment_and_none_is_no_override():
     assert settings.gateway_port == 7000 and settings.log_level == "debug"
     with pytest.raises(TypeError, match="no_such_field"):
         load_settings(env={}, no_such_field=1)
+
+
+def test_load_setting_reads_one_variable_only():
+    env = {"AIKG_API_TOKEN": "t", "AIKG_GATEWAY_PORT": "abc"}
+    assert load_setting("api_token", env=env) == "t"
+    # Unset: the given default, else the field's; a bad value of another field is not read.
+    assert load_setting("log_level", "warning", env=env) == "warning"
+    assert load_setting("gateway_url", env=env) == Settings().gateway_url
+    with pytest.raises(ValueError, match="AIKG_GATEWAY_PORT='abc' is not a valid int"):
+        load_setting("gateway_port", env=env)
+    with pytest.raises(TypeError):
+        load_setting("no_such_field", env=env)
+
+
+def test_memory_limit_for_backend():
+    assert memory_limit_for("cpu", 0) == CPU_MEMORY_LIMIT_BYTES == 4 << 30
+    assert memory_limit_for("cpu", 1 << 20) == 1 << 20
+    assert memory_limit_for("cuda", 0) is None
+
+
+
+def test_the_sdk_cli_and_services_take_their_defaults_from_settings():
+    import inspect
+
+    from services.generator.llm import LLMConfig
+    from services.sdk.client import AIKGClient, AsyncAIKGClient
+    from services.sdk.workers import RemoteWorker
+
+    defaults = Settings()
+    for client in (AIKGClient, AsyncAIKGClient):
+        assert inspect.signature(client).parameters["url"].default == defaults.gateway_url
+    assert (inspect.signature(RemoteWorker).parameters["result_timeout_s"].default
+            == defaults.verify_result_timeout_s)
+    assert LLMConfig(agent="coder", base_url="", model="").timeout_s == defaults.llm_timeout_s
