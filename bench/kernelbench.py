@@ -286,8 +286,8 @@ def _problems(args: argparse.Namespace) -> list[Path]:
 async def run(args: argparse.Namespace) -> list[Row]:
     from schemas import VerifyRequest
     from services.generator.coders.base import launch_defaults, lowering_sandbox
-    from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.generator.lowering.errors import LoweringError
     from services.worker.verifier import Verifier
 
     problems = _problems(args)
@@ -431,8 +431,8 @@ async def run_facts(args: argparse.Namespace) -> list[Row]:
     ``refused`` when the built-in coder does not lower the problem."""
     from schemas import VerifyRequest
     from services.generator.coders.base import launch_defaults, lowering_sandbox
-    from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.generator.lowering.errors import LoweringError
     from services.worker.verifier import Verifier
 
     problems = _problems(args)

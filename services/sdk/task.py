@@ -76,8 +76,8 @@ async def lower_in_child(task_desc: str, shape_overrides: Mapping[str, Any] | No
         took longer than ``timeout_s`` seconds.
     """
     from services.generator.coders.base import launch_defaults
-    from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.generator.lowering.errors import LoweringError
     from services.sandbox.pool import PoolBroken
 
     try:

@@ -28,8 +28,8 @@ from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter, claim_nonce, random_key
-from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
+from services.generator.lowering.errors import LoweringError
 from services.generator.service import Generator, run_generator
 from services.sandbox.limits import ChildLimits, child_limits_from
 from services.worker.service import Worker, run_worker

@@ -239,8 +239,8 @@ async def test_what_a_child_starts_dies_with_it(lowering_sandbox):
     """A child is process 1 of a PID namespace of its own: it sees only its own
     processes in /proc, and what it starts (here the task's own code, in the built-in
     coder's child, where forking is allowed) is killed with it."""
-    from services.generator.coders.errors import LoweringError
     from services.generator.coders.lowering_role import lower_in_sandbox
+    from services.generator.lowering.errors import LoweringError
 
     marker = "orph" + uuid.uuid4().hex[:8]
     task = RELU_TASK + f"""

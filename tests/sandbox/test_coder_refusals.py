@@ -76,8 +76,8 @@ def test_source_screen_leaves_the_rest_to_the_lowering(source):
 
 
 def test_a_constant_tensor_other_than_a_number_is_refused_by_name():
-    from services.generator.coders.errors import LoweringError
     from services.generator.lowering import lower_task
+    from services.generator.lowering.errors import LoweringError
 
     with pytest.raises(LoweringError, match=r"constant tensor \(lifted_tensor_0\)"):
         lower_task(declined_task("pass", "x + torch.tensor([1.0, 2.0]).sum()"))

@@ -20,10 +20,10 @@ from cachetools import LRUCache
 from schemas import JobSubmit, VerifyResult
 from services.common.settings import LOWERING_TIMEOUT_S
 from services.common.shares import TenantSlots
-from services.generator.coders.errors import LoweringError
 from services.generator.coders.lowering_role import lower_in_sandbox
 from services.generator.coders.screen import decline
 from services.generator.launch_configs import DEFAULT_FAMILY
+from services.generator.lowering.errors import LoweringError
 from services.sandbox.limits import ChildLimits
 from services.sandbox.pool import PoolBroken, Sandbox
 

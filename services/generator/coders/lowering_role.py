@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from services.common.settings import LOWERING_TIMEOUT_S
-from services.generator.coders.errors import LoweringError
+from services.generator.lowering.errors import LoweringError
 from services.sandbox import wire
 from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
 from services.sandbox.roles import register_role

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.generator.coders.errors import LoweringError
 from services.generator.launch_configs import ROW_BLOCK
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.lowerer import Lowerer
 from services.generator.lowering.task import export_program, load_task, scalar_tensors
 

@@ -1,11 +1,13 @@
 """The one failure of a built-in coder lowering, wherever it is met.
 
-Raised inside the sandboxed lowering child by the lowering itself
-(:mod:`services.generator.lowering`: an operator with no lowering, a task that does not
-run), and in the parent by :func:`services.generator.coders.lowering_role.lower_in_sandbox`
+Raised inside the sandboxed lowering child by the lowering itself (this package: an
+operator with no lowering, a task that does not run), and in the parent by :func:`services.generator.coders.lowering_role.lower_in_sandbox`
 when that child failed, hit a limit, outlived its timeout or answered badly. A coder
 turns it into :class:`services.generator.coders.base.CoderError` (a coder's failure,
 LLM or built-in), whose message adds what the user can do next.
+
+This module imports nothing (no torch), so the generator and the SDK, which never run
+the lowering themselves, can catch the error without loading it.
 """
 
 from __future__ import annotations

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-import sys
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx
 
-from services.generator.coders.errors import LoweringError
 from services.generator.lowering.emit import literal, render, torch_dtype_name
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.ir import (
     Kernel,
     PendingConv,
@@ -31,8 +29,7 @@ from services.generator.lowering.ir import (
     meta_val,
     reachable,
 )
-from services.generator.lowering.parameters import attr_path
-from services.generator.lowering.registry import (
+from services.generator.lowering.ops import (
     CONSTANTS,
     RULES,
     SYM_OPS,
@@ -42,19 +39,10 @@ from services.generator.lowering.registry import (
     constant_expr,
     operand_exprs,
     refuse,
-    schedule_of,
 )
-from services.generator.lowering.schedules import (
-    concat,
-    conv,
-    flip,
-    matmul,
-    pointwise,
-    pooling,
-    recurrent,
-    reduction,
-    scan,
-)
+from services.generator.lowering.parameters import attr_path
+from services.generator.lowering.registry import schedule_of
+from services.generator.lowering.schedules import matmul, pointwise
 from services.generator.lowering.task import Task
 
 
@@ -404,26 +392,7 @@ class Lowerer:
         schedule = schedule_of(op)
         if schedule is None:
             raise refuse(op)
-        _SCHEDULES[schedule](self, node, op)
-
-    def defer_pointwise(self, node: torch.fx.Node, op: str) -> None:
-        """Schedule ``pointwise``, deferred: an element-wise node is computed inside the
-        kernels that read it (:meth:`chain`), written when a tensor must exist
-        (:meth:`materialize`)."""
-        for arg in node.all_input_nodes:
-            if (self.values[arg].kind == "tensor"
-                    and meta_val(arg).dtype not in (*TL_DTYPES, torch.int64)):
-                check_dtype(meta_val(arg).dtype, f"{op}'s operand")
-        self.values[node] = Value("pointwise")
-
-    def arange(self, node: torch.fx.Node, op: str) -> None:
-        """``torch.arange`` in forward (its bounds may be sizes known at run time)."""
-        raw = bind_args(node)
-        args = [self.sym(raw.get(k)) if isinstance(raw.get(k), torch.fx.Node) else repr(raw.get(k))
-                for k in ("start", "end", "step") if k in raw]
-        var = self.fresh("buf")
-        self.forward.append(f"{var} = torch.arange({', '.join(args)}, device={self.device})")
-        self.values[node] = Value("tensor", var)
+        schedule.lower(self, node, op)
 
     def materialize(self, node: torch.fx.Node) -> str:
         """A forward tensor holding ``node``'s value (a pointwise kernel if needed)."""
@@ -437,55 +406,6 @@ class Lowerer:
             raise LoweringError("outputs", f"{node.name} is not a tensor")
         pointwise.lower(self, node)
         return self.values[node].expr
-
-    def view(self, node: torch.fx.Node, op: str) -> None:
-        raw = bind_args(node)
-        src = self.materialize(raw["self"])
-        name = op.split(".")[1]
-        # Views that are one method call of the same name: its arguments.
-        calls = {
-            "unsqueeze": lambda: f"{raw['dim']}",
-            "permute": lambda: self.sym(list(raw["dims"])),
-            "expand": lambda: self.size_list(raw["size"]),
-            "t": lambda: "",
-            "transpose": lambda: f"{raw['dim0']}, {raw['dim1']}",
-            "select": lambda: f"{raw['dim']}, {self.sym(raw['index'])}",
-        }
-        if name in calls:
-            expr = f"{src}.{name}({calls[name]()})"
-        elif name in ("view", "_unsafe_view", "reshape"):
-            expr = f"{src}.reshape({self.reshape_sizes(raw.get('size', raw.get('shape')))})"
-        elif name == "alias":
-            expr = src
-        elif name == "squeeze":
-            dims = raw.get("dim", raw.get("dims"))
-            expr = f"{src}.squeeze()" if dims is None else (
-                f"{src}.squeeze({self.sym(dims)})")
-        elif name == "slice":
-            dim = raw.get("dim", 0)
-            start = raw.get("start")
-            end = raw.get("end")
-            step = raw.get("step", 1)
-            part = (f"{'' if start is None else self.sym(start)}:"
-                    f"{'' if end is None or end == sys.maxsize else self.sym(end)}:{self.sym(step)}")
-            expr = f"{src}[{':, ' * dim}{part}]"
-        else:
-            raise refuse(op)
-        var = self.fresh("view")
-        self.forward.append(f"{var} = {expr}  # {op}")
-        self.values[node] = Value("tensor", var)
-
-    def copy(self, node: torch.fx.Node, op: str) -> None:
-        """``aten.copy(self, src)`` (``t.copy_(src)`` made functional: a Model's tensor
-        attribute overwritten by an input) is ``src`` itself, no kernel, when it has
-        ``self``'s shape and dtype; a copy that broadcasts or casts is refused."""
-        raw = bind_args(node)
-        dst, src = meta_val(raw["self"]), meta_val(raw["src"])
-        if ([str(s) for s in dst.shape] != [str(s) for s in src.shape]
-                or dst.dtype != src.dtype):
-            raise refuse(op, f"a copy from {src.dtype}{list(src.shape)} into "
-                         f"{dst.dtype}{list(dst.shape)}, which broadcasts or casts")
-        self.values[node] = Value("tensor", self.materialize(raw["src"]))
 
     def alloc(self, shape: str, dtype: torch.dtype) -> str:
         """A forward line allocating an output (``torch.empty`` of the forward expression
@@ -510,21 +430,3 @@ class Lowerer:
                     return True
                 stack.append(arg)
         return False
-
-
-# Schedule name (registry.SCHEDULE_OPS) -> what lowers a node of it.
-_SCHEDULES: dict[str, Callable[[Lowerer, torch.fx.Node, str], None]] = {
-    "pointwise": Lowerer.defer_pointwise,
-    "view": Lowerer.view,
-    "arange": Lowerer.arange,
-    "row reduction": reduction.lower,
-    "matmul": matmul.lower,
-    "scan": scan.lower,
-    "pooling": pooling.lower,
-    "flip": flip.lower,
-    "convolution": conv.lower,
-    "concat": concat.lower_cat,
-    "split": concat.lower_split,
-    "recurrent": recurrent.lower,
-    "copy": Lowerer.copy,
-}

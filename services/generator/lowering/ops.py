@@ -1,14 +1,14 @@
-"""Which lowering handles each core-ATen operator: the element-wise rules and the
-operator sets of the schedules.
+"""What the lowering knows of each core-ATen operator: the element-wise rules, the
+operator set of each schedule, the dtypes a kernel may load, and the refusal of the rest.
 
 :data:`RULES` maps an element-wise operator to the :class:`Rule` that writes it as one
 Triton expression over its operands (``"aten.mul.Tensor"`` -> ``{self} * {other}``);
-those nodes are fused into the kernel that consumes them. :func:`schedule_of` names the
-schedule that lowers any other operator (``row reduction``, ``matmul``, ``scan``,
-``pooling``, ``flip``, ``convolution``, ``concat``, ``recurrent``), or ``pointwise`` /
-``view`` / ``split`` / ``arange``; an operator with none is refused with
-:func:`refuse`, which names its family (``indexing``, ``sorting``, ...) so the caller
-can hand the task to the LLM coder.
+those nodes are fused into the kernel that consumes them. The other sets
+(:data:`REDUCTIONS`, :data:`MATMULS`, ...) are the operators of one schedule each; the
+registry (:mod:`services.generator.lowering.registry`) pairs each set with the function
+that lowers it. An operator in none is refused with :func:`refuse`, which names its
+family (``indexing``, ``sorting``, ...) so the caller can hand the task to the LLM coder.
+This module imports no schedule, so every schedule may read it.
 
 Numerics follow torch's: NaN propagation in maximum/minimum/clamp, sign(NaN) = 0, gelu's
 constants, round half to even (torch.round's documented rule).
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from services.generator.coders.errors import LoweringError
 from services.generator.lowering.emit import literal
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.ir import meta_val
 
 # Tensor dtypes a candidate may load or store. float64 and integer tensors are refused:
@@ -373,41 +373,6 @@ def operand_exprs(raw: dict[str, Any], exprs: dict[torch.fx.Node, str],
 # no output aliases an input; the other reshapes are views in forward.
 POINTWISE_OPS = frozenset(
     {op for op in RULES if op not in RESHAPES or op == "aten.alias.default"} | CONSTANTS)
-
-# Schedule name -> the operators it lowers. ``view``, ``split`` and ``arange`` write
-# forward code only (a view, views, a torch.arange); the others write kernels.
-SCHEDULE_OPS: dict[str, frozenset[str]] = {
-    "pointwise": POINTWISE_OPS,
-    "view": (VIEW_OPS | RESHAPES) - POINTWISE_OPS,
-    "arange": ARANGES,
-    "row reduction": REDUCTIONS,
-    "matmul": MATMULS,
-    "scan": SCANS,
-    "pooling": POOLS,
-    "flip": FLIPS,
-    "convolution": CONVOLUTIONS,
-    "concat": CONCATS,
-    "split": SPLITS,
-    "recurrent": RECURRENT,
-    "copy": COPIES,
-}
-
-
-def _by_op(table: dict[str, frozenset[str]]) -> dict[str, str]:
-    """Operator -> schedule name; an operator in two schedules is a bug in the table."""
-    out: dict[str, str] = {}
-    for schedule, ops in table.items():
-        for op in ops:
-            if op in out:
-                raise RuntimeError(f"{op} is in schedules {out[op]!r} and {schedule!r}")
-            out[op] = schedule
-    return out
-
-
-_SCHEDULE_OF = _by_op(SCHEDULE_OPS)
-
-
-def schedule_of(op: str) -> str | None:
-    """The schedule that lowers ``op`` (e.g. ``"aten.sum.dim_IntList"`` -> ``"row
-    reduction"``), or None when the built-in coder has none."""
-    return _SCHEDULE_OF.get(op)
+# The reshapes and views that are one line of forward (schedule ``view``); alias is
+# element-wise (a pass-through in a chain), so it is not here.
+FORWARD_VIEWS = (VIEW_OPS | RESHAPES) - POINTWISE_OPS

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from services.generator.coders.errors import LoweringError
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.init_args import follow_init_args
 from services.generator.lowering.task import Task
 

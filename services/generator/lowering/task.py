@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from services.common.records import REQUIRED_TASK_NAMES
-from services.generator.coders.errors import LoweringError
+from services.generator.lowering.errors import LoweringError
 
 _KERNEL_NAME = "fused_elementwise_kernel"
 

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from services.generator.coders.errors import LoweringError
 from services.generator.lowering.emit import add_kernel, flat_index_lines, launch_blocks
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.ir import Value, bind_args, meta_val
 
 if TYPE_CHECKING:

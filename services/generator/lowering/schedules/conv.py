@@ -37,7 +37,7 @@ import torch.fx
 from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, tile_epilogue
 from services.generator.lowering.ir import PendingConv, Value, bind_args, meta_val
-from services.generator.lowering.registry import check_dtype, refuse
+from services.generator.lowering.ops import check_dtype, refuse
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer

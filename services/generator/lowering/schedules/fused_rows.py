@@ -47,6 +47,13 @@ import torch.fx
 from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel, prod
 from services.generator.lowering.ir import Value, bind_args, meta_val
+from services.generator.lowering.ops import (
+    CONSTANTS,
+    FORWARD_VIEWS,
+    POINTWISE_OPS,
+    REDUCTIONS,
+    TL_DTYPES,
+)
 from services.generator.lowering.schedules.fused_bodies import (
     _deps_of,
     _Kernel,
@@ -55,6 +62,7 @@ from services.generator.lowering.schedules.fused_bodies import (
     gather_dim,
 )
 from services.generator.lowering.schedules.row_layout import Layout
+from services.generator.lowering.schedules.rows import row_tiles
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -107,8 +115,6 @@ def _reduction(node: torch.fx.Node) -> Reduction | None:
     name = op.split(".")[1]
     if name not in KINDS or name in ("max", "min"):
         return None
-    from services.generator.lowering.registry import REDUCTIONS
-
     if op not in REDUCTIONS:
         return None
     raw = bind_args(node)
@@ -137,14 +143,12 @@ def _early_view(lw: Lowerer, n: torch.fx.Node) -> bool:
     exist already (a parameter: a line of forward, no kernel) or an element-wise node
     of such values (deferred: computed by the kernels that read it), so a group may
     read it before the lowerer reaches it. Returns whether ``n`` has its value."""
-    from services.generator.lowering.registry import schedule_of
-
     if n in lw.values:
         return True
-    schedule = schedule_of(str(n.target)) if n.op == "call_function" else None
-    if schedule not in ("view", "pointwise"):
+    op = str(n.target) if n.op == "call_function" else None
+    if op not in FORWARD_VIEWS and op not in POINTWISE_OPS:
         return False
-    kinds = ("tensor", "sym", "const") + (("pointwise",) if schedule == "pointwise" else ())
+    kinds = ("tensor", "sym", "const") + (("pointwise",) if op in POINTWISE_OPS else ())
     for a in n.all_input_nodes:
         if not (_early_view(lw, a) and lw.values[a].kind in kinds):
             return False
@@ -186,8 +190,6 @@ def _frame2_leaves_apart(lw: Lowerer, g: Group) -> None:
 def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
     """The fused group starting at reduction ``node``, or None when there is nothing
     to fuse (then :mod:`.reduction` lowers it alone)."""
-    from services.generator.lowering.registry import CONSTANTS, POINTWISE_OPS, TL_DTYPES
-
     first = _reduction(node)
     if first is None or not lw.p.get("row_fusion", 1):
         return None
@@ -282,8 +284,6 @@ def plan(lw: Lowerer, node: torch.fx.Node) -> Group | None:
 def _online_max(g: Group, red: Reduction) -> torch.fx.Node | None:
     """For ``sum(exp(y - c))`` with ``c`` the group's ``m = amax(y)`` or an element-wise
     value of it alone: that amax (the sum is ``sum(exp(y - m)) * exp(m - c)``)."""
-    from services.generator.lowering.registry import POINTWISE_OPS
-
     e = red.src
     if red.name != "sum" or str(e.target) != "aten.exp.default":
         return None
@@ -430,8 +430,6 @@ def lower(lw: Lowerer, g: Group) -> None:
                 f"    {bi} = {bi} if one_pass else 1"]
         block_i = bi
     else:
-        from services.generator.lowering.schedules.reduction import row_tiles
-
         block_i = str(row_tiles(lw, g.src, list(range(lay.a, lay.b)))[1]
                       if lay.mode == "rows" else 1)
         head = [f"    one_pass = {np2} * {block_i} <= {block}"]

@@ -18,7 +18,7 @@ import torch.fx
 from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, literal, tile_epilogue
 from services.generator.lowering.ir import PendingConv, PendingMatmul, Value, bind_args, meta_val
-from services.generator.lowering.registry import CONSTANTS
+from services.generator.lowering.ops import CONSTANTS
 from services.generator.lowering.schedules import conv
 
 if TYPE_CHECKING:

@@ -29,8 +29,9 @@ import torch.fx
 from services.generator.launch_configs import autotune, on_gpu
 from services.generator.lowering.emit import add_kernel, tile_epilogue
 from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
-from services.generator.lowering.registry import CONSTANTS, RULES
+from services.generator.lowering.ops import CONSTANTS, RULES
 from services.generator.lowering.schedules import matmul
+from services.generator.lowering.schedules.rows import index_read
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
@@ -48,8 +49,6 @@ def _plan(lw: Lowerer, node: torch.fx.Node, op: str
     """(product, chain root or None, kind, the logsumexp's nodes or None) when ``node``
     reduces the columns of a pending 2-D float32 matmul product that nothing else
     reads (but the logsumexp's subtraction); else None."""
-    from services.generator.lowering.schedules.reduction import index_read
-
     kind = _KINDS.get(op)
     if kind is None or not lw.p.get("row_fusion", 1):
         return None

@@ -1,6 +1,10 @@
 """Schedule ``pointwise``: an element-wise chain written as one kernel, one program per
 BLOCK_SIZE output elements.
 
+An element-wise node is not written where the graph has it (:func:`defer`): the kernels
+that read it compute it (:meth:`Lowerer.chain`), and this kernel is written only when a
+tensor must exist (:meth:`Lowerer.materialize` calls :func:`lower`).
+
 Each operand is loaded through its strides broadcast to the output's shape, or, when
 forward finds every operand dense in the output's shape (``FLAT``, a compile-time
 branch), at the output's own flat offsets. A chain over a pending matmul's product
@@ -16,10 +20,26 @@ import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, computed, launch_blocks
 from services.generator.lowering.ir import Value, meta_val
+from services.generator.lowering.ops import TL_DTYPES, check_dtype
 from services.generator.lowering.schedules import matmul
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
+
+
+def defer(lw: Lowerer, node: torch.fx.Node, op: str) -> None:
+    """Schedule ``pointwise``, deferred: an element-wise node is computed inside the
+    kernels that read it (:meth:`Lowerer.chain`), written when a tensor must exist
+    (:meth:`Lowerer.materialize`).
+
+    Raises:
+        LoweringError: an operand tensor has a dtype no kernel loads (:func:`check_dtype`).
+    """
+    for arg in node.all_input_nodes:
+        if (lw.values[arg].kind == "tensor"
+                and meta_val(arg).dtype not in (*TL_DTYPES, torch.int64)):
+            check_dtype(meta_val(arg).dtype, f"{op}'s operand")
+    lw.values[node] = Value("pointwise")
 
 
 def lower(lw: Lowerer, node: torch.fx.Node) -> None:

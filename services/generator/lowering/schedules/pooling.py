@@ -18,7 +18,7 @@ import torch.fx
 
 from services.generator.lowering.emit import add_kernel, cast_out, launch_blocks, literal
 from services.generator.lowering.ir import Value, bind_args, meta_val
-from services.generator.lowering.registry import check_dtype, refuse
+from services.generator.lowering.ops import check_dtype, refuse
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer

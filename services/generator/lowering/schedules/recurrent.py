@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.fx
 
-from services.generator.coders.errors import LoweringError
 from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel, torch_dtype_name
+from services.generator.lowering.errors import LoweringError
 from services.generator.lowering.ir import PendingMatmul, Value, bind_args, meta_val
 from services.generator.lowering.schedules import matmul
 

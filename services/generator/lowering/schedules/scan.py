@@ -1,6 +1,6 @@
 """Schedule ``scan``: cumsum and cumprod along any dim.
 
-The input is seen as ``(outer, R, inner)`` rows (:func:`.reduction.rows`); one program
+The input is seen as ``(outer, R, inner)`` rows (:func:`.rows.rows`); one program
 per row and BLOCK_I columns walks R in BLOCK_R chunks, carrying the running total.
 """
 
@@ -14,8 +14,8 @@ import torch.fx
 from services.generator.launch_configs import launch_options
 from services.generator.lowering.emit import add_kernel
 from services.generator.lowering.ir import Value, bind_args, meta_val
-from services.generator.lowering.registry import refuse
-from services.generator.lowering.schedules.reduction import row_loads, row_tiles, rows
+from services.generator.lowering.ops import refuse
+from services.generator.lowering.schedules.rows import row_loads, row_tiles, rows
 
 if TYPE_CHECKING:
     from services.generator.lowering.lowerer import Lowerer
