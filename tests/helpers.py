@@ -206,7 +206,8 @@ async def wait_for_heartbeat(bus: Bus, tasks: Sequence[asyncio.Task] = ()) -> No
 async def started_generator_pull(bus: Bus):
     """A started :class:`~services.common.lanes.LanePull` of the generator's lanes of
     JOBS_SUBMIT (30 s ack wait, 3 deliveries), its base consumer made first."""
-    from services.common.lanes import LanePull, lane_config
+    from services.common.lanes import LanePull
+    from services.common.provision import lane_config
 
     await bus.js.add_consumer(subjects.STREAM_JOBS, lane_config(
         subjects.JOBS_SUBMIT, subjects.CONSUMER_GENERATOR, ack_wait_s=30, max_deliver=3))

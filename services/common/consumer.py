@@ -3,7 +3,7 @@
 What happens to a bound consumer's messages (in-progress beats, nak, dead-letters) is
 :mod:`services.common.pull_loop`'s; the consumers' configuration is
 :func:`services.common.provision.consumer_for`'s (built by
-:func:`services.common.lanes.lane_config`).
+:func:`services.common.provision.lane_config`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 
-from services.common.lanes import lane_config
-from services.common.provision import ProvisionError, ensure_consumer
+from services.common.provision import ProvisionError, ensure_consumer, lane_config
 
 log = structlog.get_logger("aikg.consumer")
 
@@ -56,7 +55,7 @@ async def durable_pull(js: JetStreamContext, *, stream: str, subject: str, durab
                        max_ack_pending: int = 1000,
                        wait_s: float = PROVISION_WAIT_S) -> JetStreamContext.PullSubscription:
     """Bind to a durable pull consumer shared by every instance, made first when
-    missing (:func:`ensure_durable`, with :func:`~services.common.lanes.lane_config`
+    missing (:func:`ensure_durable`, with :func:`~services.common.provision.lane_config`
     of these arguments).
 
     All processes that bind the same ``durable`` share its messages: each message

@@ -45,9 +45,10 @@ from typing import Any
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.api import ConsumerConfig
 
 from schemas import subjects
+from services.common.provision import ensure_consumer
 
 log = structlog.get_logger("aikg.lanes")
 
@@ -357,8 +358,6 @@ class LanePull:
         """Have the lane's consumer made when it does not exist, by the admin-side
         provisioner (:func:`services.common.provision.ensure_consumer`; an existing one
         keeps its configuration, as a bound durable does). False when it cannot be had."""
-        from services.common.provision import ensure_consumer
-
         if lane.consumer in self.known:
             return True
         try:
@@ -421,13 +420,3 @@ def _status(msg) -> str | None:
     if msg.reply:
         return None
     return (msg.headers or {}).get("Status", "")
-
-
-def lane_config(subject: str, durable: str, *, ack_wait_s: float, max_deliver: int,
-                max_ack_pending: int = 1000) -> ConsumerConfig:
-    """The configuration of a lane's durable pull consumer (explicit acks, every
-    message from the start, ``ack_wait_s`` seconds, ``max_deliver`` deliveries)."""
-    return ConsumerConfig(durable_name=durable, filter_subject=subject,
-                          ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
-                          ack_wait=ack_wait_s, max_deliver=max_deliver,
-                          max_ack_pending=max_ack_pending)

@@ -45,10 +45,9 @@ import nats.errors
 import nats.js.errors
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
-from services.common.lanes import lane_config
 from services.common.settings import Settings
 
 log = structlog.get_logger("aikg.provision")
@@ -73,6 +72,16 @@ HINT = ("no consumer provisioner answered and this NATS user may not create cons
 
 class ProvisionError(RuntimeError):
     """The consumer could not be had: the request was refused or nobody could create it."""
+
+
+def lane_config(subject: str, durable: str, *, ack_wait_s: float, max_deliver: int,
+                max_ack_pending: int = 1000) -> ConsumerConfig:
+    """The configuration of a lane's durable pull consumer (explicit acks, every
+    message from the start, ``ack_wait_s`` seconds, ``max_deliver`` deliveries)."""
+    return ConsumerConfig(durable_name=durable, filter_subject=subject,
+                          ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.ALL,
+                          ack_wait=ack_wait_s, max_deliver=max_deliver,
+                          max_ack_pending=max_ack_pending)
 
 
 def consumer_for(stream: str, subject: str, settings: Settings) -> ConsumerConfig:

@@ -31,7 +31,6 @@ from schemas import subjects
 from services.common.bus import Bus, bucket_entries, connect_bus, nats_credentials
 from services.common.consumer import durable_pull
 from services.common.embedded import EmbeddedNatsServer
-from services.common.lanes import lane_config
 from services.common.nats_auth import (
     ROLES,
     BusCredentials,
@@ -44,6 +43,7 @@ from services.common.provision import (
     ProvisionError,
     create_consumer,
     ensure_consumer,
+    lane_config,
     run_nats_setup,
 )
 from services.common.settings import Settings, load_settings

@@ -16,7 +16,8 @@ import msgspec
 
 from schemas import subjects
 from services.common.bus import Bus, connect_bus
-from services.common.lanes import LanePull, lane_config
+from services.common.lanes import LanePull
+from services.common.provision import lane_config
 from services.common.pull_loop import Delivery, PullLoop
 from services.common.runtime import cancel_and_wait
 from services.common.settings import Settings

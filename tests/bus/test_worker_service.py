@@ -31,8 +31,7 @@ import pytest
 
 from schemas import JobEvent, JobRecord, JobSubmit, VerifyResult, decode, subjects, utcnow
 from services.common.bus import Bus, JobStore, connect_bus
-from services.common.lanes import lane_config
-from services.common.provision import create_consumer
+from services.common.provision import create_consumer, lane_config
 from services.common.settings import Settings
 from services.generator.lowering import lower_task
 from services.worker.service import Worker, run_worker
