@@ -43,7 +43,8 @@ from services.common.queue_metrics import run_queue_metrics
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.tenants import TenantTable, load_tenants
-from services.gateway.batches import stop_followers, verify_router
+from services.gateway.batch_follow import stop_followers
+from services.gateway.batches import verify_router
 from services.gateway.deps import DEPENDENCIES
 from services.gateway.errors import EXCEPTION_HANDLERS, REQUEST_MAX_BODY_BYTES
 from services.gateway.health import PROBE_HANDLERS

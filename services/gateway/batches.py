@@ -9,16 +9,18 @@ path, only the gateway in the generator's place.
   limits count the batch's candidates, a batch of 50 as 50 jobs; ``max_timeout_s`` and
   ``max_priority`` apply as to a job.
 - **Identical candidates** (same normalised AST,
-  :func:`services.common.records.normalised_hash`, the hash evolve jobs dedupe by)
+  :func:`services.common.verify_client.originals`, the hash evolve jobs dedupe by)
   are verified once: only the first of them gets a verify request, the others reuse
   its verdict (``duplicate_of``).
 - **Record**: a :class:`~schemas.events.BatchRecord` under ``<batch_id>`` in the
   ``batches`` bucket, every change a compare-and-swap on its revision.
-- **Requests**: one :class:`~schemas.events.VerifyRequest` per distinct candidate on
+- **Requests**: one :class:`~schemas.events.VerifyRequest` per distinct candidate,
+  sent through the batch's :class:`~services.common.verify_client.VerifyClient`, on
   the tenant's VERIFY lane (``verify.<backend>.<arch>`` for the default tenant), the
   batch id as ``job_id``, ``<batch_id>-r<index>`` as request id and ``Nats-Msg-Id``;
   workers answer on ``results.<batch_id>``.
-- **Verdicts** are folded into the record (:func:`fold`) in the order the RESULTS
+- **Verdicts** are folded into the record
+  (:func:`~services.gateway.batch_follow.fold`) in the order the RESULTS
   stream holds them, i.e. the order they finished, by whoever reads first: a task of
   the gateway that took the batch follows it until it ends, and every read of the
   record or its event stream folds too, so a batch whose gateway died is still
@@ -29,7 +31,10 @@ path, only the gateway in the generator's place.
   stream, so they are never verified, and their candidates marked ``cancelled``;
   verdicts of verifications already started still land and are kept.
 
-The bus, the tenant and the viewer are dependencies (services/gateway/deps.py); NATS
+This module holds the routes and the verdicts' event stream; the ``batches`` bucket and
+the record's pure steps are in services/gateway/batch_store.py, the requests and
+verdicts on the bus in services/gateway/batch_follow.py. The bus, the tenant and the
+viewer are dependencies (services/gateway/deps.py); NATS
 trouble is answered 503 by the app's exception handler (services/gateway/errors.py).
 """
 
@@ -37,14 +42,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated
 
 import msgspec
 import nats.errors
 import nats.js.errors
 import structlog
-from cachetools import LRUCache
 from litestar import Request, Router, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
@@ -55,30 +59,34 @@ from litestar.exceptions import (
 )
 from litestar.params import FromPath, HeaderParameter, JSONBody
 from litestar.response import ServerSentEvent, ServerSentEventMessage
-from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
 from schemas import (
-    BatchCandidate,
     BatchRecord,
     BatchSubmit,
     BatchVerdict,
-    VerifyRequest,
-    VerifyResult,
-    decode,
     encode,
     new_id,
     subjects,
     utcnow,
 )
 from schemas.events import BatchTask
-from services.common.bus import Bus, create_record, update_record
+from services.common.bus import Bus
 from services.common.jobs import CheckedJobStore
-from services.common.lane_watch import LaneWatch
-from services.common.records import normalised_hash
-from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
-from services.common.verdicts import ResultsReader, batch_key, claim_nonce
+from services.gateway.batch_follow import (
+    POLL_S,
+    cancel_unstarted,
+    fold,
+    publish_requests,
+    start_follower,
+)
+from services.gateway.batch_store import (
+    BatchStore,
+    plan_candidates,
+    provide_batches,
+    settled,
+)
 from services.gateway.deps import provide_tenant
 from services.gateway.jobs import (
     check_task,
@@ -102,19 +110,9 @@ BATCH_CANDIDATES = Counter(
     "batch, whose verdict it gets).", ["tenant", "kind"],
 )
 
-# How often a follower (the accepting gateway's task, an event stream) reads the
-# RESULTS stream for new verdicts, seconds: verdicts take seconds each, so half a
-# second adds little to when a client sees one.
-POLL_S = 0.5
 # Keepalive comment period of the event stream, seconds (as the job event stream,
 # services/gateway/events.py).
 HEARTBEAT_S = 15.0
-# Longest error text kept per verdict in the record, characters: a record holds up
-# to batch_max_candidates verdicts and must stay well under NATS' 1 MiB payload; the
-# whole error stays in the RESULTS stream.
-ERROR_CHARS = 500
-# Compare-and-swap attempts on a batch record before giving up (RuntimeError, a 500).
-CAS_ATTEMPTS = 50
 
 
 class BatchSubmitResponse(msgspec.Struct, kw_only=True):
@@ -128,259 +126,6 @@ class BatchSubmitResponse(msgspec.Struct, kw_only=True):
     backend: str
     arch: str
     message: str = ""
-
-
-class BatchStore:
-    """The ``batches`` bucket: one :class:`BatchRecord` per batch id.
-
-    Raises (every method): ``nats.errors.Error`` when NATS fails (answered 503).
-    """
-
-    def __init__(self, kv: KeyValue) -> None:
-        self.kv = kv
-
-    async def get(self, batch_id: str) -> tuple[BatchRecord, int] | None:
-        """The record and its revision, or None when there is none.
-
-        Raises:
-            RuntimeError: the stored value is not a BatchRecord (written by something
-                other than AIKG); answered 500 naming the batch.
-        """
-        try:
-            entry = await self.kv.get(batch_id)
-        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError):
-            return None
-        try:
-            return decode(entry.value or b"", BatchRecord), entry.revision
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise RuntimeError(f"batch record {batch_id} is corrupt: {exc}") from exc
-
-    async def create(self, record: BatchRecord) -> bool:
-        """Create the record; False when the id is taken."""
-        return await create_record(self.kv, record.batch_id, record)
-
-    async def update(self, batch_id: str,
-                     change: Callable[[BatchRecord], bool]) -> BatchRecord | None:
-        """Apply ``change`` (True: it changed the record) by compare-and-swap, again on
-        a fresh read when another write won; the record as stored, None when gone.
-
-        Raises:
-            RuntimeError: :data:`CAS_ATTEMPTS` writes all lost, or the record is corrupt.
-        """
-        return await update_record(self.kv, batch_id, lambda: self.get(batch_id),
-                                   lambda record: record if change(record) else None,
-                                   attempts=CAS_ATTEMPTS, what="batch")
-
-    async def delete(self, batch_id: str) -> None:
-        """Remove the record (a batch withdrawn before its requests went out)."""
-        await self.kv.delete(batch_id)
-
-
-def provide_batches(bus: NamedDependency[Bus]) -> BatchStore:
-    """The ``batches`` bucket of the gateway's bus."""
-    if bus.batches is None:  # a Bus built by hand without it
-        raise HTTPException(status_code=503, detail="the gateway's bus has no batches "
-                            "bucket; restart the gateway")
-    return BatchStore(bus.batches)
-
-
-# --- pure logic -------------------------------------------------------------------
-
-
-def plan_candidates(batch_id: str, codes: list[str]) -> list[BatchCandidate]:
-    """One :class:`BatchCandidate` per code, in order; a code whose normalised hash an
-    earlier one has gets that one's request id and ``duplicate_of`` its index."""
-    first: dict[str, int] = {}
-    planned = []
-    for index, code in enumerate(codes):
-        digest = normalised_hash(code)
-        original = first.setdefault(digest, index)
-        planned.append(BatchCandidate(
-            index=index, candidate_id=f"{batch_id}-c{index}",
-            request_id=f"{batch_id}-r{original}", code_hash=digest,
-            duplicate_of=None if original == index else original))
-    return planned
-
-
-def settled(record: BatchRecord) -> bool:
-    """Whether no more verdicts are awaited: every candidate has one or was cancelled
-    unstarted (a cancelled batch's started verifications may still add one)."""
-    decided = {v.index for v in record.verdicts}
-    return all(c.index in decided or c.cancelled for c in record.candidates)
-
-
-def add_verdicts(record: BatchRecord, results: list[tuple[int, VerifyResult]]) -> bool:
-    """Append the verdicts of ``results`` (``(RESULTS sequence, result)``, in stream
-    order) for each candidate of their request that has none yet; a running batch
-    whose every candidate then has one is ``completed``. True when the record changed."""
-    by_request: dict[str, list[BatchCandidate]] = {}
-    for c in record.candidates:
-        by_request.setdefault(c.request_id, []).append(c)
-    decided = {v.index for v in record.verdicts}
-    changed = False
-    for seq, result in results:
-        for c in by_request.get(result.request_id, []):
-            if c.index in decided:
-                continue
-            decided.add(c.index)
-            changed = True
-            record.verdicts.append(BatchVerdict(
-                index=c.index, candidate_id=c.candidate_id, request_id=c.request_id,
-                passed=result.passed, stage=result.stage,
-                error=(result.error or "")[:ERROR_CHARS] or None,
-                duplicate_of=c.duplicate_of, speedup=result.speedup,
-                base_time_us=result.base_time_us, gen_time_us=result.gen_time_us,
-                max_abs_error=result.max_abs_error, trials=result.trials,
-                interpreted=result.interpreted, duration_s=result.duration_s,
-                worker_id=result.worker_id, reference_source=result.reference_source,
-                baseline_source=result.baseline_source, finished_at=result.finished_at,
-                seq=seq))
-    if record.status == "running" and len(decided) == len(record.candidates):
-        record.status, record.end_time, changed = "completed", utcnow(), True
-    return changed
-
-
-# --- on the bus -------------------------------------------------------------------
-
-
-# One reader per batch this gateway folds (its place in the stream and the holders
-# of the batch's requests; services/common/verdicts.py), so a fold reads only what
-# landed since the last; a gateway that restarts reads a batch's subject from the start
-# once.
-_READERS: LRUCache[str, ResultsReader] = LRUCache(maxsize=4096)
-
-
-async def _results_after(bus: Bus, batch_id: str, after: int) -> list[tuple[int, VerifyResult]]:
-    """The verdicts that count (services/common/verdicts.py: from the worker that holds
-    the request) on ``results.<batch_id>.>`` after RESULTS sequence ``after``, read
-    with the stream's message-get API (no consumer)."""
-    reader = _READERS.get(batch_id)
-    if reader is None or reader.js is not bus.js:
-        key = await batch_key(bus.batches, batch_id)
-        reader = _READERS[batch_id] = ResultsReader(bus.js, batch_id, key)
-    return [(seq, result) for seq, result in await reader.read() if seq > after]
-
-
-async def fold(bus: Bus, store: BatchStore, batch_id: str) -> BatchRecord | None:
-    """Bring the batch's record up to date with ``results.<batch_id>``; the record as
-    stored (None when there is none)."""
-    found = await store.get(batch_id)
-    if found is None:
-        return None
-    record = found[0]
-    after = max((v.seq for v in record.verdicts), default=0)
-    results = await _results_after(bus, batch_id, after)
-    if not results:
-        return record
-    return await store.update(batch_id, lambda r: add_verdicts(r, results))
-
-
-async def follow(bus: Bus, batch_id: str) -> None:
-    """Fold the batch's verdicts into its record as they land, until it is settled or
-    its record is gone; NATS trouble is logged and retried. When the batch's
-    backend/arch has had no live worker for ``verify_unserved_timeout_s``
-    (services/common/lane_watch.py), every candidate still without a verdict fails
-    with a message naming the lane (:func:`fail_unserved`)."""
-    store = BatchStore(bus.batches)  # type: ignore[arg-type]
-    watch: LaneWatch | None = None
-    while True:
-        try:
-            record = await fold(bus, store, batch_id)
-            if record is None or settled(record):
-                return
-            if watch is None:
-                watch = LaneWatch(bus.js, record.task.backend, record.task.arch,
-                                  bus.settings.verify_unserved_timeout_s, waiter="batch")
-            if record.status == "running" and (message := await watch.check()):
-                await fail_unserved(bus, store, record, message)
-                return
-        except (nats.errors.Error, nats.js.errors.Error, TimeoutError, OSError) as exc:
-            log.warning("batch_follow_failed", batch_id=batch_id, error=repr(exc))
-        await asyncio.sleep(POLL_S)
-
-
-def add_unserved(record: BatchRecord, message: str) -> bool:
-    """Give every candidate of a running ``record`` that has no verdict and was not
-    cancelled a failed one (stage ``infrastructure``, ``error`` ``message``, no
-    worker), and mark the batch ``completed``. True when the record changed."""
-    if record.status != "running":
-        return False
-    decided = {v.index for v in record.verdicts}
-    for c in record.candidates:
-        if c.index in decided or c.cancelled:
-            continue
-        record.verdicts.append(BatchVerdict(
-            index=c.index, candidate_id=c.candidate_id, request_id=c.request_id,
-            passed=False, stage="infrastructure", error=message[:ERROR_CHARS],
-            duplicate_of=c.duplicate_of))
-    record.status, record.end_time = "completed", utcnow()
-    return True
-
-
-async def fail_unserved(bus: Bus, store: BatchStore, record: BatchRecord, message: str) -> None:
-    """Fail the candidates of ``record`` without a verdict because no worker serves its
-    lane (:func:`add_unserved`), after taking their requests out of VERIFY: no live
-    worker holds them (it would heartbeat), so they would only wait there for a
-    worker of a pair nobody serves."""
-    decided = {v.request_id for v in record.verdicts}
-    for c in record.candidates:
-        if c.duplicate_of is None and c.request_id not in decided and c.verify_seq:
-            with contextlib.suppress(nats.js.errors.NotFoundError):
-                await bus.js.delete_msg(subjects.STREAM_VERIFY, c.verify_seq)
-    await fold(bus, store, record.batch_id)  # verdicts that landed meanwhile count
-    await store.update(record.batch_id, lambda r: add_unserved(r, message))
-    log.warning("batch_unserved", batch_id=record.batch_id, backend=record.task.backend,
-                arch=record.task.arch, message=message)
-
-
-def _start_follower(state: State, bus: Bus, batch_id: str) -> None:
-    followers: set[asyncio.Task] = state.get("batch_followers")
-    task = asyncio.create_task(follow(bus, batch_id), name=f"batch-{batch_id}")
-    followers.add(task)
-    task.add_done_callback(followers.discard)
-
-
-async def stop_followers(state: State) -> None:
-    """Cancel the gateway's batch followers (at shutdown; the records stay, and any
-    later read folds what they would have)."""
-    await cancel_and_wait(*state.get("batch_followers", set()))
-
-
-async def _delivered_seq(bus: Bus, record: BatchRecord) -> int | None:
-    """The VERIFY sequence up to which the batch's lane consumer has handed requests to
-    workers, or None when it cannot be read."""
-    task = record.task
-    consumer = subjects.verify_lane_consumer(task.backend, task.arch, record.tenant,
-                                             task.priority)
-    try:
-        info = await bus.js.consumer_info(subjects.STREAM_VERIFY, consumer)
-    except (nats.errors.Error, nats.js.errors.Error, TimeoutError) as exc:
-        log.warning("batch_consumer_info_failed", consumer=consumer, error=repr(exc))
-        return None
-    return info.delivered.stream_seq or 0
-
-
-async def _take_back(bus: Bus, record: BatchRecord) -> set[str]:
-    """Delete from VERIFY the requests of ``record`` without a verdict that no worker
-    has been given; their request ids. With the consumer unreadable, every request
-    without a verdict is deleted (a worker already running one still answers it)."""
-    delivered = await _delivered_seq(bus, record)
-    decided = {v.request_id for v in record.verdicts}
-    taken = set()
-    for c in record.candidates:
-        if c.duplicate_of is not None or c.request_id in decided or not c.verify_seq:
-            continue
-        if delivered is not None and c.verify_seq <= delivered:
-            continue
-        try:
-            if await bus.js.delete_msg(subjects.STREAM_VERIFY, c.verify_seq):
-                taken.add(c.request_id)
-        except nats.js.errors.NotFoundError:
-            pass  # acked already: its verdict is in RESULTS
-    return taken
-
-
-# --- routes -----------------------------------------------------------------------
 
 
 async def check_batch_body(request: Request) -> None:
@@ -408,37 +153,6 @@ def _load(record: BatchRecord | None, batch_id: str, viewer: str | None) -> Batc
                                 "verification has this id (or it is another tenant's); "
                                 "POST /api/v1/verify/batch returns the id")
     return record
-
-
-async def _publish_requests(bus: Bus, record: BatchRecord, codes: list[str]) -> dict[str, int]:
-    """Publish the verify request of each distinct candidate; request id -> VERIFY
-    sequence. On a failure the ones published are deleted again before it raises."""
-    task = record.task
-    subject = subjects.verify_lane(task.backend, task.arch, record.tenant, task.priority)
-    seqs: dict[str, int] = {}
-    key = await batch_key(bus.batches, record.batch_id)
-    try:
-        for c in record.candidates:
-            if c.duplicate_of is not None:
-                continue
-            request = VerifyRequest(
-                request_id=c.request_id, job_id=record.batch_id, candidate_id=c.candidate_id,
-                op_name=task.op_name, task_desc=task.task_desc, code=codes[c.index],
-                backend=task.backend, arch=task.arch, dsl=task.dsl, framework=task.framework,
-                mode="verify" if task.backend == "cpu" else "profile",
-                shape_overrides=task.shape_overrides, timeout_s=task.timeout_s,
-                trials=task.trials, tenant=record.tenant, priority=task.priority,
-                allow_unchecked=task.allow_unchecked,
-                claim_nonce=claim_nonce(key, c.request_id))
-            ack = await bus.js.publish(subject, encode(request),
-                                       headers={"Nats-Msg-Id": c.request_id})
-            seqs[c.request_id] = ack.seq
-    except Exception:
-        for seq in seqs.values():
-            with contextlib.suppress(Exception):
-                await bus.js.delete_msg(subjects.STREAM_VERIFY, seq)
-        raise
-    return seqs
 
 
 def _same_batch(existing: BatchRecord, record: BatchRecord) -> bool:
@@ -513,7 +227,7 @@ async def submit_batch(
                 unique=existing[0].unique, backend=data.backend, arch=arch,
                 message="batch already submitted")
         try:
-            seqs = await _publish_requests(bus, record, data.candidates)
+            seqs = await publish_requests(bus, record, data.candidates)
         except Exception as exc:
             with contextlib.suppress(Exception):
                 await batches.delete(batch_id)
@@ -531,9 +245,9 @@ async def submit_batch(
         stored = await batches.update(batch_id, record_seqs)
         if stored is not None and stored.status == "cancelled":
             # Cancelled while its requests went out: the cancel saw no sequences yet.
-            await _cancel_unstarted(bus, batches, stored)
+            await cancel_unstarted(bus, batches, stored)
         await held.commit_batch(unique)
-        _start_follower(state, bus, batch_id)
+        start_follower(state, bus, batch_id)
         label = tenant_label(tenant.name)
         BATCHES_SUBMITTED.labels(tenant=label).inc()
         BATCH_CANDIDATES.labels(tenant=label, kind="verified").inc(unique)
@@ -590,23 +304,8 @@ async def batch_cancel(batch_id: FromPath[str], bus: NamedDependency[Bus],
 
     record = await batches.update(batch_id, cancel) or record
     if record.status == "cancelled":
-        await _cancel_unstarted(bus, batches, record)
+        await cancel_unstarted(bus, batches, record)
     return _load(await fold(bus, batches, batch_id), batch_id, viewer)
-
-
-async def _cancel_unstarted(bus: Bus, batches: BatchStore, record: BatchRecord) -> None:
-    """Take back the cancelled batch's requests no worker was given
-    (:func:`_take_back`) and mark their candidates (duplicates included) ``cancelled``."""
-    taken = await _take_back(bus, record)
-
-    def mark(r: BatchRecord) -> bool:
-        hit = [c for c in r.candidates if c.request_id in taken and not c.cancelled]
-        for c in hit:
-            c.cancelled = True
-        return bool(hit)
-
-    await batches.update(record.batch_id, mark)
-    log.info("batch_cancelled", batch_id=record.batch_id, taken_back=len(taken))
 
 
 def _verdict_message(verdict: BatchVerdict, number: int) -> ServerSentEventMessage:

@@ -21,7 +21,7 @@ from httpx_sse import aconnect_sse
 from schemas import VerifyRequest, decode, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
-from services.gateway.batches import plan_candidates
+from services.gateway.batch_store import plan_candidates
 from tests.gateway.test_tenants import auth, gateway, tenants_file
 from tests.helpers import RELU_KERNEL, RELU_TASK, WRONG_RELU_KERNEL, scaled
 
