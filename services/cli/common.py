@@ -1,11 +1,11 @@
 """What the ``aikg`` commands share: their exit codes, consoles and options, the one
 place where SDK errors become exit codes (:func:`sdk_errors`), and reading a task file
-with its ``--shape`` overrides, for every command of :mod:`services.cli`.
+with its ``--shape`` overrides (checked by :mod:`services.common.task_source`), for
+every command of :mod:`services.cli`.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import sys
 from collections.abc import Iterator
@@ -18,10 +18,8 @@ import typer
 from rich.console import Console
 
 from schemas import TERMINAL_STATUSES, JobRecord
-from schemas.events import ShapeValue
-from services.common.pyast import parse
-from services.common.records import unknown_shape_names
 from services.common.settings import Settings, load_setting, load_settings
+from services.common.task_source import TaskError, check_task, parse_shape
 
 
 class ExitCode(IntEnum):
@@ -158,59 +156,18 @@ def read_task(file: Path) -> str:
         fail(ExitCode.USAGE, f"cannot read task file {file}: {exc}")
 
 
-ShapeOverride = int | float | bool | str | tuple[int, ...]
-
-
-def parse_shape(item: str) -> tuple[str, ShapeOverride]:
-    """``NAME=VALUE`` -> ``(NAME, VALUE)``.
-
-    VALUE is read as a Python literal (:func:`ast.literal_eval`): an int (``16``), a
-    float (``1e-5``), a bool (``True``; ``true``/``false`` also accepted), a quoted
-    string, or a tuple or list of ints (``(64,)``, ``[8, 8]``), returned as a tuple;
-    text that is not a literal is kept as a string (``mode=fast``). These are the
-    values a job's ``shape_overrides`` carries, within the same bounds
-    (``schemas.events.ShapeValue``: ints in [0, 2**31), ...).
-
-    Raises:
-        typer.BadParameter: no ``=``, an empty name, a literal of another kind
-            (a tuple of floats, a dict, None, ...), or a value out of bounds.
-    """
-    name, sep, text = item.partition("=")
-    name = name.strip()
-    if not sep or not name:
-        raise typer.BadParameter(f"{item!r}: expected NAME=VALUE, e.g. batch_size=16")
-    text = text.strip()
-    if text.lower() in ("true", "false"):
-        return name, text.lower() == "true"
-    try:
-        value = ast.literal_eval(parse(text, mode="eval"))
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
-        return name, text  # not a Python literal: a bare word such as mode=fast
-    if isinstance(value, int | float | bool | str) or (isinstance(value, tuple | list) and all(
-            isinstance(v, int) and not isinstance(v, bool) for v in value)):
-        try:
-            msgspec.convert(list(value) if isinstance(value, tuple | list) else value,
-                            ShapeValue, strict=True)
-        except msgspec.ValidationError as exc:
-            raise typer.BadParameter(f"{item!r}: {exc}") from None
-        return name, tuple(value) if isinstance(value, tuple | list) else value
-    raise typer.BadParameter(
-        f"{item!r}: VALUE must be an int, a float, true/false, a string or a tuple of "
-        f"ints such as (64,), not {type(value).__name__} {text}")
-
-
 def shape_overrides(file: Path, task_desc: str, shapes: list[str] | None) -> dict[str, Any]:
-    """The ``--shape`` items as a dict, each checked against the names the task
-    defines at top level; an unknown name or a task that is not Python exits 2."""
-    overrides = dict(parse_shape(s) for s in shapes or [])
+    """The ``--shape NAME=VALUE`` items as a dict (:func:`parse_shape`), the task and
+    each name checked (:func:`~services.common.task_source.check_task`): a mistake in
+    either exits 2 with the task source's message after the file's name."""
     try:
-        unknown, defined = unknown_shape_names(task_desc, overrides)
-    except SyntaxError as exc:
-        fail(ExitCode.USAGE, f"{file}: not valid Python (line {exc.lineno}: {exc.msg})")
-    if unknown:
-        fail(ExitCode.USAGE,
-             f"--shape {', '.join(unknown)}: {file} defines no such module-level name; "
-             f"it defines: {', '.join(defined) or '(none)'}")
+        overrides = dict(parse_shape(s) for s in shapes or [])
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--shape'") from None
+    try:
+        check_task(task_desc, overrides)
+    except TaskError as exc:
+        fail(ExitCode.USAGE, f"{file}: {exc}")
     return overrides
 
 
@@ -233,19 +190,14 @@ def local_inputs(file: Path, backend: str, devices: str,
     """``run``/``verify``: the task's text, the device list and the shape overrides,
     each checked (bad input exits 2); logging set up for a local run."""
     from services.common.logging import configure_logging
-    from services.common.records import TaskError, check_task_source
 
     task_desc = read_task(file)
-    try:
-        check_task_source(task_desc)
-    except (TaskError, ValueError) as exc:
-        fail(ExitCode.USAGE, f"{file}: {exc}")
+    overrides = shape_overrides(file, task_desc, shape)
     device_list = [d.strip() for d in devices.split(",") if d.strip()]
     if not device_list:
         fail(ExitCode.USAGE, "--devices is empty: give at least one, e.g. --devices 0")
     if backend not in ("cpu", "cuda", "ascend"):
         fail(ExitCode.USAGE, f"--backend must be cpu, cuda or ascend, not {backend!r}")
-    overrides = shape_overrides(file, task_desc, shape)
     configure_logging("run", load_setting("log_level", "warning"), "console")
     return task_desc, device_list, overrides
 

@@ -20,10 +20,10 @@ from services.cli.common import (
     err,
     fail,
     out,
-    parse_shape,
     read_task,
     say,
     sdk_errors,
+    shape_overrides,
     show_record,
 )
 from services.common.runtime import free_port, install_signal_handlers
@@ -130,7 +130,7 @@ def demo(
     """
     settings = cli_settings()
     task_desc = read_task(file)
-    overrides = dict(parse_shape(s) for s in shape or [])
+    overrides = shape_overrides(file, task_desc, shape)
     port = free_port()
     err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
     started = time.monotonic()

@@ -30,10 +30,7 @@ from schemas import (
 )
 from services.common.bus import Bus, JobNotFound, JobStore, bucket_entries
 from services.common.records import (  # noqa: F401  (re-exported: the pure half lives there)
-    REQUIRED_TASK_NAMES,
     JobRecordCorrupt,
-    TaskError,
-    check_task_source,
     decode_record,
     describe_pairs,
     new_record,

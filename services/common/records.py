@@ -1,12 +1,12 @@
-"""Job records and task checks: pure logic, no NATS.
+"""Job records: pure logic, no NATS.
 
 What both doors of a job (the gateway's HTTP submit and a raw ``nats pub`` on
-``jobs.submit`` read by the generator) and the local path (``aikg run``, the SDK's
-``Task``) need without a bus: checking a KernelBench-format task's source, building
-a ``pending`` record, decoding a stored record, choosing an arch among live
+``jobs.submit`` read by the generator) need without a bus: building a ``pending``
+record, decoding a stored record, choosing an arch among live
 workers, and the normalised hash by which identical candidates are recognised (an
-evolve job's duplicates, a batch verification's). The NATS side (the checked job store, events, cancel) is
-:mod:`services.common.jobs`.
+evolve job's duplicates, a batch verification's). The NATS side (the checked job
+store, events, cancel) is :mod:`services.common.jobs`; checking a task's source and
+its shape overrides is :mod:`services.common.task_source`.
 """
 
 from __future__ import annotations
@@ -57,13 +57,6 @@ def decode_record(job_id: str, value: bytes) -> JobRecord:
         raise JobRecordCorrupt(job_id, str(exc) or exc.__class__.__name__) from exc
 
 
-REQUIRED_TASK_NAMES = ("Model", "get_inputs", "get_init_inputs")
-
-
-class TaskError(ValueError):
-    """The task source is not a usable KernelBench-format task; the message says why."""
-
-
 def normalised_hash(code: str) -> str:
     """sha256 (hex) of the code's AST dump: comments, blank lines and formatting do
     not count, names and constants do.
@@ -78,39 +71,6 @@ def normalised_hash(code: str) -> str:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         text = code
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def check_task_source(task_desc: str) -> None:
-    """Statically check a KernelBench-format task without running it.
-
-    The task must parse as Python and define ``class Model``, ``get_inputs`` and
-    ``get_init_inputs`` at module level (KernelBench's problem format).
-
-    Raises:
-        TaskError: syntax error (with line number) or a missing definition.
-    """
-    try:
-        tree = parse(task_desc)
-    except SyntaxError as exc:
-        raise TaskError(f"task_desc is not valid Python: line {exc.lineno}: {exc.msg}") from exc
-    defined = {
-        node.name
-        for node in tree.body
-        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-    }
-    defined |= {
-        t.id
-        for node in tree.body
-        if isinstance(node, ast.Assign)
-        for t in node.targets
-        if isinstance(t, ast.Name)
-    }
-    missing = [n for n in REQUIRED_TASK_NAMES if n not in defined]
-    if missing:
-        raise TaskError(
-            "task_desc must define class Model, get_inputs() and get_init_inputs() "
-            f"(KernelBench format); missing: {', '.join(missing)}"
-        )
 
 
 def new_record(submit: JobSubmit, *, job_id: str | None = None, arch: str | None = None,
@@ -177,59 +137,3 @@ def request_id_of(candidate_id: str) -> str:
         raise ValueError(f"{candidate_id!r} is not an attempt's candidate id (<job>-c<n>)")
     return f"{base}-a{number}"
 
-
-def task_module_names(task_desc: str) -> list[str]:
-    """Names a task's module binds by assignment at top level, in source order.
-
-    Found with :mod:`ast`, without running the task (whose code is not trusted here):
-    targets of ``=``, ``+=`` and annotated assignments, also inside top-level ``if``,
-    ``try``, ``for`` and ``with`` blocks, never inside functions or classes.
-
-    Raises:
-        SyntaxError: the task is not valid Python.
-    """
-    names: dict[str, None] = {}
-
-    def targets(node: ast.AST) -> None:
-        if isinstance(node, ast.Name):
-            names[node.id] = None
-        elif isinstance(node, ast.Tuple | ast.List):
-            for element in node.elts:
-                targets(element)
-        elif isinstance(node, ast.Starred):
-            targets(node.value)
-
-    def visit(body: list[ast.stmt]) -> None:
-        for stmt in body:
-            if isinstance(stmt, ast.Assign):
-                for target in stmt.targets:
-                    targets(target)
-            elif isinstance(stmt, ast.AugAssign | ast.AnnAssign):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.For | ast.AsyncFor):
-                targets(stmt.target)
-            elif isinstance(stmt, ast.With | ast.AsyncWith):
-                for withitem in stmt.items:
-                    if withitem.optional_vars is not None:
-                        targets(withitem.optional_vars)
-            for field_name in ("body", "orelse", "finalbody"):
-                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                    visit(getattr(stmt, field_name, []) or [])
-            for handler in getattr(stmt, "handlers", []):
-                visit(handler.body)
-
-    visit(parse(task_desc).body)
-    return list(names)
-
-
-def unknown_shape_names(task_desc: str, overrides: dict[str, object]) -> tuple[list[str], list[str]]:
-    """``(names in overrides the task does not assign at top level, names it assigns)``
-    (:func:`task_module_names`): a ``shape_overrides`` name must be one of the latter.
-
-    Raises:
-        SyntaxError: the task is not valid Python.
-    """
-    if not overrides:
-        return [], []
-    defined = task_module_names(task_desc)
-    return [name for name in overrides if name not in defined], defined

@@ -59,18 +59,16 @@ from schemas import (
     utcnow,
 )
 from schemas.events import ShapeValue
+from services.common import task_source
 from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound
 from services.common.jobs import (
     CheckedJobStore,
-    TaskError,
     cancel_job,
-    check_task_source,
     describe_pairs,
     live_arch,
     new_record,
     publish_event,
 )
-from services.common.records import unknown_shape_names
 from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
 from services.gateway import events as job_events
@@ -242,22 +240,14 @@ def strict_decode(body: bytes, record_type: type[T]) -> T:
 def check_task(task_desc: str, shape_overrides: dict[str, object] | None = None) -> None:
     """400 unless ``task_desc`` is a KernelBench-format task (static check, no run) and
     every ``shape_overrides`` name is one the task assigns at top level (the check
-    ``aikg run --shape`` makes)."""
+    ``aikg run --shape`` makes; :mod:`services.common.task_source`)."""
     try:
-        check_task_source(task_desc)
-        unknown, defined = unknown_shape_names(task_desc, shape_overrides or {})
-    except TaskError as exc:
-        raise ClientException(detail=str(exc)) from exc
-    except (ValueError, RecursionError, MemoryError) as exc:
-        # ast.parse refuses NUL bytes with ValueError on 3.11 and very deep nesting
-        # with RecursionError: the task is unusable either way.
-        raise ClientException(detail=f"task_desc cannot be parsed as Python: "
-                                     f"{exc.__class__.__name__}: {exc}") from exc
-    if unknown:
-        detail = (f"shape_overrides names {', '.join(map(repr, unknown))}, which the task "
-                  f"does not assign at top level; it assigns: {', '.join(defined) or '(none)'}")
-        raise ValidationException(detail=detail, extra=[
-            {"message": detail, "key": "shape_overrides", "source": "body"}])
+        task_source.check_task(task_desc, shape_overrides)
+    except task_source.TaskError as exc:
+        if exc.field != "shape_overrides":
+            raise ClientException(detail=str(exc)) from exc
+        raise ValidationException(detail=str(exc), extra=[
+            {"message": str(exc), "key": "shape_overrides", "source": "body"}]) from exc
 
 
 async def routed_arch(bus: Bus, backend: str, arch: str | None) -> str:

@@ -81,8 +81,6 @@ from services.common.bus import Bus, JobNotFound, connect_bus
 from services.common.jobs import (
     CheckedJobStore,
     JobRecordCorrupt,
-    TaskError,
-    check_task_source,
     describe_pairs,
     live_arch,
     new_record,
@@ -91,10 +89,11 @@ from services.common.jobs import (
 from services.common.lane_watch import LaneWatch, UnservedLane, while_served
 from services.common.metrics import start_metrics_server
 from services.common.pull_loop import PullLoop, open_pull_loop
-from services.common.records import attempt_ids, unknown_shape_names
+from services.common.records import attempt_ids
 from services.common.runtime import cancel_and_wait, install_signal_handlers
 from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
+from services.common.task_source import TaskError, check_task
 from services.common.tenants import load_tenants, tenant_label, warn_without_tenants_file
 from services.common.verdicts import VerdictWaiter, forget_job_key, job_key
 from services.generator.agents import Conductor, Designer, LLMCoder
@@ -362,17 +361,9 @@ class Generator:
         arch = submit.arch
         error = refused
         try:
-            check_task_source(submit.task_desc)
-            unknown, defined = unknown_shape_names(submit.task_desc, submit.shape_overrides)
-            if unknown:
-                error = (f"shape_overrides names {', '.join(map(repr, unknown))}, which the "
-                         f"task does not assign at top level; it assigns: "
-                         f"{', '.join(defined) or '(none)'}")
+            check_task(submit.task_desc, submit.shape_overrides)
         except TaskError as exc:
             error = error or str(exc)
-        except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
-            error = error or (f"task_desc cannot be parsed as Python: "
-                              f"{type(exc).__name__}: {exc}")
         if error is None and arch is None:
             arch, workers = await live_arch(self.bus, submit.backend, None)
             if arch is None:

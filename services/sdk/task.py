@@ -26,6 +26,7 @@ import msgspec
 
 from schemas import subjects
 from services.common.settings import LOWERING_TIMEOUT_S
+from services.common.task_source import TaskError, check_task
 from services.generator.coders.screen import decline
 from services.sdk.workers import (
     DevicePool,
@@ -175,8 +176,6 @@ class Task:
         Raises:
             services.sdk.workers.NoWorkerError: no worker registered for backend/arch.
         """
-        from services.common.records import TaskError, check_task_source
-
         info: dict[str, Any] = {
             "task_id": self.task_id, "op_name": self.op_name, "backend": self.backend,
             "arch": self.arch, "passed": False, "code": None, "verdict": None, "error": None,
@@ -185,8 +184,8 @@ class Task:
         worker = self.manager.select(self.backend, self.arch)
         info["arch"] = self.arch or getattr(worker, "arch", None)
         try:
-            check_task_source(self.task_desc)
-        except (TaskError, ValueError) as exc:
+            check_task(self.task_desc, self.shape_overrides)
+        except TaskError as exc:
             info["error"] = str(exc)
             return self.op_name, False, info
 

@@ -32,7 +32,7 @@ import nats.js.errors
 from schemas import VerifyRequest, VerifyResult, WorkerInfo, decode, encode, new_id, subjects
 from services.common.jobs import heartbeats
 from services.common.lane_watch import LaneWatch, UnservedLane, while_served
-from services.common.records import normalised_hash, unknown_shape_names
+from services.common.records import normalised_hash
 from services.common.runtime import cancel_and_wait
 from services.common.settings import (
     VERIFY_RESULT_TIMEOUT_S,
@@ -41,6 +41,7 @@ from services.common.settings import (
     machine_arch,
     memory_limit_for,
 )
+from services.common.task_source import check_shape_overrides
 from services.common.verdicts import VerdictWaiter, random_key
 
 _CONNECT_TIMEOUT_S = 10.0
@@ -82,14 +83,8 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
             ``Expected `float` > 0 - at `$.timeout_s```); or a ``shape_overrides`` name
             the task does not assign at top level (the message lists those it does).
     """
-    try:
-        unknown, defined = unknown_shape_names(task_desc, dict(shape_overrides or {}))
-    except SyntaxError:
-        unknown = []  # the worker's verdict says what is wrong with the task
-    if unknown:
-        raise ValueError(f"shape_overrides names {', '.join(map(repr, unknown))}, which the "
-                         f"task does not assign at top level; it assigns: "
-                         f"{', '.join(defined) or '(none)'}")
+    # Source that does not parse is sent: the worker's verdict says what is wrong with it.
+    check_shape_overrides(task_desc, shape_overrides)
     request = VerifyRequest(
         request_id=new_id("req-"), job_id=job_id or new_id("sdk-"),
         candidate_id=candidate_id or new_id("cand-"), op_name=op_name, task_desc=task_desc,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from schemas.events import EagerCount
-from services.common.records import REQUIRED_TASK_NAMES
+from services.common.task_source import REQUIRED_TASK_NAMES, unknown_overrides_message
 from services.sandbox import values
 from services.sandbox.child import JobFailure, _failure, _outputs, out_of_memory, seed_all
 from services.sandbox.wire import (
@@ -119,8 +119,7 @@ class _Task:
         if unknown:
             raise JobFailure(Failure(
                 stage="infrastructure",
-                message=f"shape_overrides name {', '.join(unknown)}, which the task does not "
-                        "define; use its module-level size names"))
+                message=unknown_overrides_message(unknown, list(self.defaults))))
         for name, value in self.defaults.items():
             setattr(self.module, name, value)
         for name, value in overrides.items():

@@ -118,8 +118,9 @@ def test_large_task_lowers_unchanged_with_shape_overrides(name):
 
 
 def test_an_unknown_shape_name_is_refused_as_the_verifier_refuses_it():
-    with pytest.raises(LoweringError, match="shape_overrides name batch, which the task does "
-                                            "not define"):
+    with pytest.raises(LoweringError, match="shape_overrides name 'batch', which the task "
+                                            "does not assign at top level; it assigns: "
+                                            "batch_size, dim"):
         lowered((TASKS / "relu.py").read_text(), {"batch": 4})
 
 

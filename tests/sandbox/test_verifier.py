@@ -141,7 +141,7 @@ async def test_shape_overrides_shrink_the_task(verifier):
 async def test_unknown_shape_override_is_infrastructure(verifier):
     result = await verifier.verify(request(shape_overrides={"batch": 4}), device="0")
     assert result.stage == "infrastructure"
-    assert "shape_overrides name batch" in result.error
+    assert "shape_overrides name 'batch', which the task does not assign" in result.error
 
 
 async def test_broken_reference_is_infrastructure(verifier):

@@ -23,7 +23,11 @@ from typing import Any
 
 import torch
 
-from services.common.records import REQUIRED_TASK_NAMES
+from services.common.task_source import (
+    REQUIRED_TASK_NAMES,
+    task_module_names,
+    unknown_overrides_message,
+)
 from services.generator.lowering.errors import LoweringError
 
 _KERNEL_NAME = "fused_elementwise_kernel"
@@ -90,8 +94,8 @@ def load_task(task_desc: str, shape_overrides: dict[str, Any] | None,
     # The same rule as the verifier's reference: an override names a module-level name.
     unknown = sorted(n for n in (shape_overrides or {}) if not hasattr(module, n))
     if unknown:
-        raise LoweringError("task", f"shape_overrides name {', '.join(unknown)}, which the "
-                            "task does not define; use its module-level size names")
+        raise LoweringError("task", unknown_overrides_message(unknown,
+                                                              task_module_names(task_desc)))
     for name, value in (shape_overrides or {}).items():
         setattr(module, name, tuple(value) if isinstance(value, list) else value)
 
