@@ -90,7 +90,7 @@ def test_the_gateway_and_the_sdk_say_the_same(mistake):
                                        worker_manager=manager).run())
     assert not passed and info["error"] == message
     if mistake == "unknown_override":
-        from services.sdk.worker_base import build_request
+        from services.sdk.workers import build_request
 
         with pytest.raises(ValueError) as caught:
             build_request(task, RELU_KERNEL, "relu", backend="cpu", arch="x86_64",
