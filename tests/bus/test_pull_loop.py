@@ -61,10 +61,17 @@ class _Taker:
         self.dead: list[tuple[Any, str, str]] = []
         self.most = 0
         self.released: dict[int, asyncio.Event] = {}
+        # Capacity looks that found no free slot, and all of them: each is a turn of
+        # the loop past the point where it would have asked for more.
+        self.full_looks = 0
+        self.looks = 0
 
     def capacity(self) -> int:
         assert self.loop is not None
-        return self.slots - self.loop.in_hand
+        free = self.slots - self.loop.in_hand
+        self.looks += 1
+        self.full_looks += free <= 0
+        return free
 
     async def handle(self, msg: Any, value: dict, slot: Any) -> None:
         assert isinstance(value, dict) and slot is None
@@ -140,7 +147,9 @@ async def test_asks_only_for_free_capacity_and_in_fair_order(bus: Bus) -> None:
     taker = _Taker(slots=2)
     async with _running(bus, taker) as (loop, _):
         await _until(lambda: len(taker.held) == 2)
-        await asyncio.sleep(0.5)  # full: nothing more is asked for
+        # Full: several turns of the loop later, nothing more was asked for.
+        looks = taker.full_looks
+        await _until(lambda: taker.full_looks >= looks + 4)
         assert len(taker.taken) == 2
         while len(taker.taken) < 7:
             before = len(taker.taken)
@@ -158,10 +167,20 @@ async def test_left_out_and_deferred_tenants(bus: Bus) -> None:
     await _publish(bus, "team_b", "normal", 1)
     taker = _Taker(slots=1)
     excluded = {"team_a"}
-    async with _running(bus, taker, exclude=lambda t: t in excluded) as (loop, _):
+    left_out: list[float] = []  # when an ask left team_a's lane out
+
+    def exclude(tenant: str) -> bool:
+        if tenant in excluded:
+            left_out.append(asyncio.get_running_loop().time())
+        return tenant in excluded
+
+    async with _running(bus, taker, exclude=exclude) as (loop, _):
         await _until(lambda: taker.taken == ["team_b-normal-0"])
         await taker.release()
-        await asyncio.sleep(0.6)  # team_a is left out while excluded, however free
+        # team_a is left out while excluded, however free: asks with a free slot
+        # skipped its lane several times, and took nothing.
+        freed_at = asyncio.get_running_loop().time()
+        await _until(lambda: sum(t > freed_at for t in left_out) >= 3)
         assert taker.taken == ["team_b-normal-0"]
         excluded.clear()
         loop.lanes.woken.set()
@@ -229,7 +248,12 @@ async def test_a_message_handled_past_the_ack_wait_is_kept_by_in_progress(bus: B
         # The rival starts once the holder has the message (started together, either
         # could have been the first to pull it).
         async with _running(bus, rival, ack_wait_s=ack_wait):
+            # Three ack waits (JetStream's clock: a missed beat would redeliver), then
+            # until the rival, free all along, has asked the lanes a few more times:
+            # a redelivered message would be in its hands by then.
             await asyncio.sleep(3 * ack_wait)
+            asks = rival.loop.lanes.requests
+            await _until(lambda: rival.loop.lanes.requests >= asks + 3)
             assert rival.taken == []
             info = await _consumer(bus)
             assert info.num_redelivered == 0 and info.num_ack_pending == 1, info
@@ -257,7 +281,11 @@ async def test_stopping_abandoning_or_cancelling_naks_what_is_in_hand(bus: Bus) 
         await _until(lambda: second.taken == ["held"], timeout_s=10)
         assert second.held[0].metadata.num_delivered == 2
         stop.set()
-        await asyncio.sleep(0.5)
+        # The loop has stopped asking and is finishing what it holds; a round trip to
+        # the server later the message is still in hand, not nak'ed.
+        await _until(lambda: loop.finishing)
+        info = await _consumer(bus)
+        assert info.num_ack_pending == 1 and info.num_pending == 0, info
         assert not loop.task.done() and len(second.held) == 1
         abandon.set()
         await asyncio.wait_for(asyncio.shield(loop.task), 10)
@@ -338,12 +366,15 @@ async def test_stops_when_told_or_draining(bus: Bus) -> None:
     taker = _Taker(slots=1)
     draining = [False]
     async with _running(bus, taker, stopping=lambda: draining[0]) as (loop, _):
-        await asyncio.sleep(0.3)
+        await _until(lambda: taker.looks >= 3)  # a few turns of the loop, still running
         assert not loop.task.done()
         draining[0] = True
         await asyncio.wait_for(asyncio.shield(loop.task), 5)
         await _publish(bus, "team_a", "normal", 1)
-        await asyncio.sleep(0.3)
+        # The loop has ended, so nothing takes the message: it waits in the stream.
+        info = await bus.js.stream_info(subjects.STREAM_JOBS,
+                                        subjects_filter=subjects.job_submit("team_a", "normal"))
+        assert info.state.messages == 1
         assert taker.taken == []
 
 
@@ -361,9 +392,18 @@ async def test_a_deaf_pull_gets_no_wake_ups_and_still_finds_a_new_lane_at_once(
         await pull.deafen()
         assert pull.wakeups == []
         pull.woken.clear()
+        # A probe on the wake-up subjects, on the pull's connection: once it has the
+        # publish, so would the pull's wake-up subscriptions, had it any.
+        probed = asyncio.Event()
+
+        async def probe_cb(_msg: Any) -> None:
+            probed.set()
+
+        probe = await bus.nc.subscribe(f"{subjects.JOBS_SUBMIT}.*.*", cb=probe_cb)
         await _publish(bus, "team_b", "normal", 1)
+        await asyncio.wait_for(probed.wait(), 10)
+        await probe.unsubscribe()
         await bus.nc.flush()
-        await asyncio.sleep(0.1)
         assert not pull.woken.is_set()  # nothing reached the deaf pull
         started = asyncio.get_running_loop().time()
         assert await asyncio.wait_for(pull.fetch_or_wait(1, taken.append), 10) == 1

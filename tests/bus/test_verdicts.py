@@ -25,12 +25,22 @@ from services.common.verdicts import (
     random_key,
 )
 from tests.conftest import TEST_WORKER_IDS, as_role
+from tests.helpers import poll_until
 
 W1, W2 = TEST_WORKER_IDS
 
 
 def rejected(reason: str) -> float:
     return VERDICTS_REJECTED.labels(reason=reason)._value.get()
+
+
+async def until_rejected(counts: dict[str, float]) -> None:
+    """Until each reason's rejections reach their count: the waiter has read (and
+    dropped) those messages, so whatever they could have ended has had its chance."""
+    async def reached() -> bool:
+        return all(rejected(reason) >= n for reason, n in counts.items())
+
+    await poll_until(reached, 10, f"verdict rejections {counts}", every_s=0.02)
 
 
 class Worker:
@@ -121,7 +131,7 @@ async def test_a_second_workers_forged_passing_verdict_is_ignored(
         with pytest.raises(nats.errors.Error):
             await w2.js.publish(subjects.results("job-forged", W1), encode(
                 w2.result("job-forged", "r1", None, passed=True, speedup=999.0)))
-        await asyncio.sleep(0.5)
+        await until_rejected({"bad_proof": before["bad_proof"] + 2})  # claim and verdict
         assert not pending.done(), "the forged verdict ended the wait"
         await w1.answer("job-forged", "r1", nonce, passed=False)
         result = await asyncio.wait_for(pending, 5)
@@ -143,7 +153,7 @@ async def test_a_workers_proof_for_another_worker_does_not_transfer(
         await w2.claim("job-redelivered", "r2", nonce)     # delivered first, gave it back
         await w1.claim("job-redelivered", "r2", nonce)     # JetStream gave it to w1
         await w2.answer("job-redelivered", "r2", nonce, passed=True, speedup=999.0)
-        await asyncio.sleep(0.5)
+        await until_rejected({"not_holder": before + 1})
         assert not pending.done()
         await w1.answer("job-redelivered", "r2", nonce, passed=True, speedup=1.5)
         result = await asyncio.wait_for(pending, 5)
@@ -167,7 +177,7 @@ async def test_relayed_unclaimed_and_malformed_messages_are_skipped(
     await bus.js.publish(subjects.results("job-v3", W2), encode(good))  # body names w1
     async with VerdictWaiter(generator_bus.js, "job-v3", key, catch_up_s=0.1) as waiter:
         pending = waiter.expect("r3")
-        await asyncio.sleep(0.5)
+        await until_rejected({reason: n + 1 for reason, n in before.items()})
         assert not pending.done()
         await w1.claim("job-v3", "r3", nonce)
         await w1.answer("job-v3", "r3", nonce, passed=True)

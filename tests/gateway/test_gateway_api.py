@@ -170,7 +170,20 @@ async def test_event_stream_says_once_when_the_record_turns_corrupt(
 ) -> None:
     from services.gateway import events
 
+    checks: list[str] = []  # record checks of the event stream, and what they found
+
+    class CountedStore(events.CheckedJobStore):
+        async def get(self, job_id: str):
+            try:
+                found = await super().get(job_id)
+            except Exception as exc:
+                checks.append(type(exc).__name__)
+                raise
+            checks.append("record")
+            return found
+
     monkeypatch.setattr(events, "RECORD_CHECK_S", 0.1)
+    monkeypatch.setattr(events, "CheckedJobStore", CountedStore)
     job_id = await submit(client, job())
     got: list[dict] = []
     follower = asyncio.create_task(follow_events(client, job_id, got))
@@ -179,7 +192,9 @@ async def test_event_stream_says_once_when_the_record_turns_corrupt(
     await _until(lambda: len(got) == 2)
     assert got[1]["event"] == "error" and "id" not in got[1]
     assert json.loads(got[1]["data"])["message"].startswith(f"job record {job_id} is corrupt")
-    await asyncio.sleep(0.5)  # several record checks later: still one error event
+    # Several record checks that found it corrupt later: still one error event.
+    corrupt = checks.count("JobRecordCorrupt")
+    await _until(lambda: checks.count("JobRecordCorrupt") >= corrupt + 3)
     assert len(got) == 2 and not follower.done()
     # What a generator does when it meets the bad record: a failed record, one event.
     await publish_event(bus, JobEvent(job_id=job_id, event="failed", status="failed"))
