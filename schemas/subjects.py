@@ -51,7 +51,8 @@ TENANT_PATTERN = r"^[A-Za-z0-9_]{1,32}$"
 BUCKET_JOBS = "jobs"
 BUCKET_WORKERS = "workers"
 BUCKET_LEASES = "leases"
-# Eager baseline timings shared by every worker (services/worker/cache.py).
+# Baseline timings shared by every worker, eager and torch.compile, one key per kind
+# (services/worker/cache.py).
 BUCKET_BASELINES = "baselines"
 BUCKET_TENANT_USAGE = "tenant_usage"
 # Batch verifications (services/gateway/batches.py): one BatchRecord per batch id.

@@ -73,7 +73,8 @@ only for JWT users, so the configuration lists one user per worker id.
 
 Nothing here lets a worker write the ``jobs`` bucket, a generator publish a verdict on
 ``results.>``, or the gateway consume ``verify.>``; nor anyone but a worker write (or
-read) the workers' shared cache of eager baselines (bucket ``baselines``), whose entries
+read) the workers' shared cache of baselines (bucket ``baselines``: eager and
+``torch.compile`` timings), whose entries
 a verdict's speedup is computed against. No service may update or delete a
 stream: each may create the AIKG streams and buckets that are missing (so services
 start in any order on an empty server), but changing an existing stream's
@@ -103,8 +104,9 @@ _KV = {b: f"KV_{b}" for b in (subjects.BUCKET_JOBS, subjects.BUCKET_WORKERS,
                                subjects.BUCKET_LEASES, subjects.BUCKET_TENANT_USAGE,
                                subjects.BUCKET_BATCHES)}
 _OBJ = f"OBJ_{subjects.OBJECT_STORE_ARTIFACTS}"
-# The workers' shared cache of eager baselines (services/worker/cache.py): they decide
-# speedups, so only the worker user may create, write or read it.
+# The workers' shared cache of baselines, eager and torch.compile
+# (services/worker/cache.py): they decide speedups, so only the worker user may create,
+# write or read it.
 _KV_BASELINES = f"KV_{subjects.BUCKET_BASELINES}"
 # Every stream any service may create when it is missing (services/common/bus.py and
 # the generator's artifact store).

@@ -247,7 +247,7 @@ class Verifier:
             :data:`services.worker.procedure.size_choice.CPU_CHECK_BYTES`).
 
     Attributes:
-        shared_cache: the eager baselines every worker shares
+        shared_cache: the baselines (eager and ``torch.compile``) every worker shares
             (:class:`~services.worker.cache.SharedCache`); None keeps to this process.
         reference_runs: reference children spawned so far.
         candidate_runs: candidate (planner) children spawned so far.
