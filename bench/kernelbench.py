@@ -284,7 +284,7 @@ def _problems(args: argparse.Namespace) -> list[Path]:
 
 
 async def run(args: argparse.Namespace) -> list[Row]:
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.generator.coders.base import launch_defaults, lowering_sandbox
     from services.generator.coders.lowering_role import lower_in_sandbox
     from services.generator.lowering.errors import LoweringError
@@ -324,7 +324,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
             except ValueError as exc:
                 row.error = str(exc)
             else:
-                request = VerifyRequest(
+                request = build_request(
                     request_id=f"kb-{args.level}-{path.stem.split('_')[0]}", job_id="kernelbench",
                     candidate_id="c0", op_name=path.stem[:60], task_desc=task, code=code,
                     backend=args.backend, arch=args.arch, trials=args.trials,
@@ -429,7 +429,7 @@ async def run_facts(args: argparse.Namespace) -> list[Row]:
     :func:`compile_summary` per family; ``status`` is ``passed`` when every family's
     kernels compiled with a clean config, ``failed`` otherwise (``error`` says which),
     ``refused`` when the built-in coder does not lower the problem."""
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.generator.coders.base import launch_defaults, lowering_sandbox
     from services.generator.coders.lowering_role import lower_in_sandbox
     from services.generator.lowering.errors import LoweringError
@@ -462,7 +462,7 @@ async def run_facts(args: argparse.Namespace) -> list[Row]:
                     code = await lower_in_sandbox(
                         sandbox, own, {}, launch_defaults("cuda", fam),
                         timeout_s=args.timeout, label=f"kbf{number}{fam}")
-                    result = await verifier.verify(VerifyRequest(
+                    result = await verifier.verify(build_request(
                         request_id=f"kbf-{args.level}-{number}-{fam}", job_id="kernelbench",
                         candidate_id="c0", op_name=path.stem[:60], task_desc=own, code=code,
                         backend="cpu", arch=target, trials=1, timeout_s=args.timeout,
@@ -746,6 +746,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="compile families for --facts, comma-separated "
                         f"({', '.join(FACTS_TARGETS)})")
     args = parser.parse_args(argv)
+    from services.common.logging import configure_logging
+
+    # The verifier's log lines go to stderr, warnings and worse only: stdout is the
+    # report (--json: one object per line).
+    configure_logging("bench", "warning", "console")
     if args.facts:
         if args.level is None or not args.kernelbench_dir:
             parser.error("--facts needs --level and --kernelbench-dir (or $KERNELBENCH_DIR)")
