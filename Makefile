@@ -10,11 +10,15 @@ TASK ?= tasks/relu.py
 
 .PHONY: venv prometheus run test test-fast lint bench schema wheelhouse clean
 
+# pip is not --quiet: a first install takes minutes, torch and triton most of it, and
+# pip's own lines (Collecting, Downloading with its progress bar, Installing collected
+# packages) say where it is; without a terminal (CI logs) each bar is one final line.
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "AIKG needs Python >= 3.11; set PYTHON=python3.11")'
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "installing AIKG and its dependencies (torch, triton ...) into $(VENV): a few minutes the first time"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@test -x $(PY) || { echo "creating the virtual environment $(VENV): $(PYTHON) -m venv $(VENV)"; \
+	  $(PYTHON) -m venv $(VENV); }
+	@echo "installing AIKG and its dependencies into $(VENV) (a few minutes the first time):"
+	$(PY) -m pip install --disable-pip-version-check -e '.[dev]'
 	touch $@
 
 venv: $(VENV)/.installed
