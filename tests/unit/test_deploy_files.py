@@ -4,7 +4,9 @@ No Docker engine on the test machines, so each file is checked against what
 reads it: ``aikg`` commands against the typer app's own parser, ``AIKG_*`` variables
 against :class:`Settings`, the NATS configuration by ``nats-server -t``, the
 Prometheus configuration by ``promtool`` (when installed), ports and host names across
-files, and every metric the dashboard queries against the metrics the services define.
+files, every metric the dashboard queries against the metrics the services define,
+every variable compose reads against ``deploy/.env.example``, and what the docs say
+each NATS user may publish against the permissions the server is given.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ from services.common.settings import Settings, load_settings
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE = DEPLOY / "docker-compose.yml"
+# Prometheus and Grafana alone, for an `aikg up` on the same host (docs/operations.md).
+LOCAL_COMPOSE = DEPLOY / "docker-compose.local.yml"
+ENV_EXAMPLE = DEPLOY / ".env.example"
+LOCAL_PROMETHEUS = DEPLOY / "prometheus" / "local.yml"
+LOCAL_TARGETS = DEPLOY / "prometheus" / "targets" / "aikg-up.json"
+OPERATIONS = ROOT / "docs" / "operations.md"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "aikg.json"
 PROMETHEUS = DEPLOY / "prometheus" / "prometheus.yml"
 NATS_CONF = DEPLOY / "nats" / "nats.conf"
@@ -125,6 +133,25 @@ def interpolate(value: str, env: dict[str, str] | None = None) -> str:
         return m.group(3) or ""
 
     return _COMPOSE_VAR.sub(value_of, value)
+
+
+def interpolate_with(value: str, env: dict[str, str]) -> str:
+    """Compose's interpolation with ``env`` as deploy/.env: ``${VAR:-default}`` and
+    ``${VAR:?message}`` take ``env[VAR]`` when set and not empty."""
+
+    def value_of(m: re.Match[str]) -> str:
+        if env.get(m.group(1)):
+            return env[m.group(1)]
+        return "" if m.group(2) == "?" else m.group(3) or ""
+
+    return _COMPOSE_VAR.sub(value_of, value)
+
+
+def compose_variables(path: Path) -> dict[str, tuple[str, str]]:
+    """Every ``${VAR...}`` a compose file reads -> (``-`` / ``?`` / ``""``, default or
+    message)."""
+    return {m.group(1): (m.group(2) or "", m.group(3) or "")
+            for m in _COMPOSE_VAR.finditer(path.read_text())}
 
 
 def required_variables(service: dict[str, Any]) -> dict[str, str]:
@@ -370,8 +397,9 @@ def test_nats_users_are_the_generated_ones_and_each_service_has_its_own() -> Non
 
 @pytest.mark.skipif(shutil.which("promtool") is None,
                     reason="promtool not installed (Debian package `prometheus`)")
-def test_prometheus_configuration_is_valid() -> None:
-    done = subprocess.run(["promtool", "check", "config", "--syntax-only", str(PROMETHEUS)],
+@pytest.mark.parametrize("config", [PROMETHEUS, LOCAL_PROMETHEUS], ids=lambda p: p.name)
+def test_prometheus_configuration_is_valid(config: Path) -> None:
+    done = subprocess.run(["promtool", "check", "config", "--syntax-only", str(config)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr + done.stdout
 
@@ -398,3 +426,177 @@ def test_dashboard_labels_hold_no_ids() -> None:
     for title, expr in dashboard_exprs():
         for label in ("job_id", "request_id", "candidate_id", "worker_id"):
             assert label not in expr, f"{title}: {label} in {expr}"
+
+
+# --- deploy/.env and host ports --------------------------------------------------------
+
+
+def env_example() -> dict[str, tuple[str, bool]]:
+    """deploy/.env.example's ``VAR=value`` lines -> (value, commented out)."""
+    out = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        m = re.fullmatch(r"(# )?([A-Z][A-Z0-9_]*)=(.*)", line)
+        if m:
+            out[m.group(2)] = (m.group(3), bool(m.group(1)))
+    return out
+
+
+def test_env_example_lists_every_variable_compose_reads() -> None:
+    """Copying .env.example changes nothing: an optional variable stands there with the
+    compose file's own default, a required one (a password) commented out, to be
+    generated; nothing in it is unused, and deploy/README.md or docs/operations.md says
+    what each one does."""
+    example = env_example()
+    docs = (DEPLOY / "README.md").read_text() + OPERATIONS.read_text()
+    used: set[str] = set()
+    for path in (COMPOSE, LOCAL_COMPOSE):
+        for var, (kind, default) in compose_variables(path).items():
+            used.add(var)
+            assert var in example, f"{path.name} reads {var}; deploy/.env.example lacks it"
+            value, commented = example[var]
+            if kind == "?":
+                assert commented and value == "", f"{var} is required: '# {var}=' in .env.example"
+            else:
+                assert kind == "-", f"{path.name}: ${{{var}}} without a default"
+                assert not commented and value == default, \
+                    f".env.example has {var}={value!r}, {path.name} defaults to {default!r}"
+            assert f"`{var}`" in docs, f"{var} is not explained in deploy/README.md"
+    assert set(example) == used, f"unused in .env.example: {sorted(set(example) - used)}"
+    # The generation line .env.example gives covers every required password.
+    required = {v for v, (k, _) in compose_variables(COMPOSE).items() if k == "?"}
+    (loop,) = re.findall(r"for u in ([A-Z_ ]+); do", ENV_EXAMPLE.read_text())
+    assert {f"AIKG_NATS_{u}_PASSWORD" for u in loop.split()} == required
+
+
+def test_dotenv_is_git_ignored() -> None:
+    ignored = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()]
+    assert "deploy/.env" in ignored
+
+
+def test_host_ports_are_overridable_from_dotenv() -> None:
+    """Every published port is ``${AIKG_<NAME>_HOST_PORT:-<container port>}:<container
+    port>``: by default the same port on the host, moved (or bound to one address) by
+    deploy/.env, and listed in deploy/README.md's "Host ports" table."""
+    readme = (DEPLOY / "README.md").read_text()
+    table = readme.split("### Host ports", 1)[1].split("\n## ", 1)[0]
+    settings = {f"AIKG_{f.upper()}" for f in Settings.__struct_fields__}
+    seen = set()
+    for name, service in compose()["services"].items():
+        for mapping in service.get("ports", []):
+            m = re.fullmatch(r"\$\{(AIKG_[A-Z_]+_HOST_PORT):-(\d+)\}:(\d+)", str(mapping))
+            assert m, f"{name}: {mapping!r} is not overridable from deploy/.env"
+            var, default, container = m.group(1), m.group(2), m.group(3)
+            assert default == container, f"{name}: {mapping}"
+            # Not a Settings field: sourcing deploy/.env must not move `aikg gateway`.
+            assert var not in settings, var
+            assert re.search(rf"^\| `{var}` \| `{default}` \| `{name}`: {container} \|",
+                             table, re.M), f"{var} is not in deploy/README.md, Host ports"
+            moved = interpolate_with(str(mapping), {var: "127.0.0.1:18000"})
+            assert moved == f"127.0.0.1:18000:{container}"
+            assert container_port(moved) == int(container)
+            seen.add(var)
+    assert seen == {"AIKG_GATEWAY_HOST_PORT", "AIKG_NATS_HOST_PORT",
+                    "AIKG_NATS_MONITOR_HOST_PORT", "AIKG_PROMETHEUS_HOST_PORT",
+                    "AIKG_GRAFANA_HOST_PORT"}
+
+
+# --- Prometheus and Grafana for `aikg up` -----------------------------------------------
+
+
+def test_local_compose_scrapes_aikg_up_with_the_same_dashboard() -> None:
+    """docker-compose.local.yml: Prometheus on the host's network reading the file_sd
+    targets folder, the shipped targets naming `aikg up`'s gateway port and the
+    supervisor port docs/operations.md starts it with, and Grafana as in the full
+    deployment with the data source's host name on the host's loopback."""
+    local = yaml.safe_load(LOCAL_COMPOSE.read_text())["services"]
+    full = compose()["services"]
+    assert set(local) == {"prometheus", "grafana"}
+    for name in local:
+        assert local[name]["image"] == full[name]["image"], name
+        assert local[name]["network_mode"] == "host", name
+
+    prometheus = local["prometheus"]
+    mounts = {src: dst for src, dst, *_ in
+              (interpolate(v).split(":") for v in prometheus["volumes"])}
+    config_arg = next(a.split("=", 1)[1] for a in prometheus["command"]
+                      if a.startswith("--config.file="))
+    assert mounts["./prometheus/local.yml"] == config_arg
+    assert (DEPLOY / "prometheus/local.yml").exists()
+    (job,) = yaml.safe_load(LOCAL_PROMETHEUS.read_text())["scrape_configs"]
+    (file_sd,) = job["file_sd_configs"]
+    (pattern,) = file_sd["files"]
+    assert mounts["./prometheus/targets"] == str(Path(pattern).parent)
+    assert LOCAL_TARGETS.parent == DEPLOY / "prometheus/targets"
+    assert Path(LOCAL_TARGETS.name).match(Path(pattern).name)
+
+    targets = {t for group in json.loads(LOCAL_TARGETS.read_text()) for t in group["targets"]}
+    up = typer.main.get_command(app).commands["up"]
+    port_default = next(p.default for p in up.params if p.name == "port")
+    assert f"127.0.0.1:{port_default}" in targets
+    supervisor = {t for t in targets if t != f"127.0.0.1:{port_default}"}
+    (supervisor_target,) = supervisor
+    supervisor_port = supervisor_target.rsplit(":", 1)[1]
+    assert f"aikg up --metrics-port {supervisor_port}" in OPERATIONS.read_text()
+    assert "--metrics-port" in {o for p in up.params for o in p.opts}
+
+    # Grafana: what the full deployment mounts and sets, its server on loopback, and
+    # the provisioned data source (http://prometheus:<port>) reaching this Prometheus.
+    grafana, full_grafana = local["grafana"], full["grafana"]
+    assert grafana["volumes"] == full_grafana["volumes"]
+    env = grafana["environment"]
+    assert {k: v for k, v in env.items() if not k.startswith("GF_SERVER_")} == \
+        full_grafana["environment"]
+    assert env["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    (source,) = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())["datasources"]
+    host, port = re.fullmatch(r"http://([\w.-]+):(\d+)", source["url"]).groups()
+    assert f"{host}:127.0.0.1" in grafana["extra_hosts"]
+    listen = next(a.split("=", 1)[1] for a in prometheus["command"]
+                  if a.startswith("--web.listen-address="))
+    assert listen == f"127.0.0.1:{port}"
+
+
+# --- NATS users in the docs -------------------------------------------------------------
+
+# "publish `a`, `b` and `c`" / "subscribe to `a` or `b`": the subjects a table cell names.
+_VERB_SUBJECTS = re.compile(r"\b(publish|subscribe to) ((?:`[^`]+`(?:,? (?:and|or) |, )?)+)")
+
+
+def _covers(pattern: str, subject: str) -> bool:
+    """NATS subject matching: ``*`` one token, ``>`` one or more at the end."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _sample(subject: str) -> str:
+    """A concrete subject a documented pattern names: wildcards and ``<...>`` filled."""
+    subject = subject.replace("<id>", "cpu")
+    return ".".join("x" if t in ("*", ">") or t.startswith("<") else t
+                    for t in subject.split("."))
+
+
+@pytest.mark.parametrize("page", [DEPLOY / "README.md", ROOT / "docs" / "nats.md"],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_documented_nats_rights_match_the_permissions(page: Path) -> None:
+    """In the "NATS users" tables, each subject a user "may publish" / "subscribe to"
+    is one its permissions allow, and each it "may not" is one they do not (the
+    gateway publishes batch verify requests on ``verify.>``: a table saying it may not
+    is wrong)."""
+    rights = user_permissions(["cpu"])
+    rows = re.findall(r"^\| `(gateway|generator|worker-<id>)` \| (.*?) \| (.*?) \|$",
+                      page.read_text(), re.M)
+    assert {user for user, _, _ in rows} == {"gateway", "generator", "worker-<id>"}
+    for user, may, may_not in rows:
+        perms = rights[worker_user("cpu") if user == "worker-<id>" else user]
+        for cell, allowed in ((may, True), (may_not, False)):
+            for verb, items in _VERB_SUBJECTS.findall(cell):
+                allow = perms.publish if verb == "publish" else perms.subscribe
+                for subject in re.findall(r"`([^`]+)`", items):
+                    ok = any(_covers(p, _sample(subject)) for p in allow)
+                    assert ok == allowed, \
+                        f"{page.name}: {user} {'may' if allowed else 'may not'} {verb} {subject}"
