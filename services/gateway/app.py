@@ -48,9 +48,10 @@ from services.gateway.batches import verify_router
 from services.gateway.deps import DEPENDENCIES
 from services.gateway.errors import EXCEPTION_HANDLERS, REQUEST_MAX_BODY_BYTES
 from services.gateway.health import PROBE_HANDLERS
-from services.gateway.jobs import jobs_router, stop_requeues
+from services.gateway.jobs import jobs_router
 from services.gateway.kernels import kernels_router
 from services.gateway.queue import QueueView
+from services.gateway.queuing import stop_requeues
 from services.gateway.workers import workers_router
 
 log = structlog.get_logger("aikg.gateway")

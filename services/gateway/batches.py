@@ -88,13 +88,8 @@ from services.gateway.batch_store import (
     settled,
 )
 from services.gateway.deps import provide_tenant
-from services.gateway.jobs import (
-    check_task,
-    refuse_deep_body,
-    resume_after,
-    routed_arch,
-    strict_decode,
-)
+from services.gateway.inputs import check_task, refuse_deep_body, resume_after, strict_decode
+from services.gateway.jobs import routed_arch
 from services.gateway.limits import check_batch_limits, claim, tenant_lock
 
 log = structlog.get_logger("aikg.gateway")
@@ -130,7 +125,7 @@ class BatchSubmitResponse(msgspec.Struct, kw_only=True):
 
 async def check_batch_body(request: Request) -> None:
     """``before_request`` of the submit route: depth bound, then the strict decode
-    (services/gateway/jobs.py, :func:`~services.gateway.jobs.strict_decode`), kept in
+    (services/gateway/inputs.py, :func:`~services.gateway.inputs.strict_decode`), kept in
     ``request.state.batch``, and which top-level fields the body gave.
 
     Raises:

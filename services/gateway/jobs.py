@@ -6,8 +6,10 @@ and add ``GET /api/v1/jobs`` (list), ``POST /api/v1/jobs/{job_id}/cancel``,
 ``GET /api/v1/jobs/{job_id}/events`` (SSE, services/gateway/events.py) and
 ``GET /api/v1/jobs/{job_id}/kernel``. A submission is validated (msgspec schema, tenant
 limits, static task check, a live worker for its backend/arch), written to the ``jobs``
-bucket and published on its ``jobs.submit`` lane with the job id as ``Nats-Msg-Id``;
-the generator does the rest.
+bucket and published on its ``jobs.submit`` lane with the job id as ``Nats-Msg-Id``
+(services/gateway/queuing.py); the generator does the rest. What every route takes
+from a request (strict bodies, the task check, ``Last-Event-ID``) is
+services/gateway/inputs.py.
 
 The bus, the job store, the queue view and the tenant are dependencies
 (services/gateway/deps.py); NATS trouble is answered 503 by the app's exception handler
@@ -16,50 +18,29 @@ The bus, the job store, the queue view and the tenant are dependencies
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
-import re
 import time
-from typing import Annotated, NoReturn, TypeVar
+from typing import Annotated, NoReturn
 
 import msgspec
-import nats.errors
-import nats.js.errors
-import numpy as np
 import structlog
 from litestar import Request, Response, Router, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency, Provide
-from litestar.exceptions import (
-    ClientException,
-    HTTPException,
-    NotFoundException,
-    ValidationException,
-)
+from litestar.exceptions import HTTPException, NotFoundException
 from litestar.params import FromPath, HeaderParameter, JSONBody, QueryParameter
 from litestar.response import ServerSentEvent
 from prometheus_client import Counter, Histogram
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_delay,
-    wait_exponential,
-)
 
 from schemas import (
     TERMINAL_STATUSES,
     JobEvent,
     JobRecord,
     JobSubmit,
-    decode,
-    encode,
     subjects,
     utcnow,
 )
-from schemas.events import ShapeValue
-from services.common import task_source
 from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound
 from services.common.jobs import (
     CheckedJobStore,
@@ -69,11 +50,12 @@ from services.common.jobs import (
     new_record,
     publish_event,
 )
-from services.common.runtime import cancel_and_wait
 from services.common.tenants import Tenant, tenant_label
 from services.gateway import events as job_events
+from services.gateway import queuing
 from services.gateway.deps import load_record, provide_tenant
 from services.gateway.errors import unknown_job
+from services.gateway.inputs import check_submit_body, check_task, resume_after
 from services.gateway.limits import Claim, check_job_limits, claim, tenant_lock
 from services.gateway.queue import QueueView
 from services.gateway.views import JobPage, ListStatus, list_jobs
@@ -90,36 +72,8 @@ SUBMIT_SECONDS = Histogram(
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
 
-T = TypeVar("T")
-
-# A job's submit message is published again with the same Nats-Msg-Id while its stream
-# has no leader or does not acknowledge: a JetStream node failing over hands its
-# streams to new leaders within seconds (tests/bus/test_cluster.py). For this long
-# before the submission is answered, seconds.
-QUEUE_RETRY_S = 10.0
-# One try's wait for the stream's acknowledgement, seconds (nats-py's default: 5).
-QUEUE_ACK_TIMEOUT_S = 2.5
-# A job whose tries may have landed unacknowledged is published again in the background
-# until its submission is this much short of the stream's duplicate window, seconds: a
-# try after the window could store it twice.
-REQUEUE_MARGIN_S = 10.0
-# Failures worth another try: no answer in time, no stream leader (yet), a stream that
-# is temporarily unavailable.
-_RETRIED = (nats.errors.TimeoutError, nats.errors.NoRespondersError,
-            nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError,
-            nats.errors.ConnectionReconnectingError)
-# Failures that say the message was not stored: nobody took it, or the stream refused it
-# (nats.js.errors.APIError: an answer of the stream's). Any other failure, a timeout
-# above all, leaves open whether it landed.
-_NOT_STORED = (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
-               nats.js.errors.APIError)
-
 # Largest page of GET /api/v1/jobs: a page of summaries stays well under a megabyte.
 MAX_PAGE = 500
-
-# msgspec's error text ends with the field's path: "... - at `$.max_rounds`".
-_FIELD_PATH_RE = re.compile(r"^(?P<message>.*) - at `\$\.?(?P<key>[^`]*)`$", re.DOTALL)
-
 
 class SubmitResponse(msgspec.Struct, kw_only=True):
     """Answer to a job submission; ``job_id`` is what ``AIKGClient.submit_job`` returns."""
@@ -129,125 +83,6 @@ class SubmitResponse(msgspec.Struct, kw_only=True):
     backend: str
     arch: str | None
     message: str = ""
-
-
-# Deepest nesting of arrays and objects a submission may have: a JobSubmit is at most
-# three deep (body, shape_overrides, a shape list); 32 leaves room for clients that wrap
-# and is far below the depth at which decoding would exhaust Python's stack.
-MAX_JSON_DEPTH = 32
-# A JSON string literal (escapes included), written as an unrolled loop so that a long
-# string is matched at C speed.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_BRACKET_STEP = np.zeros(256, dtype=np.int8)
-_BRACKET_STEP[[ord("["), ord("{")]] = 1
-_BRACKET_STEP[[ord("]"), ord("}")]] = -1
-
-
-def json_depth(body: bytes) -> int:
-    """Deepest nesting of ``[``/``{`` in a JSON text, brackets inside strings not
-    counted; found without decoding it (a decoder recurses once per level). Linear
-    time at C speed (a regular expression, then a running sum in numpy): a 2 MiB body
-    takes milliseconds."""
-    steps = _BRACKET_STEP[np.frombuffer(_JSON_STRING.sub(b'""', body), dtype=np.uint8)]
-    return int(np.cumsum(steps, dtype=np.int64).max(initial=0))
-
-
-async def check_submit_body(request: Request) -> None:
-    """``before_request`` of the submit route, so that it runs before Litestar decodes
-    the body its own (lax) way: 400 when the body nests deeper than
-    :data:`MAX_JSON_DEPTH` (a decoder would fail with ``RecursionError``), then the
-    strict decode (:func:`_strict_submit`), kept in ``request.state.submit``. The
-    body's size is bounded by the app (``REQUEST_MAX_BODY_BYTES``, 413).
-
-    Raises:
-        ValidationException: answered 400, naming the field at fault.
-    """
-    refuse_deep_body(await request.body())
-    request.state.submit = await _strict_submit(request)
-    # Which fields the body gave (top level only, values left undecoded): a default
-    # the tenant's limits do not allow is lowered, an explicit value refused.
-    request.state.given = set(msgspec.json.decode(await request.body(),
-                                                  type=dict[str, msgspec.Raw]))
-
-
-def refuse_deep_body(body: bytes) -> None:
-    """400 when ``body`` nests arrays/objects deeper than :data:`MAX_JSON_DEPTH` (a
-    decoder would fail with ``RecursionError``).
-
-    Raises:
-        ValidationException: answered 400.
-    """
-    depth = json_depth(body)
-    if depth > MAX_JSON_DEPTH:
-        detail = (f"request body nests arrays/objects {depth} levels deep; at most "
-                  f"{MAX_JSON_DEPTH} are accepted")
-        raise ValidationException(detail=detail, extra=[
-            {"message": detail, "key": "data", "source": "body"}])
-
-
-def _name_shape_entry(body: bytes, text: str) -> str:
-    """msgspec's error text with ``shape_overrides[...]`` (its path for a dict value)
-    replaced by the entry at fault, e.g. ``shape_overrides.batch_size`` or
-    ``shape_overrides.dim[1]``."""
-    if "at `$.shape_overrides[...]" not in text:
-        return text
-    with contextlib.suppress(Exception):
-        overrides = msgspec.json.decode(body).get("shape_overrides") or {}
-        for name, value in overrides.items():
-            try:
-                msgspec.convert(value, ShapeValue, strict=True)
-            except msgspec.ValidationError as exc:
-                message, _, inner = str(exc).partition(" - at `$")
-                return f"{message} - at `$.shape_overrides.{name}{inner.rstrip('`')}`"
-    return text
-
-
-async def _strict_submit(request: Request) -> JobSubmit:
-    """The body decoded as :class:`JobSubmit` with msgspec's strict rules.
-
-    Litestar converts bodies in msgspec's lax mode (``strict=False``), which turns
-    ``"max_rounds": "3"`` into 3; a raw ``nats pub`` on ``jobs.submit`` is decoded
-    strictly by the generator (:func:`schemas.decode`), so the HTTP door applies the
-    same rule: a number in a string, a float for an integer field or a string for a
-    boolean is refused (an integer for a float field is accepted). See msgspec's
-    "Strict vs Lax Mode" (https://jcristharif.com/msgspec/usage.html#strict-vs-lax-mode).
-
-    Raises:
-        ValidationException: answered 400, the message naming the field
-            (``Expected `int`, got `str` - at `$.max_rounds```).
-    """
-    return strict_decode(await request.body(), JobSubmit)
-
-
-def strict_decode(body: bytes, record_type: type[T]) -> T:
-    """``body`` decoded as ``record_type`` with msgspec's strict rules (as
-    :func:`_strict_submit` explains), for every body the gateway takes.
-
-    Raises:
-        ValidationException: answered 400, the message naming the field
-            (``Expected `str`, got `int` - at `$.candidates[3]```).
-    """
-    try:
-        return decode(body, record_type)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        text = _name_shape_entry(body, str(exc))
-        match = _FIELD_PATH_RE.match(text)
-        error = ({"message": match["message"], "key": match["key"] or "data", "source": "body"}
-                 if match else {"message": text, "key": "data", "source": "body"})
-        raise ValidationException(detail=text, extra=[error]) from exc
-
-
-def check_task(task_desc: str, shape_overrides: dict[str, object] | None = None) -> None:
-    """400 unless ``task_desc`` is a KernelBench-format task (static check, no run) and
-    every ``shape_overrides`` name is one the task assigns at top level (the check
-    ``aikg run --shape`` makes; :mod:`services.common.task_source`)."""
-    try:
-        task_source.check_task(task_desc, shape_overrides)
-    except task_source.TaskError as exc:
-        if exc.field != "shape_overrides":
-            raise ClientException(detail=str(exc)) from exc
-        raise ValidationException(detail=str(exc), extra=[
-            {"message": str(exc), "key": "shape_overrides", "source": "body"}]) from exc
 
 
 async def routed_arch(bus: Bus, backend: str, arch: str | None) -> str:
@@ -269,102 +104,6 @@ async def routed_arch(bus: Bus, backend: str, arch: str | None) -> str:
         f"{backend}{' --arch ' + arch if arch else ''}` or submit to a live pair.",
         extra={"live": live},
     )
-
-
-class Unqueued(Exception):
-    """A job's submit message did not reach its stream.
-
-    Attributes:
-        cause: the last publish's error.
-        maybe_stored: True when some try ended without an answer (a timed-out
-            acknowledgement, a dropped connection): the message may be in the stream and
-            a generator may already run the job. False when every try was refused (no
-            stream leader to take it, or the stream said no): it is not there.
-    """
-
-    def __init__(self, cause: BaseException, maybe_stored: bool) -> None:
-        super().__init__(f"{type(cause).__name__}: {cause}")
-        self.cause = cause
-        self.maybe_stored = maybe_stored
-
-
-async def queue_job(bus: Bus, subject: str, request: JobSubmit, job_id: str, *,
-                    within_s: float | None = None) -> None:
-    """Publish a job's submit message with ``job_id`` as its ``Nats-Msg-Id``, trying
-    again for up to ``within_s`` seconds (default :data:`QUEUE_RETRY_S`) while the
-    stream has no leader or does not acknowledge (a node failing over). Every try
-    carries the same id, so the stream stores the job once however many tries land
-    (within its duplicate window, :data:`~services.common.bus.DUPLICATE_WINDOW_S`).
-
-    Raises:
-        Unqueued: no try was acknowledged in time; ``maybe_stored`` says whether one
-            may have landed all the same.
-    """
-    within_s = QUEUE_RETRY_S if within_s is None else within_s
-    maybe_stored = False
-    payload = encode(request)
-    headers = {"Nats-Msg-Id": job_id}
-
-    def note(state: RetryCallState) -> None:
-        nonlocal maybe_stored
-        exc = state.outcome.exception() if state.outcome else None
-        maybe_stored = maybe_stored or not isinstance(exc, _NOT_STORED)
-
-    try:
-        async for attempt in AsyncRetrying(
-                stop=stop_after_delay(max(0.0, within_s)),
-                wait=wait_exponential(multiplier=0.1, max=1.0),
-                retry=retry_if_exception_type(_RETRIED), after=note, reraise=True):
-            with attempt:
-                await bus.js.publish(subject, payload, headers=headers,
-                                     timeout=QUEUE_ACK_TIMEOUT_S)
-    except Exception as exc:
-        raise Unqueued(exc, maybe_stored or not isinstance(exc, _NOT_STORED)) from exc
-
-
-async def _keep_queuing(bus: Bus, record: JobRecord, subject: str) -> None:
-    """Publish the submit message of a job whose first tries may or may not have landed,
-    for as long as the stream's duplicate window makes another try safe, then fail the
-    job if none was acknowledged (a generator that meets it later skips it)."""
-    left = (DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S
-            - (utcnow() - record.submit_time).total_seconds())
-    with structlog.contextvars.bound_contextvars(job_id=record.job_id):
-        try:
-            await queue_job(bus, subject, record.request, record.job_id, within_s=left)
-            log.info("job_queue_confirmed", subject=subject)
-            return
-        except Unqueued as exc:
-            reason = (f"could not queue the job on {subject} within "
-                      f"{DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:.0f} s of its submission: "
-                      f"{exc}; NATS may be down, submit it again")
-
-        def fail(r: JobRecord) -> JobRecord | None:
-            if r.status != "pending":
-                return None
-            r.status = r.progress.phase = "failed"
-            r.error = r.progress.message = reason
-            r.end_time = utcnow()
-            return r
-
-        log.error("job_publish_failed", error=reason)
-        with contextlib.suppress(Exception):
-            if (await CheckedJobStore(bus.jobs).update(record.job_id, fail)).status == "failed":
-                await publish_event(bus, JobEvent(job_id=record.job_id, event="failed",
-                                                  status="failed", message=reason))
-
-
-def _start_queuing(state: State, bus: Bus, record: JobRecord, subject: str) -> None:
-    tasks: set[asyncio.Task] = state.get("requeues")
-    task = asyncio.create_task(_keep_queuing(bus, record, subject),
-                               name=f"requeue-{record.job_id}")
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
-
-
-async def stop_requeues(state: State) -> None:
-    """Cancel the gateway's background publishes (at shutdown: those jobs stay pending,
-    and their clients' resubmissions with the same ``job_id`` publish them again)."""
-    await cancel_and_wait(*state.get("requeues", set()))
 
 
 async def _withdraw(bus: Bus, job_id: str, exc: Exception, subject: str,
@@ -415,13 +154,14 @@ async def _resubmitted(bus: Bus, tenant: Tenant, record: JobRecord,
             detail=f"job id {record.job_id!r} is taken; choose another job_id or omit it "
             "to get a fresh one")
     age_s = (utcnow() - existing.submit_time).total_seconds()
-    if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:
+    if existing.status == "pending" and age_s < DUPLICATE_WINDOW_S - queuing.REQUEUE_MARGIN_S:
         try:
-            await queue_job(bus, subjects.job_submit(existing.tenant, existing.priority),
-                            existing.request, record.job_id,
-                            within_s=min(QUEUE_RETRY_S,
-                                         DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S - age_s))
-        except Unqueued as exc:
+            await queuing.queue_job(
+                bus, subjects.job_submit(existing.tenant, existing.priority),
+                existing.request, record.job_id,
+                within_s=min(queuing.QUEUE_RETRY_S,
+                             DUPLICATE_WINDOW_S - queuing.REQUEUE_MARGIN_S - age_s))
+        except queuing.Unqueued as exc:
             raise HTTPException(
                 status_code=503, detail=f"job {record.job_id!r} is recorded but could not "
                 f"be queued again: {exc}; NATS may be down, retry shortly") from exc
@@ -499,8 +239,8 @@ async def submit_job(
                                           message=f"{record.backend}/{arch}"))
         message = ""
         try:
-            await queue_job(bus, subject, record.request, job_id)
-        except Unqueued as exc:
+            await queuing.queue_job(bus, subject, record.request, job_id)
+        except queuing.Unqueued as exc:
             if not exc.maybe_stored:
                 await publish_event(bus, JobEvent(job_id=job_id, event="error",
                                                   status="pending",
@@ -510,11 +250,11 @@ async def submit_job(
             # stays (deleting it would cancel that run, and a resubmission of the same
             # job id would then be dropped by the stream as a duplicate of the first).
             log.warning("job_queue_unconfirmed", error=str(exc))
-            _start_queuing(state, bus, record, subject)
+            queuing.start_queuing(state, bus, record, subject)
             message = (f"NATS has not yet acknowledged the job's queue message ({exc}); "
                        "the gateway keeps publishing it, deduplicated by job id, and fails "
                        f"the job if that does not succeed within "
-                       f"{DUPLICATE_WINDOW_S - REQUEUE_MARGIN_S:.0f} s")
+                       f"{DUPLICATE_WINDOW_S - queuing.REQUEUE_MARGIN_S:.0f} s")
         await held.commit()
         JOBS_SUBMITTED.labels(tenant=tenant_label(tenant.name),
                               priority=record.priority).inc()
@@ -603,35 +343,6 @@ async def job_kernel(job_id: FromPath[str],
         "Content-Disposition": f'inline; filename="{record.op_name}_kernel.py"',
     }
     return Response(result.code, media_type="text/x-python", headers=headers)
-
-
-# The largest Last-Event-ID an event stream resumes after: the next id must still be
-# a JetStream sequence, which nats-server keeps as an unsigned 64-bit integer (and
-# parses as one from a consumer's ``opt_start_seq``); kept within int64 for clients.
-MAX_EVENT_ID = 2**63 - 2
-
-
-def resume_after(last_event_id: str | None, what: str) -> int:
-    """The ``Last-Event-ID`` an event stream resumes after (0: from the start).
-
-    Raises:
-        ClientException: a 400 naming ``what`` the id must be (``an event id``) when it
-            is not a whole number in ASCII digits from 0 to :data:`MAX_EVENT_ID`
-            (negative, too large, a sign, spaces, ``_`` or other digits).
-    """
-    if not last_event_id:
-        return 0
-    text = last_event_id.strip()
-    if not (text.isascii() and text.isdigit()):
-        if text.startswith("-") and text[1:].isascii() and text[1:].isdigit():
-            raise ClientException(detail="Last-Event-ID must not be negative")
-        raise ClientException(detail=f"Last-Event-ID must be {what} (an integer) sent by "
-                              f"this route, not {last_event_id[:40]!r}")
-    if len(text) > len(str(MAX_EVENT_ID)) or int(text) > MAX_EVENT_ID:
-        raise ClientException(detail=f"Last-Event-ID {text[:40]}{'...' if len(text) > 40 else ''}"
-                              f" is out of range: {what} sent by this route is at most "
-                              f"{MAX_EVENT_ID}")
-    return int(text)
 
 
 @get("/{job_id:str}/events", summary="Job events (Server-Sent Events)",

@@ -25,7 +25,7 @@ from services.common.bus import Bus
 from services.common.runtime import cancel_and_wait, free_port
 from services.common.settings import Settings
 from services.gateway import limits
-from services.gateway.jobs import MAX_JSON_DEPTH
+from services.gateway.inputs import MAX_JSON_DEPTH
 from services.generator.service import Generator, run_generator
 from tests.gateway.test_tenants import auth, job, tenants_file
 from tests.helpers import scaled

@@ -2,7 +2,7 @@
 worker fails its entries within ``verify_unserved_timeout_s`` with a message naming the
 lane (services/gateway/batches.py, services/common/lane_watch.py), and an out-of-range
 ``Last-Event-ID`` is a 400 that says so, not a 503 with the NATS error text
-(services/gateway/jobs.py, ``resume_after``).
+(services/gateway/inputs.py, ``resume_after``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from schemas import JobSubmit, subjects
 from services.common.bus import Bus, JobStore
 from services.common.records import new_record
 from services.common.settings import Settings
-from services.gateway.jobs import MAX_EVENT_ID
+from services.gateway.inputs import MAX_EVENT_ID
 from tests.conftest import fake_worker_heartbeat
 from tests.gateway.test_batches import batch, queued_requests
 from tests.helpers import RELU_KERNEL, RELU_TASK, WRONG_RELU_KERNEL, poll_until, scaled

@@ -20,8 +20,8 @@ from nats.aio.msg import Msg
 
 from schemas import JobSubmit, subjects
 from services.common.bus import DUPLICATE_WINDOW_S, Bus, JobNotFound, JobStore
-from services.gateway import jobs as gateway_jobs
-from services.gateway.jobs import Unqueued, queue_job
+from services.gateway import queuing
+from services.gateway.queuing import Unqueued, queue_job
 from tests import support_gateway
 from tests.helpers import scaled
 
@@ -35,8 +35,8 @@ DEFAULT_LANE = subjects.job_submit(subjects.DEFAULT_TENANT, subjects.DEFAULT_PRI
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tries that give up within about a second, so a test need not wait out NATS's
     real timeouts."""
-    monkeypatch.setattr(gateway_jobs, "QUEUE_RETRY_S", scaled(1.0))
-    monkeypatch.setattr(gateway_jobs, "QUEUE_ACK_TIMEOUT_S", scaled(0.25))
+    monkeypatch.setattr(queuing, "QUEUE_RETRY_S", scaled(1.0))
+    monkeypatch.setattr(queuing, "QUEUE_ACK_TIMEOUT_S", scaled(0.25))
 
 
 class Listener:
@@ -145,7 +145,7 @@ async def test_a_job_never_acknowledged_fails_before_the_duplicate_window_ends(
         bus: Bus, client: httpx.AsyncClient, cpu_worker: None, job, quick: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Background tries stop about two seconds after the submission.
-    monkeypatch.setattr(gateway_jobs, "REQUEUE_MARGIN_S", DUPLICATE_WINDOW_S - scaled(2.0))
+    monkeypatch.setattr(queuing, "REQUEUE_MARGIN_S", DUPLICATE_WINDOW_S - scaled(2.0))
     await without_jobs_stream(bus)
     listener = Listener()
     sub = await bus.nc.subscribe(DEFAULT_LANE, cb=listener.take)

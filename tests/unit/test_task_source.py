@@ -71,7 +71,7 @@ def test_parse_shape_refuses_with_the_reason(item, words):
 
 @pytest.mark.parametrize("mistake", ["syntax", "missing", "unknown_override"])
 def test_the_gateway_and_the_sdk_say_the_same(mistake):
-    from services.gateway.jobs import check_task as gateway_check
+    from services.gateway.inputs import check_task as gateway_check
     from services.sdk.task import Task
     from services.sdk.workers import WorkerManager
 
