@@ -10,6 +10,13 @@ job's kernel with its verdict and provenance, by cursor; ``aikg export`` writes 
 files with :mod:`services.sdk.export`), batch verification (``verify_batch``: many
 candidates of one task, identical ones verified once; ``submit_batch``,
 ``stream_batch_verdicts``, ``get_batch``, ``cancel_batch``) and bearer-token auth.
+``AsyncAIKGClient`` has the same methods as coroutines (async iterators for the
+streams), and ``verify_batch_stream``.
+
+Each request-answer call is written once, without I/O, in :mod:`services.sdk.calls`;
+both clients run it, over ``httpx.Client`` and ``httpx.AsyncClient``. What is their
+own is what blocks or awaits: the event streams, the batch wait and the job wait (the
+one policy of :class:`~services.sdk.job_wait.JobWait`).
 
 Errors: :class:`AIKGHTTPError` when the gateway refuses a request (its ``status_code``
 and ``detail`` say why), :class:`AIKGConnectionError` when it cannot be reached.
@@ -24,80 +31,30 @@ import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
-from urllib.parse import quote
 
 import httpx
-from httpx_sse import aconnect_sse, connect_sse
+from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
 from services.common.settings import GATEWAY_URL, load_setting
+from services.sdk.calls import (
+    Calls,
+    Request,
+    awaitable,
+    batch_path,
+    blocking,
+    in_candidate_order,
+    job_path,
+    raise_for,
+)
 from services.sdk.errors import AIKGConnectionError, AIKGError, AIKGHTTPError
 from services.sdk.job_wait import JobWait, Progress
+
+__all__ = ["AIKGClient", "AIKGConnectionError", "AIKGError", "AIKGHTTPError",
+           "AsyncAIKGClient"]
 
 # Event streams send a keepalive comment every ~15 s; a read that waits this long
 # without one means the connection is dead.
 _STREAM_READ_TIMEOUT_S = 60.0
-
-
-def _submit_body(op_name: str, task_desc: str, fields: dict[str, Any]) -> dict[str, Any]:
-    body: dict[str, Any] = {"op_name": op_name, "task_desc": task_desc}
-    body.update({k: v for k, v in fields.items() if v is not None})
-    return body
-
-
-def _raise_for(response: httpx.Response) -> httpx.Response:
-    if response.status_code < 400:
-        return response
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    detail = body.get("detail") if isinstance(body, dict) else None
-    raise AIKGHTTPError(response.status_code,
-                        str(detail or response.text.strip() or response.reason_phrase), body)
-
-
-def _kernel_params(passed: bool | None, op_name: str | None, backend: str | None,
-                   arch: str | None, cursor: str | None, limit: int) -> dict[str, Any]:
-    params: dict[str, Any] = {"limit": limit}
-    if passed is not None:
-        params["passed"] = "true" if passed else "false"
-    params.update({k: v for k, v in (("op_name", op_name), ("backend", backend),
-                                     ("arch", arch), ("cursor", cursor)) if v is not None})
-    return params
-
-
-def _path(job_id: str, suffix: str = "") -> str:
-    return f"/api/v1/jobs/{quote(job_id, safe='')}{suffix}"
-
-
-def _batch_path(batch_id: str, suffix: str = "") -> str:
-    return f"/api/v1/verify/batch/{quote(batch_id, safe='')}{suffix}"
-
-
-def _batch_body(op_name: str, task_desc: str, candidates: list[str],
-                fields: dict[str, Any]) -> dict[str, Any]:
-    return {"op_name": op_name, "task_desc": task_desc, "candidates": list(candidates),
-            **{k: v for k, v in fields.items() if v is not None}}
-
-
-def _in_candidate_order(record: dict[str, Any]) -> list[dict[str, Any] | None]:
-    """A batch record's verdicts by candidate index (None: a candidate without one,
-    e.g. cancelled before it started)."""
-    verdicts: list[dict[str, Any] | None] = [None] * len(record["candidates"])
-    for verdict in record["verdicts"]:
-        verdicts[verdict["index"]] = verdict
-    return verdicts
-
-
-def _headers(token: str | None) -> dict[str, str]:
-    token = token if token is not None else load_setting("api_token") or None
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
-def _unreachable(url: Any, exc: Exception) -> AIKGConnectionError:
-    reason = str(exc) or exc.__class__.__name__
-    return AIKGConnectionError(f"cannot reach the AIKG gateway at {url}: {reason} (is "
-                               "`aikg up` or `aikg gateway` running there?)", str(url), reason)
 
 
 class AIKGClient:
@@ -106,7 +63,7 @@ class AIKGClient:
     Args:
         url: the gateway's base URL (``http://host:8000``).
         token: bearer token when the gateway has ``AIKG_API_TOKEN`` set; None reads the
-            ``AIKG_API_TOKEN`` environment variable.
+            ``AIKG_API_TOKEN`` setting.
         timeout: seconds per HTTP request (waiting for a job is many requests).
     """
 
@@ -125,137 +82,25 @@ class AIKGClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(self, request: Request) -> httpx.Response:
         try:
-            return _raise_for(self._http.request(method, path, **kwargs))
+            return raise_for(self._http.request(request.method, request.path,
+                                                params=request.params, json=request.json))
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
-    def submit_job(
-        self,
-        op_name: str,
-        task_desc: str,
-        job_type: str = "single",
-        backend: str | None = None,
-        arch: str | None = None,
-        dsl: str | None = None,
-        framework: str = "torch",
-        workflow: str | None = None,
-        max_rounds: int | None = None,
-        parallel_num: int | None = None,
-        num_islands: int | None = None,
-        migration_interval: int | None = None,
-        elite_size: int | None = None,
-        parent_selection_prob: float | None = None,
-        init_code: str | None = None,
-        shape_overrides: dict[str, Any] | None = None,
-        coder: str | None = None,
-        job_id: str | None = None,
-        priority: str | None = None,
-        **fields: Any,
-    ) -> str:
-        """Submit a job; returns its id.
-
-        Arguments are the reference client's (and the JobSubmit wire fields); None
-        leaves a field to the gateway's default (backend ``cpu``, any live arch, dsl
-        ``triton``, workflow ``coder_only_workflow``, priority ``normal``). ``priority``
-        (``low`` | ``normal`` | ``high``) orders the job among waiting ones, within
-        the tenant's ``max_priority``. ``fields`` passes further JobSubmit fields
-        (``max_attempts``, ``timeout_s`` seconds, ``trials``).
-
-        Raises:
-            AIKGHTTPError: 400 (the detail names the bad field), 409 (no live worker
-                for backend/arch; ``body["live"]`` lists the live pairs), 413, 401;
-                403 or 429 over a tenant limit (``body["limit"]`` names it; a 429's
-                ``Retry-After`` header says when to retry).
-            AIKGConnectionError: the gateway is unreachable.
-        """
-        return self.submit(
-            op_name, task_desc, job_type=job_type, backend=backend, arch=arch, dsl=dsl,
-            framework=framework, workflow=workflow, max_rounds=max_rounds,
-            parallel_num=parallel_num, num_islands=num_islands,
-            migration_interval=migration_interval, elite_size=elite_size,
-            parent_selection_prob=parent_selection_prob, init_code=init_code,
-            shape_overrides=shape_overrides, coder=coder, job_id=job_id, priority=priority,
-            **fields)["job_id"]
-
-    def submit(self, op_name: str, task_desc: str, **fields: Any) -> dict[str, Any]:
-        """Submit a job; returns the gateway's whole answer: ``job_id``, ``status``,
-        ``backend``, ``arch`` (the one it routed to, or None) and ``message``.
-
-        ``fields`` are JobSubmit wire fields; None leaves one to the gateway's default.
-
-        Raises:
-            AIKGHTTPError, AIKGConnectionError: as :meth:`submit_job`.
-        """
-        return self._request("POST", "/api/v1/jobs/submit",
-                             json=_submit_body(op_name, task_desc, fields)).json()
-
-    def get_job_status(self, job_id: str) -> dict[str, Any]:
-        """The job record: ``status``, ``job_type``, ``op_name``, ``submit_time``,
-        ``result`` (``code``, ``verdict``), ``error``, ``progress``, ``tenant``,
-        ``priority``; while it waits, ``queue_position`` (1: next) and
-        ``estimated_start_time`` (RFC 3339, or None without a recent throughput).
-
-        Raises:
-            AIKGHTTPError: 404 for an unknown job.
-        """
-        return self._request("GET", _path(job_id, "/status")).json()
-
-    def get_queue_position(self, job_id: str) -> tuple[int | None, str | None]:
-        """``(queue_position, estimated_start_time)`` of a waiting job; ``(None, None)``
-        once it has started (or when the gateway cannot tell).
-
-        Raises:
-            AIKGHTTPError: 404 for an unknown job.
-        """
-        record = self.get_job_status(job_id)
-        return record.get("queue_position"), record.get("estimated_start_time")
-
-    def list_jobs(self, status: str | None = None, op_name: str | None = None,
-                  limit: int = 50, offset: int = 0, tenant: str | None = None
-                  ) -> dict[str, Any]:
-        """Job summaries, newest first: ``{"jobs": [...], "total", "limit", "offset"}``;
-        waiting jobs carry ``queue_position`` and ``estimated_start_time``."""
-        params = {k: v for k, v in (("status", status), ("op_name", op_name),
-                                    ("tenant", tenant)) if v is not None}
-        return self._request("GET", "/api/v1/jobs",
-                             params={**params, "limit": limit, "offset": offset}).json()
-
-    def cancel_job(self, job_id: str) -> dict[str, Any]:
-        """Cancel the job; returns its record (unchanged when it had already ended)."""
-        return self._request("POST", _path(job_id, "/cancel")).json()
-
-    def get_kernel(self, job_id: str) -> str | None:
-        """The job's kernel source, or None while it has none."""
-        try:
-            return self._request("GET", _path(job_id, "/kernel")).text
-        except AIKGHTTPError as exc:
-            if exc.status_code == 404 and "no kernel yet" in exc.detail:
-                return None
-            raise
-
-    def get_workers_status(self) -> dict[str, Any]:
-        """Live workers: ``{"workers": [{backend, arch, devices, capacity, in_flight,
-        load, leases, ...}]}``."""
-        return self._request("GET", "/api/v1/workers/status").json()
-
-    def list_kernels(self, passed: bool | None = None, op_name: str | None = None,
-                     backend: str | None = None, arch: str | None = None,
-                     cursor: str | None = None, limit: int = 100) -> dict[str, Any]:
-        """One page of kernels (``GET /api/v1/kernels``): ``{"kernels": [KernelRow
-        dicts], "next_cursor": str, "more": bool}``, ordered by the job's end time.
-
-        Args:
-            passed: only kernels that passed (True) or failed (False); None: both.
-            cursor: the ``next_cursor`` of an earlier page (None: from the first).
-            limit: rows per page, 1 to 500.
-
-        Raises:
-            AIKGHTTPError: 400 for a cursor the gateway did not send or a bad limit.
-        """
-        return self._request("GET", "/api/v1/kernels", params=_kernel_params(
-            passed, op_name, backend, arch, cursor, limit)).json()
+    submit_job = blocking(Calls.submit_job)
+    submit = blocking(Calls.submit)
+    get_job_status = blocking(Calls.get_job_status)
+    get_queue_position = blocking(Calls.get_queue_position)
+    list_jobs = blocking(Calls.list_jobs)
+    cancel_job = blocking(Calls.cancel_job)
+    get_kernel = blocking(Calls.get_kernel)
+    get_workers_status = blocking(Calls.get_workers_status)
+    list_kernels = blocking(Calls.list_kernels)
+    submit_batch = blocking(Calls.submit_batch)
+    get_batch = blocking(Calls.get_batch)
+    cancel_batch = blocking(Calls.cancel_batch)
 
     def iter_kernel_pages(self, passed: bool | None = None, op_name: str | None = None,
                           backend: str | None = None, arch: str | None = None,
@@ -270,6 +115,23 @@ class AIKGClient:
             if not page.get("more"):
                 return
 
+    def _stream(self, path: str, last_event_id: int | None) -> Iterator[ServerSentEvent]:
+        """The server-sent events of ``path`` (resumed after ``last_event_id``).
+
+        Raises:
+            AIKGHTTPError: the gateway answered 4xx/5xx; AIKGConnectionError: unreachable.
+        """
+        headers, timeout = _stream_options(self._http.timeout, last_event_id)
+        try:
+            with connect_sse(self._http, "GET", path, headers=headers,
+                             timeout=timeout) as source:
+                if source.response.status_code >= 400:
+                    source.response.read()
+                    raise_for(source.response)
+                yield from source.iter_sse()
+        except httpx.TransportError as exc:
+            raise _unreachable(self.url, exc) from exc
+
     def stream_events(self, job_id: str, last_event_id: int | None = None
                       ) -> Iterator[dict[str, Any]]:
         """The job's events (JobEvent dicts) from its first one, then live; the iterator
@@ -282,55 +144,11 @@ class AIKGClient:
         Each dict also carries ``seq``, the event's stream sequence (for a terminal
         event the gateway rebuilt from the record, the sequence of the event before).
         """
-        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
-        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
-        try:
-            with connect_sse(self._http, "GET", _path(job_id, "/events"), headers=headers,
-                             timeout=timeout) as source:
-                _raise_for_stream(source.response)
-                for sse in source.iter_sse():
-                    if sse.data:  # a keepalive comment decodes as an empty message
-                        yield _event(sse)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
-
-    def submit_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
-                     backend: str | None = None, arch: str | None = None,
-                     shape_overrides: dict[str, Any] | None = None, trials: int | None = None,
-                     timeout_s: float | None = None, priority: str | None = None,
-                     batch_id: str | None = None, **fields: Any) -> dict[str, Any]:
-        """Submit a batch verification (``POST /api/v1/verify/batch``); returns the
-        gateway's answer: ``batch_id``, ``status``, ``candidates``, ``unique`` (verify
-        requests sent: candidates less duplicates), ``backend``, ``arch``.
-
-        ``trials`` and ``timeout_s`` (seconds) apply to each verification; None leaves
-        a field to the gateway's default.
-
-        Raises:
-            AIKGHTTPError: 400 bad body (empty or too many candidates, a candidate not
-                a string), 403/429 a tenant limit (candidates count as jobs), 409 no
-                live worker or a taken ``batch_id``.
-            AIKGConnectionError: the gateway is unreachable.
-        """
-        body = _batch_body(op_name, task_desc, candidates, {
-            "backend": backend, "arch": arch, "shape_overrides": shape_overrides,
-            "trials": trials, "timeout_s": timeout_s, "priority": priority,
-            "batch_id": batch_id, **fields})
-        return self._request("POST", "/api/v1/verify/batch", json=body).json()
-
-    def get_batch(self, batch_id: str) -> dict[str, Any]:
-        """The batch's record: ``status``, ``task``, ``candidates`` and ``verdicts`` (in
-        the order they finished).
-
-        Raises:
-            AIKGHTTPError: 404 for an unknown batch (or another tenant's).
-        """
-        return self._request("GET", _batch_path(batch_id)).json()
-
-    def cancel_batch(self, batch_id: str) -> dict[str, Any]:
-        """Cancel the batch: what no worker has started is not verified; returns the
-        record."""
-        return self._request("POST", _batch_path(batch_id, "/cancel")).json()
+        with contextlib.closing(self._stream(job_path(job_id, "/events"),
+                                             last_event_id)) as stream:
+            for sse in stream:
+                if sse.data:  # a keepalive comment decodes as an empty message
+                    yield _event(sse)
 
     def stream_batch_verdicts(self, batch_id: str, last_event_id: int | None = None
                               ) -> Iterator[dict[str, Any]]:
@@ -343,18 +161,12 @@ class AIKGClient:
         Yields ``{}`` for each keepalive (every ~15 s while idle), so a caller can
         check its own deadline; skip falsy items otherwise.
         """
-        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
-        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
-        try:
-            with connect_sse(self._http, "GET", _batch_path(batch_id, "/events"),
-                             headers=headers, timeout=timeout) as source:
-                _raise_for_stream(source.response)
-                for sse in source.iter_sse():
-                    if sse.event == "end":
-                        return
-                    yield _verdict(sse)
-        except httpx.TransportError as exc:
-            raise _unreachable(self.url, exc) from exc
+        with contextlib.closing(self._stream(batch_path(batch_id, "/events"),
+                                             last_event_id)) as stream:
+            for sse in stream:
+                if sse.event == "end":
+                    return
+                yield _verdict(sse)
 
     def verify_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
                      timeout: float = 1800, on_verdict: Any = None,
@@ -388,14 +200,13 @@ class AIKGClient:
                 if verdict and on_verdict is not None:
                     on_verdict(verdict)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"batch {batch_id} did not end within {timeout:g} s; "
-                                       "it goes on (get_batch shows its verdicts)")
+                    raise TimeoutError(_batch_timeout(batch_id, timeout))
         except KeyboardInterrupt:
             if cancel_on_interrupt:
                 with contextlib.suppress(AIKGError):
                     self.cancel_batch(batch_id)
             raise
-        return _in_candidate_order(self.get_batch(batch_id))
+        return in_candidate_order(self.get_batch(batch_id))
 
     def wait_for_completion(self, job_id: str, timeout: float = 1800, poll_interval: float = 1.0,
                             progress: bool = True, *, on_status: Any = None,
@@ -440,8 +251,10 @@ class AIKGClient:
 class AsyncAIKGClient:
     """:class:`AIKGClient` for asyncio: the same methods, as coroutines.
 
-    ``stream_events`` is an async iterator. ``wait_for_completion`` cancels the job
-    when the waiting task is cancelled (or on Ctrl-C) and re-raises.
+    ``stream_events`` and ``stream_batch_verdicts`` are async iterators (keepalives
+    are not yielded). ``wait_for_completion`` cancels the job when the waiting task is
+    cancelled (or on Ctrl-C) and re-raises; ``verify_batch`` and
+    ``verify_batch_stream`` cancel the batch likewise.
     """
 
     def __init__(self, url: str = GATEWAY_URL, token: str | None = None,
@@ -460,108 +273,52 @@ class AsyncAIKGClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    async def _send(self, request: Request) -> httpx.Response:
         try:
-            return _raise_for(await self._http.request(method, path, **kwargs))
+            return raise_for(await self._http.request(
+                request.method, request.path, params=request.params, json=request.json))
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
-    async def submit_job(self, op_name: str, task_desc: str, job_type: str = "single",
-                         backend: str | None = None, arch: str | None = None,
-                         dsl: str | None = None, framework: str = "torch",
-                         workflow: str | None = None, **fields: Any) -> str:
-        """See :meth:`AIKGClient.submit_job` (same keyword arguments)."""
-        body = _submit_body(op_name, task_desc, {
-            "job_type": job_type, "backend": backend, "arch": arch, "dsl": dsl,
-            "framework": framework, "workflow": workflow, **fields})
-        return (await self._request("POST", "/api/v1/jobs/submit", json=body)).json()["job_id"]
+    submit_job = awaitable(Calls.submit_job)
+    submit = awaitable(Calls.submit)
+    get_job_status = awaitable(Calls.get_job_status)
+    get_queue_position = awaitable(Calls.get_queue_position)
+    list_jobs = awaitable(Calls.list_jobs)
+    cancel_job = awaitable(Calls.cancel_job)
+    get_kernel = awaitable(Calls.get_kernel)
+    get_workers_status = awaitable(Calls.get_workers_status)
+    list_kernels = awaitable(Calls.list_kernels)
+    submit_batch = awaitable(Calls.submit_batch)
+    get_batch = awaitable(Calls.get_batch)
+    cancel_batch = awaitable(Calls.cancel_batch)
 
-    async def get_job_status(self, job_id: str) -> dict[str, Any]:
-        """See :meth:`AIKGClient.get_job_status`."""
-        return (await self._request("GET", _path(job_id, "/status"))).json()
-
-    async def get_queue_position(self, job_id: str) -> tuple[int | None, str | None]:
-        """See :meth:`AIKGClient.get_queue_position`."""
-        record = await self.get_job_status(job_id)
-        return record.get("queue_position"), record.get("estimated_start_time")
-
-    async def list_jobs(self, status: str | None = None, op_name: str | None = None,
-                        limit: int = 50, offset: int = 0, tenant: str | None = None
-                        ) -> dict[str, Any]:
-        """See :meth:`AIKGClient.list_jobs`."""
-        params = {k: v for k, v in (("status", status), ("op_name", op_name),
-                                    ("tenant", tenant)) if v is not None}
-        return (await self._request("GET", "/api/v1/jobs",
-                                    params={**params, "limit": limit, "offset": offset})).json()
-
-    async def cancel_job(self, job_id: str) -> dict[str, Any]:
-        """See :meth:`AIKGClient.cancel_job`."""
-        return (await self._request("POST", _path(job_id, "/cancel"))).json()
-
-    async def get_kernel(self, job_id: str) -> str | None:
-        """See :meth:`AIKGClient.get_kernel`."""
-        try:
-            return (await self._request("GET", _path(job_id, "/kernel"))).text
-        except AIKGHTTPError as exc:
-            if exc.status_code == 404 and "no kernel yet" in exc.detail:
-                return None
-            raise
-
-    async def get_workers_status(self) -> dict[str, Any]:
-        """See :meth:`AIKGClient.get_workers_status`."""
-        return (await self._request("GET", "/api/v1/workers/status")).json()
-
-    async def list_kernels(self, passed: bool | None = None, op_name: str | None = None,
-                           backend: str | None = None, arch: str | None = None,
-                           cursor: str | None = None, limit: int = 100) -> dict[str, Any]:
-        """See :meth:`AIKGClient.list_kernels`."""
-        return (await self._request("GET", "/api/v1/kernels", params=_kernel_params(
-            passed, op_name, backend, arch, cursor, limit))).json()
-
-    async def stream_events(self, job_id: str, last_event_id: int | None = None
-                            ) -> AsyncIterator[dict[str, Any]]:
-        """See :meth:`AIKGClient.stream_events`."""
-        async for sse in self._sse(_path(job_id, "/events"), last_event_id):
-            if sse.data:  # a keepalive comment decodes as an empty message
-                yield _event(sse)
-
-    async def _sse(self, path: str, last_event_id: int | None) -> AsyncIterator[Any]:
-        """The server-sent events of ``path`` (resumed after ``last_event_id``).
-
-        Raises:
-            AIKGHTTPError: the gateway answered 4xx/5xx; AIKGConnectionError: unreachable.
-        """
-        headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
-        timeout = httpx.Timeout(self._http.timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+    async def _stream(self, path: str, last_event_id: int | None
+                      ) -> AsyncIterator[ServerSentEvent]:
+        """See :meth:`AIKGClient._stream`."""
+        headers, timeout = _stream_options(self._http.timeout, last_event_id)
         try:
             async with aconnect_sse(self._http, "GET", path, headers=headers,
                                     timeout=timeout) as source:
                 if source.response.status_code >= 400:
                     await source.response.aread()
-                    _raise_for(source.response)
+                    raise_for(source.response)
                 async for sse in source.aiter_sse():
                     yield sse
         except httpx.TransportError as exc:
             raise _unreachable(self.url, exc) from exc
 
-    async def submit_batch(self, op_name: str, task_desc: str, candidates: list[str],
-                           **fields: Any) -> dict[str, Any]:
-        """See :meth:`AIKGClient.submit_batch` (same keyword arguments)."""
-        return (await self._request("POST", "/api/v1/verify/batch", json=_batch_body(
-            op_name, task_desc, candidates, fields))).json()
-
-    async def get_batch(self, batch_id: str) -> dict[str, Any]:
-        """See :meth:`AIKGClient.get_batch`."""
-        return (await self._request("GET", _batch_path(batch_id))).json()
-
-    async def cancel_batch(self, batch_id: str) -> dict[str, Any]:
-        """See :meth:`AIKGClient.cancel_batch`."""
-        return (await self._request("POST", _batch_path(batch_id, "/cancel"))).json()
+    async def stream_events(self, job_id: str, last_event_id: int | None = None
+                            ) -> AsyncIterator[dict[str, Any]]:
+        """See :meth:`AIKGClient.stream_events`."""
+        async for sse in self._stream(job_path(job_id, "/events"), last_event_id):
+            if sse.data:  # a keepalive comment decodes as an empty message
+                yield _event(sse)
 
     async def stream_batch_verdicts(self, batch_id: str, last_event_id: int | None = None
                                     ) -> AsyncIterator[dict[str, Any]]:
         """See :meth:`AIKGClient.stream_batch_verdicts` (keepalives are not yielded)."""
-        async for sse in self._sse(_batch_path(batch_id, "/events"), last_event_id):
+        async for sse in self._stream(batch_path(batch_id, "/events"), last_event_id):
             if sse.event == "end":
                 return
             if sse.data:
@@ -578,8 +335,7 @@ class AsyncAIKGClient:
             async for verdict in self.stream_batch_verdicts(batch_id):
                 yield verdict
         except (KeyboardInterrupt, asyncio.CancelledError):
-            with contextlib.suppress(AIKGError):
-                await asyncio.shield(self.cancel_batch(batch_id))
+            await self._cancel_quietly(self.cancel_batch(batch_id))
             raise
 
     async def verify_batch(self, op_name: str, task_desc: str, candidates: list[str], *,
@@ -595,13 +351,11 @@ class AsyncAIKGClient:
                     if on_verdict is not None:
                         on_verdict(verdict)
         except TimeoutError:
-            raise TimeoutError(f"batch {batch_id} did not end within {timeout:g} s; it goes "
-                               "on (get_batch shows its verdicts)") from None
+            raise TimeoutError(_batch_timeout(batch_id, timeout)) from None
         except (KeyboardInterrupt, asyncio.CancelledError):
-            with contextlib.suppress(AIKGError):
-                await asyncio.shield(self.cancel_batch(batch_id))
+            await self._cancel_quietly(self.cancel_batch(batch_id))
             raise
-        return _in_candidate_order(await self.get_batch(batch_id))
+        return in_candidate_order(await self.get_batch(batch_id))
 
     async def wait_for_completion(self, job_id: str, timeout: float = 1800,
                                   poll_interval: float = 1.0, progress: bool = True, *,
@@ -622,18 +376,42 @@ class AsyncAIKGClient:
                     await asyncio.sleep(wait.pause())
         except (KeyboardInterrupt, asyncio.CancelledError):
             if cancel_on_interrupt:
-                with contextlib.suppress(AIKGError):
-                    await asyncio.shield(self.cancel_job(job_id))
+                await self._cancel_quietly(self.cancel_job(job_id))
             raise
 
+    @staticmethod
+    async def _cancel_quietly(cancel: Any) -> None:
+        """Await the ``cancel`` coroutine shielded from the cancellation under way; the
+        gateway's errors are dropped (the caller re-raises what stopped it)."""
+        with contextlib.suppress(AIKGError):
+            await asyncio.shield(cancel)
 
-def _raise_for_stream(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        response.read()
-        _raise_for(response)
+
+def _headers(token: str | None) -> dict[str, str]:
+    token = token if token is not None else load_setting("api_token") or None
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def _verdict(sse: Any) -> dict[str, Any]:
+def _unreachable(url: Any, exc: Exception) -> AIKGConnectionError:
+    reason = str(exc) or exc.__class__.__name__
+    return AIKGConnectionError(f"cannot reach the AIKG gateway at {url}: {reason} (is "
+                               "`aikg up` or `aikg gateway` running there?)", str(url), reason)
+
+
+def _stream_options(timeout: httpx.Timeout, last_event_id: int | None
+                    ) -> tuple[dict[str, str], httpx.Timeout]:
+    """An event stream's request headers (``Last-Event-ID`` to resume) and timeout
+    (the client's connect timeout; reads wait for keepalives)."""
+    headers = {"Last-Event-ID": str(last_event_id)} if last_event_id else {}
+    return headers, httpx.Timeout(timeout.connect, read=_STREAM_READ_TIMEOUT_S)
+
+
+def _batch_timeout(batch_id: str, timeout: float) -> str:
+    return (f"batch {batch_id} did not end within {timeout:g} s; it goes on (get_batch "
+            "shows its verdicts)")
+
+
+def _verdict(sse: ServerSentEvent) -> dict[str, Any]:
     """A batch stream's message: the verdict with its ``number``; ``{}`` for a keepalive."""
     if not sse.data:
         return {}
@@ -642,7 +420,7 @@ def _verdict(sse: Any) -> dict[str, Any]:
     return verdict
 
 
-def _event(sse: Any) -> dict[str, Any]:
+def _event(sse: ServerSentEvent) -> dict[str, Any]:
     event = json.loads(sse.data)
     event["seq"] = int(sse.id) if sse.id else None
     return event
