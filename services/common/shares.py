@@ -8,7 +8,7 @@ is never locked out), at most ``total``.
 Where each pool is:
 
 - a generator's job slots and lowering slots (:class:`TenantSlots`, one process);
-- a backend/arch's devices (services/worker/service.py, every worker's leases in the
+- a backend/arch's devices (services/worker/fleet.py, every worker's leases in the
   ``leases`` bucket).
 
 In both a share is a cap: a tenant at its share waits, even while slots or devices

@@ -1,9 +1,10 @@
-"""Eager baselines shared by every worker, on JetStream.
+"""The baselines of a worker: kept in its own process and shared by every worker on
+JetStream.
 
-A worker's :class:`~services.worker.verifier.Verifier` keeps baseline timings in its
-own process; this module adds a second tier that every worker reads and writes, so a
-profile of a task another worker (or this one, before a restart) has already timed
-does not time the reference again: key-value bucket ``baselines``, one key per
+A worker's :class:`BaselineCache` keeps baseline timings in its own process (the first
+tier) and in a second tier that every worker reads and writes (:class:`SharedCache`),
+so a profile of a task another worker (or this one, before a restart) has already
+timed does not time the reference again: key-value bucket ``baselines``, one key per
 baseline (the reference ``Model`` timed on a device: ``eager`` as it is, ``compile``
 compiled with ``torch.compile``), named by :func:`baseline_key` (kind, task, shapes,
 backend, arch, torch, CUDA runtime and driver versions), value :class:`Baseline` with
@@ -35,7 +36,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import nats.js.errors
@@ -45,6 +46,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from prometheus_client import Counter
 
 from schemas import subjects, utcnow
+from schemas.events import VerifyRequest
 from services.common.bus import message_get_kv
 from services.common.settings import Settings
 
@@ -141,7 +143,11 @@ def _digest(fields: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
-BASELINE_KINDS = ("eager", "compile")
+# ``eager``: the task's Model as it is; ``compile``: torch.compile(Model).
+BaselineKind = Literal["eager", "compile"]
+BASELINE_KINDS: tuple[BaselineKind, ...] = ("eager", "compile")
+# Where a baseline came from: measured now, this process's cache, the shared bucket.
+BaselineOrigin = Literal["measured", "worker_cache", "shared_cache"]
 
 
 def baseline_key(*, task_sha256: str, shapes: str, backend: str, arch: str,
@@ -244,3 +250,86 @@ class SharedCache:
         log.warning("shared_cache_failed", kind=kind, op=op, key=key[:16],
                     error=str(exc) or type(exc).__name__)
 
+
+@dataclass
+class BaseTime:
+    """A baseline as a worker process holds it: median time (us), when it was measured
+    (UTC), and where this process got it (``measured`` here or ``shared``); ``error``:
+    why it could not be measured (a failed ``torch.compile``, kept in this process
+    only; ``median_us`` is 0 then)."""
+
+    median_us: float
+    measured_at: dt.datetime
+    origin: str
+    error: str = ""
+
+
+def task_key(request: VerifyRequest) -> tuple[str, str]:
+    """(sha256 of the task source, the shape_overrides as canonical JSON)."""
+    return (hashlib.sha256(request.task_desc.encode()).hexdigest(),
+            json.dumps(request.shape_overrides, sort_keys=True))
+
+
+class BaselineCache:
+    """The baselines one worker process knows: its own (by kind, task, arch and
+    shapes) and, when ``shared`` is set, the ``baselines`` bucket every worker shares.
+
+    Args:
+        backend: the worker's backend (part of every key).
+        versions: what timings depend on besides the task (part of every shared key;
+            default: this process's, :meth:`Versions.detect`).
+
+    Attributes:
+        shared: the shared tier (None: this process only).
+    """
+
+    def __init__(self, backend: str, versions: Versions | None = None) -> None:
+        self.backend = backend
+        self.versions = versions or Versions.detect(backend)
+        self.shared: SharedCache | None = None
+        self._times: dict[tuple[str, str, str, str], BaseTime] = {}
+
+    def clear(self) -> None:
+        """Forget this process's baselines (the shared tier keeps its entries)."""
+        self._times.clear()
+
+    def key(self, request: VerifyRequest, task_sha: str, overrides: str,
+            kind: BaselineKind = "eager") -> str:
+        """The shared key of ``request``'s baseline of ``kind`` (:func:`baseline_key`)."""
+        return baseline_key(task_sha256=task_sha, shapes=overrides, backend=self.backend,
+                            arch=request.arch, versions=self.versions, kind=kind)
+
+    async def cached(self, request: VerifyRequest, kind: BaselineKind = "eager"
+                     ) -> tuple[BaseTime | None, BaselineOrigin]:
+        """The baseline of ``kind`` of ``request``'s task, arch and shapes from this
+        process (``worker_cache``) or the shared bucket (``shared_cache``, then kept
+        here), or (None, ``measured``) when it must be measured. A ``compile`` failure
+        this process saw comes back with its ``error``."""
+        task_sha, overrides = task_key(request)
+        held = (kind, task_sha, request.arch, overrides)
+        base = self._times.get(held)
+        if base is not None:
+            return base, "worker_cache"
+        if self.shared is not None:
+            found = await self.shared.get_baseline(self.key(request, task_sha, overrides, kind))
+            if found is not None:
+                base = self._times[held] = BaseTime(found.median_us, found.measured_at,
+                                                    "shared")
+                return base, "shared_cache"
+        return None, "measured"
+
+    async def keep(self, request: VerifyRequest, kind: BaselineKind, median_us: float,
+                   error: str = "") -> BaseTime:
+        """Keep a measured baseline of ``kind`` (microseconds) in this process and (not
+        a failure: ``error`` empty) in the shared bucket; returns it."""
+        task_sha, overrides = task_key(request)
+        base = self._times[kind, task_sha, request.arch, overrides] = BaseTime(
+            median_us, utcnow(), "measured", error)
+        if self.shared is not None and not error:
+            await self.shared.put_baseline(Baseline(
+                format=CACHE_FORMAT, key=self.key(request, task_sha, overrides, kind),
+                median_us=median_us, measured_at=base.measured_at, task_sha256=task_sha,
+                shapes=overrides, backend=self.backend, arch=request.arch, kind=kind,
+                versions={"torch": self.versions.torch, "cuda": self.versions.cuda,
+                          "driver": self.versions.driver}))
+        return base

@@ -1,7 +1,7 @@
 """What a profiled verification reports beyond its times: both speedups, the fraction of
 the arch's peak, and the kernels the profiler saw in the candidate's timed calls.
 
-Pure functions, used by the worker (:meth:`services.worker.verifier.Verifier.profile`)
+Pure functions, used by the worker (:class:`services.worker.procedure.profile.Profile`)
 on what the sandboxed children measured:
 
 * :func:`speedups`: ``base / candidate`` for the eager and the ``torch.compile``

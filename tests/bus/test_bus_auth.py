@@ -789,7 +789,7 @@ async def test_a_request_relayed_onto_a_lease_key_counts_as_no_lease(settings: S
     heartbeat key. The fleet's view counts only values that name the key's worker: the
     copy takes no device share from its tenant, a real lease does. (The bytes are put
     as the admin: the same stored value the relay leaves.)"""
-    from services.worker.service import DeviceShares
+    from services.worker.fleet import DeviceShares
 
     arch = settings.arch
     request = {"request_id": "r-1", "job_id": "j-1", "tenant": "acme", "backend": "cpu",

@@ -107,7 +107,7 @@ async def test_a_shared_baseline_is_used_and_its_age_reported(
         shared_verifier: Verifier, cache: SharedCache) -> None:
     """The profile path's lookup (cpu cannot time, so the lookup alone): a baseline in
     the shared bucket is used and then held by this process."""
-    from services.worker.verifier import _BaseTime
+    from services.worker.cache import BaseTime
     from tests.sandbox.test_verifier import request
 
     task = BUNDLED_RELU_TASK + f"# baseline {uuid.uuid4().hex}\n"
@@ -118,11 +118,11 @@ async def test_a_shared_baseline_is_used_and_its_age_reported(
         assert await shared_verifier.cached_baseline(req) == (None, "measured")
         measured = utcnow() - dt.timedelta(minutes=5)
         assert await cache.put_baseline(Baseline(
-            format=CACHE_FORMAT, key=shared_verifier._baseline_key(req, task_sha, overrides),
+            format=CACHE_FORMAT, key=shared_verifier.baselines.key(req, task_sha, overrides),
             median_us=42.0, measured_at=measured, task_sha256=task_sha, shapes=overrides,
             backend="cpu", arch="x86_64", versions={}))
         base, origin = await shared_verifier.cached_baseline(req)
-        assert origin == "shared_cache" and isinstance(base, _BaseTime)
+        assert origin == "shared_cache" and isinstance(base, BaseTime)
         assert base.median_us == 42.0 and 299 < (utcnow() - base.measured_at).total_seconds() < 400
         base, origin = await shared_verifier.cached_baseline(req)
         assert origin == "worker_cache" and base.median_us == 42.0
@@ -172,8 +172,8 @@ async def test_compiled_baselines_are_shared_and_compile_failures_are_not(
     shared_verifier.shared_cache = cache
     try:
         assert await shared_verifier.cached_baseline(req, kind="compile") == (None, "measured")
-        await shared_verifier._keep_baseline(req, "compile", 31.0)
-        await shared_verifier._keep_baseline(req, "eager", 62.0)
+        await shared_verifier.keep_baseline(req, "compile", 31.0)
+        await shared_verifier.keep_baseline(req, "eager", 62.0)
         shared_verifier.clear_caches()
         compiled, origin = await shared_verifier.cached_baseline(req, kind="compile")
         assert origin == "shared_cache" and compiled.median_us == 31.0
@@ -181,7 +181,7 @@ async def test_compiled_baselines_are_shared_and_compile_failures_are_not(
         assert origin == "shared_cache" and eager.median_us == 62.0
         # A failed torch.compile stays in the process that saw it.
         other = msgspec.structs.replace(req, task_desc=req.task_desc + "# failing\n")
-        await shared_verifier._keep_baseline(other, "compile", 0.0, error="TypeError: x")
+        await shared_verifier.keep_baseline(other, "compile", 0.0, error="TypeError: x")
         failed, origin = await shared_verifier.cached_baseline(other, kind="compile")
         assert origin == "worker_cache" and failed.error == "TypeError: x"
         shared_verifier.clear_caches()

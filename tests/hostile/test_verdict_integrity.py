@@ -22,7 +22,9 @@ from services.sandbox import child as _child
 from services.sandbox import wire
 from services.worker import correctness, rules
 from services.worker import verifier as verifier_module
-from services.worker.verifier import Verifier, _Verdict
+from services.worker.procedure import Verdict as _Verdict
+from services.worker.procedure.profile import check_timing
+from services.worker.verifier import Verifier
 from tests.corpus import CORPUS, TASKS
 from tests.helpers import RELU_TASK
 from tests.support_candidates import (
@@ -460,15 +462,15 @@ def test_error_text_is_clipped_head_and_tail():
 def test_timing_sample_count_and_wall_time(verifier):
     timing = wire.Timing(median_us=0.5, samples_us=[0.5] * 19, wall_s=0.001)
     with pytest.raises(_Verdict) as info:
-        verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate", repeats=20,
-                               stage="audit")
+        check_timing(timing, time.monotonic() - 1.0, "the candidate", repeats=20,
+                     stage="audit")
     assert info.value.outcome.fields.stage == "audit"
     assert "19 samples; 20 were asked for" in info.value.outcome.fields.error
     # No profiling phase observed by the parent: no timing is consistent.
     timing = wire.Timing(median_us=0.5, samples_us=[0.5] * 20, wall_s=0.001)
     with pytest.raises(_Verdict):
-        verifier._check_timing(timing, None, "the candidate", repeats=20, stage="audit")
-    verifier._check_timing(timing, time.monotonic() - 0.01, "the candidate", repeats=20)
+        check_timing(timing, None, "the candidate", repeats=20, stage="audit")
+    check_timing(timing, time.monotonic() - 0.01, "the candidate", repeats=20)
 
 
 def test_scale_aware_comparison_numbers():

@@ -1,5 +1,5 @@
 """The GPU compiler's facts in the verdict, and AMD as a second target
-(services/worker/gpu_facts.py, services/worker/procedure/checks.py).
+(services/worker/gpu_facts.py, services/worker/procedure/compile_check.py).
 
 A cpu verification compiles every kernel specialisation for the request's GPU and for
 the other vendor's (``worker_compile_extra_targets``, default ``auto``: ``mi300x``

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
-from services.worker.procedure.trials import draw_autotune_runs
+from services.worker.procedure.replays import draw_autotune_runs
 from services.worker.trace import FILL_KINDS, PLAUSIBLE_FILLS, Fill, fill_undefined
 from tests.corpus import CORPUS, TASKS, load
 from tests.helpers import RELU_TASK, cpu_request

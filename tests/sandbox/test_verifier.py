@@ -23,7 +23,9 @@ from services.sandbox.pool import captured_output, clean_environment, describe_e
 from services.worker import correctness
 from services.worker.inputs import LARGE, SMALL
 from services.worker.procedure import Outcome, Timings
-from services.worker.verifier import Verifier, _Verdict, speedup_fields
+from services.worker.procedure import Verdict as _Verdict
+from services.worker.procedure.profile import check_timing, speedup_fields
+from services.worker.verifier import Verifier
 from tests.helpers import RELU_TASK
 from tests.support_candidates import TRITON_IMPORTS, relu_jit, relu_model
 
@@ -317,11 +319,11 @@ def test_sandbox_probe_results(verifier):
 def test_timings_larger_than_wall_time_are_inconsistent(verifier):
     timing = wire.Timing(median_us=1000.0, samples_us=[1000.0] * 20, wall_s=0.0)
     with pytest.raises(_Verdict) as info:
-        verifier._check_timing(timing, time.monotonic(), "the candidate")
+        check_timing(timing, time.monotonic(), "the candidate")
     assert info.value.outcome.fields.stage == "infrastructure"
     assert info.value.outcome.fields.error.startswith("timings inconsistent")
     # 20 ms of samples after 1 s of wall time is consistent.
-    verifier._check_timing(timing, time.monotonic() - 1.0, "the candidate")
+    check_timing(timing, time.monotonic() - 1.0, "the candidate")
 
 
 # ------------------------------------------------------------------ correctness rules

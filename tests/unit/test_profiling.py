@@ -26,7 +26,7 @@ from services.worker.profiling import (
 )
 from services.worker.rules import ALLOWED_OPS
 from services.worker.targets import TARGETS
-from services.worker.verifier import speedup_fields
+from services.worker.procedure.profile import speedup_fields
 
 H200 = TARGETS["h200"]
 
