@@ -28,9 +28,10 @@ Provenance. A verdict counts only from the worker that holds its request:
   request JetStream gave to a second worker while the first was still running it).
 
 Reading. A :class:`VerdictWaiter` collects the verdicts a job's verify requests get
-(the generator's single and evolve jobs, the SDK's ``RemoteWorker``; the gateway's
-batches use :class:`ResultsReader` directly) and hands each to whoever awaits its
-``request_id``. It uses no JetStream consumer (services may not create any:
+and hands each to whoever awaits its ``request_id``; a :class:`ResultsReader` returns
+them in stream order to a caller that folds them itself. Requesters use both through
+:class:`services.common.verify_client.VerifyClient` (the generator's single and evolve
+jobs and the SDK's ``RemoteWorker`` wait, the gateway's batches fold). It uses no JetStream consumer (services may not create any:
 services/common/nats_auth.py): the stream's own message-get API
 (``$JS.API.STREAM.MSG.GET`` with ``next_by_subj``) walks the job's subject from the last
 sequence seen, woken by a core NATS subscription on the same subject (used only as a

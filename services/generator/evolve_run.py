@@ -46,7 +46,7 @@ async def artifacts(js):
 
 
 class EvolveJob:
-    """Runs one evolve job for a :class:`services.generator.service.JobRun`.
+    """Runs one evolve job for a :class:`services.generator.job_run.JobRun`.
 
     Args:
         run: the job's run (bus, store, record, verdict waiter, report, chat).
