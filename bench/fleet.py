@@ -239,9 +239,10 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
     """
     import msgspec
 
-    from schemas import VerifyRequest, VerifyResult, encode, subjects, utcnow
+    from schemas import VerifyResult, encode, subjects, utcnow
     from services.common.bus import bucket_entries, connect_bus
     from services.common.settings import load_settings
+    from services.common.verify_client import build_request
 
     point = Point(config, workers)
     token = secrets.token_hex(8)
@@ -289,7 +290,7 @@ async def run_point(config: str, code_root: Path, workers: int, args: argparse.N
             nonlocal sent
             i = sent
             sent += 1
-            request = VerifyRequest(
+            request = build_request(
                 request_id=f"r{i}", job_id=JOB_ID, candidate_id=f"c{i}", op_name="fleet",
                 task_desc="# simulated\n", code=MARKER + token, backend=BACKEND,
                 arch=SIM_ARCH, trials=1, tenant=tenants[i % len(lanes)],

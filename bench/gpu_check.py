@@ -126,6 +126,7 @@ Check = tuple[str, str, bool, str]  # (name, expected, held, what came)
 async def worker_checks(args: argparse.Namespace) -> list[Check]:
     """Part ``worker``: correct kernel, out-of-bounds store, correct kernel again."""
     from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.generator.lowering import lower_task
     from services.worker.verifier import Verifier
 
@@ -146,7 +147,7 @@ async def worker_checks(args: argparse.Namespace) -> list[Check]:
           f"notes: {verifier.sandbox_notes or 'none'})", flush=True)
 
     def request(name: str, code: str, mode: str) -> VerifyRequest:
-        return VerifyRequest(
+        return build_request(
             request_id=f"gpu-check-{name}", job_id="gpu-check", candidate_id=name,
             op_name="gelu", task_desc=task, code=code, backend="cuda", arch=args.arch,
             mode=mode, shape_overrides=shapes, timeout_s=args.timeout, trials=args.trials)
@@ -209,7 +210,7 @@ def describe_profile(result) -> str:
 
 async def profile_checks(args: argparse.Namespace) -> list[Check]:
     """Part ``profile``: three bundled tasks, the built-in coder's kernel, profiled."""
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.generator.lowering import lower_task
     from services.worker.verifier import Verifier
 
@@ -222,7 +223,7 @@ async def profile_checks(args: argparse.Namespace) -> list[Check]:
         for name, shapes in PROFILE_TASKS:
             task = (ROOT / "tasks" / name).read_text()
             code = lower_task(task, shapes)
-            result = await verifier.verify(VerifyRequest(
+            result = await verifier.verify(build_request(
                 request_id=f"gpu-check-profile-{Path(name).stem}", job_id="gpu-check",
                 candidate_id=Path(name).stem, op_name=Path(name).stem, task_desc=task,
                 code=code, backend="cuda", arch=args.arch, mode="profile",
@@ -247,7 +248,7 @@ async def corpus_checks(args: argparse.Namespace, backend: str = "cuda",
                         only: list[str] | None = None) -> list[Check]:
     """Part ``corpus``: the hostile candidates fail, the honest ones pass (``only``: these
     file stems); two checks, with the counts as what came."""
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.worker import verifier as verifier_module
     from services.worker.verifier import Verifier
     from tests.corpus import TASKS, files, load
@@ -265,7 +266,7 @@ async def corpus_checks(args: argparse.Namespace, backend: str = "cuda",
                 if only is not None and path.stem not in only:
                     continue
                 code, meta = load(path)
-                request = VerifyRequest(
+                request = build_request(
                     request_id=f"gpu-check-corpus-{path.stem}", job_id="gpu-check",
                     candidate_id=path.stem, op_name=path.stem, task_desc=TASKS[meta["task"]],
                     code=code, backend=backend, arch=meta.get("arch", args.arch or "h200"),

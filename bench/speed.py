@@ -189,7 +189,7 @@ async def checks(task: str, code: str, n: int, shapes: dict[str, int]
                  ) -> dict[str, tuple[list[float], list[Any]]]:
     """``n`` three-trial verifications in this process, one at a time, with every check
     and then without the GPU compile check (``aot_target="none"``), interleaved."""
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
     from services.worker.verifier import Verifier
 
     verifiers = {"every check": Verifier("cpu", worker_id="bench-checks",
@@ -202,7 +202,7 @@ async def checks(task: str, code: str, n: int, shapes: dict[str, int]
             await asyncio.to_thread(v.start)
         for i in range(n + 1):  # the first round warms up (compile cache)
             for name, v in verifiers.items():
-                request = VerifyRequest(request_id=f"checks-{name[:2]}-{i}", job_id="bench",
+                request = build_request(request_id=f"checks-{name[:2]}-{i}", job_id="bench",
                                         candidate_id="c", op_name="relu", task_desc=task,
                                         code=code, backend="cpu", arch=ARCH,
                                         shape_overrides=shapes, trials=3)

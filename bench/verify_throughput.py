@@ -133,12 +133,12 @@ class Warm:
         self.start_s = time.perf_counter() - started
 
     async def run_one(self, cached: bool) -> None:
-        from schemas import VerifyRequest
+        from services.common.verify_client import build_request
 
         self._n += 1
         # A different source is a different task to the reference cache.
         task = self.task if cached else f"{self.task}\n# bench variant {self._n}\n"
-        request = VerifyRequest(
+        request = build_request(
             request_id=f"bench-{self._n}", job_id="bench", candidate_id=f"c{self._n}",
             op_name="relu", task_desc=task, code=self.candidate, backend="cpu",
             arch="bench", shape_overrides=dict(SHAPES), trials=TRIALS, timeout_s=300.0)

@@ -100,13 +100,13 @@ def cpu_request(code: str, task: str, *, trials: int = 2, job_id: str = "job-tes
     (a fresh request id; ``fields`` override the rest, ``timeout_s`` 120 s unless told)."""
     import time
 
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
 
     body = {"request_id": f"req-{time.monotonic_ns()}", "job_id": job_id,
             "candidate_id": "cand-test", "op_name": "op", "task_desc": task, "code": code,
             "backend": "cpu", "arch": "x86_64", "timeout_s": 120.0, "trials": trials}
     body.update(fields)
-    return VerifyRequest(**body)
+    return build_request(**body)
 # The bundled tasks/relu.py (16 x 4096), as `aikg run` and the README use it.
 BUNDLED_RELU_TASK = (TASKS / "relu.py").read_text()
 
@@ -237,11 +237,11 @@ def verify_at_sizes(verifier: Any, name: str, task_src: str, candidate: str,
     """Verify one ``candidate`` of ``task_src`` on the cpu ``verifier`` (one trial, 120 s)
     at each of ``overrides`` (``{}``: the task's own sizes) and assert it passes;
     returns the result at the task's own sizes (None if ``{}`` is not among them)."""
-    from schemas.events import VerifyRequest
+    from services.common.verify_client import build_request
 
     own = None
     for k, sizes in enumerate(overrides):
-        request = VerifyRequest(request_id=f"{name}-{k}", job_id="sizes-test",
+        request = build_request(request_id=f"{name}-{k}", job_id="sizes-test",
                                 candidate_id="c0", op_name=name, task_desc=task_src,
                                 code=candidate, backend="cpu", arch="x86_64", trials=1,
                                 timeout_s=120, shape_overrides=sizes)

@@ -28,6 +28,7 @@ from services.common.settings import Settings
 from services.common.shares import TenantSlots, share_slots
 from services.common.tenants import hash_token, load_tenants
 from services.common.verdicts import VerdictWaiter, claim_nonce, random_key
+from services.common.verify_client import build_request
 from services.generator.coders.lowering_role import lower_in_sandbox
 from services.generator.lowering.errors import LoweringError
 from services.generator.service import Generator, run_generator
@@ -67,7 +68,7 @@ assert HANG_IN_MODEL != RELU_TASK and ALLOC_10GB != RELU_TASK
 
 def request(task: str, request_id: str, *, tenant: str = "default", job_id: str = "fair",
             timeout_s: float = 120.0, code: str = RELU_KERNEL) -> VerifyRequest:
-    return VerifyRequest(request_id=request_id, job_id=job_id, candidate_id=request_id,
+    return build_request(request_id=request_id, job_id=job_id, candidate_id=request_id,
                          op_name="relu", task_desc=task, code=code, backend="cpu",
                          arch="x86_64", trials=1, timeout_s=timeout_s, tenant=tenant)
 

@@ -12,6 +12,7 @@ from bench import fleet
 from schemas import VerifyRequest, encode, subjects
 from services.common.bus import Bus
 from services.common.settings import Settings
+from services.common.verify_client import build_request
 from services.worker.service import Worker
 from tests.bus.test_worker_service import Results, running_worker
 from tests.helpers import RELU_KERNEL, RELU_TASK
@@ -82,7 +83,7 @@ async def test_a_normal_verify_request_never_reaches_the_simulated_device(
     async with running_worker(settings, bus, verifier=device, worker_arch=fleet.SIM_ARCH,
                               **bus_credentials.worker_settings()):
         def request(rid: str, code: str, task: str = RELU_TASK) -> VerifyRequest:
-            return VerifyRequest(request_id=rid, job_id="job-sim", candidate_id=rid,
+            return build_request(request_id=rid, job_id="job-sim", candidate_id=rid,
                                  op_name="relu", task_desc=task, code=code, backend="cpu",
                                  arch=fleet.SIM_ARCH, trials=1)
 

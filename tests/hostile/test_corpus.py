@@ -22,6 +22,7 @@ import uuid
 import pytest
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from tests.corpus import CORPUS, TASKS, files, load
 from tests.helpers import RELU_KERNEL, representatives
 
@@ -37,7 +38,7 @@ def _first_of_each_class(paths: list) -> set:
 
 
 def request(code: str, meta: dict) -> VerifyRequest:
-    return VerifyRequest(
+    return build_request(
         request_id=f"corpus-{uuid.uuid4().hex[:10]}", job_id="job-corpus",
         candidate_id="cand-corpus", op_name="op", task_desc=TASKS[meta["task"]], code=code,
         backend="cpu", arch=meta.get("arch", "x86_64"), timeout_s=120.0,

@@ -20,6 +20,7 @@ import uuid
 import pytest
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from services.worker.verifier import Verifier
 from tests.helpers import RELU_TASK, SECRET, scaled
 from tests.support_candidates import RELU_LAUNCHER, TRITON_IMPORTS, forged_frames, relu_jit
@@ -51,7 +52,7 @@ def request(code: str, **kwargs) -> VerifyRequest:
               "candidate_id": "cand-hostile", "op_name": "relu", "task_desc": TASK,
               "code": code, "backend": "cpu", "arch": "x86_64", "timeout_s": 20.0}
     fields.update(kwargs)
-    return VerifyRequest(**fields)
+    return build_request(**fields)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from schemas import VerifyRequest
+from services.common.verify_client import build_request
 from services.sandbox.pool import MECHANISMS
 from tests.helpers import DB_URL, RELU_KERNEL, ROOT, SECRET, scaled, services_running, wait_terminal
 
@@ -145,7 +146,7 @@ def verifier(shared_verifier):
 
 
 def request(task: str, code: str) -> VerifyRequest:
-    return VerifyRequest(request_id=f"req-{uuid.uuid4().hex[:8]}", job_id="job-sandbox",
+    return build_request(request_id=f"req-{uuid.uuid4().hex[:8]}", job_id="job-sandbox",
                          candidate_id="cand", op_name="relu", task_desc=task, code=code,
                          backend="cpu", arch="x86_64", trials=1, timeout_s=60)
 

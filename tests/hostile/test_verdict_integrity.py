@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from services.sandbox import child as _child
 from services.sandbox import wire
 from services.worker import correctness, rules
@@ -85,7 +86,7 @@ def request(code: str, task: str = RELU_TASK, **kwargs) -> VerifyRequest:
               "candidate_id": "cand-integrity", "op_name": "op", "task_desc": task,
               "code": code, "backend": "cpu", "arch": "x86_64", "timeout_s": 60.0}
     fields.update(kwargs)
-    return VerifyRequest(**fields)
+    return build_request(**fields)
 
 
 @pytest.fixture

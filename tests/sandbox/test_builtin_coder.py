@@ -533,14 +533,14 @@ def verifier(shared_verifier):
 def test_schedule_passes_the_worker(name, verifier):
     import asyncio
 
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
 
     task_src = schedule_task(name)
     candidate = lowered(task_src)
     # (a concatenation launches its one kernel once per input)
     _assert_forward_only_launches(candidate, kernels=len(_launches(candidate)))
     # (the verifier compares the outputs and the inputs after the call, at three sizes)
-    request = VerifyRequest(request_id=f"sched-{name}", job_id="builtin-test",
+    request = build_request(request_id=f"sched-{name}", job_id="builtin-test",
                             candidate_id="c0", op_name=name, task_desc=task_src,
                             code=candidate, backend="cpu", arch="x86_64", trials=2,
                             timeout_s=120)

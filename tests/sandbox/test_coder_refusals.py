@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from schemas import JobSubmit, VerifyRequest
+from schemas import JobSubmit
+from services.common.verify_client import build_request
 from services.generator.coders.base import BuiltinCoder, CoderError, lowering_sandbox
 from services.generator.coders.screen import decline
 from services.sdk import LocalWorker, Task, WorkerManager
@@ -161,7 +162,7 @@ async def test_memory_hint_names_the_command_in_use(shared_verifier, command):
     before = shared_verifier.client_command
     shared_verifier.client_command = command  # as LocalWorker(client_command=...) sets it
     try:
-        result = await shared_verifier.verify(VerifyRequest(
+        result = await shared_verifier.verify(build_request(
             request_id=f"big-{command.split()[1]}", job_id="hint", candidate_id="c0",
             op_name="relu", task_desc=BIG_TASK, code=RELU_KERNEL, backend="cpu", arch="x86_64"),
             device="0")

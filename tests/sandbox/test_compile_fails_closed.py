@@ -20,6 +20,7 @@ from triton.backends.compiler import BaseBackend
 
 from schemas.events import VerifyRequest
 from services.common.settings import load_settings
+from services.common.verify_client import build_request
 from services.sandbox import values
 from services.sandbox.limits import child_limits_from
 from services.worker import aot
@@ -116,7 +117,7 @@ class ModelNew(nn.Module):
 
 
 def _request(code: str) -> VerifyRequest:
-    return VerifyRequest(request_id=f"aot-{uuid.uuid4().hex[:10]}", job_id="job-aot",
+    return build_request(request_id=f"aot-{uuid.uuid4().hex[:10]}", job_id="job-aot",
                          candidate_id="cand-aot", op_name="relu", task_desc=RELU_TASK,
                          code=code, backend="cpu", arch="h100", timeout_s=120.0, trials=1)
 

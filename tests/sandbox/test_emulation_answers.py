@@ -19,6 +19,7 @@ import uuid
 import pytest
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from tests.corpus import TASKS
 
 MIB = 1 << 20
@@ -121,7 +122,7 @@ class ModelNew(nn.Module):
 
 def request(arch: str, expect: str | None = None) -> VerifyRequest:
     code = CANDIDATE.format(gpu=GPUS[expect or arch])
-    return VerifyRequest(
+    return build_request(
         request_id=f"emulation-{uuid.uuid4().hex[:10]}", job_id="job-emulation",
         candidate_id="cand-emulation", op_name="relu", task_desc=TASKS["big_relu"],
         code=code, backend="cpu", arch=arch, timeout_s=120.0, trials=1,

@@ -8,7 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from schemas import JobSubmit, VerifyRequest, VerifyResult
+from schemas import JobSubmit, VerifyResult
+from services.common.verify_client import build_request
 from services.generator.coders.base import CPU_BLOCK_SIZE, CPU_TILES, BuiltinCoder, Candidate
 from services.generator.evolve import (
     DEFAULT_PARAMS,
@@ -58,7 +59,7 @@ class Recorder:
     async def verify(self, candidate: Candidate, candidate_id: str) -> VerifyResult:
         self.verified.append(candidate_id)
         self.codes[candidate_id] = candidate.code
-        request = VerifyRequest(
+        request = build_request(
             request_id=f"req-{candidate_id}", job_id=self.submit.job_id or "j",
             candidate_id=candidate_id, op_name="relu", task_desc=self.submit.task_desc,
             code=candidate.code, backend="cpu", arch="x86_64",

@@ -9,7 +9,8 @@ import uuid
 import msgspec
 import pytest
 
-from schemas import JobSubmit, VerifyRequest, VerifyResult
+from schemas import JobSubmit, VerifyResult
+from services.common.verify_client import build_request
 from services.generator.coders.base import BuiltinCoder, Candidate
 from services.generator.evolve import DEFAULT_PARAMS, BuiltinMutator, EvolveSearch, EvolveState
 from tests.corpus import TASKS
@@ -41,7 +42,7 @@ def task(name: str) -> str:
 
 async def verify(verifier, source: str, overrides: dict, **params) -> VerifyResult:
     code = lowered(source, overrides, **params)
-    request = VerifyRequest(
+    request = build_request(
         request_id=f"fused-{uuid.uuid4().hex[:8]}", job_id="job-fused", candidate_id="c",
         op_name="rows", task_desc=source, code=code, backend="cpu", arch="h100",
         shape_overrides=overrides, trials=1, timeout_s=120.0)
@@ -111,7 +112,7 @@ class _Recorder:
         self.verifier, self.submit = verifier, submit
 
     async def verify(self, candidate: Candidate, candidate_id: str) -> VerifyResult:
-        request = VerifyRequest(
+        request = build_request(
             request_id=f"req-{candidate_id}-{uuid.uuid4().hex[:6]}", job_id="evo-rows",
             candidate_id=candidate_id, op_name="softmax", task_desc=self.submit.task_desc,
             code=candidate.code, backend="cpu", arch="h100",

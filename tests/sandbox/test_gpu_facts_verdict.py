@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from tests.corpus import TASKS
 
 pytestmark = pytest.mark.slow
@@ -36,7 +37,7 @@ TF32X3 = TILED.replace('input_precision="ieee"', 'input_precision="tf32x3"')
 
 
 def _request(code: str, arch: str) -> VerifyRequest:
-    return VerifyRequest(request_id=f"facts-{uuid.uuid4().hex[:10]}", job_id="job-facts",
+    return build_request(request_id=f"facts-{uuid.uuid4().hex[:10]}", job_id="job-facts",
                          candidate_id="cand-facts", op_name="matmul",
                          task_desc=TASKS["matmul"], code=code, backend="cpu", arch=arch,
                          timeout_s=300.0, trials=1)

@@ -11,7 +11,8 @@ import uuid
 
 import pytest
 
-from schemas import VerifyRequest, VerifyResult
+from schemas import VerifyResult
+from services.common.verify_client import build_request
 from tests.helpers import representatives
 from tests.lowering_cache import lowered
 
@@ -67,7 +68,7 @@ def kernel_names(code: str) -> list[str]:
 
 async def verify(verifier, name: str, sizes: dict, **params) -> VerifyResult:
     code = lowered(task(name), sizes, **params)
-    request = VerifyRequest(
+    request = build_request(
         request_id=f"mmrows-{uuid.uuid4().hex[:8]}", job_id="job-mmrows", candidate_id="c",
         op_name=name, task_desc=task(name), code=code, backend="cpu", arch="h100",
         shape_overrides=sizes, trials=1, timeout_s=120.0)

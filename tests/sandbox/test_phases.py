@@ -21,6 +21,7 @@ from schemas import JOB_PHASES, VERIFY_PHASES, VERIFY_PHASES_BESIDE, VerifyReque
 from schemas.events import phase_label
 from services.common.bus import Bus
 from services.common.settings import Settings
+from services.common.verify_client import build_request
 from services.generator.lowering import lower_task
 from services.worker.verifier import Verifier
 from tests.conftest import RELU_TASK
@@ -42,7 +43,7 @@ def verifier(shared_verifier: Verifier) -> Verifier:
 
 
 def request(code: str, n: int) -> VerifyRequest:
-    return VerifyRequest(request_id=f"ph-{n}", job_id="phases", candidate_id=f"c{n}",
+    return build_request(request_id=f"ph-{n}", job_id="phases", candidate_id=f"c{n}",
                          op_name="relu", task_desc=RELU_TASK, code=code, backend="cpu",
                          arch="test", shape_overrides=dict(SHAPES), trials=3, timeout_s=120.0)
 

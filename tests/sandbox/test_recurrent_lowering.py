@@ -209,7 +209,7 @@ def test_tensor_attributes_are_drawn_again_and_an_overwritten_one_is_its_input(
     one and overwrites it with forward's input) are non-persistent buffers of ModelNew,
     drawn with torch.randn in the Model's order, so the layers created after them get
     the same weights; the overwritten one is read as the input itself (no kernel)."""
-    from schemas import VerifyRequest
+    from services.common.verify_client import build_request
 
     candidate = lowered(VANILLA_RNN_TASK)
     init = candidate[candidate.index("def __init__"):candidate.index("def forward")]
@@ -218,7 +218,7 @@ def test_tensor_attributes_are_drawn_again_and_an_overwritten_one_is_its_input(
         init.index("self.i2h = nn.Linear")
     assert "persistent=False" in init
     _assert_matches(VANILLA_RNN_TASK, candidate, rtol=1e-4, atol=1e-4)
-    request = VerifyRequest(request_id="vanilla-rnn", job_id="rnn-test", candidate_id="c0",
+    request = build_request(request_id="vanilla-rnn", job_id="rnn-test", candidate_id="c0",
                             op_name="vanilla_rnn", task_desc=VANILLA_RNN_TASK, code=candidate,
                             backend="cpu", arch="x86_64", trials=1, timeout_s=120)
     result = asyncio.run(shared_verifier.verify(request, device="0"))

@@ -12,7 +12,8 @@ import uuid
 
 import pytest
 
-from schemas import VerifyRequest, VerifyResult
+from schemas import VerifyResult
+from services.common.verify_client import build_request
 from services.generator.lowering.schedules.fused_rows import GATHER_TILE
 from tests.helpers import representatives
 from tests.lowering_cache import lowered
@@ -74,7 +75,7 @@ def task(name: str) -> str:
 
 async def verify(verifier, source: str, overrides: dict, **params) -> VerifyResult:
     code = lowered(source, overrides, **params)
-    request = VerifyRequest(
+    request = build_request(
         request_id=f"families-{uuid.uuid4().hex[:8]}", job_id="job-families",
         candidate_id="c", op_name="rows", task_desc=source, code=code, backend="cpu",
         arch="h100", shape_overrides=overrides, trials=1, timeout_s=120.0)

@@ -181,10 +181,10 @@ FOUR = 4  # float32 bytes
 def corpus_request(name: str, code: str | None = None, **fields):
     import uuid
 
-    from schemas.events import VerifyRequest
+    from services.common.verify_client import build_request
 
     source, meta = load(CORPUS / "honest" / f"{name}.py")
-    return VerifyRequest(
+    return build_request(
         request_id=f"traffic-{uuid.uuid4().hex[:8]}", job_id="job-traffic",
         candidate_id="c", op_name=meta["task"], task_desc=TASKS[meta["task"]],
         code=code or source, backend="cpu", arch=fields.pop("arch", "h100"), timeout_s=120.0,

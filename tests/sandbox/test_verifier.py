@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from schemas.events import VerifyRequest
+from services.common.verify_client import build_request
 from services.sandbox import child as _child
 from services.sandbox import pool, wire
 from services.sandbox.pool import captured_output, clean_environment, describe_exit
@@ -53,7 +54,7 @@ def request(code: str | None = None, task: str = RELU_TASK, **kwargs) -> VerifyR
               "code": code if code is not None else relu_candidate(), "backend": "cpu",
               "arch": "x86_64", "timeout_s": 30.0}
     fields.update(kwargs)
-    return VerifyRequest(**fields)
+    return build_request(**fields)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from schemas import (
     JobEvent,
     JobRecord,
     JobSubmit,
-    VerifyRequest,
     VerifyResult,
     WorkerInfo,
     decode,
@@ -21,6 +20,7 @@ from schemas import (
 )
 from schemas.export import JSON_DIR, schema_documents
 from services.common.jobs import new_record
+from services.common.verify_client import build_request
 
 TASK = "class Model: ...\ndef get_inputs(): return []\ndef get_init_inputs(): return []\n"
 
@@ -81,7 +81,7 @@ def test_not_json_is_a_decode_error() -> None:
 def test_records_round_trip() -> None:
     submit = JobSubmit(op_name="relu", task_desc=TASK, job_id="job-1")
     record = new_record(submit, arch="x86_64")
-    request = VerifyRequest(request_id="r1", job_id="job-1", candidate_id="c1", op_name="relu",
+    request = build_request(request_id="r1", job_id="job-1", candidate_id="c1", op_name="relu",
                             task_desc=TASK, code="x", backend="cpu", arch="x86_64")
     result = VerifyResult(request_id="r1", job_id="job-1", candidate_id="c1", worker_id="w",
                           device="0", passed=False, stage="mismatch", error="differs",
