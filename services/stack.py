@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -43,6 +43,10 @@ from prometheus_client import CollectorRegistry, Counter
 
 from services.common.runtime import claim_owner, remove_stale_dirs
 from services.common.settings import Settings
+
+if TYPE_CHECKING:
+    from services.common.embedded import EmbeddedNatsServer
+    from services.common.nats_auth import BusCredentials
 
 # What `aikg up` serves on its own /metrics: only the supervisor's metrics (the
 # services export theirs on their own ports).
@@ -323,101 +327,135 @@ def local_stack(
     ``stopping`` set (a signal handler's doing) ends the wait for readiness early;
     ``say`` reports where the logs and the admin credentials are, restarts, and the stop.
 
+    The steps are :class:`_StackRun`'s: the embedded NATS, the log directory, the
+    services' environment and commands, their start, the wait until the stack is up,
+    the supervisor, and the stop.
+
     Raises:
         StackError: the run directory or NATS cannot be had, a service dies before the
             stack is up, or the stack is not up within ``ready_timeout`` s (gateway
             ready and a ``backend`` worker listed).
     """
-    stopping = stopping or threading.Event()
-    from services.common.embedded import EmbeddedNatsServer, die_with_parent
-    from services.common.nats_auth import BusCredentials
-
-    nats: EmbeddedNatsServer | None = None
-    children: dict[str, subprocess.Popen[bytes]] = {}
-    logs: dict[str, Path] = {}
-    credentials: BusCredentials | None = None
-    run_dir: Path | None = None
-    admin_env: Path | None = None
-    supervisor: Supervisor | None = None
+    run = _StackRun(settings, say)
     try:
-        nats_url = settings.nats_url
-        if not nats_url:
-            try:
-                run_dir, stale = claim_run_dir(run_dir_base(settings))
-            except OSError as exc:
-                raise StackError(f"cannot create a run directory: {exc}") from exc
-            for path in stale:
-                say(f"removed {path}, left by an aikg up that is gone")
-            config = None
-            if nats_auth:
-                from services.worker.service import default_worker_id
-
-                # The worker's own NATS user may write only this id's heartbeat and leases.
-                credentials = BusCredentials(
-                    worker_ids=(settings.worker_id or default_worker_id(),))
-                config = credentials.write_server_config(run_dir / "nats-server.conf")
-            nats = EmbeddedNatsServer(store_dir or run_dir / "jetstream", die_with_parent=True,
-                                      config_file=config)
-            try:
-                nats_url = nats.start()
-            except (RuntimeError, FileNotFoundError) as exc:
-                raise StackError(str(exc)) from exc
-            if credentials is not None:
-                admin_env = credentials.write_admin_env(run_dir / "nats-admin.env", nats_url)
-                say(f"NATS admin credentials (nats CLI): {admin_env} "
-                    f"(`set -a; . {admin_env}; set +a`)")
-        if not verbose:
-            log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
-            log_dir.mkdir(parents=True, exist_ok=True)
-            say(f"logs: {log_dir}")
+        nats_url = settings.nats_url or run.start_embedded_nats(store_dir, nats_auth)
+        run.log_dir = None if verbose else _make_log_dir(log_dir, say)
         gateway_url = f"http://{host}:{port}"
-        env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
-               "PYTHONUNBUFFERED": "1"}
-        if nats is not None:
-            # The embedded server knows only its own users: credentials meant for
-            # another server would be refused (or contradict the per-run ones).
-            env = {k: v for k, v in env.items()
-                   if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL",
-                                                              "AIKG_NATS_STORE_DIR")}
-        commands = {
-            # As the admin: makes the JOBS/VERIFY consumers no service may create.
-            **({"nats-setup": ["nats-setup", "--serve"]} if credentials is not None else {}),
-            "gateway": ["gateway", "--host", host, "--port", str(port)],
-            "generator": ["generator"],
-            "worker": ["worker", "--backend", backend, "--devices", devices,
-                       *(["--arch", arch] if arch else [])],
-        }
-
-        def start_service(name: str) -> subprocess.Popen[bytes]:
-            if name == "nats":
-                assert nats is not None
-                nats.restart()
-                assert nats.proc is not None
-                return nats.proc  # type: ignore[return-value]
-            stream: Any = None
-            if log_dir is not None and not verbose:
-                logs[name] = log_dir / f"{name}.log"
-                stream = logs[name].open("ab")
-            try:
-                own = credentials.service_env(
-                    "admin" if name == "nats-setup" else name) if credentials is not None else {}
-                children[name] = subprocess.Popen(
-                    [sys.executable, "-m", "services.cli", *commands[name]],
-                    env={**env, **own}, stdout=stream, stderr=stream, stdin=subprocess.DEVNULL,
-                    start_new_session=True, preexec_fn=die_with_parent,
-                )
-            finally:
-                if stream is not None:
-                    stream.close()
-            return children[name]
-
-        for name in commands:
-            start_service(name)
+        run.env = _service_env(nats_url, gateway_url, embedded=run.nats is not None)
+        run.commands = _service_commands(host, port, backend, arch, devices,
+                                         nats_setup=run.credentials is not None)
+        for name in run.commands:
+            run.start_service(name)
         stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
-                           children=children, logs=logs, admin_env=admin_env, run_dir=run_dir)
+                           children=run.children, logs=run.logs, admin_env=run.admin_env,
+                           run_dir=run.run_dir)
+        run.wait_until_up(stack, backend, ready_timeout, stopping or threading.Event())
+        if supervise:
+            stack.supervisor = run.supervise()
+        yield stack
+    finally:
+        run.stop()
+
+
+class _StackRun:
+    """One :func:`local_stack` run in steps: what it started, and how to stop it all.
+
+    ``children`` and ``logs`` are the very dicts the :class:`LocalStack` and the
+    :class:`Supervisor` hold: a restart replaces a child in place.
+    """
+
+    def __init__(self, settings: Settings, say: Callable[[str], None]) -> None:
+        self.settings = settings
+        self.say = say
+        self.nats: EmbeddedNatsServer | None = None
+        self.credentials: BusCredentials | None = None
+        self.run_dir: Path | None = None
+        self.admin_env: Path | None = None
+        self.log_dir: Path | None = None
+        self.env: dict[str, str] = {}
+        self.commands: dict[str, list[str]] = {}
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+        self.logs: dict[str, Path] = {}
+        self.supervisor: Supervisor | None = None
+
+    def start_embedded_nats(self, store_dir: Path | None, nats_auth: bool) -> str:
+        """Claim this run's directory, start the embedded nats-server (with per-run
+        credentials when ``nats_auth``: the admin's written to ``nats-admin.env``), and
+        return its URL.
+
+        Raises:
+            StackError: the run directory cannot be created, or the server not started.
+        """
+        from services.common.embedded import EmbeddedNatsServer
+        from services.common.nats_auth import BusCredentials
+
+        try:
+            self.run_dir, stale = claim_run_dir(run_dir_base(self.settings))
+        except OSError as exc:
+            raise StackError(f"cannot create a run directory: {exc}") from exc
+        for path in stale:
+            self.say(f"removed {path}, left by an aikg up that is gone")
+        config = None
+        if nats_auth:
+            from services.worker.service import default_worker_id
+
+            # The worker's own NATS user may write only this id's heartbeat and leases.
+            self.credentials = BusCredentials(
+                worker_ids=(self.settings.worker_id or default_worker_id(),))
+            config = self.credentials.write_server_config(self.run_dir / "nats-server.conf")
+        self.nats = EmbeddedNatsServer(store_dir or self.run_dir / "jetstream",
+                                       die_with_parent=True, config_file=config)
+        try:
+            nats_url = self.nats.start()
+        except (RuntimeError, FileNotFoundError) as exc:
+            raise StackError(str(exc)) from exc
+        if self.credentials is not None:
+            self.admin_env = self.credentials.write_admin_env(self.run_dir / "nats-admin.env",
+                                                              nats_url)
+            self.say(f"NATS admin credentials (nats CLI): {self.admin_env} "
+                     f"(`set -a; . {self.admin_env}; set +a`)")
+        return nats_url
+
+    def start_service(self, name: str) -> subprocess.Popen[bytes]:
+        """Start (or, for a restart, start again) the service ``name`` as ``python -m
+        services.cli <command>`` in its own session, its output appended to its log;
+        ``nats`` restarts the embedded server on its port and store."""
+        from services.common.embedded import die_with_parent
+
+        if name == "nats":
+            assert self.nats is not None
+            self.nats.restart()
+            assert self.nats.proc is not None
+            return self.nats.proc  # type: ignore[return-value]
+        stream: Any = None
+        if self.log_dir is not None:
+            self.logs[name] = self.log_dir / f"{name}.log"
+            stream = self.logs[name].open("ab")
+        try:
+            own = self.credentials.service_env(
+                "admin" if name == "nats-setup" else name) if self.credentials is not None else {}
+            self.children[name] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *self.commands[name]],
+                env={**self.env, **own}, stdout=stream, stderr=stream,
+                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=die_with_parent,
+            )
+        finally:
+            if stream is not None:
+                stream.close()
+        return self.children[name]
+
+    def wait_until_up(self, stack: LocalStack, backend: str, ready_timeout: float,
+                      stopping: threading.Event) -> None:
+        """Poll until the gateway is ready and lists a ``backend`` worker (set in
+        ``stack.workers``), or ``stopping`` is set.
+
+        Raises:
+            StackError: a service died first, or ``ready_timeout`` seconds passed.
+        """
+        settings = self.settings
         headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
         deadline = time.monotonic() + ready_timeout
-        with httpx.Client(base_url=gateway_url, timeout=2.0, headers=headers) as client:
+        with httpx.Client(base_url=stack.gateway_url, timeout=2.0, headers=headers) as client:
             while not stopping.is_set():
                 if (dead := stack.dead_child()) is not None:
                     raise StackError(f"AIKG did not come up: {dead}")
@@ -427,8 +465,8 @@ def local_stack(
                         if answer.status_code in (401, 403):
                             # The API takes only tenant tokens (AIKG_TENANTS_FILE) and this
                             # supervisor holds none: it asks the workers bucket itself.
-                            user, password = _admin_login(settings, credentials)
-                            listed = workers_over_nats(nats_url, user, password)
+                            user, password = _admin_login(settings, self.credentials)
+                            listed = workers_over_nats(stack.nats_url, user, password)
                         else:
                             listed = answer.json().get("workers", [])
                         stack.workers = [w for w in listed if w.get("backend") == backend]
@@ -437,29 +475,69 @@ def local_stack(
                 if time.monotonic() > deadline:
                     raise StackError(f"AIKG did not come up in {ready_timeout:.0f} s "
                                      f"(gateway ready and a {backend} worker listed); see "
-                                     "the logs" + (f" in {log_dir}" if logs else ""))
+                                     "the logs" + (f" in {self.log_dir}" if self.logs else ""))
                 stopping.wait(0.25)
-        if supervise:
-            procs: dict[str, subprocess.Popen[Any]] = dict(children)
-            if nats is not None and nats.proc is not None:
-                procs = {"nats": nats.proc, **procs}
-            supervisor = stack.supervisor = Supervisor(
-                procs, start_service, logs=logs, restart_max=settings.up_restart_max,
-                window_s=settings.up_restart_window_s,
-                backoff_max_s=settings.up_restart_backoff_max_s, say=say).start()
-        yield stack
-    finally:
-        if supervisor is not None:
-            supervisor.close()
-        if children:
-            say("stopping services ...")
-        stop_children(children)
-        if nats is not None:
-            nats.stop()
-        if supervisor is not None:
-            supervisor.join()
-        if run_dir is not None:
-            shutil.rmtree(run_dir, ignore_errors=True)
+
+    def supervise(self) -> Supervisor:
+        """Start the :class:`Supervisor` of the children (and of the embedded NATS)."""
+        procs: dict[str, subprocess.Popen[Any]] = dict(self.children)
+        if self.nats is not None and self.nats.proc is not None:
+            procs = {"nats": self.nats.proc, **procs}
+        self.supervisor = Supervisor(
+            procs, self.start_service, logs=self.logs,
+            restart_max=self.settings.up_restart_max,
+            window_s=self.settings.up_restart_window_s,
+            backoff_max_s=self.settings.up_restart_backoff_max_s, say=self.say).start()
+        return self.supervisor
+
+    def stop(self) -> None:
+        """Stop what was started, in order: no more restarts, the services, NATS, the
+        supervisor's thread; then remove the run directory."""
+        if self.supervisor is not None:
+            self.supervisor.close()
+        if self.children:
+            self.say("stopping services ...")
+        stop_children(self.children)
+        if self.nats is not None:
+            self.nats.stop()
+        if self.supervisor is not None:
+            self.supervisor.join()
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _make_log_dir(log_dir: Path | None, say: Callable[[str], None]) -> Path:
+    """Where the services' logs go: ``log_dir`` (created), else a new temporary one."""
+    log_dir = log_dir or Path(tempfile.mkdtemp(prefix="aikg-logs-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    say(f"logs: {log_dir}")
+    return log_dir
+
+
+def _service_env(nats_url: str, gateway_url: str, *, embedded: bool) -> dict[str, str]:
+    """The services' environment: this one with the stack's NATS and gateway URLs;
+    for an ``embedded`` server, without other ``AIKG_NATS_*`` variables."""
+    env = {**os.environ, "AIKG_NATS_URL": nats_url, "AIKG_GATEWAY_URL": gateway_url,
+           "PYTHONUNBUFFERED": "1"}
+    if embedded:
+        # The embedded server knows only its own users: credentials meant for
+        # another server would be refused (or contradict the per-run ones).
+        env = {k: v for k, v in env.items()
+               if not k.startswith("AIKG_NATS_") or k in ("AIKG_NATS_URL", "AIKG_NATS_STORE_DIR")}
+    return env
+
+
+def _service_commands(host: str, port: int, backend: str, arch: str | None, devices: str, *,
+                      nats_setup: bool) -> dict[str, list[str]]:
+    """Each service's ``aikg`` command line, in start order."""
+    return {
+        # As the admin: makes the JOBS/VERIFY consumers no service may create.
+        **({"nats-setup": ["nats-setup", "--serve"]} if nats_setup else {}),
+        "gateway": ["gateway", "--host", host, "--port", str(port)],
+        "generator": ["generator"],
+        "worker": ["worker", "--backend", backend, "--devices", devices,
+                   *(["--arch", arch] if arch else [])],
+    }
 
 
 def _admin_login(settings: Settings, credentials: Any) -> tuple[str | None, str | None]:
