@@ -114,8 +114,7 @@ class RunState:
     notes: list[str] = field(default_factory=list)
     unchecked: list[str] = field(default_factory=list)
     sizes: dict[str, CheckedSize] = field(default_factory=dict)
-    # The calls to plan, by (key, index) and in order; the first one planned.
-    trials_by_key: dict[tuple[str, int], Trial] = field(default_factory=dict)
+    # The calls to plan, in order; the first one planned.
     order: list[Trial] = field(default_factory=list)
     first_call: Trial | None = None
     # The first call's replayed outputs, compared with its variants'.

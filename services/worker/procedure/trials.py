@@ -77,9 +77,7 @@ class Trials:
                 self._add_trial(key, 0, key)
 
     def _add_trial(self, key: str, index: int, model: str) -> None:
-        trial = Trial(key, index, model)
-        self.state.trials_by_key[key, index] = trial
-        self.state.order.append(trial)
+        self.state.order.append(Trial(key, index, model))
 
     async def plan_all(self) -> None:
         """Plan every call in order; each plan goes to the replayer as it comes."""
