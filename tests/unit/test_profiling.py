@@ -15,6 +15,7 @@ from services.sandbox import wire
 from services.sandbox.wire import ProfiledLaunch
 from services.worker import profiling
 from services.worker.procedure import Outcome
+from services.worker.procedure.profile import speedup_fields
 from services.worker.profiling import (
     HARNESS_RANGE,
     TIMED_RANGE,
@@ -26,7 +27,6 @@ from services.worker.profiling import (
 )
 from services.worker.rules import ALLOWED_OPS
 from services.worker.targets import TARGETS
-from services.worker.procedure.profile import speedup_fields
 
 H200 = TARGETS["h200"]
 
