@@ -11,11 +11,13 @@ import asyncio
 
 import httpx
 import msgspec
+import pytest
 
 from schemas import JobSubmit, subjects
 from services.common.bus import Bus, JobStore
 from services.common.records import new_record
 from services.common.settings import Settings
+from services.gateway import batch_follow
 from services.gateway.inputs import MAX_EVENT_ID
 from tests.conftest import fake_worker_heartbeat
 from tests.gateway.test_batches import batch, queued_requests
@@ -59,17 +61,33 @@ async def test_a_batch_whose_lane_loses_its_worker_fails_its_entries_within_the_
 
 
 async def test_a_batch_keeps_waiting_while_its_lane_is_served(
-        settings: Settings, bus: Bus, fake_worker_heartbeat, start_gateway) -> None:
+        settings: Settings, bus: Bus, fake_worker_heartbeat, start_gateway,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A live worker of the pair (busy elsewhere) keeps the batch's requests queued
     past the bound: being served is not being fast."""
     settings = msgspec.structs.replace(settings, verify_unserved_timeout_s=1.0)
+    checks: list[float] = []  # when the batch's lane watch looked (its clock)
+
+    class CountedWatch(batch_follow.LaneWatch):
+        async def check(self) -> str | None:
+            checks.append(self.clock())
+            return await super().check()
+
+    monkeypatch.setattr(batch_follow, "LaneWatch", CountedWatch)
     await fake_worker_heartbeat(bus, "cpu", "x86_64")
     url = await start_gateway(settings)
     async with httpx.AsyncClient(base_url=url, timeout=scaled(15)) as client:
         r = await client.post("/api/v1/verify/batch", json=batch([RELU_KERNEL],
                                                                  batch_id="b-served"))
         assert r.status_code == 200, r.text
-        await asyncio.sleep(3.0)
+
+        async def past_the_bound() -> bool:
+            # Checks well past the bound (and a read of the workers bucket after it),
+            # each of which would have failed the batch had the lane been unserved.
+            return bool(checks) and sum(
+                t >= checks[0] + 2 * settings.verify_unserved_timeout_s for t in checks) >= 3
+
+        await poll_until(past_the_bound, 30, "the lane watch's checks past the bound")
         record = (await client.get("/api/v1/verify/batch/b-served")).json()
     assert record["status"] == "running" and record["verdicts"] == []
     assert len(await queued_requests(bus, subjects.verify("cpu", "x86_64"))) == 1
