@@ -27,7 +27,8 @@ from services.common.bus import object_bytes
 from services.common.jobs import live_workers, publish_event
 from services.common.records import request_id_of
 from services.generator.coders.base import Candidate
-from services.generator.evolve import BuiltinMutator, EvolveSearch, EvolveState, LLMMutator
+from services.generator.evolve import EvolveSearch, EvolveState
+from services.generator.mutators import BuiltinMutator, LLMMutator
 from services.generator.workflows import WorkflowError
 
 log = structlog.get_logger("aikg.evolve")

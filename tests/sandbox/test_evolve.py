@@ -11,14 +11,8 @@ import pytest
 from schemas import JobSubmit, VerifyResult
 from services.common.verify_client import build_request
 from services.generator.coders.base import CPU_BLOCK_SIZE, CPU_TILES, BuiltinCoder, Candidate
-from services.generator.evolve import (
-    DEFAULT_PARAMS,
-    BuiltinMutator,
-    EvolveSearch,
-    EvolveState,
-    normalised_hash,
-    retune,
-)
+from services.generator.evolve import EvolveSearch, EvolveState, normalised_hash
+from services.generator.mutators import DEFAULT_PARAMS, BuiltinMutator, retune
 from services.worker.verifier import Verifier
 from tests.helpers import BUNDLED_RELU_TASK
 

@@ -12,7 +12,8 @@ import pytest
 from schemas import JobSubmit, VerifyResult
 from services.common.verify_client import build_request
 from services.generator.coders.base import BuiltinCoder, Candidate
-from services.generator.evolve import DEFAULT_PARAMS, BuiltinMutator, EvolveSearch, EvolveState
+from services.generator.evolve import EvolveSearch, EvolveState
+from services.generator.mutators import DEFAULT_PARAMS, BuiltinMutator
 from tests.corpus import TASKS
 from tests.helpers import representatives
 from tests.lowering_cache import lowered

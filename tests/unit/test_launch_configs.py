@@ -12,7 +12,6 @@ import pytest
 
 from schemas import JobSubmit
 from services.generator.coders.base import Candidate, launch_defaults
-from services.generator.evolve import BuiltinMutator, gpu_point, gpu_space
 from services.generator.launch_configs import (
     SHARED_BYTES,
     TABLE,
@@ -22,6 +21,7 @@ from services.generator.launch_configs import (
     shared_bytes,
 )
 from services.generator.lowering import lower_task
+from services.generator.mutators import BuiltinMutator, gpu_point, gpu_space
 
 GEMM_TASK = """\
 import torch
