@@ -17,6 +17,7 @@ from schemas import JobSubmit, encode, subjects
 from services.common.bus import Bus, connect_bus, ensure_streams, stream_configs
 from services.common.lane_watch import LaneWatch, live_heartbeats
 from services.common.settings import Settings
+from services.sdk import remote_worker
 from services.sdk.workers import NoWorkerError, RemoteWorker
 from tests.conftest import as_role, fake_worker_heartbeat
 from tests.helpers import RELU_KERNEL, RELU_TASK, cpu_request, job_events, poll_until, scaled
@@ -136,13 +137,28 @@ async def test_remote_verify_on_an_unserved_lane_fails_within_the_bound(
 
 @pytest.mark.slow
 async def test_a_request_whose_lane_gains_a_worker_in_time_runs(
-        shared_services, settings: Settings, bus: Bus) -> None:
-    """Queued on a lane with no worker for a few seconds, then a worker starts before
-    the bound: the request is verified and its verdict returned."""
+        shared_services, settings: Settings, bus: Bus, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Queued on a lane with no worker until the lane watch has found none (the count
+    toward the bound has started), then a worker starts before the bound: the request
+    is verified and its verdict returned."""
+    found_none: list[float] = []  # when a check of the request's lane watch found no worker
+
+    class CountedWatch(LaneWatch):
+        async def check(self) -> str | None:
+            message = await super().check()
+            if not any(w.backend == self.backend and w.arch == self.arch for w in self.live):
+                found_none.append(self.clock())
+            return message
+
+    monkeypatch.setattr(remote_worker, "LaneWatch", CountedWatch)
     worker = remote(settings, settings.arch, scaled(30))
     try:
         call = asyncio.create_task(worker.verify(RELU_TASK, RELU_KERNEL, "relu", trials=1))
-        await asyncio.sleep(3.0)  # more than a read of the bucket: the count has started
+
+        async def counting() -> bool:
+            return bool(found_none)
+
+        await poll_until(counting, 30, "the lane watch's first read without a worker")
         assert not call.done()
         async with shared_services(settings, bus, generator=False):
             result = await asyncio.wait_for(call, scaled(120))
