@@ -45,8 +45,8 @@ def export(
     """Write the verified kernels with their tasks, verdicts, timings, arch and
     provenance (job, candidate, coder, model, worker) to OUT, one row per job.
 
-    The cursor after the last row is kept in OUT.cursor and printed; `--resume` adds
-    what ended since. Exit codes: 0 written, 2 bad input or refused, 3 unreachable.
+    The cursor after the last row is kept in OUT.cursor and printed on stderr;
+    `--resume` adds what ended since. Exit codes: 0 written, 2 bad input or refused, 3 unreachable.
     """
     from services.cli.client import connect
     from services.sdk.export import export_kernels
@@ -63,6 +63,7 @@ def export(
     except OSError as exc:
         fail(ExitCode.USAGE, f"cannot write {out}: {exc.strerror or exc}")
     err.print(f"{summary.rows} kernel(s) written to {summary.path} ({summary.format}); "
-              f"resume with `aikg export {out} --resume` or --cursor {summary.cursor}",
-              markup=False, soft_wrap=True)
-    print(summary.cursor or "")
+              f"resume with `aikg export {out} --resume`", markup=False, soft_wrap=True)
+    if summary.cursor:
+        err.print(f"cursor (kept in {out}.cursor; --cursor starts after it): {summary.cursor}",
+                  markup=False, soft_wrap=True)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import tempfile
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
@@ -119,7 +119,11 @@ def read_kernels(path: Path) -> list[dict[str, Any]]:
 
 def _write_parquet(path: Path, rows: list[KernelRow], append: bool) -> None:
     """Write ``rows`` (after the file's own when ``append``) to a temporary file that
-    then replaces ``path``."""
+    then replaces ``path``.
+
+    The file gets the mode a JSON Lines export gets: an existing file's own, else
+    ``0o666`` less the umask (``tempfile`` would make it ``0o600``).
+    """
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -127,13 +131,17 @@ def _write_parquet(path: Path, rows: list[KernelRow], append: bool) -> None:
     table = pa.Table.from_pylist([msgspec.structs.asdict(r) for r in rows], schema=schema)
     if append and path.exists():
         table = pa.concat_tables([pq.read_table(path, schema=schema), table])
-    fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(6)}.tmp")
+    # O_EXCL: a fresh file of ours; 0o666 as open() creates one, the umask applied.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        pq.write_table(table, tmp)
+        with os.fdopen(fd, "wb") as f:
+            pq.write_table(table, f)
+        if path.exists():
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
 
 

@@ -87,7 +87,14 @@ async def test_export_round_trips_and_resumes(tmp_path: Path, gateway: str, bus:
     for out in (jsonl, parquet):
         code, stdout, stderr = await aikg("export", str(out), "--page-size", "2", env=env)
         assert code == 0, stderr
-        assert "3 kernel(s) written" in stderr and stdout.strip()
+        assert "3 kernel(s) written" in stderr and stdout == ""
+        # The resume cursor, labelled, on stderr (stdout stays empty).
+        cursor = next(line for line in stderr.splitlines() if line.startswith("cursor"))
+        assert f"kept in {out}.cursor" in cursor
+        assert cursor.rsplit(": ", 1)[1] == json.loads(out.with_name(out.name + ".cursor")
+                                                       .read_text())["cursor"]
+    # Both files with the mode an open() would give them (the umask's; pytest's: 022).
+    assert parquet.stat().st_mode & 0o777 == jsonl.stat().st_mode & 0o777
     # Passed kernels only, in the order their jobs ended.
     by_id = {r.job_id: r for r in records}
     table = pq.read_table(parquet)
@@ -107,6 +114,7 @@ async def test_export_round_trips_and_resumes(tmp_path: Path, gateway: str, bus:
         rows = read_kernels(out)
         assert [r["job_id"] for r in rows] == ["job-b", "job-c", "job-a", "job-late"]
         assert_matches(rows[-1], late)
+    assert parquet.stat().st_mode & 0o777 == jsonl.stat().st_mode & 0o777  # rewritten alike
     code, _, stderr = await aikg("export", str(jsonl), "--resume", env=env)
     assert code == 0 and "0 kernel(s) written" in stderr and len(read_kernels(jsonl)) == 4
 
