@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import importlib.util
 import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +43,10 @@ from services.common.streams import (
 
 __all__ = [
     "DUPLICATE_WINDOW_S", "FIRST_CONNECT_TIMEOUT_S", "RELAYED_COPIES", "Bus", "JobNotFound",
-    "JobStore", "bucket_configs", "bucket_entries", "connect_bus", "create_record",
-    "ensure_buckets", "ensure_streams", "inbox_prefix_of", "message_get_kv",
-    "nats_credentials", "next_stored", "object_bytes", "stream_configs", "update_record",
+    "JobStore", "NatsAuthError", "auth_refused_message", "bucket_configs", "bucket_entries",
+    "connect_bus", "create_record", "describe_error", "ensure_buckets", "ensure_streams",
+    "inbox_prefix_of", "message_get_kv", "nats_credentials", "next_stored", "object_bytes",
+    "open_nats", "stream_configs", "update_record",
 ]
 
 log = structlog.get_logger("aikg.bus")
@@ -54,6 +56,8 @@ FIRST_CONNECT_TIMEOUT_S = 10.0
 # nats-server's -ERR for a client whose credentials it does not accept (server/errors.go,
 # ErrAuthentication: "Authorization Violation"), lower case.
 _AUTH_REFUSED = "authorization violation"
+# The nats.connect keyword arguments that carry credentials (nats_credentials).
+_CREDENTIAL_KEYS = ("user", "password", "token", "nkeys_seed", "user_credentials")
 
 
 @dataclass
@@ -168,12 +172,125 @@ def inbox_prefix_of(settings: Settings, credentials: dict[str, Any]) -> str:
         f"_INBOX_{user}" if subjects.is_token(user, 200) else "_INBOX")
 
 
-def _credentials_hint(settings: Settings, role: str | None) -> str:
-    which = (f"AIKG_NATS_{role.upper()}_USER/_PASSWORD or " if role else "")
-    given = ", ".join(k for k in nats_credentials(settings, role) if k != "tls") or "none"
-    return (f"the server refused this client's credentials (given: {given}): set "
-            f"{which}AIKG_NATS_USER/AIKG_NATS_PASSWORD, AIKG_NATS_TOKEN, "
-            "AIKG_NATS_NKEY_SEED_FILE or AIKG_NATS_CREDS_FILE to a user the server knows")
+class NatsAuthError(ConnectionError):
+    """The NATS server refused this client's credentials (nats-server's ``-ERR
+    'Authorization Violation'``): retrying the same ones cannot help. The message says
+    which credentials were given and which settings to set."""
+
+
+def describe_error(exc: BaseException) -> str:
+    """``str(exc)``, or ``repr(exc)`` when that is empty (``TimeoutError()``): never an
+    empty reason."""
+    return str(exc).strip() or repr(exc)
+
+
+def auth_refused_message(url: str, settings: Settings, credentials: dict[str, Any],
+                         role: str | None = None) -> str:
+    """One line for a connection the server refused: who was refused, which settings
+    give credentials, and where ``aikg up`` writes its admin's
+    (:func:`~services.common.embedded.admin_env_files`: the newest such file this user
+    can see, else the pattern of its path).
+
+    Args:
+        url: the URL(s) connected to, as configured.
+        settings: read for ``up_run_dir`` (where ``aikg up`` runs put their files).
+        credentials: the ``nats.connect`` keyword arguments given
+            (:func:`nats_credentials`).
+        role: the service connecting, whose ``AIKG_NATS_<ROLE>_USER`` is named too.
+    """
+    from services.common.embedded import (
+        ADMIN_ENV_FILE,
+        UP_RUN_DIR_PREFIX,
+        admin_env_files,
+        up_run_dir_base,
+    )
+
+    given = [k for k in credentials if k in _CREDENTIAL_KEYS]
+    user = credentials.get("user")
+    who = (f"user {user!r}" if user else f"this {', '.join(given)}" if given
+           else "a client without credentials")
+    base = up_run_dir_base(settings.up_run_dir)
+    found = admin_env_files(base)
+    where = (str(found[0]) if found
+             else str(base / f"{UP_RUN_DIR_PREFIX}<pid>-*" / ADMIN_ENV_FILE))
+    which = f"AIKG_NATS_{role.upper()}_USER/_PASSWORD or " if role else ""
+    return (f"cannot connect to NATS at {url}: authorization violation: {who} is not "
+            f"allowed; the server refused this client's credentials (given: "
+            f"{', '.join(given) or 'none'}): set {which}AIKG_NATS_USER/AIKG_NATS_PASSWORD "
+            f"(aikg up writes them to {where}), AIKG_NATS_TOKEN, AIKG_NATS_NKEY_SEED_FILE "
+            "or AIKG_NATS_CREDS_FILE to a user the server knows")
+
+
+async def open_nats(url: str, name: str, credentials: dict[str, Any], *, settings: Settings,
+                    role: str | None = None, timeout_s: float = FIRST_CONNECT_TIMEOUT_S,
+                    error_cb: Callable[[Exception], Awaitable[None]] | None = None,
+                    **options: Any) -> NATS:
+    """A nats-py connection to ``url`` (comma-separated servers) that reconnects forever
+    once up, with the first connection tried for ``timeout_s`` seconds.
+
+    nats-py retries the first connection too and reports each failed try to its error
+    callback, whose default logs a traceback per try: here every error goes to
+    ``error_cb`` (None: only recorded, for the message), and a refusal of the
+    credentials ends the tries at once.
+
+    Args:
+        url: the server URL(s), comma-separated.
+        name: the connection's name, shown by the server.
+        credentials: ``nats.connect`` keyword arguments that authenticate
+            (:func:`nats_credentials`) and any other (``inbox_prefix``).
+        settings: read for the refusal's message (:func:`auth_refused_message`).
+        role: the service connecting, named in that message.
+        timeout_s: how long the first connection is tried, seconds.
+        error_cb: called with every error the client reports (a service logs them).
+        options: further ``nats.connect`` keyword arguments (``disconnected_cb`` ...).
+
+    Raises:
+        NatsAuthError: the server refused the credentials (one line, naming them).
+        ConnectionError: no server answered within ``timeout_s``; the message names the
+            URL and the last error (never empty).
+    """
+    servers = [u.strip() for u in url.split(",") if u.strip()]
+    if not servers:
+        raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
+    last_error: list[str] = []
+    refused = asyncio.Event()
+
+    async def on_error(exc: Exception) -> None:
+        last_error[:] = [describe_error(exc)]
+        if _AUTH_REFUSED in last_error[0].lower():
+            refused.set()
+        if error_cb is not None:
+            await error_cb(exc)
+
+    nc = NATS()
+    # With max_reconnect_attempts=-1 nats-py retries the *first* connection forever
+    # too; the deadline turns a wrong URL into an error instead of a silent hang, and
+    # a refusal of the credentials ends it at once (retrying cannot help).
+    connecting = asyncio.create_task(nc.connect(
+        servers=servers, name=name, max_reconnect_attempts=-1, reconnect_time_wait=0.5,
+        connect_timeout=min(5.0, timeout_s), allow_reconnect=True, error_cb=on_error,
+        **options, **credentials))
+    watching = asyncio.create_task(refused.wait())
+    done, _ = await asyncio.wait({connecting, watching}, timeout=timeout_s,
+                                 return_when=asyncio.FIRST_COMPLETED)
+    watching.cancel()
+    if connecting not in done:
+        # One cancel() can be dropped inside nats-py's connect (asyncio.wait_for on
+        # Python 3.11), and that connect retries forever: cancel until it ends.
+        await cancel_and_wait(connecting)
+        with contextlib.suppress(Exception):
+            await nc.close()
+    if refused.is_set() and not nc.is_connected:
+        raise NatsAuthError(auth_refused_message(url, settings, credentials, role))
+    try:
+        if connecting not in done:
+            raise TimeoutError
+        connecting.result()
+    except (TimeoutError, nats.errors.NoServersError, nats.errors.Error, OSError) as exc:
+        reason = last_error[0] if last_error else describe_error(exc)
+        raise ConnectionError(
+            f"cannot reach NATS at {url} (tried for {timeout_s:g} s): {reason}") from None
+    return nc
 
 
 async def connect_bus(settings: Settings, name: str, *, role: str | None = None) -> Bus:
@@ -191,24 +308,17 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
             ``nats_user`` / ``nats_password`` (a test's or an operator's client).
 
     Raises:
-        ConnectionError: no server answered at the URL, or it refused the
-            credentials; the message names the URL.
+        NatsAuthError: the server refused the credentials (a ConnectionError; one line
+            naming the settings to set, :func:`open_nats`).
+        ConnectionError: no server answered at the URL; the message names the URL and
+            the last error.
         ValueError: the credential settings are incomplete or name a missing file.
     """
-    servers = [u.strip() for u in settings.nats_url.split(",") if u.strip()]
-    if not servers:
-        raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
     credentials = nats_credentials(settings, role)
-    inbox = inbox_prefix_of(settings, credentials)
-
-    last_error: list[str] = []
-    refused = asyncio.Event()
+    credentials["inbox_prefix"] = inbox_prefix_of(settings, credentials)
 
     async def on_error(exc: Exception) -> None:
-        last_error[:] = [str(exc) or exc.__class__.__name__]
-        if _AUTH_REFUSED in last_error[0].lower():
-            refused.set()
-        log.warning("nats_error", error=str(exc), service=name)
+        log.warning("nats_error", error=describe_error(exc), service=name)
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected", service=name)
@@ -216,46 +326,11 @@ async def connect_bus(settings: Settings, name: str, *, role: str | None = None)
     async def on_reconnect() -> None:
         log.info("nats_reconnected", service=name)
 
-    nc = NATS()
-    # With max_reconnect_attempts=-1 nats-py retries the *first* connection forever
-    # too; the deadline turns a wrong URL into an error instead of a silent hang, and
-    # a refusal of the credentials ends it at once (retrying cannot help).
-    connecting = asyncio.create_task(nc.connect(
-        servers=servers,
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-        connect_timeout=5,
-        allow_reconnect=True,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        # Replies to this process only: its user may subscribe to no other inbox
-        # (services/common/nats_auth.py, inbox_prefix).
-        inbox_prefix=inbox,
-        **credentials,
-    ))
-    watching = asyncio.create_task(refused.wait())
-    done, _ = await asyncio.wait({connecting, watching}, timeout=FIRST_CONNECT_TIMEOUT_S,
-                                 return_when=asyncio.FIRST_COMPLETED)
-    watching.cancel()
-    if connecting not in done:
-        # One cancel() can be dropped inside nats-py's connect (asyncio.wait_for on
-        # Python 3.11), and that connect retries forever: cancel until it ends.
-        await cancel_and_wait(connecting)
-        with contextlib.suppress(Exception):
-            await nc.close()
-    if refused.is_set() and not nc.is_connected:
-        raise ConnectionError(f"NATS at {settings.nats_url}: {_credentials_hint(settings, role)}")
-    try:
-        if connecting not in done:
-            raise TimeoutError
-        connecting.result()
-    except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-        raise ConnectionError(
-            f"cannot reach NATS at {settings.nats_url} (tried for {FIRST_CONNECT_TIMEOUT_S:g} s): "
-            f"{str(exc) or ''.join(last_error) or exc.__class__.__name__}"
-        ) from exc
+    # Replies to this process only: its user may subscribe to no other inbox
+    # (services/common/nats_auth.py, inbox_prefix).
+    nc = await open_nats(settings.nats_url, name, credentials, settings=settings, role=role,
+                         error_cb=on_error, disconnected_cb=on_disconnect,
+                         reconnected_cb=on_reconnect)
     js = nc.jetstream(timeout=10)
     await ensure_streams(js, settings)
     buckets = await ensure_buckets(js, settings)

@@ -7,6 +7,7 @@ server picks its own free loopback port (``-p -1``) and we read it back from its
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import re
 import shutil
@@ -21,6 +22,11 @@ from pathlib import Path
 
 # prctl(2) option: signal to deliver when the parent thread dies (linux/prctl.h).
 PR_SET_PDEATHSIG = 1
+# Name prefix of a per-run directory of ``aikg up`` (services/stack.py), which holds the
+# embedded server's configuration and credentials: aikg-up-<pid of aikg up>-<random>.
+UP_RUN_DIR_PREFIX = "aikg-up-"
+# The admin's credentials in such a directory (BusCredentials.write_admin_env).
+ADMIN_ENV_FILE = "nats-admin.env"
 _LISTEN = re.compile(r"Listening for client connections on ([\d.]+):(\d+)")
 _MONITOR = re.compile(r"Starting http monitor on ([\d.]+):(\d+)")
 
@@ -33,6 +39,25 @@ def die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
+
+
+def up_run_dir_base(up_run_dir: str = "") -> Path:
+    """Where ``aikg up`` makes its run directories: ``up_run_dir`` (``AIKG_UP_RUN_DIR``),
+    else the system temp dir."""
+    return Path(up_run_dir) if up_run_dir else Path(tempfile.gettempdir())
+
+
+def admin_env_files(base: Path) -> list[Path]:
+    """The ``nats-admin.env`` files of running or left-over ``aikg up`` runs under
+    ``base`` that this user can see, newest first (empty when none or unreadable)."""
+    found: list[tuple[float, Path]] = []
+    try:
+        for path in base.glob(f"{UP_RUN_DIR_PREFIX}*/{ADMIN_ENV_FILE}"):
+            with contextlib.suppress(OSError):
+                found.append((path.stat().st_mtime, path))
+    except OSError:
+        return []
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def nats_server_binary() -> str:

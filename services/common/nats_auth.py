@@ -411,10 +411,14 @@ class BusCredentials:
         return path
 
     def write_admin_env(self, path: Path, url: str) -> Path:
-        """Write the admin's ``NATS_URL`` / ``NATS_USER`` / ``NATS_PASSWORD`` (the
-        variables the ``nats`` CLI reads) as a shell file, mode 0600."""
-        write_private(path, f"NATS_URL={url}\nNATS_USER={ADMIN_USER}\n"
-                            f"NATS_PASSWORD={self.passwords[ADMIN_USER]}\n")
+        """Write the admin's URL, user and password as a shell file, mode 0600, twice:
+        as ``NATS_URL`` / ``NATS_USER`` / ``NATS_PASSWORD`` (what the ``nats`` CLI
+        reads) and as ``AIKG_NATS_URL`` / ``AIKG_NATS_USER`` / ``AIKG_NATS_PASSWORD``
+        (what AIKG's settings read: a worker-only client that sources the file)."""
+        password = self.passwords[ADMIN_USER]
+        write_private(path, "".join(
+            f"{prefix}NATS_URL={url}\n{prefix}NATS_USER={ADMIN_USER}\n"
+            f"{prefix}NATS_PASSWORD={password}\n" for prefix in ("", "AIKG_")))
         return path
 
 

@@ -60,7 +60,7 @@ from schemas import VerifyClaim, VerifyRequest, VerifyResult, decode, subjects
 from services.common.bus import next_stored, object_bytes
 from services.common.runtime import cancel_and_wait
 
-log = structlog.get_logger()
+log = structlog.get_logger("aikg.verdicts")
 
 # How often a waiter with pending requests reads the stream itself, seconds, besides
 # the reads its wake-up subscription triggers.

@@ -22,7 +22,19 @@ network)::
 
 ``LocalWorker`` imports torch (through the worker's verifier) only when it starts;
 importing this package does not.
+
+Logging follows the library convention: the SDK prints nothing unless the application
+configures logging. Its records go to stdlib loggers under ``aikg`` (and ``services``),
+each with a :class:`logging.NullHandler`; importing this package routes structlog, when
+nothing has configured it yet, into stdlib logging (:func:`_quiet_structlog`), so the
+services' modules the SDK runs (the verifier, the verify client) log there too.
+``logging.basicConfig(level=logging.INFO)`` shows them; the ``aikg`` services and CLI
+configure structlog themselves (services/common/logging.py) and keep their output.
 """
+
+import logging
+
+import structlog
 
 from services.sdk.client import (
     AIKGClient,
@@ -43,6 +55,29 @@ from services.sdk.workers import (
     register_remote_worker,
 )
 
+
+def _quiet_structlog() -> None:
+    """Give the SDK's loggers a NullHandler and, unless structlog is configured already,
+    send structlog's events to stdlib logging (one ``key=value`` line each, filtered by
+    the stdlib logger's level) instead of structlog's default: print every event, info
+    included, to stdout."""
+    for name in ("aikg", "services"):
+        logging.getLogger(name).addHandler(logging.NullHandler())
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.format_exc_info,
+            structlog.processors.KeyValueRenderer(key_order=["event"]),
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+
+
 __all__ = [
     "AIKGClient",
     "AIKGConnectionError",
@@ -59,3 +94,5 @@ __all__ = [
     "register_local_worker",
     "register_remote_worker",
 ]
+
+_quiet_structlog()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,15 @@ from services.sdk.worker_base import NoWorkerError, WorkerBase, build_request
 
 _CONNECT_TIMEOUT_S = 10.0
 _STATUS_TIMEOUT_S = 2.0
+# The SDK's logger: a library's, silent until the application configures logging.
+log = logging.getLogger("aikg.sdk")
+
+
+async def _log_error(exc: Exception) -> None:
+    """nats-py's error callback: one warning line, no traceback."""
+    from services.common.bus import describe_error
+
+    log.warning("NATS: %s", describe_error(exc))
 
 
 class RemoteWorker(WorkerBase):
@@ -70,6 +80,7 @@ class RemoteWorker(WorkerBase):
         from services.common.bus import inbox_prefix_of, nats_credentials
 
         settings = load_settings() if settings is None else settings
+        self._settings = settings
         self._credentials = nats_credentials(settings)
         # Seals this client's requests (services/common/verdicts.py): it never reads
         # verdicts after a restart, so a random key does.
@@ -103,16 +114,14 @@ class RemoteWorker(WorkerBase):
             self._connect_lock = asyncio.Lock()
         async with self._connect_lock:
             if self._nc is None or self._nc.is_closed:
-                servers = [u.strip() for u in self.nats_url.split(",") if u.strip()]
-                try:
-                    self._nc = await asyncio.wait_for(nats.connect(
-                        servers=servers, name="aikg-remote-worker", connect_timeout=5,
-                        max_reconnect_attempts=-1, reconnect_time_wait=0.5,
-                        **self._credentials),
-                        _CONNECT_TIMEOUT_S)
-                except (TimeoutError, nats.errors.NoServersError, OSError) as exc:
-                    raise ConnectionError(f"cannot reach NATS at {self.nats_url}: "
-                                          f"{exc or exc.__class__.__name__}") from exc
+                from services.common.bus import open_nats
+
+                # Each error goes to the SDK's logger (silent unless the application
+                # configures logging), not nats-py's traceback per try; a refusal of the
+                # credentials ends the tries with one line naming them.
+                self._nc = await open_nats(self.nats_url, "aikg-remote-worker",
+                                           self._credentials, settings=self._settings,
+                                           timeout_s=_CONNECT_TIMEOUT_S, error_cb=_log_error)
         return self._nc
 
     async def close(self) -> None:
@@ -132,10 +141,21 @@ class RemoteWorker(WorkerBase):
 
     async def capacity(self) -> int:
         """Sum of the capacities of the live workers of this backend/arch; 1 when none
-        answers (as the reference's capacity query when it fails)."""
-        with contextlib.suppress(ConnectionError):
+        answers (as the reference's capacity query when it fails).
+
+        Raises:
+            services.common.bus.NatsAuthError: the server refused the credentials
+                (a ConnectionError that waiting cannot cure, so it is not taken for
+                "no answer"); the message names the settings to set.
+        """
+        from services.common.bus import NatsAuthError
+
+        try:
             return sum(w.capacity for w in await self.live_workers()) or 1
-        return 1
+        except NatsAuthError:
+            raise
+        except ConnectionError:
+            return 1
 
     async def status(self) -> dict[str, Any]:
         """Backend, arch, total capacity and in-flight, and each live worker's status.
