@@ -87,13 +87,14 @@ def run(
 async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
                         arch: str | None, devices: list[str], shape_overrides: dict[str, Any],
                         trials: int, timeout_s: float, allow_unchecked: bool = False) -> Any:
+    from services.cli.watch import verify_kernel
     from services.sdk import LocalWorker
 
     worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg verify")
-    try:
-        return await worker.verify(task_desc, code, op_name, shape_overrides=shape_overrides,
-                                   trials=trials, timeout_s=timeout_s,
-                                   allow_unchecked=allow_unchecked)
+    try:  # a static refusal is decided before the sandbox starts (services/cli/watch.py)
+        return await verify_kernel(worker, task_desc, code, op_name,
+                                   shape_overrides=shape_overrides, trials=trials,
+                                   timeout_s=timeout_s, allow_unchecked=allow_unchecked)
     finally:
         await worker.close()
 
@@ -121,6 +122,14 @@ def verify(
         "--allow-unchecked",
         help="Accept a partial check: pass even where what the task's own sizes launch "
              "was not checked (the verdict then says so, stage 'unchecked').")] = False,
+    watch: Annotated[bool, typer.Option(
+        "--watch",
+        help="Verify again on every save of KERNEL or FILE, in one warm sandbox (a "
+             "second verdict in about a second), until Ctrl-C; one kernel, local.")] = False,
+    max_runs: Annotated[int | None, typer.Option(
+        "--max-runs", min=1, show_default=False,
+        help="With --watch: stop after this many verifications (the first included) "
+             "and exit with the last one's code.")] = None,
 ) -> None:
     """Verify KERNEL (your own ModelNew) against FILE's Model on this machine.
 
@@ -130,26 +139,47 @@ def verify(
     progress goes to stderr and a table of verdicts to stdout; with --gateway the
     batch runs on the gateway's workers. Exit codes: 0 passed (every kernel), 1 not
     passed, 2 bad input, 3 gateway unreachable, 6 the sandbox cannot start here, 130
-    Ctrl-C.
+    Ctrl-C. A kernel the static check refuses is answered from its source, before any
+    sandbox starts. With --watch the kernel is verified again on every save (README,
+    "The edit-verify loop"); --max-runs N stops after N verdicts.
     """
+    if watch and (len(kernels) > 1 or gateway_url):
+        fail(ExitCode.USAGE, "--watch verifies one kernel on this machine: give one "
+             "KERNEL and no --gateway")
+    if max_runs is not None and not watch:
+        fail(ExitCode.USAGE, "--max-runs goes with --watch")
     if len(kernels) > 1 or gateway_url:
         _verify_batch(file, kernels, op_name or file.stem, backend, arch, devices, shape,
                       trials, timeout, gateway_url, token, as_json, allow_unchecked)
     task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
     kernel = kernels[0]
+
+    def show(result: Any) -> None:
+        if as_json:
+            sys.stdout.write(json.dumps(msgspec.to_builtins(result)) + "\n")
+            sys.stdout.flush()
+        else:
+            from rich.panel import Panel
+
+            from services.cli.render import verdict_table
+
+            out.print(Panel(verdict_table(result), title=f"verdict: {kernel}",
+                            title_align="left"))
+
+    if watch:
+        from services.cli.watch import watch_verify
+
+        raise typer.Exit(int(watch_verify(
+            file, kernel, op_name=op_name or file.stem, backend=backend, arch=arch,
+            devices=device_list, overrides=overrides, trials=trials, timeout_s=timeout,
+            allow_unchecked=allow_unchecked, as_json=as_json, max_runs=max_runs,
+            show=show)))
     code = read_task(kernel)
     result = run_locally(
         f"verifying {kernel} against {file} on {backend} ...", as_json,
         _verify_local(task_desc, code, op_name or file.stem, backend, arch, device_list,
                       overrides, trials, timeout, allow_unchecked))
-    if as_json:
-        sys.stdout.write(json.dumps(msgspec.to_builtins(result)) + "\n")
-    else:
-        from rich.panel import Panel
-
-        from services.cli.render import verdict_table
-
-        out.print(Panel(verdict_table(result), title=f"verdict: {kernel}", title_align="left"))
+    show(result)
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 
