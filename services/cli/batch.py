@@ -12,8 +12,10 @@ Two ways, chosen by ``--gateway``:
   its verdicts read from the batch's event stream as they land; Ctrl-C cancels it.
 
 Progress goes to stderr: a rich progress bar on a terminal, else one line per verdict
-(``[3/45] k3.py: passed``). Then the table (or, with ``--json``, a JSON list of
-``{"kernel", "verdict"}`` in the order of the arguments) goes to stdout.
+(``[3/45] k3.py: passed``). Then the table, 80 columns wide at the least, with the
+errors below it (or, with ``--json``, a JSON list of ``{"kernel", "verdict"}`` in the
+order of the arguments) goes to stdout; one kernel through ``--gateway`` is shown as
+a local ``aikg verify`` shows its verdict.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from schemas import VerifyResult
 from services.cli.common import ExitCode, err, out, sdk_errors
 from services.common.records import normalised_hash
 
-# Longest error text a table row shows, characters (the JSON output keeps all of it).
-ERROR_CELL_CHARS = 160
+# Longest error text shown below the table per kernel, characters (the JSON output
+# keeps all of it).
+ERROR_CELL_CHARS = 300
 
 
 @contextlib.contextmanager
@@ -67,32 +71,50 @@ def progress(total: int, what: str, live: bool) -> Iterator[Callable[[str, dict]
 
 
 def verdicts_table(names: list[str], verdicts: list[dict | None]) -> Table:
-    """One row per kernel, in argument order: passed, stage, error (its start), the
-    kernel whose verdict it reuses, duration, speedup ("-" without one, e.g. on cpu,
-    where Triton is interpreted)."""
+    """One row per kernel, in argument order: passed, stage, the kernel whose verdict
+    it reuses, duration, speedup ("-" without one, e.g. on cpu, where Triton is
+    interpreted). Fits 80 columns: the kernel's name folds before the passed and stage
+    columns give way, and errors are not in it (:func:`error_lines` lists them below);
+    a "same as" column only when a verdict was reused."""
     table = Table(title="verdicts", title_justify="left")
-    table.add_column("#")
-    table.add_column("kernel", no_wrap=True)
-    table.add_column("passed")
-    table.add_column("stage")
-    table.add_column("error", no_wrap=True, overflow="ellipsis", max_width=60)
-    table.add_column("same as", no_wrap=True)
-    table.add_column("duration")
-    table.add_column("speedup", justify="right")
+    table.add_column("#", no_wrap=True, justify="right")
+    table.add_column("kernel", overflow="fold", min_width=8)
+    table.add_column("passed", no_wrap=True)
+    table.add_column("stage", no_wrap=True)
+    reused = any(v and v.get("duplicate_of") is not None for v in verdicts)
+    if reused:
+        table.add_column("same as", overflow="fold")
+    table.add_column("duration", no_wrap=True, justify="right")
+    table.add_column("speedup", no_wrap=True, justify="right")
     for i, (name, v) in enumerate(zip(names, verdicts, strict=True)):
         if v is None:
-            table.add_row(str(i), name, Text("-", style="yellow"), "cancelled", "", "", "", "")
+            table.add_row(str(i), name, Text("-", style="yellow"), "cancelled",
+                          *([""] if reused else []), "", "")
             continue
         dup = v.get("duplicate_of")
         speedup = v.get("speedup")
         table.add_row(
             str(i), name,
             Text("yes", style="green") if v.get("passed") else Text("no", style="red"),
-            v.get("stage") or "", Text((v.get("error") or "")[:ERROR_CELL_CHARS]),
-            names[dup] if dup is not None else "",
+            v.get("stage") or "", *([names[dup] if dup is not None else ""] if reused else []),
             f"{v.get('duration_s') or 0:.2f} s",
             f"{speedup:.2f}x" if speedup else "-")
     return table
+
+
+def error_lines(names: list[str], verdicts: list[dict | None]) -> list[str]:
+    """``#3 k3.py: <error>`` for each kernel whose verdict has an error (its first
+    ``ERROR_CELL_CHARS`` characters; ``--json`` has all of it), printed below the table
+    where they wrap at the terminal's width."""
+    lines = []
+    for i, (name, v) in enumerate(zip(names, verdicts, strict=True)):
+        error = (v or {}).get("error")
+        if error and (v or {}).get("duplicate_of") is None:
+            text = " ".join(error.split())
+            if len(text) > ERROR_CELL_CHARS:
+                text = text[:ERROR_CELL_CHARS].rstrip() + " …"
+            lines.append(f"#{i} {name}: {text}")
+    return lines
 
 
 def _summary(result: Any, index: int, duplicate_of: int | None) -> dict:
@@ -165,14 +187,33 @@ def report(names: list[str], verdicts: list[dict | None], as_json: bool) -> Exit
     if as_json:
         rows = [{"kernel": name, "verdict": v} for name, v in zip(names, verdicts, strict=True)]
         out.print(json.dumps(rows), markup=False, soft_wrap=True, highlight=False)
+    elif len(names) == 1 and verdicts[0] is not None:
+        # One kernel (through --gateway): the verdict as a local `aikg verify` shows it.
+        from services.cli.render import verdict_panel
+
+        out.print(verdict_panel(as_verify_result(verdicts[0]), f"verdict: {names[0]}"))
     else:
         shown = [Path(name).name for name in names]
         if len(set(shown)) < len(shown):  # file names alike: show the paths given
             shown = names
         out.print(verdicts_table(shown, verdicts))
+        errors = error_lines(shown, verdicts)
+        if errors:
+            out.print("errors:", markup=False)
+            for line in errors:
+                out.print(line, markup=False)
         passed = sum(bool(v and v.get("passed")) for v in verdicts)
         out.print(f"{passed} of {len(names)} kernels passed", markup=False)
     return ExitCode.OK if all(v and v.get("passed") for v in verdicts) else ExitCode.FAILED
+
+
+def as_verify_result(verdict: dict) -> VerifyResult:
+    """A verdict dict as a :class:`VerifyResult` for :func:`~services.cli.render.verdict_table`:
+    a local verdict has every field; a gateway's batch verdict (``BatchVerdict``) is a
+    summary of one, whose missing fields keep their defaults (not shown)."""
+    body = {"job_id": "", "device": "", "request_id": "", "candidate_id": "",
+            "worker_id": "", **verdict}
+    return msgspec.convert(body, VerifyResult, strict=False)
 
 
 def gateway_batch(gateway_url: str, token: str | None, **kwargs: Any) -> list[dict | None]:

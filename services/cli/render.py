@@ -8,6 +8,8 @@ Kept apart from the command definitions so one rendering serves every command.
 from __future__ import annotations
 
 import datetime as dt
+import os
+from collections.abc import Iterable
 
 import msgspec
 from rich.console import Console, Group, RenderableType
@@ -17,7 +19,7 @@ from rich.syntax import Syntax
 from rich.table import Table
 from rich.text import Text
 
-from schemas import JobRecord, VerifyResult
+from schemas import EvolveCandidate, JobRecord, VerifyResult
 from schemas.events import CompileFact
 
 _STATUS_STYLE = {
@@ -43,7 +45,8 @@ def progress_line(record: JobRecord) -> str:
             f"{p.candidates_passed} passed"
         )
     if record.job_type == "evolve" and p.max_rounds > 1:
-        parts.append(f"round {p.round}/{p.max_rounds}")
+        # progress.round counts from 1, as the generator's messages do.
+        parts.append(f"round {max(p.round, 1)}/{p.max_rounds}")
     return " · ".join(parts)
 
 
@@ -89,19 +92,124 @@ def live_view(record: JobRecord) -> RenderableType:
     return line if table is None else Group(line, table)
 
 
+def short_ids(ids: Iterable[str]) -> tuple[dict[str, str], str]:
+    """Short names for candidate ids, one line each in a table: the ids without the
+    prefix they all share up to a ``-`` (an evolve job's ``<job_id>-c<n>`` become
+    ``c<n>``), else the shortest ends (8 characters or more) that stay unique, after an
+    ellipsis. Returns ``{id: short name}`` and the prefix left out ('' when none)."""
+    unique = sorted(set(ids))
+    if not unique:
+        return {}, ""
+    cut = os.path.commonprefix(unique).rfind("-") + 1
+    if cut and all(len(i) > cut for i in unique):
+        return {i: i[cut:] for i in unique}, unique[0][:cut]
+    longest = max(len(i) for i in unique)
+    for k in range(min(8, longest), longest + 1):
+        ends = {i: i[-k:] for i in unique}
+        if len(set(ends.values())) == len(unique):
+            return {i: e if e == i else "…" + e for i, e in ends.items()}, ""
+    return {i: i for i in unique}, ""
+
+
+def param_changes(c: EvolveCandidate, parent: EvolveCandidate | None,
+                  defaults: dict[str, int]) -> str:
+    """The launch parameters in which ``c`` differs from its parent
+    (``block_size 1024->256``), or, for a seed, from the built-in coder's defaults
+    (``num_warps=8``); ``-`` when none (no parameters: an LLM's candidate)."""
+    if not c.params:
+        return "-"
+    if parent is not None:
+        base = {**defaults, **parent.params}
+        changed = [f"{k} {base.get(k, '?')}->{v}" for k, v in c.params.items()
+                   if base.get(k) != v]
+        return ", ".join(changed) or "as parent"
+    changed = [f"{k}={v}" for k, v in c.params.items() if defaults.get(k) != v]
+    return ", ".join(changed) or "defaults"
+
+
+def _evolve_defaults() -> dict[str, int]:
+    """The built-in coder's default launch parameters, what a seed's are shown against
+    (services/generator/mutators.py, ``DEFAULT_PARAMS``)."""
+    from services.generator.mutators import DEFAULT_PARAMS
+
+    return DEFAULT_PARAMS
+
+
+def _candidates_view(title: str, rows: list[EvolveCandidate], every: list[EvolveCandidate],
+                     fitness: str, ranked: bool) -> Table:
+    """One row per candidate of ``rows`` (``every``: the job's candidates, for their
+    parents): short id, round, island, parent, result, time and speedup (modeled on
+    cpu: a model of a GPU, not a measurement), and the parameters that differ from its
+    parent's or the defaults."""
+    by_id = {c.candidate_id: c for c in every}
+    names, prefix = short_ids([c.candidate_id for c in every + rows]
+                              + [c.parent_id for c in every + rows if c.parent_id])
+    modeled = fitness != "speedup"
+    defaults = _evolve_defaults()
+    caption = []
+    if prefix:
+        caption.append(f"ids after {prefix}")
+    if modeled:
+        caption.append("time and speedup modeled from the counted traffic (a model of a "
+                       "GPU, not a measurement)")
+    t = Table(title=title, title_justify="left", box=None, header_style="bold",
+              pad_edge=False, caption="; ".join(caption) or None, caption_justify="left")
+    coders = len({c.coder for c in rows}) > 1
+    columns = ["rank"] if ranked else []
+    columns += ["id", "round", "island", "parent", *(["coder"] if coders else []),
+                "result", "time", "speedup"]
+    for name in columns:
+        t.add_column(name, no_wrap=True,
+                     justify="right" if name in ("rank", "round", "island", "time",
+                                                 "speedup") else "left")
+    t.add_column("params", overflow="fold")
+    for rank, c in enumerate(rows, 1):
+        if c.passed is None:
+            result = Text("verifying", style="yellow")
+        elif c.passed:
+            result = Text("passed", style="green")
+        else:
+            result = Text(c.stage or "failed", style="red")
+        if c.duplicate_of:
+            result.append(f" = {names.get(c.duplicate_of, c.duplicate_of)}")
+        time_us, speedup = ((c.modeled_time_us, c.modeled_speedup) if modeled
+                            else (c.gen_time_us, c.speedup))
+        parent = by_id.get(c.parent_id) if c.parent_id else None
+        t.add_row(*([str(rank)] if ranked else []), names[c.candidate_id], str(c.round + 1),
+                  str(c.island), names.get(c.parent_id, "-") if c.parent_id else "-",
+                  *([c.coder] if coders else []), result,
+                  f"{time_us:.2f} us" if time_us else "-",
+                  f"{speedup:.2f}x" if speedup else "-",
+                  param_changes(c, parent, defaults))
+    return t
+
+
+# Candidates an evolve job's table lists at most (``--json`` has them all).
+CANDIDATE_ROWS = 40
+
+
+def candidates_table(record: JobRecord) -> Table | None:
+    """Every candidate of an evolve job (the first ``CANDIDATE_ROWS``), in the order
+    they were generated: see :func:`_candidates_view`. None before the first."""
+    summary = record.evolve
+    if summary is None or not summary.candidates:
+        return None
+    shown = summary.candidates[:CANDIDATE_ROWS]
+    more = len(summary.candidates) - len(shown)
+    title = "candidates" + (f" (first {len(shown)}; {more} more in --json)" if more else "")
+    return _candidates_view(title, shown, summary.candidates, summary.fitness, ranked=False)
+
+
 def best_table(record: JobRecord) -> Table | None:
-    """The best candidates of a finished evolve job."""
+    """The best candidates of a finished evolve job, best first (as the generator
+    ranked them): see :func:`_candidates_view`."""
     if record.result is None or not record.result.best:
         return None
-    t = Table(title="best candidates", title_justify="left")
-    for column in ("rank", "candidate", "round", "island", "parent", "coder", "speedup"):
-        # Ids share the job id as prefix: fold them rather than cut the telling end.
-        t.add_column(column, overflow="fold")
-    for rank, c in enumerate(record.result.best, 1):
-        t.add_row(str(rank), c.candidate_id, str(c.round + 1), str(c.island),
-                  c.parent_id or "-", c.coder,
-                  f"{c.speedup:.2f}x" if c.speedup else "n/a")
-    return t
+    summary = record.evolve
+    every = summary.candidates if summary is not None else []
+    fitness = summary.fitness if summary is not None else "speedup"
+    return _candidates_view("best candidates", record.result.best, every, fitness,
+                            ranked=True)
 
 
 def _time(value: dt.datetime | None) -> str:
@@ -127,10 +235,16 @@ def verdict_table(v: VerifyResult) -> Table:
     t.add_row("max_abs_error", _fmt_float(v.max_abs_error))
     if v.max_rel_error is not None:
         t.add_row("max_rel_error", _fmt_float(v.max_rel_error))
+    if v.rel_l2_error is not None:
+        bound = _rel_l2_bound(v)
+        t.add_row("rel_l2_error", _fmt_float(v.rel_l2_error) + (
+            f" (bound {_fmt_float(bound)}: {REL_L2_FACTOR:g} x rtol)" if bound else ""))
     if v.atol is not None or v.rtol is not None:
         # The rule, so that a max_rel_error above rtol (an element near 0) reads right.
         t.add_row("atol / rtol", f"{_fmt_float(v.atol)} / {_fmt_float(v.rtol)} (each element: "
                   "|out - ref| <= atol + rtol * |ref|)")
+    if v.passed and (why := passed_by(v)):
+        t.add_row("passed by", why)
     if v.trials:
         t.add_row("trials", str(v.trials))
     if v.sizes_checked:
@@ -143,7 +257,7 @@ def verdict_table(v: VerifyResult) -> Table:
         t.add_row("unchecked", Text(what, style="yellow"))
     for line in _compile_lines(v):
         t.add_row("GPU compile", line)
-    t.add_row("worker", f"{v.worker_id} (device {v.device})")
+    t.add_row("worker", v.worker_id + (f" (device {v.device})" if v.device else ""))
     t.add_row("duration", f"{v.duration_s:.2f} s")
     traffic = v.traffic
     if traffic is not None and traffic.traffic_ratio is not None:
@@ -164,6 +278,51 @@ def verdict_table(v: VerifyResult) -> Table:
             t.add_row("time (reference / kernel)",
                       f"{_fmt_float(v.base_time_us, ' us')} / {_fmt_float(v.gen_time_us, ' us')}")
     return t
+
+
+# The relative L2 bound of a floating output is this multiple of its rtol: the
+# worker's REL_L2_FACTOR (services/worker/tolerances.py; that module imports torch, which
+# the client commands do without; tests/unit/test_cli_render.py keeps the two equal).
+REL_L2_FACTOR = 5.0
+
+
+def _rel_l2_bound(v: VerifyResult) -> float | None:
+    """The relative L2 bound the worker held ``v``'s outputs to (unitless), or None
+    where none applies (no rtol: exact outputs)."""
+    return REL_L2_FACTOR * v.rtol if v.rtol else None
+
+
+def passed_by(v: VerifyResult) -> str:
+    """One line saying which figures decided a pass (docs/verification.md, step 5):
+    every element within ``atol + rtol * |ref|``, and the relative L2 error within its
+    bound. A ``max_rel_error`` above rtol, which alarms on its own, is explained: it
+    occurs only where ``|ref|`` is small, where atol decides. '' when the verdict has
+    no tolerance to speak of (a failure, or an older worker's verdict)."""
+    if not v.passed or v.rtol is None:
+        return ""
+    if not v.rtol and not v.atol:
+        return "exact match (integer or bool outputs)"
+    mr, rtol = v.max_rel_error, v.rtol
+    if mr is None or mr <= rtol:
+        line = "every element within rtol" + (
+            f" (max rel {_fmt_float(mr)} <= {_fmt_float(rtol)})" if mr is not None else "")
+    else:
+        line = (f"max rel {_fmt_float(mr)} > rtol {_fmt_float(rtol)} only where |ref| is "
+                "small (atol decides there)")
+    bound = _rel_l2_bound(v)
+    if v.rel_l2_error is not None and bound:
+        if v.rel_l2_error <= bound:
+            line += f"; rel-L2 {_fmt_float(v.rel_l2_error)} <= {_fmt_float(bound)}"
+        else:
+            line += (f"; rel-L2 {_fmt_float(v.rel_l2_error)} within the float64 recheck's "
+                     "widened bound (notes)")
+    return line
+
+
+def verdict_panel(v: VerifyResult, title: str = "verdict") -> Panel:
+    """:func:`verdict_table` in a panel titled ``title``: how ``aikg verify`` shows a
+    verdict, local or through ``--gateway``."""
+    return Panel(verdict_table(v), title=title, title_align="left")
 
 
 # Rows of compiler facts shown in a verdict panel at most (``--json`` has them all).
@@ -220,8 +379,9 @@ def queue_text(position: int, eta: dt.datetime | str | None) -> str:
     return text
 
 
-def record_view(record: JobRecord) -> RenderableType:
-    """The whole job for a terminal: summary, error, verdict, and the kernel source."""
+def record_view(record: JobRecord, kernel: bool = True) -> RenderableType:
+    """The whole job for a terminal: summary, error, verdict, an evolve job's
+    candidates, and (``kernel``) the kernel source."""
     style = _STATUS_STYLE.get(record.status, "")
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
@@ -255,13 +415,20 @@ def record_view(record: JobRecord) -> RenderableType:
         head.add_row("result", f"{'passed' if result.passed else 'not passed'} ({summary})")
         if result.verdict is not None:
             parts.append(Panel(verdict_table(result.verdict), title="verdict", title_align="left"))
-        for table in (evolve_table(record), best_table(record)):
+        for table in (evolve_table(record), candidates_table(record), best_table(record)):
             if table is not None:
                 parts.append(table)
-        if result.code:
-            parts.append(Panel(Syntax(result.code, "python", line_numbers=True, word_wrap=True),
-                               title="kernel", title_align="left"))
+        if result.code and kernel:
+            parts.append(kernel_panel(result.code))
     return Group(*parts)
+
+
+def kernel_panel(code: str) -> Panel:
+    """The kernel's source for a terminal, with line numbers; its subtitle says how to
+    have it as a file."""
+    return Panel(Syntax(code, "python", line_numbers=True, word_wrap=True),
+                 title="kernel", title_align="left",
+                 subtitle="-o FILE writes it to a file", subtitle_align="right")
 
 
 def print_record(console: Console, record: JobRecord) -> None:
@@ -339,7 +506,9 @@ def workers_table(listing: dict) -> Table:
     for w in listing.get("workers", []):
         leases = ", ".join(f"{le.get('device')}:{le.get('job_id') or '-'}"
                            for le in w.get("leases") or []) or "-"
-        t.add_row(w["worker_id"], f"{w['backend']}/{w['arch']}", ",".join(w.get("devices", [])),
+        # The device list as a list: "[0]" is device 0, where a bare "0" read as a count.
+        t.add_row(w["worker_id"], f"{w['backend']}/{w['arch']}",
+                  "[" + ", ".join(w.get("devices") or []) + "]",
                   f"{w.get('in_flight', 0)}/{w.get('capacity', 0)}", leases,
                   sandbox_cell(w.get("sandbox") or []), w.get("status", ""), w.get("host", ""))
     return t
@@ -385,8 +554,9 @@ def event_line(event: dict) -> Text:
     return line
 
 
-def local_result_view(op_name: str, passed: bool, info: dict) -> RenderableType:
-    """``aikg run``: the verdict on the kernel written here, and the kernel."""
+def local_result_view(op_name: str, passed: bool, info: dict,
+                      kernel: bool = True) -> RenderableType:
+    """``aikg run``: the verdict on the kernel written here, and (``kernel``) the kernel."""
     head = Table.grid(padding=(0, 2))
     head.add_column(style="bold")
     head.add_column()
@@ -402,7 +572,6 @@ def local_result_view(op_name: str, passed: bool, info: dict) -> RenderableType:
     if info.get("verdict"):
         verdict = msgspec.convert(info["verdict"], VerifyResult)
         parts.append(Panel(verdict_table(verdict), title="verdict", title_align="left"))
-    if info.get("code"):
-        parts.append(Panel(Syntax(info["code"], "python", line_numbers=True, word_wrap=True),
-                           title="kernel", title_align="left"))
+    if info.get("code") and kernel:
+        parts.append(kernel_panel(info["code"]))
     return Group(*parts)

@@ -132,23 +132,41 @@ async def test_cancel_mid_batch_stops_what_has_not_started_and_the_cli_shows_pro
                            ("wrong", WRONG_RELU_KERNEL)):
             paths.append(tmp_path / f"{name}.py")
             paths[-1].write_text(code)
-        cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "services.cli", "verify", str(task), *map(str, paths),
-            "--gateway", gateway, "--trials", "1",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env={**{k: v for k, v in os.environ.items() if not k.startswith("AIKG_")},
-                 "COLUMNS": "200"})
-        stdout, stderr = await asyncio.wait_for(cli.communicate(), scaled(180))
-    out, err = stdout.decode(), stderr.decode()
-    assert cli.returncode == 1, (out, err)  # one kernel did not pass
+        # An 80-column terminal: the table keeps its passed and stage columns.
+        code, out, err = await cli_verify(str(task), *map(str, paths), "--gateway", gateway)
+        assert code == 1, (out, err)  # one kernel did not pass
+        # One kernel through the gateway: the verdict as a local `aikg verify` shows it.
+        one, one_out, one_err = await cli_verify(str(task), str(paths[2]), "--gateway",
+                                                 gateway)
     assert "3 kernels, 2 to verify" in err, err
     assert {line.split(": ", 1)[1] for line in err.splitlines() if line.startswith("[")} \
         == {"passed", "failed (mismatch)"}, err
     assert [line.split("]")[0] for line in err.splitlines() if line.startswith("[")] == [
         "[1/3", "[2/3", "[3/3"], err
-    assert "2 of 3 kernels passed" in out and "mismatch" in out, out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "2 of 3 kernels passed" in out, out
+    header = next(line for line in out.splitlines() if " kernel " in line)
+    assert " passed " in header and " stage " in header, out
+    wrong_row = next(line for line in out.splitlines() if " wrong.py " in line)
+    assert " no " in wrong_row and " mismatch " in wrong_row, out
+    assert "#2 wrong.py: output 0:" in out.split("errors:")[1], out  # below the table
     same_row = next(line for line in out.splitlines() if " same.py " in line)
     assert " good.py " in same_row, out  # its verdict is good.py's
+    assert one == 1, (one_out, one_err)
+    # Titled with the path given (cut at the panel's width), as a local verdict is.
+    assert "╭─ verdict: /" in one_out and "verdicts" not in one_out, one_out
+    assert "mismatch" in one_out and "output 0:" in one_out, one_out
+
+
+async def cli_verify(*args: str) -> tuple[int, str, str]:
+    """``aikg verify ARGS --trials 1`` on an 80-column terminal."""
+    cli = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "verify", *args, "--trials", "1",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("AIKG_")},
+             "COLUMNS": "80"})
+    stdout, stderr = await asyncio.wait_for(cli.communicate(), scaled(180))
+    return cli.returncode, stdout.decode(), stderr.decode()
 
 
 async def test_sdk_batch_calls_and_remote_worker_verify_many_send_identical_candidates_once(

@@ -168,3 +168,158 @@ def test_a_verdict_shows_what_the_gpu_compiler_said_per_kernel_and_target() -> N
     assert "mm on h100 (sm_90): 255 registers, 3944 B spilled" in text
     assert "96 registers" not in text
     assert "mm on mi300x (gfx942): tf32x3 is not supported on gfx942" in text
+
+
+def bf16_pass(**fields) -> VerifyResult:
+    """A passing bf16 verdict whose max_rel_error alarms on its own (an element near 0)."""
+    body = dict(request_id="r", job_id="j", candidate_id="c", passed=True, worker_id="w",
+                device="0", duration_s=0.5, max_abs_error=0.0156, max_rel_error=20.3,
+                rel_l2_error=0.004, atol=0.02, rtol=0.02, trials=3, interpreted=True)
+    return VerifyResult(**{**body, **fields})
+
+
+def test_a_pass_shows_rel_l2_beside_max_errors_and_says_which_rule_decided_it() -> None:
+    text = render(verdict_table(bf16_pass()))
+    assert "max_rel_error  20.3" in text and "rel_l2_error   0.004 (bound 0.1: 5 x rtol)" in text
+    assert ("passed by      max rel 20.3 > rtol 0.02 only where |ref| is small (atol decides "
+            "there); rel-L2 0.004 <= 0.1") in text, text
+    # Errors all within rtol: said so, with the figures.
+    text = render(verdict_table(bf16_pass(max_rel_error=0.001)))
+    assert "every element within rtol (max rel 0.001 <= 0.02); rel-L2 0.004 <= 0.1" in text
+    # Above 5 x rtol, the pass came from the float64 recheck's widened bound.
+    assert "widened bound" in render(verdict_table(bf16_pass(rel_l2_error=0.3)))
+    # A failure is explained by its own error, not by this line.
+    assert "passed by" not in render(verdict_table(bf16_pass(passed=False, stage="mismatch")))
+
+
+def test_the_rel_l2_factor_is_the_workers() -> None:
+    from services.cli.render import REL_L2_FACTOR
+    from services.worker.tolerances import REL_L2_FACTOR as WORKER_FACTOR
+
+    assert REL_L2_FACTOR == WORKER_FACTOR
+
+
+def test_short_ids_leave_out_the_shared_prefix_else_keep_unique_ends() -> None:
+    from services.cli.render import short_ids
+
+    names, prefix = short_ids(["job-abc-c1", "job-abc-c10", "job-abc-c2"])
+    assert prefix == "job-abc-" and names == {"job-abc-c1": "c1", "job-abc-c10": "c10",
+                                              "job-abc-c2": "c2"}
+    assert short_ids(["job-abc-c0"]) == ({"job-abc-c0": "c0"}, "job-abc-")
+    names, prefix = short_ids(["alpha_0123456789", "beta_0123456780"])
+    assert prefix == "" and names == {"alpha_0123456789": "…23456789",
+                                      "beta_0123456780": "…23456780"}
+
+
+def modeled_evolve_record():
+    """A finished cpu evolve job with real-length ids, ranked by modeled time."""
+    jid = "job-6b64edecba2147378768aa53cbd9cc32"
+    submit = JobSubmit(op_name="relu", task_desc="x", job_type="evolve", max_rounds=3,
+                       num_islands=2, job_id=jid)
+    record = new_record(submit, arch="x86_64")
+    record.status = "completed"
+    blocks, warps = [1024, 256, 512, 2048], [4, 8, 4, 2]
+    cands = [EvolveCandidate(
+        candidate_id=f"{jid}-c{i}", island=i % 2, round=i // 2, coder="builtin",
+        code_hash=str(i), parent_id=f"{jid}-c{i - 2}" if i >= 2 else None,
+        params={"block_size": blocks[i], "num_warps": warps[i], "num_stages": 1},
+        passed=i != 3, stage="mismatch" if i == 3 else None,
+        modeled_time_us=None if i == 3 else 3.16 + i / 10,
+        modeled_speedup=None if i == 3 else 1.9 - i / 20) for i in range(4)]
+    record.evolve = EvolveSummary(rounds=3, round=1, fitness="modeled_time",
+                                  islands=[[c.candidate_id for c in cands if c.island == k]
+                                           for k in (0, 1)], candidates=cands)
+    record.result = JobResult(passed=True, code="class ModelNew: ...", attempts=4,
+                              best=[cands[0], cands[2], cands[1]])
+    return record
+
+
+def test_cpu_evolve_shows_each_candidates_changed_params_and_modeled_time_and_speedup() -> None:
+    console = Console(width=80, record=True)
+    console.print(record_view(modeled_evolve_record(), kernel=False))
+    text = console.export_text()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    rows = {line.split()[0]: line for line in text.split("best candidates")[0].splitlines()
+            if line[:2] in ("c0", "c1", "c2", "c3")}
+    assert set(rows) == {"c0", "c1", "c2", "c3"}, text
+    # A seed against the defaults, a child against its parent; modeled time and speedup.
+    assert "3.16 us" in rows["c0"] and "1.90x" in rows["c0"] and "defaults" in rows["c0"]
+    assert "block_size=256" in rows["c1"] and "num_warps=8" in text
+    assert "c0" in rows["c2"] and "block_size 1024->512" in rows["c2"]
+    assert "mismatch" in rows["c3"] and "block_size 256->2048" in rows["c3"]
+    assert "ids after job-6b64edecba2147378768aa53cbd9cc32-" in text
+    assert "a model of a GPU, not a measurement" in text
+    # The best list, best first, with short ids that are never wrapped, and a speedup.
+    best = text.split("best candidates")[1].splitlines()
+    ranked = [line.split()[:2] for line in best if line.strip()[:1].isdigit()]
+    assert ranked == [["1", "c0"], ["2", "c2"], ["3", "c1"]], text
+    assert "n/a" not in text and "1.80x" in text
+
+
+def test_progress_counts_evolve_rounds_from_1() -> None:
+    from services.cli.render import progress_line
+
+    record = evolve_record("modeled_time")
+    record.progress.max_rounds, record.progress.round = 3, 1
+    assert "round 1/3" in progress_line(record)
+    record.progress.round = 0  # before the generator's first report
+    assert "round 1/3" in progress_line(record)
+
+
+def test_workers_shows_the_device_list_as_a_list() -> None:
+    from services.cli.render import workers_table
+
+    text = render(workers_table({"workers": [
+        {"worker_id": "w1", "backend": "cpu", "arch": "x86_64", "devices": ["0"],
+         "capacity": 1, "in_flight": 0},
+        {"worker_id": "w2", "backend": "cuda", "arch": "h100", "devices": ["0", "1"],
+         "capacity": 2, "in_flight": 1}]}))
+    assert "[0]" in text and "[0, 1]" in text
+
+
+BATCH = (["good.py", "same.py", "a_kernel_with_a_rather_long_file_name_indeed.py", "wrong.py"],
+         [{"passed": True, "duration_s": 3.2},
+          {"passed": True, "duplicate_of": 0, "duration_s": 3.2},
+          {"passed": False, "stage": "infrastructure", "error": "the worker died " * 30,
+           "duration_s": 1.0},
+          {"passed": False, "stage": "mismatch", "duration_s": 2.0,
+           "error": "output 0: 12 of 2048 elements differ beyond atol=1e-4 rtol=1e-4"}])
+
+
+def printed(monkeypatch, report_args) -> str:
+    """What batch.report prints on an 80-column stdout."""
+    import io
+
+    from services.cli import batch
+
+    console = Console(width=80, file=io.StringIO(), record=True)
+    monkeypatch.setattr(batch, "out", console)
+    batch.report(*report_args, as_json=False)
+    return console.export_text()
+
+
+def test_the_batch_table_fits_80_columns_with_errors_below(monkeypatch) -> None:
+    text = printed(monkeypatch, BATCH)
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), text
+    header = next(line for line in lines if "kernel" in line)
+    assert "passed" in header and "stage" in header and "same as" in header, text
+    wrong = next(line for line in lines if "wrong.py" in line and "│" in line)
+    assert "no" in wrong and "mismatch" in wrong
+    assert "infrastructure" in text
+    # Errors below the table, each named by its row; the long one cut with an ellipsis.
+    below = text.split("errors:")[1]
+    assert "#3 wrong.py: output 0: 12 of 2048 elements differ" in below
+    assert "#2 a_kernel_with_a_rather_long_file_name_indeed.py: the worker died" in below
+    assert "…" in below and "2 of 4 kernels passed" in below
+
+
+def test_one_kernel_through_the_gateway_prints_the_normal_verdict(monkeypatch) -> None:
+    verdict = {"index": 0, "candidate_id": "b-c0", "request_id": "b-a0", "passed": False,
+               "stage": "mismatch", "error": "output 0: 3 of 64 elements differ",
+               "max_abs_error": 0.5, "trials": 1, "interpreted": True, "duration_s": 2.5,
+               "worker_id": "w-cpu", "finished_at": "2026-11-30T08:00:00+00:00"}
+    text = printed(monkeypatch, (["k.py"], [verdict]))
+    assert "verdict: k.py" in text and "verdicts" not in text, text
+    assert "stage" in text and "mismatch" in text and "3 of 64 elements differ" in text
+    assert "w-cpu" in text and "device" not in text and "interpreter" in text
