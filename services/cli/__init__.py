@@ -7,7 +7,7 @@ every command, in the order ``--help`` lists them. The commands live by concern:
   ``nats-setup``), configured from ``AIKG_*`` environment variables
   (services/common/settings.py), flags overriding them;
 - :mod:`services.cli.up`: ``up`` and ``demo``, the local stack of :mod:`services.stack`;
-- :mod:`services.cli.client`: the gateway's clients (``submit``, ``status``, ``list``,
+- :mod:`services.cli.client`: the gateway's clients (``submit``, ``status``, ``kernel``, ``list``,
   ``cancel``, ``events``, ``workers``) through the SDK's ``AIKGClient``, and
   :mod:`services.cli.export` (``export``);
 - :mod:`services.cli.local`: ``run`` and ``verify``, on this machine with neither NATS
@@ -100,6 +100,7 @@ app.command()(up.up)
 app.command()(up.demo)
 app.command()(client.submit)
 app.command()(client.status)
+app.command()(client.kernel)
 app.command("list")(client.list_jobs)
 app.command()(client.cancel)
 app.command()(client.events)

@@ -1,5 +1,5 @@
-"""The ``aikg`` commands that talk to a gateway: ``submit``, ``status``, ``list``,
-``cancel``, ``events`` and ``workers`` (``export``: :mod:`services.cli.export`).
+"""The ``aikg`` commands that talk to a gateway: ``submit``, ``status``, ``kernel``,
+``list``, ``cancel``, ``events`` and ``workers`` (``export``: :mod:`services.cli.export`).
 
 Each is a thin shell over :class:`~services.sdk.client.AIKGClient`: it reads its
 options, makes the SDK calls inside :func:`~services.cli.common.sdk_errors` (the one
@@ -24,18 +24,24 @@ from services.cli.common import (
     GatewayOption,
     JsonOption,
     OpNameOption,
+    OutputOption,
     ShapesOption,
     TaskFileArgument,
     TokenOption,
+    check_output,
     err,
     fail,
+    kernel_source,
     out,
     print_json,
     read_task,
+    record_exit,
     record_of,
+    say,
     sdk_errors,
     shape_overrides,
     show_record,
+    write_kernel,
 )
 from services.common.settings import GATEWAY_URL
 from services.sdk.client import AIKGClient
@@ -109,18 +115,25 @@ def submit(
         show_default=False)] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Follow the job until it ends.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds --wait waits at most.")] = 1800.0,
+    output: OutputOption = None,
     as_json: JsonOption = False,
     gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Submit a task file as a job: print its id, or with --wait follow it to the verdict.
 
+    With --wait and -o FILE the kernel goes to FILE; with --wait and stdout not a
+    terminal, the kernel's plain source alone goes to stdout, the verdict to stderr.
     Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
     1 failed/cancelled/not passed, 2 bad input or refused (400/401/409/413),
     3 gateway unreachable, 4 --wait timed out, 130 Ctrl-C while waiting.
     """
     task_desc = read_task(file)
     overrides = shape_overrides(file, task_desc, shape)
+    if output is not None and not wait:
+        fail(ExitCode.USAGE, "-o FILE takes the kernel of a job that ended: add --wait, or "
+             "later `aikg kernel JOB_ID -o FILE`")
+    check_output(output)
     with connect(gateway_url, token) as client:
         with sdk_errors():
             accepted = client.submit(
@@ -144,24 +157,64 @@ def submit(
             err.print(f"submitted {new_id} to {accepted.get('backend')}/{accepted.get('arch')}",
                       markup=False)
         final = wait_for_job(client, new_id, timeout, live, follow=f"aikg status {new_id}")
-    raise typer.Exit(int(show_record(final, as_json)))
+    raise typer.Exit(int(show_record(final, as_json, output)))
 
 
 def status(
     job_id: JobIdArgument,
+    output: OutputOption = None,
     as_json: JsonOption = False,
     gateway_url: GatewayOption = GATEWAY_URL,
     token: TokenOption = None,
 ) -> None:
     """Print a job's record: status, progress, verdict and kernel.
 
+    With -o FILE the kernel goes to FILE; with stdout not a terminal, the kernel's
+    plain source alone goes to stdout and the record to stderr.
     Reads AIKG_GATEWAY_URL and AIKG_API_TOKEN. Exit codes: 0 completed and passed,
     1 failed/cancelled/not passed, 2 unknown job, 3 gateway unreachable,
     5 still pending or running.
     """
+    check_output(output)
     with connect(gateway_url, token) as client, sdk_errors():
         record = client.get_job_status(job_id)
-    raise typer.Exit(int(show_record(record, as_json)))
+    raise typer.Exit(int(show_record(record, as_json, output)))
+
+
+def kernel(
+    job_id: JobIdArgument,
+    output: OutputOption = None,
+    gateway_url: GatewayOption = GATEWAY_URL,
+    token: TokenOption = None,
+) -> None:
+    """Print a job's kernel as plain source (the best verified one), or write it to
+    FILE with -o: `aikg kernel JOB_ID > kernel.py`.
+
+    A job that failed has the last candidate it tried: printed with a warning on
+    stderr, exit 1. Exit codes: 0 the kernel passed verification, 1 it did not (or the
+    job ended without one), 2 unknown job, 3 gateway unreachable, 5 no kernel yet (the
+    job is pending or running).
+    """
+    check_output(output)
+    with connect(gateway_url, token) as client, sdk_errors():
+        record = record_of(client.get_job_status(job_id))
+    result = record.result
+    if result is None or not result.code:
+        fail(record_exit(record), f"job {job_id} has no kernel " + (
+            f"(it ended {record.status}" + (f": {record.error}" if record.error else "") + ")"
+            if record.status in TERMINAL_STATUSES
+            else f"yet (it is {record.status}; `aikg submit --wait` or `aikg events "
+                 f"{job_id}` follows it)"))
+    if output is not None:
+        write_kernel(output, result.code, result.passed)
+    else:
+        if not result.passed:
+            stage = result.verdict.stage if result.verdict else None
+            say(f"job {job_id}'s kernel did NOT pass verification"
+                + (f" (stage {stage})" if stage else "") + ": for inspection, not for use")
+        sys.stdout.write(kernel_source(result.code))
+        sys.stdout.flush()
+    raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 
 
 def list_jobs(

@@ -7,15 +7,16 @@ every command of :mod:`services.cli`.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from enum import IntEnum
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import msgspec
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 
 from schemas import TERMINAL_STATUSES, JobRecord
 from services.common.settings import Settings, load_setting, load_settings
@@ -50,6 +51,11 @@ TokenOption = Annotated[str | None, typer.Option(
     help="Bearer token: the operator's (the gateway's AIKG_API_TOKEN) or a tenant's (one "
     "whose SHA-256 is in the gateway's AIKG_TENANTS_FILE).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON instead of a rendering.")]
+OutputOption = Annotated[Path | None, typer.Option(
+    "--output", "-o", dir_okay=False, show_default=False, metavar="FILE",
+    help="Write the kernel's source to FILE (plain text, exactly as verified); the "
+    "terminal says where it went. Without it, when stdout is not a terminal, the "
+    "kernel alone goes to stdout (`> kernel.py`) and the rest to stderr.")]
 TaskFileArgument = Annotated[Path, typer.Argument(
     exists=True, dir_okay=False, readable=True, metavar="FILE",
     help="KernelBench task: Python defining class Model, get_inputs(), get_init_inputs().")]
@@ -136,16 +142,81 @@ def print_json(body: Any) -> None:
     sys.stdout.flush()
 
 
-def show_record(status: dict[str, Any], as_json: bool) -> ExitCode:
-    """Print a job's status dict (JSON, or rendered) and return its exit code."""
-    record = record_of(status)
-    if as_json:
-        print_json(status)
-    else:
-        from services.cli.render import print_record
+def show_record(status: dict[str, Any], as_json: bool, output: Path | None = None
+                ) -> ExitCode:
+    """Print a job's status dict (JSON, or rendered) and its kernel as
+    :func:`show_with_kernel` says; return its exit code."""
+    from services.cli.render import record_view
 
-        print_record(out, record)
+    record = record_of(status)
+    result = record.result
+    show_with_kernel(lambda kernel: record_view(record, kernel=kernel),
+                     result.code if result else None, bool(result and result.passed),
+                     output, status if as_json else None)
     return record_exit(record)
+
+
+def kernel_source(code: str) -> str:
+    """``code`` as ``-o FILE`` writes it and a pipe gets it: its exact text, ended by a
+    newline."""
+    return code if code.endswith("\n") else code + "\n"
+
+
+def check_output(path: Path | None) -> None:
+    """Before any work: ``-o FILE`` must be writable (its directory exists and may be
+    written; the file, if there, may be written), else exit 2."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        fail(ExitCode.USAGE, f"-o {path}: the directory {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        fail(ExitCode.USAGE, f"-o {path}: not writable here")
+
+
+def write_kernel(path: Path, code: str, passed: bool) -> None:
+    """Write ``code`` (:func:`kernel_source`, UTF-8) to ``path`` and say so on stderr,
+    with a warning when it did not pass verification; a file that cannot be written
+    exits 2, the kernel then printed on stdout so that it is not lost."""
+    try:
+        path.write_bytes(kernel_source(code).encode("utf-8"))
+    except OSError as exc:
+        sys.stdout.write(kernel_source(code))
+        fail(ExitCode.USAGE, f"cannot write the kernel to {path}: {exc.strerror or exc} "
+             "(it is printed above)")
+    lines = kernel_source(code).count("\n")
+    say(f"kernel written to {path} ({lines} lines)" if passed else
+        f"kernel written to {path} ({lines} lines); it did NOT pass verification: "
+        "for inspection, not for use")
+
+
+def show_with_kernel(view: Callable[[bool], RenderableType], code: str | None,
+                     passed: bool, output: Path | None, json_body: Any = None) -> None:
+    """Print a result that carries a kernel (``run``, ``submit --wait``, ``status``,
+    ``demo``).
+
+    ``view(with_kernel)`` renders the result, with or without the kernel's panel.
+    With ``json_body`` (``--json``) that is printed. Else, on a terminal, the view
+    (with the kernel unless ``output``); when stdout is not a terminal and there is no
+    ``output``, the kernel's plain source alone goes to stdout (``aikg run t.py >
+    kernel.py``) and the view without it to stderr. With ``output`` the kernel is
+    written there (:func:`write_kernel`); a result without a kernel writes nothing
+    and says so.
+    """
+    if json_body is not None:
+        print_json(json_body)
+    elif output is None and not out.is_terminal:
+        err.print(view(False))
+        if code:
+            sys.stdout.write(kernel_source(code))
+            sys.stdout.flush()
+    else:
+        out.print(view(output is None))
+    if output is not None:
+        if code:
+            write_kernel(output, code, passed)
+        else:
+            say(f"no kernel (yet): nothing written to {output}")
 
 
 def read_task(file: Path) -> str:

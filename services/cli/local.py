@@ -22,17 +22,20 @@ from services.cli.common import (
     ExitCode,
     JsonOption,
     OpNameOption,
+    OutputOption,
     ShapesOption,
     TaskFileArgument,
     TimeoutOption,
     TokenOption,
     TrialsOption,
+    check_output,
     err,
     fail,
     local_inputs,
     out,
     read_task,
     run_locally,
+    show_with_kernel,
 )
 
 
@@ -61,26 +64,29 @@ def run(
     shape: ShapesOption = None,
     trials: TrialsOption = 3,
     timeout: TimeoutOption = 300.0,
+    output: OutputOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Write a kernel for FILE with the built-in coder and verify it on this machine.
 
     Local mode: no NATS, no gateway, no network. The task's code and the candidate run
-    only in sandboxed child processes (README, "Security model"). Prints the verdict and the kernel.
+    only in sandboxed child processes (README, "Security model"). Prints the verdict and the kernel;
+    -o FILE writes the kernel to FILE, and with stdout not a terminal (`> kernel.py`)
+    the kernel's plain source alone goes to stdout, the verdict to stderr.
     Exit codes: 0 passed, 1 not passed or no kernel for this task, 2 bad input, 6 the
     sandbox cannot start here, 130 Ctrl-C.
     """
     task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
+    check_output(output)
     op, passed, info = run_locally(
         f"writing and verifying a kernel for {file} on {backend} ...", as_json,
         _run_local(task_desc, op_name or file.stem, backend, arch, device_list, overrides,
                    trials, timeout))
-    if as_json:
-        sys.stdout.write(json.dumps({"op_name": op, **info}) + "\n")
-    else:
-        from services.cli.render import local_result_view
+    from services.cli.render import local_result_view
 
-        out.print(local_result_view(op, passed, info))
+    show_with_kernel(lambda kernel: local_result_view(op, passed, info, kernel=kernel),
+                     info.get("code"), passed, output,
+                     {"op_name": op, **info} if as_json else None)
     raise typer.Exit(int(ExitCode.OK if passed else ExitCode.FAILED))
 
 
@@ -159,12 +165,9 @@ def verify(
             sys.stdout.write(json.dumps(msgspec.to_builtins(result)) + "\n")
             sys.stdout.flush()
         else:
-            from rich.panel import Panel
+            from services.cli.render import verdict_panel
 
-            from services.cli.render import verdict_table
-
-            out.print(Panel(verdict_table(result), title=f"verdict: {kernel}",
-                            title_align="left"))
+            out.print(verdict_panel(result, f"verdict: {kernel}"))
 
     if watch:
         from services.cli.watch import watch_verify

@@ -16,6 +16,8 @@ import typer
 from services.cli.client import connect, wait_for_job
 from services.cli.common import (
     ExitCode,
+    OutputOption,
+    check_output,
     cli_settings,
     err,
     fail,
@@ -122,22 +124,25 @@ def demo(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the job.")] = 600.0,
     ready_timeout: Annotated[float, typer.Option(
         help="Seconds to wait for the stack to come up.")] = 180.0,
+    output: OutputOption = None,
 ) -> None:
     """Start a throw-away stack, submit FILE, print the verdict and kernel, stop the stack.
 
     This is `make run`: embedded NATS, gateway (on a free port), generator and one cpu
-    worker, all stopped at the end. Exit code 0 when the kernel passed verification.
+    worker, all stopped at the end. -o FILE writes the kernel to FILE. Exit code 0 when
+    the kernel passed verification.
     """
     settings = cli_settings()
     task_desc = read_task(file)
     overrides = shape_overrides(file, task_desc, shape)
+    check_output(output)
     port = free_port()
     err.print("starting AIKG (embedded NATS, gateway, generator, cpu worker) ...", markup=False)
     started = time.monotonic()
     try:
         with local_stack(settings, host="127.0.0.1", port=port, backend="cpu", arch=None,
                          devices="0", store_dir=None, log_dir=None, verbose=False,
-                         ready_timeout=ready_timeout, say=say) as stack:
+                         ready_timeout=ready_timeout, say=_say_but_credentials) as stack:
             say(f"up in {time.monotonic() - started:.1f} s: {stack.describe()}")
             with connect(stack.gateway_url, settings.api_token) as client:
                 with sdk_errors():
@@ -145,7 +150,7 @@ def demo(
                                            shape_overrides=overrides)["job_id"]
                 err.print(f"submitted {file} as job {job_id}", markup=False)
                 final = wait_for_job(client, job_id, timeout, out.is_terminal, follow=None)
-            code = show_record(final, as_json=False)
+            code = show_record(final, as_json=False, output=output)
     except StackError as exc:
         fail(ExitCode.FAILED, str(exc))
     if code == ExitCode.OK and stack.logs:
@@ -155,3 +160,9 @@ def demo(
         err.print("logs removed: the job passed", markup=False)
     raise typer.Exit(int(code))
 
+
+def _say_but_credentials(message: str) -> None:
+    """:func:`say` for ``demo``, less the line naming the embedded NATS's admin
+    credentials: its stack, and they, are gone when ``demo`` ends."""
+    if not message.startswith("NATS admin credentials"):
+        say(message)

@@ -206,7 +206,9 @@ async def test_submit_wait_renders_verdict_and_kernel(
     code, out, err = await aikg("submit", str(task_file), "--wait", "--gateway", gateway)
     await finisher
     assert code == 0, err
-    assert "completed" in out and "relu_kernel" in out and "interpreter" in out
+    # Piped: the kernel's plain source alone on stdout, the record and verdict on stderr.
+    assert out == kernel, out
+    assert "completed" in err and "interpreter" in err
 
 
 async def test_submit_wait_times_out_with_exit_4(gateway: str, cpu_worker: None,
@@ -474,12 +476,14 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
 
 @pytest.mark.slow
 async def test_demo_is_the_main_job_end_to_end() -> None:
-    """`make run` = `aikg demo tasks/relu.py`: a throw-away stack, a passed verdict and the
-    kernel on stdout, and nothing left behind when the job passed."""
+    """`make run` = `aikg demo tasks/relu.py`: a throw-away stack, a passed verdict, the
+    kernel (piped: its plain source alone on stdout), no NATS credentials of a stack
+    that is gone, and nothing left behind when the job passed."""
     code, out, err = await aikg("demo", "tasks/relu.py", timeout=scaled(600))
     assert code == 0, out + err
-    assert "completed" in out and "passed" in out
-    assert "@triton.jit" in out and "class ModelNew" in out
+    assert "completed" in err and "passed" in err
+    assert "@triton.jit" in out and "class ModelNew" in out and "│" not in out
+    assert "NATS admin credentials" not in err and "nats-admin.env" not in err
     log_dir = Path(next(line for line in err.splitlines() if line.startswith("logs: "))[6:])
     assert "logs removed: the job passed" in err
     assert not log_dir.exists()

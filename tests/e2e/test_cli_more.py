@@ -7,6 +7,7 @@ import asyncio
 import datetime as dt
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,8 +117,100 @@ async def test_list_cancel_workers(gateway: str, bus: Bus, cpu_worker: None,
     code, out, err = await aikg("workers", "--gateway", gateway)
     assert code == 0, err
     assert "w-cpu" in out and "cpu/x86_64" in out and "1/2" in out and "1:job-z" in out
+    assert "[0, 1]" in out  # the device list, not a count
     code, out, _ = await aikg("workers", "--json", "--gateway", gateway)
     assert json.loads(out)["workers"][0]["load"] == 0.5
+
+
+# A kernel as a job leaves it, without a trailing newline: a file or a pipe gets one.
+KERNEL = "import triton\n\n@triton.jit\ndef relu_kernel(x_ptr):\n    pass"
+
+
+async def _complete_with(bus: Bus, job_id: str, code: str, passed: bool = True) -> None:
+    def change(rec):
+        rec.status = "completed" if passed else "failed"
+        rec.end_time = dt.datetime.now(dt.UTC)
+        rec.result = JobResult(passed=passed, code=code, attempts=1, coder="builtin",
+                               verdict=VerifyResult(
+                                   request_id="r", job_id=job_id, candidate_id="c",
+                                   worker_id="w", device="0", passed=passed,
+                                   stage=None if passed else "mismatch", max_abs_error=1e-7,
+                                   max_rel_error=3.5, rel_l2_error=2e-6, atol=1e-4,
+                                   rtol=1e-4, interpreted=True, duration_s=0.4))
+        return rec
+
+    await JobStore(bus.jobs).update(job_id, change)
+
+
+async def test_the_kernel_goes_to_a_file_or_plain_down_a_pipe(
+        gateway: str, bus: Bus, cpu_worker: None, relu_task: str, tmp_path: Path) -> None:
+    """`status -o FILE` and `kernel JOB -o FILE` write the kernel's exact source; piped,
+    `status` and `kernel` print it alone (the record goes to stderr)."""
+    pending = await _submit(gateway, relu_task)
+    code, out, err = await aikg("kernel", pending, "--gateway", gateway)
+    assert code == 5 and out == "" and "no kernel yet" in err, err
+    job = await _submit(gateway, relu_task)
+    await _complete_with(bus, job, KERNEL)
+
+    path = tmp_path / "kernel.py"
+    code, out, err = await aikg("status", job, "-o", str(path), "--gateway", gateway)
+    assert code == 0, err
+    assert path.read_bytes() == (KERNEL + "\n").encode()
+    assert f"kernel written to {path}" in err
+    assert "completed" in out and "relu_kernel" not in out  # the record, no kernel panel
+    # The pass says which figures decided it.
+    assert "max rel 3.5 > rtol 0.0001 only where |ref| is small" in out, out
+
+    code, out, err = await aikg("status", job, "--gateway", gateway)
+    assert code == 0 and out == KERNEL + "\n", out
+    assert "completed" in err and "verdict" in err
+
+    code, out, err = await aikg("kernel", job, "--gateway", gateway)
+    assert code == 0 and out == KERNEL + "\n" and err == "", err
+    other = tmp_path / "other.py"
+    code, out, err = await aikg("kernel", job, "--output", str(other), "--gateway", gateway)
+    assert code == 0 and out == "" and other.read_text() == KERNEL + "\n"
+
+    failed = await _submit(gateway, relu_task)
+    await _complete_with(bus, failed, KERNEL, passed=False)
+    code, out, err = await aikg("kernel", failed, "--gateway", gateway)
+    assert code == 1 and out == KERNEL + "\n" and "did NOT pass" in err and "mismatch" in err
+    code, _, err = await aikg("kernel", "job-nope", "--gateway", gateway)
+    assert code == 2 and "job-nope" in err
+
+
+async def test_submit_wait_o_writes_the_kernel(gateway: str, bus: Bus, cpu_worker: None,
+                                               relu_task: str, tmp_path: Path) -> None:
+    task = tmp_path / "relu.py"
+    task.write_text(relu_task)
+
+    async def finish() -> None:
+        while not await _any_job(bus):
+            await asyncio.sleep(0.1)
+        await _complete_with(bus, (await bus.jobs.keys())[0], KERNEL)
+
+    path = tmp_path / "out" / "kernel.py"
+    code, _, err = await aikg("submit", str(task), "--wait", "-o", str(path),
+                              "--gateway", gateway)
+    assert code == 2 and "does not exist" in err  # before anything is submitted
+    assert not await _any_job(bus)
+    path.parent.mkdir()
+    finisher = asyncio.create_task(finish())
+    code, out, err = await aikg("submit", str(task), "--wait", "-o", str(path),
+                                "--gateway", gateway)
+    await finisher
+    assert code == 0, err
+    assert path.read_text() == KERNEL + "\n" and f"kernel written to {path}" in err
+    assert "completed" in out
+    code, _, err = await aikg("submit", str(task), "-o", str(path), "--gateway", gateway)
+    assert code == 2 and "--wait" in err
+
+
+async def _any_job(bus: Bus) -> bool:
+    try:
+        return bool(await bus.jobs.keys())
+    except Exception:  # noqa: BLE001 - NoKeysError while the bucket is empty
+        return False
 
 
 async def test_events_tail_exit_codes(gateway: str, bus: Bus, cpu_worker: None,
@@ -189,10 +282,20 @@ async def test_run_verifies_relu_with_no_nats_and_no_network() -> None:
     code, out, err = await aikg("run", "tasks/relu.py", "--shape", "batch_size=8",
                                 timeout=scaled(240), prefix=prefix)
     assert code == 0, err
-    assert "passed" in out and "not passed" not in out
-    assert "@triton.jit" in out and "class ModelNew" in out
-    assert "interpreter" in out  # cpu: correctness only, said so
+    # Piped: the kernel's plain source alone on stdout, the verdict on stderr.
+    assert "passed" in err and "not passed" not in err
+    assert "@triton.jit" in out and "class ModelNew" in out and "│" not in out
+    compile(out, "kernel.py", "exec")
+    assert "interpreter" in err  # cpu: correctness only, said so
     assert "TRITON_DEFAULT_FP_FUSION" not in out + err  # pinned by the sandbox: no warning
+    # Not a terminal: the phases as plain lines on stderr as they happened, in order.
+    phases = re.findall(r"^\[\s*[\d.]+ s\] (.+)$", err, re.MULTILINE)
+    for later, earlier in (("reference", "lowering"), ("trial 1 of 3", "reference"),
+                           ("trial 3 of 3", "trial 1 of 3"), ("compile check", "trial 3 of 3"),
+                           ("verdict", "compile check")):
+        assert earlier in phases and later in phases, phases
+        assert phases.index(earlier) < phases.index(later), phases
+    assert "sandbox start" in phases, phases
 
 
 @pytest.mark.slow
@@ -208,6 +311,7 @@ async def test_verify_checks_your_own_kernel(tmp_path: Path) -> None:
     assert code == 0, err
     result = json.loads(out)
     assert result["passed"] and result["trials"] == 1 and result["stage"] is None, result
+    assert not re.search(r"^\[\s*[\d.]+ s\]", err, re.MULTILINE), err  # --json: no phases
 
     # A kernel that hands tensor data to numpy: refused, with the line and the reason.
     bad = tmp_path / "bad.py"
