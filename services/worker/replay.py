@@ -369,7 +369,8 @@ class Replayer:
     def _call(self, fn: Any, name: str, grid: list[int], args: dict[str, Any],
               options: dict[str, Any], launch: LaunchTraffic | None) -> None:
         """One launch of ``fn``, checked (on the interpreter) and counted into ``launch``."""
-        with self._checked(name, args, launch):
+        code = getattr(getattr(fn, "fn", None), "__code__", None)
+        with self._checked(name, args, launch, getattr(code, "co_filename", "")):
             try:
                 fn[tuple(grid)](**args, **options)
             except ReplayError:
@@ -462,25 +463,44 @@ class Replayer:
                         self.captured_used[storage_id] = storage.nbytes()
 
     @contextlib.contextmanager
-    def _checked(self, name: str, args: dict[str, Any],
-                 launch: LaunchTraffic | None = None) -> Iterator[None]:
-        if self.bounds is None:
+    def _checked(self, name: str, args: dict[str, Any], launch: LaunchTraffic | None = None,
+                 source: str = "") -> Iterator[None]:
+        """The launch of kernel ``name`` on ``args`` (loaded from the file ``source``)
+        bounds-checked on the interpreter and counted into ``launch``.
+
+        Raises:
+            ReplayError: (bounds) the launch accessed memory outside its arguments: every
+                such lane of the launch counted, by argument and kernel line
+                (:meth:`~services.worker.replay_memory.Bounds.fault_error`), also when
+                the kernel then failed (what it read there was not memory).
+        """
+        bounds = self.bounds
+        if bounds is None:
             yield
             return
-        ranges = []
+        ranges, origins = [], {}
         for arg, value in args.items():
             for t in values.flat_tensors(value):
                 storage = t.untyped_storage()
                 if storage.nbytes():
                     ranges.append((storage.data_ptr(), storage.data_ptr() + storage.nbytes(),
                                    arg))
-        self.bounds.set_ranges(ranges, name)
-        self.bounds.count = launch
+                    origins.setdefault(arg, t.data_ptr())
+        bounds.set_ranges(ranges, name, origins=origins, source=source)
+        bounds.count = launch
         try:
-            yield
+            try:
+                yield
+            except ReplayError as exc:
+                if exc.kind == "bounds" or not bounds.faults:
+                    raise
+                raise bounds.fault_error() from None
+            fault = bounds.fault_error()
+            if fault is not None:
+                raise fault
         finally:
-            self.bounds.set_ranges([], "")
-            self.bounds.count = None
+            bounds.set_ranges([], "")
+            bounds.count = None
 
 
 _RACE_HINT = ("a GPU runs a launch's programs in any order and at the same time: combine "

@@ -12,6 +12,8 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,11 @@ class ReplayError(Exception):
 # Loaded elements a launch may reach before its distinct bytes are no longer tracked
 # (8 bytes of address each: 64 MiB).
 _UNIQUE_CAP = 1 << 23
+# Kinds of out-of-bounds access of one argument and line named in a bounds error before
+# the rest are counted as "more".
+_FAULTS_SHOWN = 6
+# The plural noun of each kind of access (_check's ``what``).
+_ACCESS_NOUNS = {"loaded": "load", "stored": "store", "did an atomic": "atomic"}
 
 
 class Bounds:
@@ -54,6 +61,14 @@ class Bounds:
         self.ranges: list[tuple[int, int, str]] = []
         self._starts: list[int] = []
         self.kernel = ""
+        # Where each argument's element 0 is (arg -> address; default its storage's
+        # start), the kernel module's file (for the line of a fault), and the running
+        # launch's out-of-bounds lanes: (argument, access, side, line) -> [lanes, first
+        # element, last element]; the accesses a program may make once one faulted.
+        self._origins: dict[str, int] = {}
+        self.source = ""
+        self.faults: dict[tuple[str, str, str, int | None], list[int]] = {}
+        self._fault_cap: int | None = None
         # The running launch's counts (None: not counting), see services.worker.traffic;
         # the addresses its loads reached, by element size (None: past _UNIQUE_CAP), for
         # its unique_loaded, filled in when counting moves on (the count setter).
@@ -101,25 +116,118 @@ class Bounds:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._native, name)
 
-    def set_ranges(self, ranges: list[tuple[int, int, str]], kernel: str) -> None:
+    def set_ranges(self, ranges: list[tuple[int, int, str]], kernel: str, *,
+                   origins: dict[str, int] | None = None, source: str = "") -> None:
+        """The running launch: its storages' byte ranges ``[start, end)`` by argument
+        name, the kernel's name, where each argument's element 0 is (``origins``,
+        addresses; default its storage's start) and the file the kernel was loaded from
+        (``source``: a fault names its line there). Forgets the faults counted so far."""
         self.ranges = sorted(ranges)
         self._starts = [r[0] for r in self.ranges]
         self.kernel = kernel
+        self._origins = dict(origins or {})
+        self.source = source
+        self.faults = {}
+        self._fault_cap = None
+
+    def fault_error(self, *, stopped: bool = False) -> ReplayError | None:
+        """The bounds error of the running launch's out-of-bounds lanes (None: none), by
+        argument, access, side and kernel line, e.g. ``kernel k accessed memory out of
+        bounds: x_ptr: 768 loads past the end (elements 4096..4863), line 14 of
+        candidate.py (...)``. ``stopped``: the launch was stopped before its end (a
+        program kept accessing memory after its fault), so the counts are a floor."""
+        if not self.faults:
+            return None
+        parts = []
+        for (arg, what, side, line), (lanes, first, last) in list(self.faults.items())[
+                :_FAULTS_SHOWN]:
+            noun = _ACCESS_NOUNS.get(what, "access")
+            where = f", line {line} of {os.path.basename(self.source)}" if line else ""
+            parts.append(f"{arg}: {lanes} {noun}{'' if lanes == 1 else 's'} {side} "
+                         f"(element{'' if first == last else 's'} "
+                         f"{first}{'' if first == last else f'..{last}'}){where}")
+        more = len(self.faults) - _FAULTS_SHOWN
+        text = "; ".join(parts) + (f"; +{more} more" if more > 0 else "")
+        floor = (" (at least: the launch was stopped once a faulting program kept "
+                 "accessing memory)") if stopped else ""
+        return ReplayError("bounds", f"kernel {self.kernel} accessed memory out of bounds: "
+                           f"{text}{floor} (on a GPU this faults or corrupts other memory; "
+                           "mask the access, e.g. mask=offs < n)", kernel=self.kernel)
+
+    def _line(self) -> int | None:
+        """The line of the kernel module (:attr:`source`) running the access: the
+        innermost frame of that file (a ``@triton.jit`` helper's, when it made it)."""
+        if not self.source:
+            return None
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_filename == self.source:
+                return frame.f_lineno
+            frame = frame.f_back
+        return None
+
+    def _fault(self, bad: np.ndarray, itemsize: int, what: str) -> None:
+        """Count the out-of-bounds addresses ``bad`` (uint64) of one access, each
+        against the argument it is nearest to: past the end of the storage below it or
+        before the start of the one above."""
+        starts = np.asarray(self._starts, dtype=np.uint64)
+        ends = np.asarray([r[1] for r in self.ranges], dtype=np.uint64)
+        below = np.searchsorted(starts, bad, side="right").astype(np.int64) - 1
+        above = below + 1
+        has_below = below >= 0
+        has_above = above < len(self.ranges)
+        # Distances in float64: exact up to 2**53 bytes, and signed (an element that
+        # starts inside a storage and ends past it).
+        at = bad.astype(np.float64)
+        past = np.full(bad.shape, np.inf)
+        past[has_below] = at[has_below] - ends[below[has_below]].astype(np.float64)
+        before = np.full(bad.shape, np.inf)
+        before[has_above] = starts[above[has_above]].astype(np.float64) - at[has_above]
+        use_above = before < past
+        position = np.where(use_above, above, below)
+        line = self._line()
+        for pos, up in sorted(set(zip(position.tolist(), use_above.tolist(), strict=True))):
+            pick = (position == pos) & (use_above == up)
+            start, _, name = self.ranges[pos]
+            origin = self._origins.get(name, start)
+            low, high = int(bad[pick].min()), int(bad[pick].max())
+            side = "before the start" if up else "past the end"
+            key = (name, what, side, line)
+            entry = self.faults.setdefault(key, [0, (low - origin) // itemsize,
+                                                 (high - origin) // itemsize])
+            entry[0] += int(pick.sum())
+            entry[1] = min(entry[1], (low - origin) // itemsize)
+            entry[2] = max(entry[2], (high - origin) // itemsize)
 
     def _check(self, ptrs: np.ndarray, mask: np.ndarray | None, itemsize: int,
-               what: str) -> np.ndarray:
-        """The addresses the access reaches (masked lanes dropped), bounds-checked."""
+               what: str) -> tuple[np.ndarray, np.ndarray | None]:
+        """The addresses the access reaches (masked lanes dropped), bounds-checked, and
+        the mask the access runs with: ``mask`` itself, or, when some lanes fall
+        outside the launch's storages, one with those lanes off too. Such lanes are
+        counted (:meth:`_fault`, reported by :meth:`fault_error` when the launch ends)
+        and never reach memory: a masked load gives ``other`` (zero) there.
+
+        Raises:
+            ReplayError: (spin) a program accessed memory far past the bound of another
+                order; (bounds) the launch was given no tensor, or a program kept
+                accessing memory long after a fault (:meth:`fault_error`, a floor).
+        """
         addresses = np.asarray(ptrs, dtype=np.uint64).reshape(-1)
+        keep = None
         if mask is not None:
-            keep = np.asarray(mask, dtype=bool)
+            keep = np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).reshape(-1)
             if not keep.all():
-                addresses = addresses[np.broadcast_to(keep, np.shape(ptrs)).reshape(-1)]
+                addresses = addresses[keep]
         self.program_ops += 1
         if self.ops_cap is not None and self.program_ops > self.ops_cap:
             raise ReplayError("spin", f"program {self.program} of kernel {self.kernel} made "
                               f"more than {self.ops_cap} memory accesses, far more than any "
                               "program made in program order: it waits for memory that "
                               "another program writes", kernel=self.kernel)
+        if self._fault_cap is not None and self.program_ops > self._fault_cap:
+            error = self.fault_error(stopped=True)
+            assert error is not None
+            raise error
         count = self.count
         if count is not None:
             moved = int(addresses.size) * itemsize
@@ -136,14 +244,14 @@ class Bounds:
             else:
                 count.atomic += moved
         if addresses.size == 0:
-            return addresses
+            return addresses, mask
         if self.ranges:
             # Most accesses fall in one argument: its bounds against the lowest and the
             # highest address decide at once.
             low, high = int(addresses.min()), int(addresses.max())
             position = bisect.bisect_right(self._starts, low) - 1
             if position >= 0 and high + itemsize <= self.ranges[position][1]:
-                return addresses
+                return addresses, mask
         if not self.ranges:
             raise ReplayError("bounds", f"kernel {self.kernel} {what} memory but was given "
                               "no tensor", kernel=self.kernel)
@@ -154,24 +262,21 @@ class Bounds:
         inside = np.zeros(addresses.shape, dtype=bool)
         inside[ok] = addresses[ok] + np.uint64(itemsize) <= ends[index[ok]]
         if bool(inside.all()):
-            return addresses
-        bad = int(addresses[~inside][0])
-        position = bisect.bisect_right(self._starts, bad) - 1
-        if position >= 0:
-            start, end, name = self.ranges[position]
-            where = f"{bad - end + itemsize} bytes past the end of argument {name}" \
-                if bad >= start else f"before argument {name}"
-        else:
-            start, _, name = self.ranges[0]
-            where = f"{start - bad} bytes before argument {name}"
-        count = int((~inside).sum())
-        raise ReplayError("bounds", f"kernel {self.kernel} {what} out of bounds: {count} "
-                          f"access(es), the first {where} (on a GPU this faults or corrupts "
-                          "other memory; mask the access)", kernel=self.kernel)
+            return addresses, mask
+        self._fault(addresses[~inside], itemsize, what)
+        if self._fault_cap is None:
+            # The launch runs on so every faulting lane is counted; a program that
+            # keeps accessing memory past this (it waits on a value it cannot read) is
+            # stopped.
+            self._fault_cap = 4 * max(self.ops_max, self.program_ops) + 1024
+        lanes = np.arange(np.size(ptrs)) if keep is None else np.flatnonzero(keep)
+        runs = np.ones(np.size(ptrs), dtype=bool) if keep is None else keep.copy()
+        runs[lanes[~inside]] = False
+        return addresses[inside], runs.reshape(np.shape(ptrs))
 
     def load(self, ptrs, mask, other, dtype):  # noqa: ANN001
         itemsize = np.dtype(dtype).itemsize
-        self._check(ptrs, mask, itemsize, "loaded")
+        _, mask = self._check(ptrs, mask, itemsize, "loaded")
         out = self._native.load(ptrs, mask, other, dtype)
         concurrent = self.concurrent
         if concurrent is not None:
@@ -183,7 +288,7 @@ class Bounds:
 
     def store(self, ptrs, value, mask):  # noqa: ANN001
         itemsize = np.asarray(value).dtype.itemsize
-        self._check(ptrs, mask, itemsize, "stored")
+        _, mask = self._check(ptrs, mask, itemsize, "stored")
         out = self._native.store(ptrs, value, mask)
         if self.concurrent is not None:
             if self.atomic_sem is not None:
@@ -194,7 +299,7 @@ class Bounds:
 
     def atomic_rmw(self, op, ptrs, value, mask, sem):  # noqa: ANN001
         itemsize = np.asarray(value).dtype.itemsize
-        addresses = self._check(ptrs, mask, itemsize, "did an atomic")
+        addresses, mask = self._check(ptrs, mask, itemsize, "did an atomic")
         out = self._native.atomic_rmw(op, ptrs, value, mask, sem)
         if self.atomic_adds is not None and "ADD" in getattr(op, "name", str(op)) and \
                 np.issubdtype(np.asarray(value).dtype, np.floating) and addresses.size:
@@ -210,10 +315,23 @@ class Bounds:
 
     def atomic_cas(self, ptrs, cmp, value, sem):  # noqa: ANN001
         itemsize = np.asarray(value).dtype.itemsize
-        self._check(ptrs, None, itemsize, "did an atomic")
-        out = self._native.atomic_cas(ptrs, cmp, value, sem)
+        _, runs = self._check(ptrs, None, itemsize, "did an atomic")
+        if runs is None:
+            out = self._native.atomic_cas(ptrs, cmp, value, sem)
+        else:
+            # No mask in the native compare-and-swap: it runs on the lanes in bounds
+            # only; the others give the comparand back (they never reach memory).
+            shape = np.shape(ptrs)
+            flat = runs.reshape(-1)
+            compare = np.broadcast_to(np.asarray(cmp), shape).reshape(-1)
+            out = compare.copy()
+            if flat.any():
+                out[flat] = np.asarray(self._native.atomic_cas(
+                    np.asarray(ptrs).reshape(-1)[flat], compare[flat],
+                    np.broadcast_to(np.asarray(value), shape).reshape(-1)[flat], sem))
+            out = out.reshape(shape)
         if self.concurrent is not None:
-            self.concurrent.atomic(ptrs, None, itemsize, _sem_name(sem), wrote=True)
+            self.concurrent.atomic(ptrs, runs, itemsize, _sem_name(sem), wrote=True)
         return out
 
 
