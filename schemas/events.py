@@ -33,6 +33,12 @@ OpName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9
 # largest level-3 problems are a few KiB) and well below the NATS 8 MiB payload cap.
 MAX_SOURCE_BYTES = 1 << 20
 Source = Annotated[str, Meta(min_length=1, max_length=MAX_SOURCE_BYTES)]
+# The name a candidate's file is shown under in a verdict's messages and tracebacks
+# (``kernel.py line 30``): a file name without a directory, never a path the worker opens.
+SOURCE_NAME_DEFAULT = "candidate.py"
+SourceName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,63}$",
+                                 description="The candidate's file name as the verdict "
+                                             "shows it; a display name, never a path")]
 # A shape override assigns one module-level name of the task: a size, a dim, a flag,
 # a mode. Bounds: an int is an int32 (what a kernel's offsets and a dim hold; a
 # negative one is a dim or an offset), a shape's extents are in [0, 2**31), a float is
@@ -199,6 +205,11 @@ class VerifyRequest(Struct, kw_only=True):
     ``unchecked``); with it, such a verdict passes, keeps ``stage: "unchecked"`` and
     the ``unchecked`` list, and says so in ``notes``.
 
+    ``source_name``: the candidate's file name as the verdict's messages and
+    tracebacks show it (``kernel.py line 30``; default ``candidate.py``): letters,
+    digits, ``_ . + -``, at most 64 characters, no directory. A display name only: the
+    worker writes the candidate under its own name.
+
     ``claim_nonce``: a secret of the requester for this request (hex; from
     :func:`services.common.verdicts.claim_nonce`). Only the worker JetStream delivers
     the request to reads it; its claim and verdict carry a proof made from it
@@ -222,6 +233,7 @@ class VerifyRequest(Struct, kw_only=True):
     timeout_s: Annotated[float, Meta(gt=0, le=3600)] = 300.0
     trials: Annotated[int, Meta(ge=1, le=20)] = 3
     allow_unchecked: bool = False
+    source_name: SourceName = SOURCE_NAME_DEFAULT
     claim_nonce: str = ""
     created_at: dt.datetime = field(default_factory=utcnow)
     # The job's tenant and priority (also in the lane subject the request waits on).

@@ -30,6 +30,7 @@ runs, the gateway's batches, the SDK's ``RemoteWorker`` and ``verify_many``;
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
 from schemas import VerifyRequest, VerifyResult, decode, encode, new_id, subjects
+from schemas.events import SOURCE_NAME_DEFAULT
 from services.common.lane_watch import LaneWatch, while_served
 from services.common.records import normalised_hash
 from services.common.verdicts import CATCH_UP_S, VerdictWaiter, claim_nonce
@@ -48,14 +50,32 @@ TASK_FIELDS = ("op_name", "task_desc", "dsl", "framework", "backend", "shape_ove
                "timeout_s", "trials", "allow_unchecked")
 
 
+def source_name(path: str) -> str:
+    """A request's ``source_name`` for the file at ``path`` (only its name is kept):
+    each character other than letters, digits and ``_ . + -`` becomes ``_``, a leading
+    ``.``/``+``/``-`` is dropped, and a name over 64 characters keeps its first ones
+    and its extension (``schemas.events.SourceName``); ``candidate.py`` when nothing is
+    left. E.g. ``kernels/my kernel.py`` -> ``my_kernel.py``."""
+    name = re.sub(r"[^A-Za-z0-9_.+-]", "_", re.split(r"[\\/]", path)[-1]).lstrip(".+-")
+    if len(name) > 64:
+        stem, dot, ext = name.rpartition(".")
+        ext = ext[:16] if dot and stem else ""
+        name = name[:64 - len(ext) - 1] + "." + ext if ext else name[:64]
+    return name or SOURCE_NAME_DEFAULT
+
+
 def build_request(*, task_desc: str, code: str, op_name: str, backend: str, arch: str,
                   request_id: str | None = None, job_id: str | None = None,
                   candidate_id: str | None = None, key: bytes | None = None,
-                  validate: bool = False, **fields: Any) -> VerifyRequest:
+                  source: str | None = None, validate: bool = False,
+                  **fields: Any) -> VerifyRequest:
     """A :class:`~schemas.VerifyRequest` of ``code`` against ``task_desc``.
 
     Args:
         task_desc, code, op_name, backend, arch: as the request's fields.
+        source: the file ``code`` was read from (``kernels/relu.py``): the verdict's
+            messages and tracebacks name it (``relu.py line 30``) instead of
+            ``candidate.py``; only its name is sent, made safe by :func:`source_name`.
         request_id, job_id, candidate_id: default fresh ids (``req-…``, ``sdk-…``,
             ``cand-…``, :func:`schemas.new_id`). A job id that no job record has is a
             worker-only request, which workers accept.
@@ -67,8 +87,8 @@ def build_request(*, task_desc: str, code: str, op_name: str, backend: str, arch
             check constraints; a round trip through the wire does).
         fields: any other field of the request (``dsl``, ``framework``, ``mode``,
             ``shape_overrides``, ``timeout_s`` in seconds, ``trials``,
-            ``allow_unchecked``, ``tenant``, ``priority``, ``created_at``,
-            ``claim_nonce``); unset, the request's defaults.
+            ``allow_unchecked``, ``source_name``, ``tenant``, ``priority``,
+            ``created_at``, ``claim_nonce``); unset, the request's defaults.
 
     Raises:
         TypeError: a keyword that is no field of the request.
@@ -76,6 +96,8 @@ def build_request(*, task_desc: str, code: str, op_name: str, backend: str, arch
             it (e.g. ``Expected `float` > 0 - at `$.timeout_s```).
     """
     request_id = request_id or new_id("req-")
+    if source is not None:
+        fields["source_name"] = source_name(source)
     if key is not None:
         fields["claim_nonce"] = claim_nonce(key, request_id)
     request = VerifyRequest(

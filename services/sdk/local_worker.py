@@ -120,10 +120,13 @@ class LocalWorker(WorkerBase):
                      framework: str = "torch", shape_overrides: dict[str, Any] | None = None,
                      timeout_s: float = 300.0, trials: int = 3, job_id: str | None = None,
                      candidate_id: str | None = None, mode: str = "verify",
-                     allow_unchecked: bool = False) -> VerifyResult:
+                     allow_unchecked: bool = False, source: str | None = None
+                     ) -> VerifyResult:
         """Check ``code`` against ``task_desc`` on the next free device; arguments and
-        result as :meth:`RemoteWorker.verify`. Never raises for the candidate's faults:
-        they are a result with ``passed=False`` and a ``stage``.
+        result as :meth:`RemoteWorker.verify`; ``source``: the file ``code`` was read
+        from, which the verdict's messages and tracebacks name (default
+        ``candidate.py``). Never raises for the candidate's faults: they are a result
+        with ``passed=False`` and a ``stage``.
 
         Raises:
             ValueError: a bad field (the message names it).
@@ -133,7 +136,8 @@ class LocalWorker(WorkerBase):
                                 arch=self.arch or "local", mode=mode, dsl=dsl,
                                 framework=framework, shape_overrides=shape_overrides,
                                 timeout_s=timeout_s, trials=trials, job_id=job_id,
-                                candidate_id=candidate_id, allow_unchecked=allow_unchecked)
+                                candidate_id=candidate_id, allow_unchecked=allow_unchecked,
+                                source=source)
         await self.start()
         device = await self.acquire_device()
         try:

@@ -39,10 +39,11 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
                   shape_overrides: dict[str, Any] | None = None, timeout_s: float = 300.0,
                   trials: int = 3, job_id: str | None = None,
                   candidate_id: str | None = None,
-                  allow_unchecked: bool = False) -> VerifyRequest:
+                  allow_unchecked: bool = False, source: str | None = None) -> VerifyRequest:
     """A validated VerifyRequest with fresh ids, not sealed yet
     (:func:`services.common.verify_client.build_request`; ``allow_unchecked``: accept a
-    partial check, :class:`~schemas.events.VerifyRequest`).
+    partial check, :class:`~schemas.events.VerifyRequest`; ``source``: the file the
+    code was read from, which the verdict's messages name instead of ``candidate.py``).
 
     Raises:
         ValueError: a field breaks the wire schema; the message names it (e.g.
@@ -55,7 +56,8 @@ def build_request(task_desc: str, code: str, op_name: str, *, backend: str, arch
                           arch=arch, job_id=job_id, candidate_id=candidate_id, dsl=dsl,
                           framework=framework, mode=mode,
                           shape_overrides=dict(shape_overrides or {}), timeout_s=timeout_s,
-                          trials=trials, allow_unchecked=allow_unchecked, validate=True)
+                          trials=trials, allow_unchecked=allow_unchecked, source=source,
+                          validate=True)
 
 
 class WorkerBase(abc.ABC):

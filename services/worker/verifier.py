@@ -32,6 +32,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -82,6 +83,21 @@ DEFAULT_TASK_TIMEOUT_S = 60.0
 # How long a profile waits for the torch.compile baseline, seconds (setting
 # profile_compile_timeout_s).
 DEFAULT_COMPILE_TIMEOUT_S = 240.0
+
+
+# The candidate's file in a child's scratch directory (services/worker/verifier.py
+# writes it as candidate.py, the replayer's kernel module too), with the directory a
+# traceback names: what a verdict shows as the request's source_name.
+_CANDIDATE_FILE = re.compile(r"""(?:/[^\s"'()<>:,]*/)?(?<![\w.+-])candidate\.py(?![\w])""")
+
+
+def shown_as(text: str, source_name: str) -> str:
+    """``text`` (a verdict's message, log or note) with the candidate's file as the
+    worker wrote it (``/scratch/.../candidate.py``, ``candidate.py``) named
+    ``source_name`` (the request's display name, ``kernel.py``): ``kernel.py line 30``,
+    ``File "kernel.py", line 30``. Line numbers stay: the candidate is written as sent,
+    and the kernel module keeps its lines."""
+    return _CANDIDATE_FILE.sub(lambda _: source_name, text)
 
 
 def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | None) -> str:
@@ -377,6 +393,12 @@ class Verifier:
             candidate_id=request.candidate_id, worker_id=self.worker_id, device=device,
             interpreted=self.backend == "cpu", duration_s=time.monotonic() - started,
             phases={k: round(v, 6) for k, v in clock.spans.items()}, **envelope)
+        name = request.source_name
+        if result.error:
+            result.error = shown_as(result.error, name)
+        result.log = shown_as(result.log, name)
+        result.notes = [shown_as(n, name) for n in result.notes]
+        result.unchecked = [shown_as(u, name) for u in result.unchecked]
         log.info("verify.done", request_id=request.request_id, job_id=request.job_id,
                  candidate_id=request.candidate_id, passed=result.passed, stage=result.stage,
                  duration_s=round(result.duration_s, 3))
