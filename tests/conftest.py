@@ -77,7 +77,7 @@ def shared_verifier(tmp_path_factory):
     hostile tests can look for those secrets from its children.
     Tests of the sandbox's own start, or that need other settings (another memory
     limit or timeout, a scratch root of their own), build their own. Inputs above
-    64 MiB fail as ``infrastructure``. Lend it to a worker with :func:`lend_verifier`.
+    64 MiB fail at stage ``task``. Lend it to a worker with :func:`lend_verifier`.
     """
     from services.worker.verifier import Verifier
     from tests.helpers import SECRET_ENV

@@ -100,8 +100,12 @@ def shown_as(text: str, source_name: str) -> str:
     return _CANDIDATE_FILE.sub(lambda _: source_name, text)
 
 
+# How many of the task's largest sizes the too-large hint names.
+_HINT_NAMES = 3
+
+
 def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | None) -> str:
-    ints = {k: v for k, v in names.items() if isinstance(v, int)}
+    ints = {k: v for k, v in names.items() if isinstance(v, int) and not isinstance(v, bool)}
     factor = 1 << max(1, math.ceil(math.log2(max(need / max(limit, 1), 1.0))))
     name = "batch_size" if "batch_size" in ints else (
         max(ints, key=lambda n: ints[n]) if ints else None)
@@ -109,8 +113,11 @@ def _size_hint(need: int, limit: int, names: Mapping[str, Any], command: str | N
         return "pass smaller shape_overrides"
     value = max(1, ints[name] // factor)
     suggestion = json.dumps({name: value})
+    largest = sorted(ints, key=lambda n: (-ints[n], n))[:_HINT_NAMES]
     return (f"pass shape_overrides such as {suggestion} to shrink them"
-            + (f" ({command}: --shape {name}={value})" if command else ""))
+            + (f" ({command}: --shape {name}={value})" if command else "")
+            + "; the task's largest sizes: "
+            + ", ".join(f"{n}={ints[n]}" for n in largest))
 
 
 class Verifier:
@@ -122,8 +129,9 @@ class Verifier:
         scratch_root: where run directories and per-device Triton caches live;
             default ``<tmp>/aikg-worker-<worker_id>``.
         memory_limit_bytes: largest total size of a task's ``get_inputs()`` tensors,
-            bytes (None: no bound). Larger tasks fail as ``infrastructure`` with a
-            shape_overrides hint. The children's RLIMIT_AS comes from
+            bytes (None: no bound). Larger tasks fail at stage ``task`` (the user's
+            to shrink, not the worker's fault) with a shape_overrides hint naming the
+            task's largest sizes. The children's RLIMIT_AS comes from
             ``child_limits``.
         output_limit_bytes: cap on the captured stdout/stderr/traceback in
             ``VerifyResult.log``, bytes.
@@ -326,7 +334,8 @@ class Verifier:
     def size_hint(self, need: int, limit: int, names: Mapping[str, Any]) -> str:
         """How to shrink inputs of ``need`` bytes below ``limit``: a shape_overrides
         suggestion halving one of ``names`` enough times (``batch_size`` first, else
-        the largest), with the ``--shape`` option of ``client_command``."""
+        the largest), with the ``--shape`` option of ``client_command``, and the
+        task's largest sizes (``the task's largest sizes: dim=65536, batch_size=4096``)."""
         return _size_hint(need, limit, names, self.client_command)
 
     # ------------------------------------------------------------ compile check (Host)

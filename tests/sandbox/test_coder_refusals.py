@@ -168,7 +168,7 @@ async def test_memory_hint_names_the_command_in_use(shared_verifier, command):
             device="0")
     finally:
         shared_verifier.client_command = before
-    assert result.stage == "infrastructure"
+    assert result.stage == "task"
     assert f"({command}: --shape batch_size=" in result.error
 
 

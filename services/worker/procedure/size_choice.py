@@ -48,12 +48,22 @@ class SizeChoice:
 
     def size_answer(self, size: CheckedSize, frame: wire.RefSize, raws: list[bytearray],
                     limit: int | None) -> None:
+        """Take the reference's sizes of ``size`` (its names, input bytes, constructor
+        arguments).
+
+        Raises:
+            Verdict: (task) the inputs are larger than ``limit`` bytes, the worker's
+                memory limit: the task is too big for this worker, which the user's
+                shape_overrides fix (the message names the task's largest sizes), not
+                the worker's fault.
+        """
         size.names = dict(frame.size_names)
         size.input_bytes = frame.input_bytes
         if frame.refused:
-            raise Verdict("infrastructure", f"task inputs need "
+            raise Verdict("task", f"task inputs need "
                           f"{format_bytes(frame.input_bytes)} (limit "
-                          f"{format_bytes(limit or 0)}); "
+                          f"{format_bytes(limit or 0)}): the task is too big for this "
+                          "worker; "
                           f"{self.limits.size_hint(frame.input_bytes, limit or 0, size.names)}")
         size.init = (frame.init, raws)
         if size.key == "main":
