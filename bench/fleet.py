@@ -120,7 +120,7 @@ class SimulatedDevice:
     def close(self) -> None:
         """Nothing to stop."""
 
-    async def verify(self, request: Any, *, device: str) -> Any:
+    async def verify(self, request: Any, *, device: str, on_phase: Any = None) -> Any:
         from schemas import VerifyResult, utcnow
 
         started = utcnow()

@@ -286,6 +286,31 @@ def phase_label(name: str) -> str:
     return base if base and index.isdigit() else name
 
 
+class VerifyPhase(Struct, kw_only=True, omit_defaults=True):
+    """One phase of a verification starting or ending, reported as it happens (the
+    same spans :class:`VerifyResult`'s ``phases`` times; services/worker/progress.py).
+
+    ``name`` is a :data:`VERIFY_PHASES` name (``lowering`` for the built-in coder
+    before a local ``aikg run``); ``step`` a finer step within it: ``trial`` (with
+    ``trial``, 1-based, of ``trials``) in ``trials``, ``other sizes``, ``replays``
+    (the first call's variants) and ``compile check`` in ``checks``. ``label`` is the
+    phase in words (``trial 2 of 3``). ``state`` is ``started`` or ``ended``;
+    ``seconds`` the length of the span an ``ended`` report closes; ``elapsed_s``
+    seconds since the verification started. What the worker says it is doing, for a
+    person to watch: nothing decides on it (a verdict is only the signed
+    :class:`VerifyResult`).
+    """
+
+    name: str
+    label: str
+    state: Literal["started", "ended"] = "started"
+    step: str = ""
+    trial: int | None = None
+    trials: int | None = None
+    seconds: float | None = None
+    elapsed_s: float = 0.0
+
+
 class LaunchTraffic(Struct, kw_only=True, omit_defaults=True):
     """One launch of a call, counted by the worker's replayer
     (services/worker/traffic.py): ``kernel`` (a Triton kernel's name, or ``aten.<op>``
@@ -824,6 +849,7 @@ JobEventKind = Literal[
     "candidate_generated",
     "verify_started",
     "verify_result",
+    "verify_phase",
     "progress",
     "completed",
     "failed",
@@ -838,6 +864,13 @@ class JobEvent(Struct, kw_only=True):
     ``queued`` events are not published: the gateway's event stream (SSE) sends one
     whenever the job's queue position changes while it waits, with ``data``
     ``{"queue_position": int, "estimated_start_time": RFC 3339 or null}``.
+
+    ``verify_phase`` events come from the worker verifying ``request_id``: ``phase``
+    says which phase of the verification started (``message`` says it in words; the
+    last one sent is the ``verdict`` ended), at most a few a second per request
+    (services/worker/progress.py). Any service may
+    publish on a job's events subject, so they are shown, never trusted: a verdict is
+    only the signed :class:`VerifyResult`, and a job's outcome only its record.
     """
 
     job_id: str
@@ -847,6 +880,7 @@ class JobEvent(Struct, kw_only=True):
     candidate_id: str | None = None
     request_id: str | None = None
     verdict: VerifyResult | None = None
+    phase: VerifyPhase | None = None
     data: dict[str, Any] = field(default_factory=dict)
     time: dt.datetime = field(default_factory=utcnow)
     type: Literal["job.event"] = "job.event"

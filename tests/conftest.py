@@ -126,8 +126,8 @@ class LentVerifier:
     def sandbox_notes(self) -> list[str]:
         return self.verifier.sandbox_notes
 
-    async def verify(self, request: Any, *, device: str) -> Any:
-        return await self.verifier.verify(request, device=device)
+    async def verify(self, request: Any, *, device: str, on_phase: Any = None) -> Any:
+        return await self.verifier.verify(request, device=device, on_phase=on_phase)
 
     def close(self) -> None:
         self.verifier.worker_id = self._owner

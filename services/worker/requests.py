@@ -10,9 +10,11 @@ heartbeat period while the run lasts) while its job's record is read (a cancelle
 job's request is acked unrun); this worker's :class:`~schemas.VerifyClaim` published
 on ``results.<job_id>.<worker_id>.claim``; the candidate verified (a
 :class:`VerifyRunner`, the worker's :class:`services.worker.verifier.Verifier`);
-the :class:`~schemas.VerifyResult` published on ``results.<job_id>.<worker_id>`` with
-its proof; then the ack. The ack comes only after the verdict is stored, so a worker
-that dies mid-run leaves its request to JetStream's redelivery.
+its phases published as they happen as ``verify_phase`` events of its job, rate
+limited (services/worker/progress.py); the :class:`~schemas.VerifyResult` published
+on ``results.<job_id>.<worker_id>`` with its proof; then the ack. The ack comes only
+after the verdict is stored, so a worker that dies mid-run leaves its request to
+JetStream's redelivery.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -30,7 +33,7 @@ from nats.aio.msg import Msg
 from prometheus_client import Counter, Gauge, Histogram
 
 from schemas import JobEvent, VerifyClaim, VerifyRequest, VerifyResult, encode, subjects, utcnow
-from schemas.events import Stage, phase_label
+from schemas.events import Stage, VerifyPhase, phase_label
 from services.common.bus import Bus, JobNotFound, JobStore
 from services.common.jobs import publish_event
 from services.common.pull_loop import PullLoop, deliveries
@@ -40,6 +43,7 @@ from services.common.tenants import TenantTable, tenant_label
 from services.common.verdicts import proof
 from services.sandbox.pool import Sandbox
 from services.worker.cache import SharedCache
+from services.worker.progress import PhaseEvents, PhaseObserver
 
 VERIFICATIONS = Counter(
     "aikg_worker_verifications_total",
@@ -102,9 +106,11 @@ class VerifyRunner(Protocol):
         """Stop the sandbox and every child."""
         ...
 
-    async def verify(self, request: VerifyRequest, *, device: str) -> VerifyResult:
-        """The verdict on ``request`` run on ``device``; never raises for what the
-        candidate or the task does."""
+    async def verify(self, request: VerifyRequest, *, device: str,
+                     on_phase: PhaseObserver | None = None) -> VerifyResult:
+        """The verdict on ``request`` run on ``device``, each phase told to
+        ``on_phase`` as it happens; never raises for what the candidate or the task
+        does."""
         ...
 
 
@@ -201,11 +207,11 @@ class Requests:
             # once, not one after the other before every run); a cancelled job's lease
             # is deleted again unused.
             leasing = time.monotonic()
-            cancelled, _ = await asyncio.gather(
-                self._job_cancelled(request.job_id),
+            job_status, _ = await asyncio.gather(
+                self._job_status(request.job_id),
                 held.enter_async_context(self.lease(device, request)))
             lease_s = time.monotonic() - leasing
-            if cancelled:
+            if job_status == "cancelled":
                 bound.info("skipped_cancelled_job")
                 await msg.ack()
                 return
@@ -223,10 +229,18 @@ class Requests:
             QUEUE_WAIT.labels(**self.labels, tenant=tenant_label(request.tenant)).observe(
                 _age_s(request.created_at))
             bound.info("verify_started", deliveries=delivered)
+            # A job's phases go on its events subject, sent before its verdict; a
+            # request without a job record (RemoteWorker, a batch) has no events.
+            on_phase = None
+            if job_status is not None:
+                phases = await held.enter_async_context(
+                    PhaseEvents(functools.partial(self._publish_phase, request)))
+                on_phase = phases.report
             IN_FLIGHT.labels(**self.labels).inc()
             started = time.monotonic()
             try:
-                result: VerifyResult = await self.verifier.verify(request, device=device)
+                result: VerifyResult = await self.verifier.verify(request, device=device,
+                                                                  on_phase=on_phase)
             finally:
                 IN_FLIGHT.labels(**self.labels).dec()
         if release is not None:
@@ -311,14 +325,24 @@ class Requests:
                 await self.bus.leases.delete(key)
             LEASES.labels(**self.labels).dec()
 
-    async def _job_cancelled(self, job_id: str) -> bool:
+    async def _job_status(self, job_id: str) -> str | None:
+        """The status of the request's job; None without a record (worker-only mode:
+        RemoteWorker requests and batches have none) or when it cannot be read."""
         try:
             record, _ = await self.jobs.get(job_id)
         except JobNotFound:
-            return False  # worker-only mode: RemoteWorker requests have no job record
+            return None
         except Exception:  # noqa: BLE001 - a KV hiccup must not drop the request
-            return False
-        return record.status == "cancelled"
+            return None
+        return record.status
+
+    async def _publish_phase(self, request: VerifyRequest, phase: VerifyPhase) -> None:
+        """A ``verify_phase`` event of ``request`` on its job's events subject
+        (services/worker/progress.py; shown, never trusted)."""
+        await publish_event(self.bus, JobEvent(
+            job_id=request.job_id, event="verify_phase", message=phase.label,
+            request_id=request.request_id, candidate_id=request.candidate_id,
+            phase=phase))
 
     async def _publish_claim(self, request: VerifyRequest, device: str) -> None:
         """Publish this worker's :class:`VerifyClaim` of ``request`` on

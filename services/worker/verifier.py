@@ -60,6 +60,7 @@ from services.worker.cache import (
 )
 from services.worker.compiler import DEFAULT_AOT_TARGET, KernelCompiler
 from services.worker.procedure import Outcome, PhaseClock, Procedure, Verdict
+from services.worker.progress import PhaseObserver
 from services.worker.static_check import check_candidate
 from services.worker.targets import GpuTarget
 from services.worker.wire import CompileResult
@@ -373,7 +374,8 @@ class Verifier:
 
     # ------------------------------------------------------------ verify
 
-    async def verify(self, request: VerifyRequest, *, device: str) -> VerifyResult:
+    async def verify(self, request: VerifyRequest, *, device: str,
+                     on_phase: PhaseObserver | None = None) -> VerifyResult:
         """Verify (and with ``mode="profile"`` on a GPU, time) one candidate.
 
         Never raises for anything the candidate or the task does: every outcome is a
@@ -384,9 +386,12 @@ class Verifier:
             request: the candidate, its task, shape_overrides, trials, timeout_s (the
                 wall-clock limit of the whole verification, seconds).
             device: the leased device (``"0"``, ``"1"`` ... on GPUs, a slot on cpu).
+            on_phase: told each phase as it starts and ends
+                (:mod:`services.worker.progress`), in this event loop.
         """
         started = time.monotonic()
-        clock = PhaseClock()
+        clock = PhaseClock(on_phase)
+        clock.begin("static")
         envelope: dict[str, Any] = {}
         try:
             outcome = await self._verify(request, device, clock, envelope)
@@ -430,6 +435,7 @@ class Verifier:
             raise Verdict("static", f"static check failed: {shown}{more}", log=text)
         clock.lap("static")
         if not self.sandbox.started:
+            clock.begin("sandbox_start")
             try:
                 await asyncio.to_thread(self.start)
             except PoolBroken as exc:

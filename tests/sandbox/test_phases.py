@@ -18,14 +18,14 @@ import pytest
 from prometheus_client import REGISTRY
 
 from schemas import JOB_PHASES, VERIFY_PHASES, VERIFY_PHASES_BESIDE, VerifyRequest
-from schemas.events import phase_label
+from schemas.events import VerifyPhase, phase_label
 from services.common.bus import Bus
 from services.common.settings import Settings
 from services.common.verify_client import build_request
 from services.generator.lowering import lower_task
 from services.worker.verifier import Verifier
 from tests.conftest import RELU_TASK
-from tests.helpers import WRONG_RELU_KERNEL, scaled, wait_terminal
+from tests.helpers import WRONG_RELU_KERNEL, job_events, scaled, wait_terminal
 
 SHAPES = {"batch_size": 16, "dim": 1024}
 # The rule: phases add up to the wall time within 10%.
@@ -58,9 +58,33 @@ def assert_known(phases: dict[str, float]) -> None:
     assert all(v >= 0 for v in phases.values()), phases
 
 
+def assert_in_order(seen: list[VerifyPhase]) -> None:
+    """Phases as reported: in the order of VERIFY_PHASES, trials counted up, the
+    verdict last."""
+    order = list(VERIFY_PHASES)
+    ranks = [order.index(p.name) for p in seen]
+    assert ranks == sorted(ranks), [(p.name, p.state, p.label) for p in seen]
+    trials = [p.trial for p in seen if p.trial is not None]
+    assert trials == sorted(trials), trials
+    assert (seen[-1].name, seen[-1].state) == ("verdict", "ended"), seen[-1]
+
+
 async def test_passing_verification_phases_add_up_to_its_wall_time(verifier: Verifier) -> None:
-    first = await verifier.verify(request(relu_candidate(), 1), device="0")
+    seen: list[VerifyPhase] = []
+    first = await verifier.verify(request(relu_candidate(), 1), device="0",
+                                  on_phase=seen.append)
     second = await verifier.verify(request(relu_candidate(), 2), device="0")
+    # Told as they happen: each phase starting (a trial of three, the checks' steps)
+    # and ending, with the seconds its span took.
+    assert_in_order(seen)
+    labels = [p.label for p in seen if p.state == "started"]
+    for text in ("static checks", "reference", "trial 1 of 3", "trial 3 of 3",
+                 "other sizes", "replays", "compile check", "verdict"):
+        assert text in labels, (text, labels)
+    ended = {p.name: p.seconds or 0.0 for p in seen if p.state == "ended"}
+    spans = {k: v for k, v in first.phases.items() if k not in VERIFY_PHASES_BESIDE}
+    assert ended.keys() == spans.keys(), (ended, spans)
+    assert all(abs(ended[k] - spans[k]) < 0.002 for k in spans), (ended, spans)
     for result in (first, second):
         assert result.passed, (result.stage, result.error, result.log)
         assert_known(result.phases)
@@ -113,6 +137,17 @@ async def test_job_and_its_verification_record_their_phases(
     assert_known(vphases)
     for name in ("queue", "fetch_to_start", "lease", "trials", "replay"):
         assert name in vphases, (name, vphases)
+    # The worker's phases went out as they happened: on the job's events subject,
+    # in order, before its verdict's event.
+    events = await job_events(bus, record["job_id"])
+    kinds = [e.event for e in events]
+    shown = [e for e in events if e.event == "verify_phase"]
+    assert len(shown) >= 3, kinds
+    assert max(i for i, k in enumerate(kinds) if k == "verify_phase") < \
+        kinds.index("verify_result"), kinds
+    assert {e.request_id for e in shown} == {verdict["request_id"]}
+    assert all(e.phase is not None and e.message == e.phase.label for e in shown)
+    assert_in_order([e.phase for e in shown if e.phase is not None])
     # The verdict's wait as the generator saw it holds the worker's own phases.
     assert vphases["trials"] < phases["verify_wait"]
     await asyncio.sleep(0)

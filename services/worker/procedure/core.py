@@ -184,6 +184,7 @@ class Procedure:
             raise Verdict("compile", state.kernels.refused[0],
                           log="\n".join(state.kernels.refused))
         main = await self._start_reference()
+        state.clock.begin("candidate_start")
         space = self.size_choice.address_space(main)
         # Started together (each start waits for its child's hello); when one cannot
         # start, the others' starts are cancelled and the first failure is raised.
@@ -202,8 +203,10 @@ class Procedure:
             raise problem
         await self.size_choice.build(main)
         state.clock.lap("candidate_start")
+        state.clock.begin("dry_run")
         extra = await self.size_choice.choose_sizes(main)
         state.clock.lap("dry_run")
+        state.clock.begin("trials")
         for size in extra:
             error = await self.size_choice.build(size)
             if error is not None and size.key == "generic":
@@ -220,14 +223,18 @@ class Procedure:
             task.result()
         await judging
         await planning
+        state.clock.begin("checks", step="replays")
         await self.variants.judge()
+        state.clock.begin("checks", step="compile check")
         compile_failure = await self.compile_check.result()
         state.clock.lap("checks")
         timings: Timings | None = None
         if compile_failure is None and request.mode == "profile" and \
                 self.host.backend != "cpu":
+            state.clock.begin("profile")
             timings = await Profile(state, self.host, self.host).run()
             state.clock.lap("profile")
+        state.clock.begin("verdict")
         audited = await audit(state)
         for problem in (audited, compile_failure):
             if problem is not None:
@@ -251,6 +258,7 @@ class Procedure:
         (``main``: its sizes, once answered) and the task's own sizes on meta tensors."""
         state = self.state
         request = state.request
+        state.clock.begin("reference_start")
         ref = await state.spawn("reference")
         main = CheckedSize("main", dict(request.shape_overrides))
         state.sizes["main"] = main

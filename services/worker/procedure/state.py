@@ -18,15 +18,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import torch
 
-from schemas.events import EagerCount, VerifyRequest
+from schemas.events import EagerCount, VerifyPhase, VerifyRequest
 from services.sandbox.errors import PoolBroken
 from services.worker import inputs as trial_inputs
-from services.worker import kernel_source, wire
+from services.worker import kernel_source, progress, wire
 from services.worker.children import ChildFailed, Conversation, decode_tensor
 from services.worker.procedure.host import Host
 from services.worker.procedure.outcome import STAGES, Verdict
+from services.worker.progress import PhaseObserver
+
+log = structlog.get_logger("aikg.worker.procedure")
 
 # The children of one verification by name, and how a verdict names each.
 _WHO = {"candidate": "candidate", "replay": "candidate's kernels", "reference": "reference"}
@@ -43,19 +47,48 @@ class PhaseClock:
     moving the mark (phases in :data:`schemas.events.VERIFY_PHASES_BESIDE`). Times are
     seconds on ``time.monotonic()``, taken in this process only: the children's own
     clocks are never read, so a candidate cannot shift them.
+
+    ``observer`` (:data:`services.worker.progress.PhaseObserver`) is told each phase as
+    it happens: :meth:`begin` reports one starting (a step of it: a trial, the other
+    sizes, the replays, the compile check), :meth:`lap` the span it closes ending. An
+    observer that raises is logged and dropped, never the verification's fault.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, observer: PhaseObserver | None = None) -> None:
         self.spans: dict[str, float] = {}
-        self._mark = time.monotonic()
+        self._mark = self._start = time.monotonic()
+        self._observer = observer
+
+    def begin(self, name: str, *, step: str = "", trial: int | None = None,
+              trials: int | None = None) -> None:
+        """Report phase ``name`` (its ``step``; ``trial`` of ``trials``, 1-based)
+        starting now; the spans are :meth:`lap`'s alone."""
+        if self._observer is not None:
+            self._tell(VerifyPhase(
+                name=name, label=progress.label(name, step, trial, trials), step=step,
+                trial=trial, trials=trials,
+                elapsed_s=round(time.monotonic() - self._start, 3)))
 
     def lap(self, name: str) -> None:
         now = time.monotonic()
-        self.spans[name] = self.spans.get(name, 0.0) + (now - self._mark)
+        seconds = now - self._mark
+        self.spans[name] = self.spans.get(name, 0.0) + seconds
         self._mark = now
+        if self._observer is not None:
+            self._tell(VerifyPhase(name=name, label=progress.label(name), state="ended",
+                                   seconds=round(seconds, 3),
+                                   elapsed_s=round(now - self._start, 3)))
 
     def add(self, name: str, seconds: float) -> None:
         self.spans[name] = self.spans.get(name, 0.0) + seconds
+
+    def _tell(self, phase: VerifyPhase) -> None:
+        assert self._observer is not None
+        try:
+            self._observer(phase)
+        except Exception as exc:  # noqa: BLE001 - a display must not fail a verification
+            log.warning("phase_observer_failed", phase=phase.name, error=str(exc))
+            self._observer = None
 
 
 @dataclass

@@ -114,12 +114,17 @@ class Trials:
 
     async def judge_all(self) -> None:
         """Judge every call in order, as its replay comes back."""
+        clock = self.state.clock
         for trial in self.state.order:
             if trial.key == "main":
+                clock.begin("trials", step="trial", trial=trial.index + 1,
+                            trials=self.state.trials)
                 await self._judge(trial)
                 if trial.index == self.state.trials - 1:
-                    self.state.clock.lap("trials")
+                    clock.lap("trials")
                 continue
+            if trial is self.state.order[self.state.trials]:
+                clock.begin("checks", step="other sizes")
             try:
                 await self._judge(trial)
             except Verdict as verdict:
