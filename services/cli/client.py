@@ -58,16 +58,20 @@ def connect(gateway_url: str, token: str | None) -> AIKGClient:
 def wait_for_job(client: AIKGClient, job_id: str, timeout_s: float, live: bool,
                  follow: str | None) -> dict[str, Any]:
     """The SDK's wait for ``job_id`` (its final status dict), with the job's progress
-    on this terminal when ``live``; errors exit as :func:`sdk_errors` says, ``follow``
-    naming the command that picks the job up again."""
+    on this terminal when ``live`` (under it the phase of the verification under way,
+    from the job's events: services/cli/phases.py); errors exit as :func:`sdk_errors`
+    says, ``follow`` naming the command that picks the job up again."""
+    from services.cli.phases import JobPhases
     from services.cli.render import live_view
 
     display = (out.status(f"{job_id} submitted", spinner="dots") if live
                else contextlib.nullcontext())
     with display as spinner, sdk_errors(follow):
+        view = JobPhases(spinner.update) if spinner else None
         return client.wait_for_completion(
             job_id, timeout=timeout_s, poll_interval=POLL_INTERVAL_S, progress=False,
-            on_status=(lambda s: spinner.update(live_view(record_of(s)))) if spinner else None,
+            on_status=(lambda s: view.status(live_view(record_of(s)))) if view else None,
+            on_event=view.event if view else None,
             cancel_on_interrupt=False, unreachable_grace_s=UNREACHABLE_GRACE_S)
 
 

@@ -273,13 +273,15 @@ def local_inputs(file: Path, backend: str, devices: str,
     return task_desc, device_list, overrides
 
 
-def run_locally(what: str, as_json: bool, work: Any) -> Any:
-    """Run the coroutine ``work`` with a status line on a terminal; Ctrl-C exits 130,
-    a ValueError 2, a sandbox that cannot start here 6."""
+def run_locally(what: str, as_json: bool, work: Any, display: Any = None) -> Any:
+    """Run the coroutine ``work`` with a status line on a terminal (or within
+    ``display``, a context manager showing its progress: services/cli/phases.py);
+    Ctrl-C exits 130, a ValueError 2, a sandbox that cannot start here 6."""
     import asyncio
 
     live = not as_json and err.is_terminal
-    display = err.status(what) if live else contextlib.nullcontext()
+    if display is None:
+        display = err.status(what) if live else contextlib.nullcontext()
     try:
         with display:
             return asyncio.run(work)

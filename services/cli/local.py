@@ -37,20 +37,24 @@ from services.cli.common import (
     run_locally,
     show_with_kernel,
 )
+from services.cli.phases import LocalPhases
 
 
 async def _run_local(task_desc: str, op_name: str, backend: str, arch: str | None,
                      devices: list[str], shape_overrides: dict[str, Any], trials: int,
-                     timeout_s: float) -> tuple[str, bool, dict[str, Any]]:
+                     timeout_s: float, on_phase: Any = None
+                     ) -> tuple[str, bool, dict[str, Any]]:
     from services.sdk import LocalWorker, Task, WorkerManager
 
     manager = WorkerManager()
-    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg run")
+    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg run",
+                         on_phase=on_phase)
     manager.add(worker, backend, worker.arch, len(devices))
     try:
         return await Task(op_name, task_desc, task_id=f"run-{os.getpid()}", backend=backend,
                           arch=worker.arch, shape_overrides=shape_overrides, trials=trials,
-                          timeout_s=timeout_s, worker_manager=manager).run()
+                          timeout_s=timeout_s, worker_manager=manager,
+                          on_phase=on_phase).run()
     finally:
         await worker.close()
 
@@ -78,10 +82,12 @@ def run(
     """
     task_desc, device_list, overrides = local_inputs(file, backend, devices, shape)
     check_output(output)
+    what = f"writing and verifying a kernel for {file} on {backend} ..."
+    phases = LocalPhases(what, as_json, err)
     op, passed, info = run_locally(
-        f"writing and verifying a kernel for {file} on {backend} ...", as_json,
+        what, as_json,
         _run_local(task_desc, op_name or file.stem, backend, arch, device_list, overrides,
-                   trials, timeout))
+                   trials, timeout, on_phase=phases), display=phases)
     from services.cli.render import local_result_view
 
     show_with_kernel(lambda kernel: local_result_view(op, passed, info, kernel=kernel),
@@ -92,11 +98,13 @@ def run(
 
 async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
                         arch: str | None, devices: list[str], shape_overrides: dict[str, Any],
-                        trials: int, timeout_s: float, allow_unchecked: bool = False) -> Any:
+                        trials: int, timeout_s: float, allow_unchecked: bool = False,
+                        on_phase: Any = None) -> Any:
     from services.cli.watch import verify_kernel
     from services.sdk import LocalWorker
 
-    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg verify")
+    worker = LocalWorker(devices, backend=backend, arch=arch, client_command="aikg verify",
+                         on_phase=on_phase)
     try:  # a static refusal is decided before the sandbox starts (services/cli/watch.py)
         return await verify_kernel(worker, task_desc, code, op_name,
                                    shape_overrides=shape_overrides, trials=trials,
@@ -178,10 +186,13 @@ def verify(
             allow_unchecked=allow_unchecked, as_json=as_json, max_runs=max_runs,
             show=show)))
     code = read_task(kernel)
+    what = f"verifying {kernel} against {file} on {backend} ..."
+    phases = LocalPhases(what, as_json, err)
     result = run_locally(
-        f"verifying {kernel} against {file} on {backend} ...", as_json,
+        what, as_json,
         _verify_local(task_desc, code, op_name or file.stem, backend, arch, device_list,
-                      overrides, trials, timeout, allow_unchecked))
+                      overrides, trials, timeout, allow_unchecked, on_phase=phases),
+        display=phases)
     show(result)
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))
 

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 from httpx_sse import ServerSentEvent, aconnect_sse, connect_sse
 
+from services.common.runtime import cancel_and_wait
 from services.common.settings import GATEWAY_URL, load_setting
 from services.sdk.calls import (
     Calls,
@@ -47,7 +48,7 @@ from services.sdk.calls import (
     raise_for,
 )
 from services.sdk.errors import AIKGConnectionError, AIKGError, AIKGHTTPError
-from services.sdk.job_wait import JobWait, Progress
+from services.sdk.job_wait import EventFeed, JobWait, Progress, follow_events
 
 __all__ = ["AIKGClient", "AIKGConnectionError", "AIKGError", "AIKGHTTPError",
            "AsyncAIKGClient"]
@@ -211,14 +212,21 @@ class AIKGClient:
     def wait_for_completion(self, job_id: str, timeout: float = 1800, poll_interval: float = 1.0,
                             progress: bool = True, *, on_status: Any = None,
                             cancel_on_interrupt: bool = True,
-                            unreachable_grace_s: float = 0.0) -> dict[str, Any]:
+                            unreachable_grace_s: float = 0.0,
+                            on_event: Any = None) -> dict[str, Any]:
         """Poll the job until it ends; returns its final status dict.
 
         Args:
             timeout: seconds to wait at most.
             poll_interval: seconds between status requests.
-            progress: show a progress display on stderr when it is a terminal.
+            progress: show a progress display on stderr when it is a terminal (with
+                the phase of the verification under way, from the job's events).
             on_status: called with each status dict received (e.g. a display of one's own).
+            on_event: called, in the waiting thread, with each of the job's events as
+                it comes (JobEvent dicts, as :meth:`stream_events` yields them: its
+                history first; ``verify_phase`` events say what the worker verifying a
+                candidate is doing; shown, never a verdict). Given, or with the progress
+                display, the events are read beside the status requests.
             cancel_on_interrupt: cancel the job on Ctrl-C before re-raising; False
                 leaves it running.
             unreachable_grace_s: seconds the gateway may stay unreachable before the
@@ -230,17 +238,22 @@ class AIKGClient:
             AIKGHTTPError: the gateway refused the status request (404 unknown job).
             KeyboardInterrupt: Ctrl-C; the job is cancelled first (``cancel_on_interrupt``).
         """
+        live = progress and sys.stderr.isatty()
+        feed = EventFeed(lambda: self.stream_events(job_id)) if live or on_event else \
+            EventFeed(None)
         try:
-            with Progress(job_id, progress and sys.stderr.isatty()) as display:
+            with Progress(job_id, live) as display, feed:
                 wait = JobWait(job_id, timeout, poll_interval, unreachable_grace_s,
-                                [display.update, on_status], time.monotonic)
+                                [display.update, on_status], time.monotonic,
+                                [display.event, on_event])
                 while True:
                     try:
                         if wait.ended(status := self.get_job_status(job_id)):
                             return status
                     except AIKGConnectionError as exc:
                         wait.lost(exc)
-                    time.sleep(wait.pause())
+                    for event in feed.during(wait.pause()):
+                        wait.seen(event)
         except KeyboardInterrupt:
             if cancel_on_interrupt:
                 with contextlib.suppress(AIKGError):
@@ -360,13 +373,21 @@ class AsyncAIKGClient:
     async def wait_for_completion(self, job_id: str, timeout: float = 1800,
                                   poll_interval: float = 1.0, progress: bool = True, *,
                                   on_status: Any = None, cancel_on_interrupt: bool = True,
-                                  unreachable_grace_s: float = 0.0) -> dict[str, Any]:
-        """See :meth:`AIKGClient.wait_for_completion`; the job is also cancelled when the
-        waiting task is (``cancel_on_interrupt``)."""
+                                  unreachable_grace_s: float = 0.0,
+                                  on_event: Any = None) -> dict[str, Any]:
+        """See :meth:`AIKGClient.wait_for_completion` (``on_event`` is called in this
+        event loop); the job is also cancelled when the waiting task is
+        (``cancel_on_interrupt``)."""
+        live = progress and sys.stderr.isatty()
+        following: asyncio.Task[None] | None = None
         try:
-            with Progress(job_id, progress and sys.stderr.isatty()) as display:
+            with Progress(job_id, live) as display:
                 wait = JobWait(job_id, timeout, poll_interval, unreachable_grace_s,
-                                [display.update, on_status], asyncio.get_running_loop().time)
+                                [display.update, on_status], asyncio.get_running_loop().time,
+                                [display.event, on_event])
+                if live or on_event:
+                    following = asyncio.create_task(
+                        follow_events(self.stream_events(job_id), wait.seen))
                 while True:
                     try:
                         if wait.ended(status := await self.get_job_status(job_id)):
@@ -378,6 +399,9 @@ class AsyncAIKGClient:
             if cancel_on_interrupt:
                 await self._cancel_quietly(self.cancel_job(job_id))
             raise
+        finally:
+            if following is not None:
+                await cancel_and_wait(following)
 
     @staticmethod
     async def _cancel_quietly(cancel: Any) -> None:

@@ -1,11 +1,18 @@
 """Waiting for a job to end: the one policy (:class:`JobWait`) that
 :meth:`AIKGClient.wait_for_completion <services.sdk.client.AIKGClient.wait_for_completion>`
-and its asyncio twin drive, and the progress display they show on a terminal
-(:class:`Progress`). The CLI (``aikg submit --wait``, ``aikg demo``) and the tests wait
-through those methods; nothing else polls a job's status."""
+and its asyncio twin drive, the job's events read beside the status polls
+(:class:`EventFeed`, :func:`follow_events`: the verification's phases as they happen),
+and the progress display they show on a terminal (:class:`Progress`). The CLI (``aikg
+submit --wait``, ``aikg demo``) and the tests wait through those methods; nothing else
+polls a job's status."""
 
 from __future__ import annotations
 
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from services.sdk.errors import AIKGConnectionError
@@ -27,15 +34,19 @@ class JobWait:
             0 ends it at the first failed request.
         watchers: called with each status dict received.
         clock: seconds, monotonic (:func:`time.monotonic` or the event loop's time).
+        event_watchers: called with each job event received (a JobEvent dict, as
+            :meth:`AIKGClient.stream_events` yields it).
     """
 
     def __init__(self, job_id: str, timeout: float, poll_interval: float,
-                 unreachable_grace_s: float, watchers: list[Any], clock: Any) -> None:
+                 unreachable_grace_s: float, watchers: list[Any], clock: Any,
+                 event_watchers: list[Any] | None = None) -> None:
         self.job_id = job_id
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.grace = unreachable_grace_s
         self.watchers = [w for w in watchers if w is not None]
+        self.event_watchers = [w for w in event_watchers or [] if w is not None]
         self.clock = clock
         self.deadline = clock() + timeout
         self.last_ok = clock()
@@ -48,6 +59,11 @@ class JobWait:
         for watcher in self.watchers:
             watcher(status)
         return self.last_status in TERMINAL
+
+    def seen(self, event: dict[str, Any]) -> None:
+        """Note a job event: each event watcher is called with it."""
+        for watcher in self.event_watchers:
+            watcher(event)
 
     def lost(self, exc: AIKGConnectionError) -> None:
         """A status request failed: raise once the gateway has been gone past the grace.
@@ -77,11 +93,78 @@ class JobWait:
         return min(self.poll_interval, left)
 
 
+class EventFeed:
+    """A job's events read beside the status polls of a blocking wait: a daemon thread
+    follows ``stream`` (:meth:`AIKGClient.stream_events` of the job) and hands each
+    event to the waiting thread, which takes them in :meth:`during` instead of
+    sleeping. Events are a view (the status poll decides when the job has ended): a
+    stream that fails or is refused ends the feed and the wait goes on polling.
+
+    Args:
+        stream: opens the job's event iterator; None: no feed (:meth:`during` sleeps).
+    """
+
+    def __init__(self, stream: Callable[[], Iterator[dict[str, Any]]] | None) -> None:
+        self._stream = stream
+        self._events: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+
+    def __enter__(self) -> EventFeed:
+        if self._stream is not None:
+            threading.Thread(target=self._follow, name="aikg-job-events", daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # The thread ends at its next event or keepalive (~15 s), or with the stream.
+        self._stop.set()
+
+    def during(self, seconds: float) -> Iterator[dict[str, Any]]:
+        """The events that arrive in the next ``seconds``, each as it comes; returns
+        once they have passed."""
+        if self._stream is None:
+            time.sleep(seconds)
+            return
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                yield self._events.get(timeout=left)
+            except queue.Empty:
+                return
+
+    def _follow(self) -> None:
+        assert self._stream is not None
+        with contextlib.suppress(Exception):
+            events = self._stream()
+            try:
+                for event in events:
+                    if self._stop.is_set():
+                        return
+                    self._events.put(event)
+            finally:
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()
+
+
+async def follow_events(events: AsyncIterator[dict[str, Any]],
+                        seen: Callable[[dict[str, Any]], None]) -> None:
+    """Hand each of a job's ``events`` (:meth:`AsyncAIKGClient.stream_events`) to
+    ``seen`` until the stream ends; run as a task beside the status polls of an
+    asyncio wait, which cancels it. A stream that fails ends quietly (events are a
+    view: the status poll decides when the job has ended)."""
+    with contextlib.suppress(Exception):
+        async for event in events:
+            seen(event)
+
+
 class Progress:
-    """A rich progress display on stderr while waiting: status, phase, candidates, elapsed."""
+    """A rich progress display on stderr while waiting: status, phase, candidates, the
+    phase of the verification under way (from the job's events), elapsed."""
 
     def __init__(self, job_id: str, enabled: bool) -> None:
         self.job_id = job_id
+        self.text = f"{job_id} submitted"
+        self.phase = ""
         self.bar = None
         if enabled:
             from rich.console import Console
@@ -108,6 +191,7 @@ class Progress:
             self.bar.stop()
 
     def update(self, status: dict[str, Any]) -> None:
+        """Show a new status dict."""
         if self.bar is None:
             return
         p = status.get("progress") or {}
@@ -115,4 +199,23 @@ class Progress:
         if p.get("candidates_generated"):
             text += (f" · candidates {p['candidates_generated']} generated, "
                      f"{p.get('candidates_verified', 0)} verified")
+        self.text = text
+        self._show()
+
+    def event(self, event: dict[str, Any]) -> None:
+        """Show the verification's phase from a job event (``verify_phase``) until its
+        candidate's verdict."""
+        kind = event.get("event")
+        if kind == "verify_phase":
+            self.phase = f"{event.get('candidate_id') or ''} {event.get('message', '')}".strip()
+        elif kind in ("verify_result", *TERMINAL):
+            self.phase = ""
+        else:
+            return
+        self._show()
+
+    def _show(self) -> None:
+        if self.bar is None:
+            return
+        text = f"{self.text} · verifying {self.phase}" if self.phase else self.text
         self.bar.update(self.task, description=text)

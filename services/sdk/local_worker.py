@@ -8,10 +8,12 @@ import asyncio
 import atexit
 import os
 import socket
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from schemas import VerifyResult
+from schemas.events import VerifyPhase
 from services.common.settings import machine_arch, memory_limit_for
 from services.sdk.worker_base import WorkerBase, build_request
 
@@ -42,11 +44,15 @@ class LocalWorker(WorkerBase):
         client_command: the command a too-large-inputs hint names with its ``--shape``
             option (``aikg run`` from the CLI); None: the hint names ``shape_overrides``
             only, as a library user passes them.
+        on_phase: told each phase of every verification as it starts and ends (a
+            :class:`~schemas.events.VerifyPhase`; the sandbox's start included), in the
+            verifying event loop; it must not block (a status line's update).
     """
 
     def __init__(self, devices: Iterable[int | str] = (0,), backend: str = "cpu",
                  arch: str | None = None, *, memory_limit_bytes: int | None = None,
-                 client_command: str | None = None) -> None:
+                 client_command: str | None = None,
+                 on_phase: Callable[[VerifyPhase], None] | None = None) -> None:
         self.devices = [str(d) for d in devices]
         if not self.devices:
             raise ValueError("LocalWorker needs at least one device (e.g. devices=[0])")
@@ -57,6 +63,7 @@ class LocalWorker(WorkerBase):
         self.memory_limit_bytes = memory_limit_for(backend, memory_limit_bytes)
         self.worker_id = f"local-{socket.gethostname()[:32]}-{os.getpid()}"
         self.client_command = client_command
+        self.on_phase = on_phase
         self._verifier: Any = None
         self._free: asyncio.Queue[str] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -81,7 +88,15 @@ class LocalWorker(WorkerBase):
                                       memory_limit_bytes=self.memory_limit_bytes,
                                       client_command=self.client_command)
             atexit.register(self._verifier.close)
+        if self.on_phase is None or self._verifier.sandbox.started:
+            await asyncio.to_thread(self._verifier.start)
+            return
+        from services.worker.progress import phase
+
+        self.on_phase(phase("sandbox_start"))
+        starting = time.monotonic()
         await asyncio.to_thread(self._verifier.start)
+        self.on_phase(phase("sandbox_start", "ended", time.monotonic() - starting))
 
     def abort_start(self) -> None:
         """Cut short a :meth:`start` still under way: its fork server, not ready yet, is
@@ -141,6 +156,6 @@ class LocalWorker(WorkerBase):
         await self.start()
         device = await self.acquire_device()
         try:
-            return await self._verifier.verify(request, device=device)
+            return await self._verifier.verify(request, device=device, on_phase=self.on_phase)
         finally:
             self.release_device(device)

@@ -18,13 +18,15 @@ import asyncio
 import atexit
 import os
 import threading
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from schemas import subjects
+from schemas.events import VerifyPhase
 from services.common.settings import LOWERING_TIMEOUT_S
 from services.common.task_source import TaskError, check_task
 from services.generator.coders.screen import decline
@@ -118,6 +120,9 @@ class Task:
         timeout_s: the worker's wall-clock limit per candidate, seconds.
         trials: correctness trials (seeds) per candidate.
         worker_manager: manager to take the worker from; default the process-wide one.
+        on_phase: told the built-in coder's lowering as it starts and ends (a
+            :class:`~schemas.events.VerifyPhase` named ``lowering``); a
+            :class:`LocalWorker`'s own ``on_phase`` tells its verifications' phases.
     """
 
     def __init__(self, op_name: str, task_desc: str, task_id: str = "", dsl: str = "triton",
@@ -126,7 +131,8 @@ class Task:
                  workflow: str = "coder_only_workflow", device_pool: Any = None, *,
                  shape_overrides: Mapping[str, Any] | None = None, init_code: str | None = None,
                  max_attempts: int | None = None, timeout_s: float | None = None,
-                 trials: int | None = None, worker_manager: WorkerManager | None = None) -> None:
+                 trials: int | None = None, worker_manager: WorkerManager | None = None,
+                 on_phase: Callable[[VerifyPhase], None] | None = None) -> None:
         if workflow not in WORKFLOWS:
             raise ValueError(f"workflow must be one of {', '.join(WORKFLOWS)}, not {workflow!r}")
         config = dict(config or {}) if isinstance(config, Mapping) else {}
@@ -146,6 +152,7 @@ class Task:
         self.timeout_s = float(timeout_s or config.get("timeout_s") or 300.0)
         self.trials = int(trials or config.get("trials") or 3)
         self.manager = worker_manager or get_worker_manager()
+        self.on_phase = on_phase
         if device_pool is not None:
             warnings.warn(
                 "Task(device_pool=...) is deprecated and will be removed: call "
@@ -215,8 +222,7 @@ class Task:
         while info["attempts"] < self.max_attempts:
             if not candidates and coder_pending:
                 coder_pending = False  # deterministic: one kernel per task
-                code, error = await lower_in_child(self.task_desc, self.shape_overrides,
-                                                   backend=self.backend)
+                code, error = await self._lower()
                 if code is None:
                     info["error"] = _llm_hint(error or "")
                     return
@@ -240,6 +246,22 @@ class Task:
                         f"{result.error or 'no detail'}")
             if result.passed:
                 return
+
+
+    async def _lower(self) -> tuple[str | None, str | None]:
+        """:func:`lower_in_child` of this task, told to ``on_phase``."""
+        if self.on_phase is None:
+            return await lower_in_child(self.task_desc, self.shape_overrides,
+                                        backend=self.backend)
+        from services.worker.progress import phase
+
+        self.on_phase(phase("lowering"))
+        started = time.monotonic()
+        try:
+            return await lower_in_child(self.task_desc, self.shape_overrides,
+                                        backend=self.backend)
+        finally:
+            self.on_phase(phase("lowering", "ended", time.monotonic() - started))
 
 
 def _llm_hint(error: str) -> str:

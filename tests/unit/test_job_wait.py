@@ -78,3 +78,81 @@ def test_clients_wait_out_the_grace_then_raise(free_port) -> None:
 
     with pytest.raises(AIKGConnectionError, match="lost the gateway"):
         asyncio.run(wait_async())
+
+
+def _phase_gateway(job_id: str, running_polls: int):
+    """A gateway that answers ``running`` ``running_polls`` times, then ``completed``,
+    and streams the job's events: three phases of its verification, its verdict, its end."""
+    import json
+
+    import httpx
+
+    polls = []
+    events = [{"job_id": job_id, "event": "verify_started", "candidate_id": "c1"},
+              *({"job_id": job_id, "event": "verify_phase", "candidate_id": "c1",
+                 "message": text, "phase": {"name": name, "label": text}}
+                for name, text in (("reference_start", "reference"),
+                                   ("trials", "trial 1 of 3"), ("checks", "compile check"))),
+              {"job_id": job_id, "event": "verify_result", "candidate_id": "c1"},
+              {"job_id": job_id, "event": "completed", "status": "completed"}]
+    body = "".join(f"id: {i}\nevent: {e['event']}\ndata: {json.dumps(e)}\n\n"
+                   for i, e in enumerate(events, 1))
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return httpx.Response(200, text=body,
+                                  headers={"content-type": "text/event-stream"})
+        polls.append(1)
+        status = "running" if len(polls) <= running_polls else "completed"
+        return httpx.Response(200, json={"job_id": job_id, "status": status})
+
+    return httpx.MockTransport(answer)
+
+
+def test_blocking_wait_yields_the_job_events_with_its_phases_in_order() -> None:
+    import httpx
+
+    client = AIKGClient("http://gw")
+    client._http = httpx.Client(base_url="http://gw", transport=_phase_gateway("j1", 5))
+    seen: list[dict] = []
+    with client:
+        final = client.wait_for_completion("j1", timeout=10, poll_interval=0.2,
+                                           progress=False, on_event=seen.append)
+    assert final["status"] == "completed"
+    assert [e["event"] for e in seen] == ["verify_started", "verify_phase", "verify_phase",
+                                          "verify_phase", "verify_result", "completed"]
+    assert [e["message"] for e in seen if e["event"] == "verify_phase"] == [
+        "reference", "trial 1 of 3", "compile check"]
+    assert [e["seq"] for e in seen] == [1, 2, 3, 4, 5, 6]
+
+
+async def test_async_wait_yields_the_job_events_with_its_phases_in_order() -> None:
+    import httpx
+
+    client = AsyncAIKGClient("http://gw")
+    client._http = httpx.AsyncClient(base_url="http://gw",
+                                     transport=_phase_gateway("j1", 5))
+    seen: list[dict] = []
+    async with client:
+        final = await client.wait_for_completion("j1", timeout=10, poll_interval=0.2,
+                                                 progress=False, on_event=seen.append)
+    assert final["status"] == "completed"
+    assert [e["message"] for e in seen if e["event"] == "verify_phase"] == [
+        "reference", "trial 1 of 3", "compile check"]
+
+
+def test_a_wait_without_an_event_stream_still_ends_on_its_status() -> None:
+    import httpx
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/events"):
+            return httpx.Response(404, json={"detail": "no such route"})
+        return httpx.Response(200, json={"job_id": "j1", "status": "completed"})
+
+    client = AIKGClient("http://gw")
+    client._http = httpx.Client(base_url="http://gw", transport=httpx.MockTransport(answer))
+    seen: list[dict] = []
+    with client:
+        assert client.wait_for_completion("j1", timeout=5, poll_interval=0.1, progress=False,
+                                          on_event=seen.append)["status"] == "completed"
+    assert seen == []
