@@ -99,7 +99,7 @@ def run(
 async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
                         arch: str | None, devices: list[str], shape_overrides: dict[str, Any],
                         trials: int, timeout_s: float, allow_unchecked: bool = False,
-                        on_phase: Any = None) -> Any:
+                        source: str | None = None, on_phase: Any = None) -> Any:
     from services.cli.watch import verify_kernel
     from services.sdk import LocalWorker
 
@@ -108,7 +108,8 @@ async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
     try:  # a static refusal is decided before the sandbox starts (services/cli/watch.py)
         return await verify_kernel(worker, task_desc, code, op_name,
                                    shape_overrides=shape_overrides, trials=trials,
-                                   timeout_s=timeout_s, allow_unchecked=allow_unchecked)
+                                   timeout_s=timeout_s, allow_unchecked=allow_unchecked,
+                                   source=source)
     finally:
         await worker.close()
 
@@ -191,7 +192,8 @@ def verify(
     result = run_locally(
         what, as_json,
         _verify_local(task_desc, code, op_name or file.stem, backend, arch, device_list,
-                      overrides, trials, timeout, allow_unchecked, on_phase=phases),
+                      overrides, trials, timeout, allow_unchecked, source=str(kernel),
+                      on_phase=phases),
         display=phases)
     show(result)
     raise typer.Exit(int(ExitCode.OK if result.passed else ExitCode.FAILED))

@@ -78,11 +78,12 @@ def static_refusal(request: VerifyRequest, *, worker_id: str, device: str,
 
 async def verify_kernel(worker: LocalWorker, task_desc: str, code: str, op_name: str, *,
                         shape_overrides: dict[str, Any] | None = None, trials: int = 3,
-                        timeout_s: float = 300.0, allow_unchecked: bool = False
-                        ) -> VerifyResult:
+                        timeout_s: float = 300.0, allow_unchecked: bool = False,
+                        source: str | None = None) -> VerifyResult:
     """``aikg verify``'s verdict of ``code`` on ``worker``: a static refusal decided
     here (:func:`static_refusal`; the worker's sandbox is neither started nor waited
-    for, torch is not imported), else ``worker.verify`` with the same arguments.
+    for, torch is not imported), else ``worker.verify`` with the same arguments
+    (``source``: the kernel's file, which the verdict's messages name).
 
     Raises:
         ValueError: a bad field (as :func:`services.sdk.worker_base.build_request`).
@@ -91,7 +92,7 @@ async def verify_kernel(worker: LocalWorker, task_desc: str, code: str, op_name:
     request = build_request(task_desc, code, op_name, backend=worker.backend,
                             arch=worker.arch or "local", shape_overrides=shape_overrides,
                             timeout_s=timeout_s, trials=trials,
-                            allow_unchecked=allow_unchecked)
+                            allow_unchecked=allow_unchecked, source=source)
     refused = await asyncio.to_thread(
         static_refusal, request, worker_id=worker.worker_id, device=worker.devices[0],
         interpreted=worker.backend == "cpu")
@@ -99,7 +100,7 @@ async def verify_kernel(worker: LocalWorker, task_desc: str, code: str, op_name:
         return refused
     return await worker.verify(task_desc, code, op_name, shape_overrides=shape_overrides,
                                trials=trials, timeout_s=timeout_s,
-                               allow_unchecked=allow_unchecked)
+                               allow_unchecked=allow_unchecked, source=source)
 
 
 class _Loop:
@@ -164,7 +165,8 @@ class _Loop:
                 result = await verify_kernel(
                     self.worker, task_desc, code, self.op_name,
                     shape_overrides=self.overrides, trials=self.trials,
-                    timeout_s=self.timeout_s, allow_unchecked=self.allow_unchecked)
+                    timeout_s=self.timeout_s, allow_unchecked=self.allow_unchecked,
+                    source=str(self.kernel))
         except ValueError as exc:
             say(str(exc))
             return ExitCode.USAGE
