@@ -141,6 +141,9 @@ class EvolveSearch:
                 self.mutator.remember(c.params)
         self.changed = asyncio.Condition()
         self.lock = asyncio.Lock()
+        # A verdict at stage ``task`` (the task cannot be verified on this worker, e.g.
+        # too big for it): no later candidate starts.
+        self.task_failed = False
 
     # --- bookkeeping ------------------------------------------------------------------
 
@@ -326,6 +329,7 @@ class EvolveSearch:
             await self._record(entry, None)
             return
         result = await self.verify(candidate, cid)
+        self.task_failed = self.task_failed or result.stage == "task"
         entry.passed = result.passed
         entry.stage = result.stage
         entry.error = (result.error or "")[:500] or None
@@ -358,6 +362,8 @@ class EvolveSearch:
 
         async def slot(index: int) -> None:
             async with gate:
+                if self.task_failed:
+                    return  # the task cannot be verified here: no candidate helps
                 await self.run_one(index)
 
         # Candidates start in index order; each waits for a device slot, so round r+1

@@ -220,6 +220,10 @@ class _Run:
             attempt.verdict = await self.ctx.verify(attempt)
             if attempt.verdict.passed:
                 return _result(attempt, len(self.history))
+            if attempt.verdict.stage == "task":
+                # The task itself cannot be verified here (too big for the worker, its
+                # reference fails): another candidate cannot change that.
+                break
         if not self.history:
             raise WorkflowError(self.coder_error
                                 or "no candidate to verify: give init_code or a coder")

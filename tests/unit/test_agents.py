@@ -254,6 +254,25 @@ async def test_attempts_stop_at_max_attempts(fake: FakeLLM) -> None:
     assert result.verdict is not None and result.verdict.stage == "mismatch"
 
 
+async def test_a_task_stage_verdict_ends_the_attempts(fake: FakeLLM) -> None:
+    # A task too big for the worker: the fix is the user's --shape, not a new candidate.
+    fake.set_script([Reply(content=fenced(SOFTMAX_BROKEN))])
+    verified: list[Attempt] = []
+
+    async def too_big(attempt: Attempt) -> VerifyResult:
+        verified.append(attempt)
+        return VerifyResult(request_id="r1", job_id="job-agents", candidate_id="c1",
+                            worker_id="w", device="0", passed=False, stage="task",
+                            error="the task's inputs need 64 GiB; pass --shape")
+
+    async with chat_with(fake) as chat:
+        result = await coder_only_workflow(WorkflowContext(
+            submit=softmax_job(max_attempts=3), verify=too_big, report=Recorder().report,
+            coder=LLMCoder(chat)))
+    assert not result.passed and len(verified) == 1 and result.attempts == 1
+    assert result.verdict is not None and result.verdict.stage == "task"
+
+
 async def test_init_code_is_the_first_candidate_of_an_llm_job(fake: FakeLLM) -> None:
     fake.set_script(fake_llm.repair_script)
     rec = Recorder()
