@@ -1,51 +1,52 @@
 """Resource limits of every sandboxed child, from one table of settings.
 
-One row per role that runs code we did not write; each row is two settings
-(services/common/settings.py), applied by :func:`services.sandbox.hardening.enter_sandbox`:
-
-- ``lower``, the built-in coder's lowering of a task (generator, ``aikg run``):
-  ``sandbox_lower_address_space_bytes`` (4 GiB), ``sandbox_lower_cpu_s``;
-- ``reference``, the task's code in a worker (inputs, reference outputs):
-  ``sandbox_reference_address_space_bytes`` (8 GiB), ``sandbox_reference_cpu_s``;
-- ``candidate``, the candidate's planner and its kernels' replayers:
-  ``sandbox_candidate_address_space_bytes`` (0: 16x the task's input bytes plus
-  2 GiB), ``sandbox_candidate_cpu_s``;
-- ``compile``, the GPU compile check (the candidate's kernel module and Triton's
-  compiler, :mod:`services.worker.aot`): ``sandbox_compile_address_space_bytes``
-  (4 GiB; a compile here grew the address space by about 30 MiB, and LLVM's thread
-  pool may add a stack and a malloc arena, 72 MiB, per core), ``sandbox_compile_cpu_s``
-  (600 s).
+One row per kind of child that runs code we did not write; each row is two settings
+(services/common/settings.py), ``sandbox_<row>_address_space_bytes`` and
+``sandbox_<row>_cpu_s``, applied by :func:`services.sandbox.hardening.enter_sandbox`.
+Which row bounds which role is said where the role is registered
+(:func:`services.sandbox.roles.register_role`; the rows and their defaults are
+documented there: services/worker/wire.py, services/generator/coders/lowering_role.py),
+so this table names no role: it holds every ``sandbox_<row>_*`` setting there is.
 
 Address space is bytes beyond the forked child's own (the fork server's torch and
-triton are mapped already) and applies on ``cpu`` only, but for the compile child on
-every backend: CUDA and CANN map the device's memory into the address space, so a
-bound there refuses the driver, not the task; the compile child uses no device. CPU time is seconds; 0 derives it from the run's wall-clock limit
-(``lowering_timeout_s``, or the request's ``timeout_s`` times the machine's cores,
-plus 10 s). A child over its address space gets ``MemoryError`` (or torch's
-"can't allocate memory"), and its failure names the setting and its value; one over
-its CPU time is killed by SIGXCPU, named the same way.
+triton are mapped already) and applies on ``cpu`` only, unless the role's
+registration says it binds on every backend (a child that maps no device memory):
+CUDA and CANN map the device's memory into the address space, so a bound there
+refuses the driver, not the task. CPU time is seconds; 0 derives it from the run's
+wall-clock limit (``lowering_timeout_s``, or the request's ``timeout_s`` times the
+machine's cores, plus 10 s). A child over its address space gets ``MemoryError`` (or
+torch's "can't allocate memory"), and its failure names the setting and its value; one
+over its CPU time is killed by SIGXCPU, named the same way.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.settings import Settings
+from services.sandbox.roles import registration
 
-ROLES = ("lower", "reference", "candidate", "compile")
-# The child roles that take a row of another (the replayer runs the candidate's kernels).
-ROW_OF = {"lower": "lower", "reference": "reference", "candidate": "candidate",
-          "replay": "candidate", "compile": "compile"}
 # Seconds of CPU time beyond the wall-clock limit (interpreter start, teardown).
 CPU_SLACK_S = 10
-# The settings' defaults: those of the table's rows too.
-_DEFAULTS = Settings()
+# A setting of the table: sandbox_<row>_address_space_bytes or sandbox_<row>_cpu_s.
+_SETTING = re.compile(r"sandbox_(?P<key>\w+_(?:address_space_bytes|cpu_s))")
 
 
 def _gib(value: int) -> str:
     return f"{value / (1 << 30):.1f} GiB"
+
+
+def _table(settings: Any) -> dict[str, int]:
+    """``<row>_address_space_bytes`` / ``<row>_cpu_s`` -> value, for every such setting."""
+    return {m["key"]: getattr(settings, name) for name in settings.__struct_fields__
+            if (m := _SETTING.fullmatch(name))}
+
+
+_DEFAULTS = _table(Settings())
 
 
 @dataclass(frozen=True)
@@ -56,33 +57,38 @@ class Limit:
     note: str
 
 
-@dataclass(frozen=True)
 class ChildLimits:
-    """The table: per role, address space (bytes; 0 derived) and CPU time (seconds; 0
-    derived). Defaults are the settings' defaults (:class:`Settings`)."""
+    """The table: per row, address space (bytes; 0 derived) and CPU time (seconds; 0
+    derived), given as ``<row>_address_space_bytes=...`` / ``<row>_cpu_s=...``; a value
+    not given is the setting's default (:class:`Settings`).
 
-    lower_address_space_bytes: int = _DEFAULTS.sandbox_lower_address_space_bytes
-    lower_cpu_s: int = _DEFAULTS.sandbox_lower_cpu_s
-    reference_address_space_bytes: int = _DEFAULTS.sandbox_reference_address_space_bytes
-    reference_cpu_s: int = _DEFAULTS.sandbox_reference_cpu_s
-    candidate_address_space_bytes: int = _DEFAULTS.sandbox_candidate_address_space_bytes
-    candidate_cpu_s: int = _DEFAULTS.sandbox_candidate_cpu_s
-    compile_address_space_bytes: int = _DEFAULTS.sandbox_compile_address_space_bytes
-    compile_cpu_s: int = _DEFAULTS.sandbox_compile_cpu_s
+    Raises:
+        TypeError: a keyword names no setting of the table.
+    """
+
+    def __init__(self, **values: int) -> None:
+        unknown = sorted(set(values) - set(_DEFAULTS))
+        if unknown:
+            raise TypeError(f"ChildLimits got {', '.join(unknown)}; the table holds "
+                            f"{', '.join(sorted(_DEFAULTS))}")
+        self.values = {**_DEFAULTS, **values}
+
+    def __repr__(self) -> str:
+        return f"ChildLimits({self.values})"
 
     def address_space(self, role: str, backend: str, derived: int | None = None) -> Limit:
         """RLIMIT_AS headroom of a ``role`` child on ``backend``, bytes (None off cpu,
-        but for the compile child).
+        unless the role's registration says its bound holds on every backend).
 
         ``derived``: the value when the role's setting is 0 (None: no limit).
 
         Raises:
-            KeyError: ``role`` has no row.
+            KeyError: ``role`` is not registered, or its row has no setting.
         """
-        row = ROW_OF[role]
-        name = f"sandbox_{row}_address_space_bytes"
-        setting = getattr(self, f"{row}_address_space_bytes")
-        if backend != "cpu" and row != "compile":
+        entry = registration(role)
+        name = f"sandbox_{entry.row}_address_space_bytes"
+        setting = self.values[f"{entry.row}_address_space_bytes"]
+        if backend != "cpu" and not entry.address_space_off_cpu:
             return Limit(None, "")
         value = setting or derived
         if value is None:
@@ -100,10 +106,13 @@ class ChildLimits:
         Derived (setting 0): ``ceil(wall_s)`` times ``cores`` (default: this machine's,
         for the worker's children; the lowering child runs on one) plus
         :data:`CPU_SLACK_S`.
+
+        Raises:
+            KeyError: ``role`` is not registered, or its row has no setting.
         """
-        row = ROW_OF[role]
+        row = registration(role).row
         name = f"sandbox_{row}_cpu_s"
-        setting = getattr(self, f"{row}_cpu_s")
+        setting = self.values[f"{row}_cpu_s"]
         if setting:
             return Limit(setting, f"AIKG_{name.upper()}={setting} s")
         cores = cores if cores is not None else max(1, os.cpu_count() or 1)
@@ -128,12 +137,8 @@ def child_limits_from(settings: Settings) -> ChildLimits:
     Raises:
         ValueError: a value is negative (the message names the variable).
     """
-    values = {}
-    for role in ROLES:
-        for kind in ("address_space_bytes", "cpu_s"):
-            value = getattr(settings, f"sandbox_{role}_{kind}")
-            if value < 0:
-                raise ValueError(f"AIKG_SANDBOX_{role.upper()}_{kind.upper()}={value} must "
-                                 "be >= 0 (0: derived)")
-            values[f"{role}_{kind}"] = value
+    values = _table(settings)
+    for key, value in values.items():
+        if value < 0:
+            raise ValueError(f"AIKG_SANDBOX_{key.upper()}={value} must be >= 0 (0: derived)")
     return ChildLimits(**values)

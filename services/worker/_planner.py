@@ -5,21 +5,21 @@ Before the candidate's import: the audit hook, the CUDA emulation (cpu backend),
 launch hooks of :mod:`services.worker.trace`, a snapshot of torch's and triton's
 namespaces, the harness's modules hidden. Then the parent's commands:
 
-* :class:`~services.sandbox.wire.PlanBuild`: ``ModelNew(*init)`` under the init seed,
+* :class:`~services.worker.wire.PlanBuild`: ``ModelNew(*init)`` under the init seed,
   on the device (or on ``meta`` for a dry run). Every real model is built before the
   first call: constructors may compute on weights; no input exists yet. Where each
   storage's bytes came from is recorded from before the import on
   (:class:`~services.worker.init_compute.InitRecorder`): a captured storage torch
   computed goes to the parent in ``Traced.init_computed`` (rule D030).
-* :class:`~services.sandbox.wire.PlanDryRun`: ``forward`` on meta inputs at other sizes
+* :class:`~services.worker.wire.PlanDryRun`: ``forward`` on meta inputs at other sizes
   (the task's own): the launches it would make, none run.
-* :class:`~services.sandbox.wire.PlanCall`: the first one arms
+* :class:`~services.worker.wire.PlanCall`: the first one arms
   :mod:`services.worker.enforce` (compute refused at the dispatcher, the audit hook
   strict; threads and processes are refused from before the import); then
   ``forward`` on decoys with a ghost
   :class:`~services.worker.trace.TraceRecorder`: the plan, its captured storages and
-  the ghost outputs go to the parent (:class:`~services.sandbox.wire.Traced`).
-* :class:`~services.sandbox.wire.PlanProfile` (GPU): the launches really run, timed,
+  the ghost outputs go to the parent (:class:`~services.worker.wire.Traced`).
+* :class:`~services.worker.wire.PlanProfile` (GPU): the launches really run, timed,
   the timed calls under ``torch.profiler`` (the kernels they launched go to the
   parent with the timing).
 
@@ -37,39 +37,41 @@ from services.sandbox import guard as _guard
 from services.sandbox import values
 from services.sandbox.child import (
     JobFailure,
-    _candidate_failure,
-    _device,
-    _failure,
-    _kernel_names,
-    _load_module,
-    _synchronize,
-    _time_forward,
+    device_of,
+    failure_of,
+    load_module,
     seed_all,
+    synchronize,
 )
 from services.sandbox.wire import (
-    IMPORT_PHASE,
-    Audit,
-    Built,
     Bye,
     Channel,
     ChildSpec,
-    DryRun,
     Failure,
-    Imported,
-    PlanBuild,
-    PlanCall,
-    PlanDryRun,
-    PlanProfile,
     Progress,
     TensorMeta,
-    Traced,
     tensor_bytes,
 )
 from services.worker import enforce, init_compute, trace
 from services.worker import inputs as trial_inputs
 from services.worker.emulation import CudaEmulation
+from services.worker.harness import candidate_failure, kernel_names
 from services.worker.profiling import profiled_launches
 from services.worker.targets import target_for
+from services.worker.timing import time_forward
+from services.worker.wire import (
+    IMPORT_PHASE,
+    Audit,
+    Built,
+    DryRun,
+    Imported,
+    PlanBuild,
+    PlanCall,
+    PlanDryRun,
+    PlanProfile,
+    Traced,
+    params_of,
+)
 
 _META = torch.device("meta")
 
@@ -113,10 +115,10 @@ class _Planner:
         self.channel = channel
         self.hook = hook
         self.emulation = emulation
-        self.device = _device(spec.backend)
+        self.device = device_of(spec.backend)
         self.module = module
         self.model_cls = module.ModelNew
-        self.kernels = _kernel_names(module)
+        self.kernels = kernel_names(module)
         self.models: dict[str, Any] = {}
         self.build_errors: dict[str, str] = {}
         self.recorder = trace.TraceRecorder(ghost=True, capture=True)
@@ -135,7 +137,7 @@ class _Planner:
             refused = compute or isinstance(exc, PermissionError) and \
                 "the sandbox refused" in str(exc)
             if refused or self.recorder.refused:
-                failure = _failure("audit", what, exc, self.spec.candidate_path)
+                failure = failure_of("audit", what, exc, self.spec.candidate_path)
                 if self.recorder.refused:
                     op = max(self.recorder.refused, key=self.recorder.refused.get)
                     where = failure.message.rsplit(" (candidate.py", 1)
@@ -147,9 +149,9 @@ class _Planner:
                         f"copies are allowed){line}")
                 return JobFailure(failure)
             if isinstance(exc, trace.TraceError):
-                return JobFailure(_failure("runtime", what, exc, self.spec.candidate_path))
-            return JobFailure(_candidate_failure(what, exc, self.kernels,
-                                                 self.spec.candidate_path))
+                return JobFailure(failure_of("runtime", what, exc, self.spec.candidate_path))
+            return JobFailure(candidate_failure(what, exc, self.kernels,
+                                                self.spec.candidate_path))
 
     # ------------------------------------------------------------ commands
 
@@ -251,7 +253,7 @@ class _Planner:
         try:
             with torch.no_grad(), recorder:
                 result = model(*decoys)
-            _synchronize(self.spec.backend)
+            synchronize(self.spec.backend)
         except Exception as exc:  # noqa: BLE001 - the candidate's forward
             raise self.fail("ModelNew.forward", exc) from None
         finally:
@@ -310,7 +312,7 @@ class _Planner:
         try:
             with torch.no_grad(), recorder:
                 model(*args)
-            _synchronize(self.spec.backend)
+            synchronize(self.spec.backend)
         except Exception as exc:  # noqa: BLE001
             raise self.fail("ModelNew.forward (timed)", exc) from None
         finally:
@@ -320,8 +322,8 @@ class _Planner:
         try:
             # The timed calls run under torch.profiler: the parent lists and audits the
             # kernels they launched (services/worker/profiling.py).
-            self.channel.send(_time_forward(model, args, self.spec, profile=profiled_launches,
-                                            harness=self.hook.harness))
+            self.channel.send(time_forward(model, args, self.spec, profile=profiled_launches,
+                                           harness=self.hook.harness))
         except Exception as exc:  # noqa: BLE001
             raise self.fail("timing ModelNew.forward", exc) from None
 
@@ -340,7 +342,7 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
     last frame before Done is the :class:`Audit`."""
     hook = _guard.install_audit_hook(spec.candidate_path)
     emulation = None
-    if spec.backend == "cpu" and spec.emulate_cuda:
+    if spec.backend == "cpu" and params_of(spec).emulate_cuda:
         emulation = CudaEmulation(target_for(spec.arch or ""), spec.candidate_path)
         emulation.install()
     active: list[trace.TraceRecorder | None] = [None]
@@ -352,13 +354,13 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
     init_recorder = init_compute.InitRecorder()
     try:
         with init_recorder:
-            module = _load_module("aikg_candidate", spec.candidate_path)
+            module = load_module("aikg_candidate", spec.candidate_path)
     except Exception as exc:  # noqa: BLE001 - the candidate's module code
         with hook.harness():
             # A refusal of the sandbox's is what went wrong, not the code's syntax.
             stage = "audit" if hook.refused else "compile"
-            raise JobFailure(_failure(stage, "importing the candidate", exc,
-                                      spec.candidate_path)) from None
+            raise JobFailure(failure_of(stage, "importing the candidate", exc,
+                                        spec.candidate_path)) from None
     if getattr(module, "ModelNew", None) is None:
         raise JobFailure(Failure(stage="static", message="class ModelNew is not defined"))
     changes = enforce.namespace_changes(snapshot)
@@ -373,8 +375,8 @@ def run_planner(spec: ChildSpec, channel: Channel) -> None:
         raise
     except BaseException as exc:  # noqa: BLE001 - candidate code raising SystemExit ...
         with hook.harness():
-            raise JobFailure(_failure("runtime", "the candidate", exc,
-                                      spec.candidate_path)) from None
+            raise JobFailure(failure_of("runtime", "the candidate", exc,
+                                        spec.candidate_path)) from None
     finally:
         audit = planner.audit()
         audit.namespace = changes

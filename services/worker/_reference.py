@@ -35,14 +35,13 @@ import torch
 from schemas.events import EagerCount
 from services.common.task_source import REQUIRED_TASK_NAMES, unknown_overrides_message
 from services.sandbox import values
-from services.sandbox.child import JobFailure, _failure, _outputs, out_of_memory, seed_all
-from services.sandbox.wire import (
-    TASK_PHASE,
-    Bye,
-    Channel,
-    ChildSpec,
-    Failure,
-    Progress,
+from services.sandbox.child import JobFailure, failure_of, out_of_memory, seed_all
+from services.sandbox.wire import TASK_PHASE, Bye, Channel, ChildSpec, Failure, Progress, TensorMeta
+from services.worker import init_compute
+from services.worker import inputs as trial_inputs
+from services.worker.harness import forward_outputs
+from services.worker.profiling import profiled_launches
+from services.worker.wire import (
     RefDone,
     RefFailed,
     RefMeta,
@@ -52,11 +51,7 @@ from services.sandbox.wire import (
     RefRequest,
     RefSize,
     RefTrial,
-    TensorMeta,
 )
-from services.worker import init_compute
-from services.worker import inputs as trial_inputs
-from services.worker.profiling import profiled_launches
 
 
 def size_names(task: Any) -> dict[str, Any]:
@@ -134,8 +129,8 @@ class _Task:
             raise
         except Exception as exc:  # noqa: BLE001 - the task's own code
             stage = "task" if out_of_memory(exc) else "infrastructure"
-            raise JobFailure(_failure(stage, f"the task's {what}", exc,
-                                      getattr(self.module, "__file__", ""))) from None
+            raise JobFailure(failure_of(stage, f"the task's {what}", exc,
+                                        getattr(self.module, "__file__", ""))) from None
         finally:
             if self.channel is not None:
                 self.channel.send(Progress(phase=f"reference harness (after the task's "
@@ -169,7 +164,7 @@ class _Task:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         try:
-            outputs = _outputs(out, "Model.forward")
+            outputs = forward_outputs(out, "Model.forward")
         except JobFailure as exc:
             exc.failure.stage = "infrastructure"
             raise
@@ -372,43 +367,43 @@ def _count_eager(task: _Task, model: Any, seed: int) -> EagerCount | None:
 
 def _profile(task: _Task, channel: Channel, spec: ChildSpec, command: RefProfile) -> None:
     """Answer a :class:`RefProfile`: the eager ``Model``, the launch floor, the compiled
-    ``Model``, each a :class:`~services.sandbox.wire.Timing` (see RefProfile)."""
-    from services.sandbox.child import _time_compiled, _time_floor, _time_forward
+    ``Model``, each a :class:`~services.worker.wire.Timing` (see RefProfile)."""
+    from services.worker.timing import time_compiled, time_floor, time_forward
 
     if task.last is None:
         raise JobFailure(Failure(stage="infrastructure", message="harness error: nothing to time"))
     _, model, args = task.last
     if command.eager:
         channel.send(Progress(phase="profiling"))
-        channel.send(_time_forward(model, args, spec))
+        channel.send(time_forward(model, args, spec))
     if command.floor:
         channel.send(Progress(phase="profiling"))
         # Under the profiler, as the candidate's timed calls are: the same per-launch cost.
-        channel.send(_time_floor(spec, profile=profiled_launches))
+        channel.send(time_floor(spec, profile=profiled_launches))
     if command.compile:
         # Not a task phase: the compile is the harness's, bounded by the worker's own
         # wait (setting profile_compile_timeout_s), and its failure fails nothing.
         channel.send(Progress(phase="compiling the task's Model with torch.compile"))
-        channel.send(_time_compiled(
+        channel.send(time_compiled(
             model, args, spec, on_compiled=lambda: channel.send(Progress(phase="profiling"))))
 
 
 def run_reference_role(spec: ChildSpec, channel: Channel) -> None:
-    """Role ``reference`` (registered by services/worker/verifier.py): load the task at
+    """Role ``reference`` (registered by services/worker/wire.py): load the task at
     ``spec.task_path``, then :func:`run_reference`.
 
     Raises:
         JobFailure: the task's module code raised, or it lacks ``Model``,
             ``get_inputs`` or ``get_init_inputs`` (stage ``infrastructure``).
     """
-    from services.sandbox.child import _load_module
+    from services.sandbox.child import load_module
 
     channel.send(Progress(phase=TASK_PHASE + "module code"))
     try:
-        task = _load_module("aikg_task", spec.task_path)
+        task = load_module("aikg_task", spec.task_path)
     except Exception as exc:
-        raise JobFailure(_failure("infrastructure", "loading the task", exc,
-                                  spec.task_path)) from None
+        raise JobFailure(failure_of("infrastructure", "loading the task", exc,
+                                    spec.task_path)) from None
     missing = [n for n in REQUIRED_TASK_NAMES if not hasattr(task, n)]
     if missing:
         raise JobFailure(Failure(stage="infrastructure",
@@ -418,9 +413,9 @@ def run_reference_role(spec: ChildSpec, channel: Channel) -> None:
 
 def run_reference(spec: ChildSpec, channel: Channel, module: Any) -> None:
     """Answer the parent's :class:`RefRequest` commands until :class:`Bye`."""
-    from services.sandbox.child import _device
+    from services.sandbox.child import device_of
 
-    device = _device(spec.backend)
+    device = device_of(spec.backend)
     if spec.backend == "cuda":
         # An fp32 reference must be fp32-accurate; TF32 would blur the comparison.
         torch.backends.cuda.matmul.allow_tf32 = False

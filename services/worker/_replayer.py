@@ -2,9 +2,9 @@
 
 It loads the module :func:`services.worker.kernel_source.kernel_module` wrote (the
 candidate's ``@triton.jit`` functions and constants, nothing else) and answers each
-:class:`~services.sandbox.wire.ReplayRequest` with the outputs and the inputs as they
-are after the call (:class:`~services.sandbox.wire.Replayed`), or why the plan could not
-run (:class:`~services.sandbox.wire.ReplayFailed`). See :mod:`services.worker.replay`.
+:class:`~services.worker.wire.ReplayRequest` with the outputs and the inputs as they
+are after the call (:class:`~services.worker.wire.Replayed`), or why the plan could not
+run (:class:`~services.worker.wire.ReplayFailed`). See :mod:`services.worker.replay`.
 """
 
 from __future__ import annotations
@@ -15,28 +15,19 @@ from typing import Any
 import torch
 
 from services.sandbox import values
-from services.sandbox.child import (
-    _MAX_TRACEBACK_CHARS,
-    JobFailure,
-    _candidate_failure,
-    _device,
-    _load_module,
-    clip,
-)
+from services.sandbox.child import MAX_TRACEBACK_CHARS, JobFailure, clip, device_of, load_module
 from services.sandbox.wire import (
     Bye,
     Channel,
     ChildSpec,
     Failure,
     Progress,
-    Replayed,
-    ReplayFailed,
-    ReplayRequest,
     TensorMeta,
     tensor_bytes,
 )
 from services.worker import enforce
 from services.worker.casts import value_changing_cast
+from services.worker.harness import candidate_failure
 from services.worker.replay import (
     Replayer,
     ReplayError,
@@ -44,6 +35,7 @@ from services.worker.replay import (
     install_bounds_checks,
     resolve_ops,
 )
+from services.worker.wire import Replayed, ReplayFailed, ReplayRequest
 
 # A replay failure's kind -> the stage of the verdict it fails.
 _FAILURE_STAGES = {"trace": "audit", "compute": "audit", "bounds": "runtime",
@@ -92,14 +84,14 @@ def _replay(replayer: Replayer, request: ReplayRequest, raws: list[Any]) -> tupl
 
 def run_replayer(spec: ChildSpec, channel: Channel) -> None:
     """Answer :class:`ReplayRequest` commands until :class:`Bye`."""
-    device = _device(spec.backend)
+    device = device_of(spec.backend)
     # What a plan may run and the checks on it, fixed before any candidate-derived
     # code (the kernel module's decorators and constants) runs.
     ops = resolve_ops()
     bounds = install_bounds_checks() if spec.backend == "cpu" else None
     snapshot = enforce.namespace_snapshot()
     channel.send(Progress(phase="loading the candidate's kernels"))
-    module = _load_module("aikg_candidate_kernels", spec.candidate_path)
+    module = load_module("aikg_candidate_kernels", spec.candidate_path)
     changes = enforce.namespace_changes(snapshot)
     if changes:
         raise JobFailure(Failure(stage="audit", message=(
@@ -132,7 +124,7 @@ def run_replayer(spec: ChildSpec, channel: Channel) -> None:
             message = str(exc)
             tb = ""
             if exc.kind == "kernel" and exc.cause is not None:
-                failure = _candidate_failure("ModelNew.forward", exc.cause,
+                failure = candidate_failure("ModelNew.forward", exc.cause,
                                              set(kernels), spec.candidate_path)
                 stage, message, tb = failure.stage, failure.message, failure.traceback
             channel.send(ReplayFailed(key=request.key, index=request.index,
@@ -145,7 +137,7 @@ def run_replayer(spec: ChildSpec, channel: Channel) -> None:
                 stage="audit", message=f"the plan could not be replayed: "
                                        f"{type(exc).__name__}: {str(exc)[:300]}",
                 traceback=clip("".join(traceback.format_exception(exc)),
-                               _MAX_TRACEBACK_CHARS)))
+                               MAX_TRACEBACK_CHARS)))
             continue
         channel.send(Replayed(key=request.key, index=request.index, label=request.label,
                               outputs=[_meta(o) for o in outputs],

@@ -375,7 +375,7 @@ def load_kernels(path: str, target: str) -> Any:
     """
     from triton.runtime.jit import JITFunction
 
-    from services.sandbox.child import JobFailure, _failure, _load_module, _location
+    from services.sandbox.child import JobFailure, failure_of, load_module, location
 
     with open(path) as f:
         functions = _jit_functions(f.read())
@@ -387,13 +387,13 @@ def load_kernels(path: str, target: str) -> Any:
         return "the candidate's kernel module"
 
     try:
-        module = _load_module("aikg_candidate_kernels", path)
+        module = load_module("aikg_candidate_kernels", path)
     except Exception as exc:  # noqa: BLE001 - a decorator's error, of any type
-        where = _location(exc, path)
+        where = location(exc, path)
         line = int(where.rsplit(" ", 1)[1]) if where else None
-        raise JobFailure(_failure("compile", f"{named(line)} cannot be loaded for {target} "
-                                  "(importing the candidate on a GPU would fail, launched or "
-                                  "not): @triton.jit", exc, path)) from None
+        raise JobFailure(failure_of("compile", f"{named(line)} cannot be loaded for {target} "
+                                    "(importing the candidate on a GPU would fail, launched "
+                                    "or not): @triton.jit", exc, path)) from None
     for name, first, _ in functions:
         fn = getattr(module, name, None)
         try:
@@ -402,29 +402,32 @@ def load_kernels(path: str, target: str) -> Any:
                                 "JITFunction")
             fn.parse()
         except Exception as exc:  # noqa: BLE001 - whatever parsing raises
-            raise JobFailure(_failure("compile", f"the Triton kernel {name} (candidate.py "
-                                      f"line {first}) cannot be parsed for {target}: "
-                                      "loading it", exc)) from None
+            raise JobFailure(failure_of("compile", f"the Triton kernel {name} (candidate.py "
+                                        f"line {first}) cannot be parsed for {target}: "
+                                        "loading it", exc)) from None
     return module
 
 
 def run_compile(spec: Any, channel: Any) -> None:
     """The compile child: load every kernel of the module at ``spec.candidate_path``
-    (:func:`load_kernels`), compile ``spec.compile_specs`` for ``spec.compile_target``
-    and send :class:`~services.sandbox.wire.Compiled`. Each spec's compile is announced
-    first (a Progress frame), so a child that dies names what it was compiling."""
-    from services.sandbox.wire import Compiled, CompileResult, Progress
+    (:func:`load_kernels`), compile the spec's ``compile_specs`` for its
+    ``compile_target`` (:class:`~services.worker.wire.ChildParams`) and send
+    :class:`~services.worker.wire.Compiled`. Each spec's compile is announced first (a
+    Progress frame), so a child that dies names what it was compiling."""
+    from services.sandbox.wire import Progress
     from services.worker.targets import target_for
+    from services.worker.wire import Compiled, CompileResult, params_of
 
     compile_mode()
-    target = target_for(spec.compile_target)
+    params = params_of(spec)
+    target = target_for(params.compile_target)
     where = f"{target.sm} ({target.name})"
     channel.send(Progress(phase=f"loading the candidate's kernels for {where}"))
     module = load_kernels(spec.candidate_path, where)
     results = []
-    for s in spec.compile_specs:
+    for s in params.compile_specs:
         # A spec may name another target than the request's (the extra targets).
-        this = target_for(s.get("target") or spec.compile_target, default=target.name)
+        this = target_for(s.get("target") or params.compile_target, default=target.name)
         channel.send(Progress(phase=f"compiling the Triton kernel {s['kernel']} for "
                               f"{this.sm} ({this.name}) ({s.get('where') or 'a launch'})"))
         results.append(CompileResult(**compile_one(module, s, this)))
@@ -458,7 +461,9 @@ async def compile_in_child(sandbox: Any, spec: Any, count: int,
     failed, died, sent frames it should not, or ran past ``wall_s`` is ``compile``,
     its limits named (it runs only the candidate's kernel module and the compiler)."""
     from services.sandbox import wire
-    from services.sandbox.pool import ForgedFrame, PoolBroken, ProtocolError, describe_exit
+    from services.sandbox.channel import describe_exit
+    from services.sandbox.errors import ForgedFrame, PoolBroken, ProtocolError
+    from services.worker.wire import Compiled
 
     try:
         run = await sandbox.spawn(spec, 64 << 20)
@@ -474,7 +479,7 @@ async def compile_in_child(sandbox: Any, spec: Any, count: int,
                 frame = await run.frame()
                 if isinstance(frame, wire.Progress):
                     phase = frame.phase
-                elif isinstance(frame, wire.Compiled):
+                elif isinstance(frame, Compiled):
                     if len(frame.results) != count:
                         return [], CompileFailure("compile", f"the GPU compile child sent "
                                                   f"{len(frame.results)} results for {count} "

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from services.sandbox import values, wire
-from services.sandbox.pool import ChildRun, ForgedFrame, ProtocolError, describe_exit
-
-_EXIT_WAIT_S = 5.0
+from services.sandbox import values
+from services.sandbox.channel import EXIT_WAIT_S, ChildRun, describe_exit
+from services.sandbox.errors import ForgedFrame, ProtocolError
+from services.sandbox.wire import Bye, Done, Failure, Hello, Progress, TensorMeta
+from services.worker import wire
 
 
 class ChildFailed(Exception):
@@ -41,7 +42,7 @@ class ChildFailed(Exception):
         self.traceback = traceback
 
 
-def decode_tensor(meta: wire.TensorMeta, data: bytearray) -> torch.Tensor:
+def decode_tensor(meta: TensorMeta, data: bytearray) -> torch.Tensor:
     """A CPU tensor from a child's metadata and bytes (both untrusted; validated).
 
     Raises:
@@ -149,25 +150,25 @@ class Conversation:
             while True:
                 frame = await self.run.frame()
                 if frame is None:
-                    status = await self.run.wait(_EXIT_WAIT_S)
+                    status = await self.run.wait(EXIT_WAIT_S)
                     raise self._lost(status)
-                if isinstance(frame, wire.Progress):
+                if isinstance(frame, Progress):
                     self.phase = frame.phase
                     self.phase_since = time.monotonic()
                     if frame.phase == "profiling":
                         self.profiling_at = time.monotonic()
                     continue
-                if isinstance(frame, wire.Hello):
+                if isinstance(frame, Hello):
                     continue
-                if isinstance(frame, wire.Failure):
+                if isinstance(frame, Failure):
                     raise ChildFailed(self.who, frame.stage, frame.message, frame.traceback)
-                if isinstance(frame, wire.Done):
+                if isinstance(frame, Done):
                     break
                 raws = []
                 for _ in range(_raw_count(frame)):
                     data = await self.run.raw_any()
                     if data is None:
-                        status = await self.run.wait(_EXIT_WAIT_S)
+                        status = await self.run.wait(EXIT_WAIT_S)
                         raise self._lost(status)
                     raws.append(data)
                 if isinstance(frame, wire.RefFailed):
@@ -276,7 +277,7 @@ class Conversation:
         try:
             await self.run.send(command, raws)
         except (ConnectionError, OSError):
-            await asyncio.wait({self.done}, timeout=_EXIT_WAIT_S)
+            await asyncio.wait({self.done}, timeout=EXIT_WAIT_S)
             raise self.failure or ChildFailed(self.who, self.lost_stage,
                                               f"the {self.who}'s process closed its channel "
                                               f"during {self.phase}") from None
@@ -304,9 +305,9 @@ class Conversation:
         """Say Bye (after the commands posted) and wait for the child's Done (or its end)."""
         with contextlib.suppress(ChildFailed):
             if self.failure is None and self._posted is not None:
-                self.post(wire.Bye())
+                self.post(Bye())
             elif self.failure is None:
-                await self.send(wire.Bye())
+                await self.send(Bye())
         await asyncio.wait({self.done}, timeout=timeout)
 
     async def close(self) -> None:

@@ -13,10 +13,10 @@ on what the sandboxed children measured:
   operators, and forbidden kernels (stage ``audit``).
 
 And one function the timing child runs, :func:`profiled_launches`, that turns
-``torch.profiler``'s events into plain :class:`~services.sandbox.wire.ProfiledLaunch`
+``torch.profiler``'s events into plain :class:`~services.worker.wire.ProfiledLaunch`
 records (name, kind, the ATen operator that launched it, the harness range around it).
 
-The ranges: the timing loop (:func:`services.sandbox.child._time_forward`) runs each
+The ranges: the timing loop (:func:`services.worker.timing.time_forward`) runs each
 L2 flush inside ``record_function(HARNESS_RANGE)`` and each timed call inside
 ``record_function(TIMED_RANGE)``. A CUDA kernel is linked by the profiler (its
 correlation id) to the innermost ATen operator that launched it; that operator's
@@ -33,10 +33,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas.events import ProfiledKernel
-from services.sandbox.wire import ProfiledLaunch
 from services.worker.targets import GpuTarget
+from services.worker.wire import ProfiledLaunch
 
-# record_function names of the timing loop (services/sandbox/child.py, _time_forward).
+# record_function names of the timing loop (services/worker/timing.py, time_forward).
 HARNESS_RANGE = "aikg::l2_flush"
 TIMED_RANGE = "aikg::timed_call"
 # Device activities that are not kernels a candidate chose to launch: the profiler's

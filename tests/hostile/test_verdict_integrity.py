@@ -20,8 +20,7 @@ import torch
 from schemas.events import VerifyRequest
 from services.common.verify_client import build_request
 from services.sandbox import child as _child
-from services.sandbox import wire
-from services.worker import correctness, rules
+from services.worker import correctness, rules, wire
 from services.worker import verifier as verifier_module
 from services.worker.procedure import Verdict as _Verdict
 from services.worker.procedure.profile import check_timing

@@ -18,10 +18,12 @@ import torch
 
 from schemas.events import VerifyRequest
 from services.common.verify_client import build_request
-from services.sandbox import child as _child
-from services.sandbox import pool, wire
-from services.sandbox.pool import captured_output, clean_environment, describe_exit
-from services.worker import correctness
+from services.sandbox import channel
+from services.sandbox.channel import captured_output, describe_exit
+from services.sandbox.server import clean_environment
+from services.sandbox.wire import ChildSpec
+from services.worker import correctness, wire
+from services.worker import timing as worker_timing
 from services.worker.inputs import LARGE, SMALL
 from services.worker.procedure import Outcome, Timings
 from services.worker.procedure import Verdict as _Verdict
@@ -288,7 +290,7 @@ async def test_verifications_cancelled_as_their_children_start_leave_nothing(own
         running.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await running
-    assert await pool.settle()
+    assert await channel.settle()
     gc.collect()
     await asyncio.sleep(0)
     assert "Task was destroyed but it is pending" not in caplog.text
@@ -527,10 +529,10 @@ def test_time_forward_warms_up_flushes_and_takes_the_median(monkeypatch):
         time.sleep(0.001)
         return x
 
-    monkeypatch.setattr(_child, "_accelerator", lambda backend: FakeAccelerator)
-    spec = wire.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=2, repeats=5,
-                            flush_bytes=1024)
-    timing = _child._time_forward(model, [torch.zeros(4)], spec)
+    monkeypatch.setattr(worker_timing, "accelerator", lambda backend: FakeAccelerator)
+    spec = ChildSpec(role="candidate", scratch_dir="/tmp",
+                     params={"warmup": 2, "repeats": 5, "flush_bytes": 1024})
+    timing = worker_timing.time_forward(model, [torch.zeros(4)], spec)
     assert calls[:3] == ["forward", "forward", "synchronize"]
     assert calls.count("forward") == 7 and calls.count("event.synchronize") == 5
     assert len(timing.samples_us) == 5

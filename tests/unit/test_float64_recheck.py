@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-from services.sandbox import values, wire
+from services.sandbox import values
 from services.sandbox.child import JobFailure
-from services.worker import correctness
+from services.worker import correctness, wire
 from services.worker._reference import _float64_outputs, _Task, digest
 from services.worker.correctness import NOISE_FACTOR, compare_outputs, recheck, recheckable
 

@@ -10,10 +10,9 @@ import math
 import pytest
 import torch
 
-from services.sandbox import child as _child
-from services.sandbox import wire
-from services.sandbox.wire import ProfiledLaunch
-from services.worker import profiling
+from services.sandbox.wire import ChildSpec, command_decoder, encode_frame, frame_decoder
+from services.worker import profiling, wire
+from services.worker import timing as worker_timing
 from services.worker.procedure import Outcome
 from services.worker.procedure.profile import speedup_fields
 from services.worker.profiling import (
@@ -27,6 +26,7 @@ from services.worker.profiling import (
 )
 from services.worker.rules import ALLOWED_OPS
 from services.worker.targets import TARGETS
+from services.worker.wire import ProfiledLaunch
 
 H200 = TARGETS["h200"]
 
@@ -150,10 +150,10 @@ def test_the_timing_loop_profiles_a_real_cpu_region():
         y = x.contiguous()                # a layout copy: allowed
         return torch.relu(y) + scratch    # compute in PyTorch: forbidden
 
-    spec = wire.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=1, repeats=3,
-                          flush_bytes=4096)
-    timing = _child._time_forward(forward, [torch.randn(256)], spec,
-                                  profile=profiled_launches)
+    spec = ChildSpec(role="candidate", scratch_dir="/tmp",
+                     params={"warmup": 1, "repeats": 3, "flush_bytes": 4096})
+    timing = worker_timing.time_forward(forward, [torch.randn(256)], spec,
+                                        profile=profiled_launches)
     assert timing.profiled and not timing.profiler_error and len(timing.samples_us) == 3
     assert {launch.region for launch in timing.launches} == {HARNESS_RANGE, TIMED_RANGE}
     audit = classify_launches(timing.launches, set(), ALLOWED_OPS, 3)
@@ -165,21 +165,21 @@ def test_the_timing_loop_profiles_a_real_cpu_region():
     assert "aten::zeros_like" in allowed
     assert "aten::relu" in audit.message()
     # Without a profiler the loop is what it was: samples and no launches.
-    plain = _child._time_forward(forward, [torch.randn(256)], spec)
+    plain = worker_timing.time_forward(forward, [torch.randn(256)], spec)
     assert not plain.profiled and plain.launches == [] and len(plain.samples_us) == 3
 
 
 def test_a_compile_that_fails_is_a_timing_with_an_error():
-    spec = wire.ChildSpec(role="reference", scratch_dir="/tmp", warmup=1, repeats=2,
-                          flush_bytes=1024)
-    timing = _child._time_compiled(object(), [], spec)
+    spec = ChildSpec(role="reference", scratch_dir="/tmp",
+                     params={"warmup": 1, "repeats": 2, "flush_bytes": 1024})
+    timing = worker_timing.time_compiled(object(), [], spec)
     assert timing.label == "compile" and timing.samples_us == [] and timing.error
 
 
 def test_the_launch_floor_is_a_labelled_timing_of_one_tiny_launch():
-    spec = wire.ChildSpec(role="reference", scratch_dir="/tmp", warmup=1, repeats=3,
-                          flush_bytes=1024)
-    floor = _child._time_floor(spec, profile=profiled_launches)
+    spec = ChildSpec(role="reference", scratch_dir="/tmp",
+                     params={"warmup": 1, "repeats": 3, "flush_bytes": 1024})
+    floor = worker_timing.time_floor(spec, profile=profiled_launches)
     assert floor.label == "floor" and len(floor.samples_us) == 3 and floor.median_us > 0
     assert {launch.op for launch in floor.launches} == {"aten::fill_"}
 
@@ -232,14 +232,14 @@ def test_profile_frames_cross_the_wire():
 
     timing = wire.Timing(median_us=3.0, samples_us=[3.0, 3.0], wall_s=0.01, label="floor",
                          launches=[_launch("relu_kernel")], profiled=True)
-    decoded = wire.FRAME_DECODER.decode(wire.encode_frame(timing))
+    decoded = frame_decoder("reference").decode(encode_frame(timing))
     assert decoded == timing and decoded.launches[0].name == "relu_kernel"
     assert _key(decoded) == ("timing", "floor")
     assert _key(wire.Timing(median_us=1.0, samples_us=[1.0], wall_s=0.1)) == ("timing",)
     command = wire.RefProfile(key="main", eager=False, compile=True)
-    assert wire.COMMAND_DECODER.decode(wire.encode_frame(command)) == command
+    assert command_decoder("reference").decode(encode_frame(command)) == command
     # A command that names no parts means the eager baseline alone.
-    plain = wire.COMMAND_DECODER.decode(wire.encode_frame(wire.RefProfile(key="main")))
+    plain = command_decoder("reference").decode(encode_frame(wire.RefProfile(key="main")))
     assert (plain.eager, plain.floor, plain.compile) == (True, False, False)
 
 
@@ -254,8 +254,8 @@ def test_the_profiled_loop_runs_under_the_candidates_compute_block():
 
     script = textwrap.dedent("""
         import torch
-        from services.sandbox import child, wire
-        from services.worker import enforce
+        from services.sandbox.wire import ChildSpec
+        from services.worker import enforce, timing as worker_timing
         from services.worker.profiling import profiled_launches
         enforce.block_compute("cpu")
         try:
@@ -263,10 +263,10 @@ def test_the_profiled_loop_runs_under_the_candidates_compute_block():
             raise SystemExit("compute was not refused")
         except RuntimeError:
             pass
-        spec = wire.ChildSpec(role="candidate", scratch_dir="/tmp", warmup=1, repeats=2,
-                              flush_bytes=1024)
-        timing = child._time_forward(lambda x: x.contiguous().clone(), [torch.ones(8)], spec,
-                                     profile=profiled_launches)
+        spec = ChildSpec(role="candidate", scratch_dir="/tmp",
+                         params={"warmup": 1, "repeats": 2, "flush_bytes": 1024})
+        timing = worker_timing.time_forward(lambda x: x.contiguous().clone(), [torch.ones(8)],
+                                            spec, profile=profiled_launches)
         assert timing.profiled, timing.profiler_error
         print(sorted({launch.op for launch in timing.launches}))
     """)

@@ -2,8 +2,14 @@
 ``torch.export``) runs only in a sandboxed child.
 
 :func:`run_lower` is the child's side (role ``lower``, registered here with
-:func:`services.sandbox.roles.register_role`); :func:`lower_in_sandbox` the parent's,
-used by the generator's built-in coder and the SDK.
+:func:`services.sandbox.roles.register_role`, with its messages: the child's
+:class:`Lowered` answer and the :class:`LowerParams` of its spec);
+:func:`lower_in_sandbox` the parent's, used by the generator's built-in coder and the
+SDK.
+
+Its row of the sandbox's limits table (:mod:`services.sandbox.limits`) is ``lower``:
+settings ``sandbox_lower_address_space_bytes`` (4 GiB) and ``sandbox_lower_cpu_s``
+(0: derived from ``lowering_timeout_s``, on one core).
 """
 
 from __future__ import annotations
@@ -14,14 +20,35 @@ import signal
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from services.common.settings import LOWERING_TIMEOUT_S
 from services.generator.lowering.errors import LoweringError
 from services.sandbox import wire
-from services.sandbox.pool import _EXIT_WAIT_S, PoolBroken, ProtocolError, Sandbox, describe_exit
+from services.sandbox.channel import EXIT_WAIT_S, describe_exit
+from services.sandbox.errors import PoolBroken, ProtocolError
+from services.sandbox.pool import Sandbox
 from services.sandbox.roles import register_role
-from services.sandbox.wire import Channel, ChildSpec, Failure, Lowered, Progress
+from services.sandbox.wire import Channel, ChildSpec, Failure, Progress
 
-register_role("lower", "services.generator.coders.lowering_role:run_lower")
+
+class LowerParams(msgspec.Struct, kw_only=True):
+    """The lowering child's :attr:`ChildSpec.params
+    <services.sandbox.wire.ChildSpec.params>`: the task's ``shape_overrides`` and
+    ``launch``, :func:`services.generator.lowering.lower_task`'s keywords
+    (``block_size``, ``num_warps``, ``num_stages``: ints; ``arch``: a str)."""
+
+    shape_overrides: dict[str, Any] = {}
+    launch: dict[str, int | str] = {}
+
+
+class Lowered(msgspec.Struct, tag="lowered"):
+    """Lowering child -> parent: the built-in coder's candidate source for the task."""
+
+    code: str
+
+
+register_role("lower", "services.generator.coders.lowering_role:run_lower", frames=(Lowered,))
 
 
 def run_lower(spec: ChildSpec, channel: Channel) -> None:
@@ -29,9 +56,10 @@ def run_lower(spec: ChildSpec, channel: Channel) -> None:
     ``spec.task_path``; sends a Lowered frame, or raises a Failure at stage ``lower``
     whose message says why (the op it cannot lower, the task's own error)."""
     from services.generator.lowering import lower_task
-    from services.sandbox.child import JobFailure, _failure, memory_note, out_of_memory
+    from services.sandbox.child import JobFailure, failure_of, memory_note, out_of_memory
 
     channel.send(Progress(phase="lowering the task (running its code, torch.export)"))
+    params = msgspec.convert(spec.params, LowerParams)
     with open(spec.task_path, encoding="utf-8") as f:
         task_desc = f.read()
 
@@ -39,15 +67,15 @@ def run_lower(spec: ChildSpec, channel: Channel) -> None:
         channel.send(Progress(phase=phase))
 
     try:
-        code = lower_task(task_desc, dict(spec.shape_overrides), progress=progress,
-                          **spec.lower_params)
+        code = lower_task(task_desc, dict(params.shape_overrides), progress=progress,
+                          **params.launch)
     except LoweringError as exc:
         message = str(exc)
         if out_of_memory(exc):
             message += memory_note()
         raise JobFailure(Failure(stage="lower", message=message)) from None
     except Exception as exc:  # noqa: BLE001 - the task's own code may raise anything
-        failure = _failure("lower", "the built-in coder", exc, spec.task_path)
+        failure = failure_of("lower", "the built-in coder", exc, spec.task_path)
         failure.message = "built-in coder failed: " + failure.message
         raise JobFailure(failure) from None
     channel.send(Lowered(code=code))
@@ -91,11 +119,11 @@ async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
     scratch = sandbox.scratch(label, "lower")
     task_path = scratch / "task.py"
     task_path.write_text(task_desc, encoding="utf-8")
+    lowering = LowerParams(shape_overrides=dict(shape_overrides or {}), launch=dict(params or {}))
     spec = sandbox.spec("lower", scratch, "lower", task_path=str(task_path),
-                     shape_overrides=dict(shape_overrides or {}),
-                     lower_params=dict(params or {}),
-                     cpu_seconds=cpu_seconds, address_space_bytes=address_space,
-                     limit_notes=notes)
+                        params=msgspec.to_builtins(lowering),
+                        cpu_seconds=cpu_seconds, address_space_bytes=address_space,
+                        limit_notes=notes)
     run = await sandbox.spawn(spec, 64 << 20)
     phase = ""
     try:
@@ -105,12 +133,12 @@ async def lower_in_sandbox(sandbox: Sandbox, task_desc: str,
                 if isinstance(frame, wire.Progress):
                     phase = frame.phase
                     continue
-                if isinstance(frame, wire.Lowered):
+                if isinstance(frame, Lowered):
                     return frame.code
                 if isinstance(frame, wire.Failure):
                     raise LoweringError("child", frame.message)
                 if frame is None or isinstance(frame, wire.Done):
-                    status = await run.wait(_EXIT_WAIT_S)
+                    status = await run.wait(EXIT_WAIT_S)
                     tail = " / ".join(run.output(2048).strip().splitlines()[-3:])
                     what = describe_exit(status)
                     if status is not None and os.WIFSIGNALED(status) and \
