@@ -482,7 +482,9 @@ async def run_facts(args: argparse.Namespace) -> list[Row]:
                 row.status, row.error = "failed", str(exc)
             row.seconds = round(time.monotonic() - started, 1)
             rows.append(row)
-            if not args.json:
+            if args.json:  # as it comes: a long run interrupted keeps its rows
+                print(json.dumps(asdict(row)), flush=True)
+            else:
                 print(f"{row.status:8} {row.seconds:6.1f}s {row.problem}"
                       + (f"  [{row.op or row.error[:160]}]" if row.error else ""),
                       file=sys.stderr, flush=True)
@@ -755,9 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.level is None or not args.kernelbench_dir:
             parser.error("--facts needs --level and --kernelbench-dir (or $KERNELBENCH_DIR)")
         rows = asyncio.run(run_facts(args))
-        if args.json:
-            for row in rows:
-                print(json.dumps(asdict(row)))
+        if args.json:  # the rows were printed as they came
             print(json.dumps({"facts_summary": facts_summary(rows)}))
         else:
             print(facts_table(rows))
