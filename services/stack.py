@@ -16,6 +16,12 @@ JetStream store) live in ``<up_run_dir or the temp dir>/aikg-up-<pid>-*``, remov
 exit; a start removes the directories of ``aikg up`` processes that are gone (killed
 with SIGKILL, which leaves no chance to clean up).
 
+For Prometheus, :func:`metrics_ports` gives the generator and the worker fixed
+``/metrics`` ports (a base, or free ports picked at start), :attr:`LocalStack.metrics`
+lists the endpoints, and :func:`write_prometheus_targets` writes them as a file_sd
+target list (``aikg up --metrics-port-base`` / ``--prometheus-targets``;
+docs/operations.md, "Prometheus and Grafana for aikg up").
+
 It raises :class:`StackError` rather than exiting, so a caller decides what a stack
 that did not come up means (the CLI: exit 1; ``bench/gpu_check.py``: a failed check).
 """
@@ -41,7 +47,8 @@ import msgspec
 import tenacity
 from prometheus_client import CollectorRegistry, Counter
 
-from services.common.runtime import claim_owner, remove_stale_dirs
+from services.common.embedded import UP_RUN_DIR_PREFIX, up_run_dir_base
+from services.common.runtime import claim_owner, free_port, remove_stale_dirs
 from services.common.settings import Settings
 
 if TYPE_CHECKING:
@@ -58,7 +65,7 @@ RESTARTS = Counter(
     ["service"], registry=SUPERVISOR_REGISTRY,
 )
 # Name prefix of a per-run directory: aikg-up-<pid of aikg up>-<random>.
-RUN_DIR_PREFIX = "aikg-up-"
+RUN_DIR_PREFIX = UP_RUN_DIR_PREFIX
 # First wait before a restart, seconds; it doubles with each restart in the window.
 RESTART_FIRST_WAIT_S = 0.5
 
@@ -105,6 +112,9 @@ class LocalStack:
     supervisor: Supervisor | None = None
     # This run's directory (credentials, temporary store), removed at exit.
     run_dir: Path | None = None
+    # Service -> HOST:PORT of its /metrics where known: the gateway (its HTTP port),
+    # and the generator and worker when given fixed ports (metrics_ports).
+    metrics: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def dead_child(self) -> str | None:
         """Why the stack cannot go on, else None: with a supervisor, the service that
@@ -294,7 +304,7 @@ def claim_run_dir(base: Path) -> tuple[Path, list[Path]]:
 
 def run_dir_base(settings: Settings) -> Path:
     """Where run directories go: ``up_run_dir``, else the system temp dir."""
-    return Path(settings.up_run_dir) if settings.up_run_dir else Path(tempfile.gettempdir())
+    return up_run_dir_base(settings.up_run_dir)
 
 
 @contextlib.contextmanager
@@ -303,6 +313,7 @@ def local_stack(
     store_dir: Path | None, log_dir: Path | None, verbose: bool, ready_timeout: float,
     stopping: threading.Event | None = None, nats_auth: bool = True,
     say: Callable[[str], None] = _say, supervise: bool = True,
+    metrics_ports: dict[str, int] | None = None,
 ) -> Iterator[LocalStack]:
     """Start NATS (embedded unless ``settings.nats_url``), gateway, generator and a worker
     as child processes, each in its own process group; wait until the gateway is ready
@@ -327,6 +338,11 @@ def local_stack(
     ``stopping`` set (a signal handler's doing) ends the wait for readiness early;
     ``say`` reports where the logs and the admin credentials are, restarts, and the stop.
 
+    ``metrics_ports`` (:func:`metrics_ports`) gives the generator and the worker their
+    ``/metrics`` port on the command line (``--metrics-port``), kept across restarts,
+    and lists them in :attr:`LocalStack.metrics`; without it they keep the inherited
+    ``AIKG_METRICS_PORT`` (default 0: a free port each, not reported).
+
     The steps are :class:`_StackRun`'s: the embedded NATS, the log directory, the
     services' environment and commands, their start, the wait until the stack is up,
     the supervisor, and the stop.
@@ -343,12 +359,14 @@ def local_stack(
         gateway_url = f"http://{host}:{port}"
         run.env = _service_env(nats_url, gateway_url, embedded=run.nats is not None)
         run.commands = _service_commands(host, port, backend, arch, devices,
-                                         nats_setup=run.credentials is not None)
+                                         nats_setup=run.credentials is not None,
+                                         metrics_ports=metrics_ports or {})
         for name in run.commands:
             run.start_service(name)
         stack = LocalStack(gateway_url=gateway_url, nats_url=nats_url, workers=[],
                            children=run.children, logs=run.logs, admin_env=run.admin_env,
-                           run_dir=run.run_dir)
+                           run_dir=run.run_dir,
+                           metrics=_metrics_endpoints(host, port, metrics_ports or {}))
         run.wait_until_up(stack, backend, ready_timeout, stopping or threading.Event())
         if supervise:
             stack.supervisor = run.supervise()
@@ -528,16 +546,100 @@ def _service_env(nats_url: str, gateway_url: str, *, embedded: bool) -> dict[str
 
 
 def _service_commands(host: str, port: int, backend: str, arch: str | None, devices: str, *,
-                      nats_setup: bool) -> dict[str, list[str]]:
-    """Each service's ``aikg`` command line, in start order."""
+                      nats_setup: bool, metrics_ports: dict[str, int]) -> dict[str, list[str]]:
+    """Each service's ``aikg`` command line, in start order (``--metrics-port`` for the
+    services named in ``metrics_ports``)."""
+    def metrics(name: str) -> list[str]:
+        return ["--metrics-port", str(metrics_ports[name])] if name in metrics_ports else []
+
     return {
         # As the admin: makes the JOBS/VERIFY consumers no service may create.
         **({"nats-setup": ["nats-setup", "--serve"]} if nats_setup else {}),
         "gateway": ["gateway", "--host", host, "--port", str(port)],
-        "generator": ["generator"],
+        "generator": ["generator", *metrics("generator")],
         "worker": ["worker", "--backend", backend, "--devices", devices,
-                   *(["--arch", arch] if arch else [])],
+                   *(["--arch", arch] if arch else []), *metrics("worker")],
     }
+
+
+# The services of the stack with a /metrics port of their own, in the order of
+# metrics_ports' base: the generator on the base, the worker on base + 1.
+METRICS_SERVICES = ("generator", "worker")
+
+
+def metrics_ports(base: int | None, fixed: bool = False) -> dict[str, int]:
+    """The ``/metrics`` ports to give the stack's generator and worker.
+
+    Args:
+        base: the generator's port; the worker gets ``base + 1``
+            (:data:`METRICS_SERVICES`). None: see ``fixed``.
+        fixed: without ``base``, pick a free port for each now (another process may
+            take one before the service binds it; the service then fails to start,
+            naming the port in its log); False leaves them unset.
+
+    Returns:
+        Service name -> port; empty when neither is asked for.
+
+    Raises:
+        ValueError: a port past 65535, or below 1.
+    """
+    if base is None:
+        picked: list[int] = []
+        while fixed and len(picked) < len(METRICS_SERVICES):
+            if (port := free_port()) not in picked:
+                picked.append(port)
+        return dict(zip(METRICS_SERVICES, picked, strict=False))
+    ports = {name: base + i for i, name in enumerate(METRICS_SERVICES)}
+    if base < 1 or max(ports.values()) > 65535:
+        raise ValueError(f"metrics port base {base} leaves no room for "
+                         f"{len(METRICS_SERVICES)} ports (1 to 65535)")
+    return ports
+
+
+def _loopback(host: str) -> str:
+    """The address a client on this host reaches a server bound to ``host`` at."""
+    return "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+
+
+def metrics_target(port: int) -> str:
+    """``HOST:PORT`` of a /metrics server on ``port`` of this host, bound where
+    :func:`~services.common.metrics.start_metrics_server` binds (``AIKG_METRICS_HOST``;
+    ``0.0.0.0`` is reached at 127.0.0.1)."""
+    from services.common.metrics import metrics_host
+
+    return f"{_loopback(metrics_host())}:{port}"
+
+
+def _metrics_endpoints(host: str, port: int, ports: dict[str, int]) -> dict[str, str]:
+    """Service -> ``HOST:PORT`` of its /metrics: the gateway on its HTTP port, and each
+    service of ``ports`` on its own (:func:`metrics_target`)."""
+    return {"gateway": f"{_loopback(host)}:{port}",
+            **{name: metrics_target(p) for name, p in ports.items()}}
+
+
+def write_prometheus_targets(path: Path, endpoints: dict[str, str]) -> Path:
+    """Write a Prometheus file_sd target list: one group per service, its ``HOST:PORT``
+    with a ``service`` label (``[{"targets": ["127.0.0.1:8000"], "labels": {"service":
+    "gateway"}}, ...]``), replacing ``path`` at once (a new file renamed over it:
+    Prometheus, which re-reads the file when it changes, never sees half of it).
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    groups = [{"targets": [where], "labels": {"service": name}}
+              for name, where in endpoints.items()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(msgspec.json.format(msgspec.json.encode(groups), indent=2) + b"\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
 
 
 def _admin_login(settings: Settings, credentials: Any) -> tuple[str | None, str | None]:

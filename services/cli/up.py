@@ -5,6 +5,7 @@ job. Registered on the app by :mod:`services.cli`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 import time
@@ -59,6 +60,16 @@ def up(
         envvar="AIKG_UP_METRICS_PORT",
         help="Port of this supervisor's Prometheus /metrics (aikg_service_restarts_total); "
         "0 a free port (printed), -1 off.")] = None,
+    metrics_port_base: Annotated[int | None, typer.Option(
+        metavar="N",
+        help="Fixed /metrics ports: the generator's on N, the worker's on N+1 (printed, "
+        "kept across restarts). Default: a free port each, not printed.")] = None,
+    prometheus_targets: Annotated[Path | None, typer.Option(
+        metavar="FILE", dir_okay=False,
+        help="Once up, write every /metrics (gateway, supervisor, generator, worker) to "
+        "FILE as a Prometheus file_sd target list with a `service` label; removed at "
+        "stop. Without --metrics-port-base the generator and worker get free ports, "
+        "listed there.")] = None,
 ) -> None:
     """Run the full stack here until Ctrl-C: NATS, gateway, generator and a worker.
 
@@ -70,11 +81,31 @@ def up(
     a wait that doubles with each restart; exits 1 when a service dies more than
     AIKG_UP_RESTART_MAX times within AIKG_UP_RESTART_WINDOW_S, dies before the stack
     is up, or the stack does not come up in time (its log is named).
+
+    For Prometheus (deploy/docker-compose.local.yml): --metrics-port-base gives the
+    generator and the worker fixed /metrics ports, --prometheus-targets writes every
+    /metrics endpoint to a file_sd target file.
     """
     from services.common.metrics import start_metrics_server
-    from services.stack import SUPERVISOR_REGISTRY
+    from services.stack import SUPERVISOR_REGISTRY, metrics_ports
 
     settings = cli_settings(up_metrics_port=metrics_port)
+    try:
+        service_ports = metrics_ports(metrics_port_base, fixed=prometheus_targets is not None)
+    except ValueError as exc:
+        fail(ExitCode.USAGE, f"aikg up: --metrics-port-base: {exc}")
+    if taken := {port, settings.up_metrics_port} & set(service_ports.values()):
+        fail(ExitCode.USAGE, f"aikg up: --metrics-port-base {metrics_port_base} gives port "
+             f"{min(taken)} to a service, but the gateway or the supervisor has it")
+    if prometheus_targets is not None:
+        # Found out now, not once the stack is up.
+        folder = prometheus_targets.parent
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            fail(ExitCode.USAGE, f"aikg up: --prometheus-targets: cannot create {folder}: {exc}")
+        if not os.access(folder, os.W_OK):
+            fail(ExitCode.USAGE, f"aikg up: --prometheus-targets: {folder} is not writable")
     try:
         served = start_metrics_server(settings.up_metrics_port, registry=SUPERVISOR_REGISTRY)
     except OSError as exc:
@@ -86,6 +117,7 @@ def up(
         say(f"supervisor metrics: http://{metrics_host()}:{served}/metrics")
     stopping = threading.Event()
     stack: LocalStack | None = None
+    targets: Path | None = None
 
     restore_signals = install_signal_handlers(stopping)
     code = ExitCode.OK
@@ -93,13 +125,15 @@ def up(
         with local_stack(settings, host=host, port=port, backend=backend, arch=arch,
                          devices=devices, store_dir=store_dir, log_dir=log_dir,
                          verbose=verbose, ready_timeout=ready_timeout,
-                         stopping=stopping, nats_auth=nats_auth, say=say) as stack:
+                         stopping=stopping, nats_auth=nats_auth, say=say,
+                         metrics_ports=service_ports) as stack:
             if not stopping.is_set():
                 out.print(f"AIKG is up: {stack.describe()}. Ctrl-C stops it.",
                           markup=False, soft_wrap=True)
                 if stack.gateway_url != GATEWAY_URL:
                     out.print(f"point client commands at it: export AIKG_GATEWAY_URL="
                               f"{stack.gateway_url}", markup=False, soft_wrap=True)
+                targets = _report_metrics(stack, served, service_ports, prometheus_targets)
             while not stopping.wait(0.5):
                 if (dead := stack.dead_child()) is not None:
                     say(f"stopping AIKG: {dead}")
@@ -110,9 +144,40 @@ def up(
         code = ExitCode.FAILED
     finally:
         restore_signals()
+        if targets is not None:
+            targets.unlink(missing_ok=True)
         if logged := [p for p in stack.logs.values() if p.exists()] if stack else []:
             say(f"service logs kept in {logged[0].parent}")
     raise typer.Exit(int(code))
+
+
+def _report_metrics(stack: LocalStack, supervisor_port: int | None,
+                    service_ports: dict[str, int], targets: Path | None) -> Path | None:
+    """Print every known /metrics endpoint when the generator's and worker's are fixed,
+    and write them to ``targets`` (a Prometheus file_sd list) when given.
+
+    Returns:
+        ``targets`` once written (the caller removes it at stop), else None.
+    """
+    from services.stack import metrics_target, write_prometheus_targets
+
+    if not service_ports:
+        return None
+    endpoints = dict(stack.metrics)
+    if supervisor_port is not None:
+        endpoints = {"gateway": endpoints.pop("gateway"),
+                     "supervisor": metrics_target(supervisor_port), **endpoints}
+    say("metrics: " + ", ".join(f"{name} http://{where}/metrics"
+                                for name, where in endpoints.items()))
+    if targets is None:
+        return None
+    try:
+        write_prometheus_targets(targets, endpoints)
+    except OSError as exc:
+        say(f"cannot write the Prometheus targets to {targets}: {exc}")
+        return None
+    say(f"Prometheus targets (file_sd): {targets}")
+    return targets
 
 
 def demo(

@@ -21,6 +21,7 @@ from services.common.runtime import OWNER_FILE, descendants, running
 from services.common.settings import Settings, load_settings
 from services.common.task_source import parse_shape, task_module_names
 from tests.helpers import poll_until, scaled
+from tests.prometheus_check import prometheus_binary, scraped_health
 
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
@@ -401,13 +402,23 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
     worker: the stack stays up, the worker is started again, a job submitted after the
     kill completes, and the restart is counted in the supervisor's metrics; SIGTERM then
     stops everything (the restarted worker too), keeps the logs and removes the
-    credentials."""
+    credentials.
+
+    With --prometheus-targets (and an API token): the file lists the gateway, the
+    supervisor, the generator and the worker, each answering /metrics (the gateway
+    with the token), the worker on the same port after its restart; deploy's local
+    Prometheus configuration scrapes them all (when a prometheus binary is here); the
+    file is gone at stop."""
     port, metrics_port = free_port(), free_port()
+    token = "tok-up-metrics"
+    auth = {"Authorization": f"Bearer {token}"}
+    targets = tmp_path / "targets" / "aikg-up.json"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("AIKG_")}
     proc = await asyncio.create_subprocess_exec(
         *AIKG, "up", "--port", str(port), "--log-dir", str(tmp_path / "logs"),
-        "--metrics-port", str(metrics_port),
-        env={**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run")},
+        "--metrics-port", str(metrics_port), "--prometheus-targets", str(targets),
+        env={**clean, "COLUMNS": "200", "AIKG_UP_RUN_DIR": str(tmp_path / "run"),
+             "AIKG_API_TOKEN": token},
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     family: set[int] = set()
     try:
@@ -416,14 +427,33 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
         assert b"worker cpu/" in line
         family = descendants(proc.pid)
         assert len(family) >= 4  # nats-server, gateway, generator, worker
-        code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}")
+        code, out, err = await aikg("status", "job-none", "--gateway", f"http://127.0.0.1:{port}",
+                                    env={"AIKG_API_TOKEN": token})
         assert code == 2, err
         # The embedded NATS takes per-run credentials only; the admin's are in a 0600 file.
         said = await _said(proc.stderr, b"NATS admin credentials", 10)
         admin_env = Path(said.decode().split("(nats CLI): ")[1].split()[0])
         assert admin_env.stat().st_mode & 0o777 == 0o600
+        said = await _said(proc.stderr, b"Prometheus targets (file_sd): ", 10)
+        assert str(targets).encode() in said, said
+        endpoints = {group["labels"]["service"]: group["targets"]
+                     for group in json.loads(targets.read_text())}
+        assert set(endpoints) == {"gateway", "supervisor", "generator", "worker"}, endpoints
+        assert endpoints["gateway"] == [f"127.0.0.1:{port}"]
+        assert endpoints["supervisor"] == [f"127.0.0.1:{metrics_port}"]
+        own_metric = {"gateway": "aikg_gateway_requests_total",
+                      "supervisor": "aikg_service_restarts_total",
+                      "generator": "aikg_generator_", "worker": "aikg_worker_devices"}
+        async with httpx.AsyncClient() as client:
+            assert (await client.get(f"http://127.0.0.1:{port}/metrics")).status_code == 401
+            for service, (where,) in endpoints.items():
+                answer = await client.get(f"http://{where}/metrics", headers=auth)
+                assert answer.status_code == 200, (service, answer.status_code)
+                assert own_metric[service] in answer.text, service
         env = dict(ln.split("=", 1) for ln in admin_env.read_text().splitlines())
         assert env["NATS_USER"] == "admin"
+        # AIKG's names too: a worker-only client sources the file as it is.
+        assert load_settings(env=env).nats_user == "admin"
         anonymous = load_settings(env={}, nats_url=env["NATS_URL"])
         with pytest.raises(ConnectionError, match="refused this client's credentials"):
             await connect_bus(anonymous, "anonymous")
@@ -451,12 +481,21 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
         task = tmp_path / "relu.py"
         task.write_text(relu_task)
         code, out, err = await aikg("submit", str(task), "--wait", "--timeout", "400",
-                                    "--gateway", f"http://127.0.0.1:{port}", timeout=scaled(450))
+                                    "--gateway", f"http://127.0.0.1:{port}", timeout=scaled(450),
+                                    env={"AIKG_API_TOKEN": token})
         assert code == 0, out + err
         assert proc.returncode is None, "aikg up stopped"
         async with httpx.AsyncClient() as client:
             text = (await client.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+            # The restarted worker serves /metrics where the targets file says.
+            (worker_metrics,) = endpoints["worker"]
+            again = await client.get(f"http://{worker_metrics}/metrics")
         assert 'aikg_service_restarts_total{service="worker"} 1.0' in text, text
+        assert 'aikg_worker_verifications_total{' in again.text, again.text
+        if prometheus_binary() is not None:
+            health = await scraped_health(targets.parent, token, tmp_path / "prometheus",
+                                          set(endpoints), scaled(60))
+            assert health == dict.fromkeys(endpoints, "up"), health
         family |= descendants(proc.pid)
     finally:
         if proc.returncode is None:
@@ -472,6 +511,7 @@ async def test_up_runs_the_stack_restarts_a_killed_worker_and_stops_without_stra
     assert {"gateway.log", "generator.log", "worker.log"} <= {
         p.name for p in (tmp_path / "logs").iterdir()}
     assert not admin_env.exists(), "the per-run credentials outlived aikg up"
+    assert not targets.exists(), "the Prometheus targets outlived aikg up"
 
 
 @pytest.mark.slow

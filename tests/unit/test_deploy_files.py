@@ -37,6 +37,7 @@ from services.common.nats_auth import (
     worker_user,
 )
 from services.common.settings import Settings, load_settings
+from services.stack import metrics_ports, write_prometheus_targets
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -506,8 +507,9 @@ def test_host_ports_are_overridable_from_dotenv() -> None:
 def test_local_compose_scrapes_aikg_up_with_the_same_dashboard() -> None:
     """docker-compose.local.yml: Prometheus on the host's network reading the file_sd
     targets folder, the shipped targets naming `aikg up`'s gateway port and the
-    supervisor port docs/operations.md starts it with, and Grafana as in the full
-    deployment with the data source's host name on the host's loopback."""
+    supervisor, generator and worker ports docs/operations.md starts it with (each with
+    its `service` label, as `aikg up --prometheus-targets` writes them), and Grafana as
+    in the full deployment with the data source's host name on the host's loopback."""
     local = yaml.safe_load(LOCAL_COMPOSE.read_text())["services"]
     full = compose()["services"]
     assert set(local) == {"prometheus", "grafana"}
@@ -522,22 +524,31 @@ def test_local_compose_scrapes_aikg_up_with_the_same_dashboard() -> None:
                       if a.startswith("--config.file="))
     assert mounts["./prometheus/local.yml"] == config_arg
     assert (DEPLOY / "prometheus/local.yml").exists()
-    (job,) = yaml.safe_load(LOCAL_PROMETHEUS.read_text())["scrape_configs"]
-    (file_sd,) = job["file_sd_configs"]
-    (pattern,) = file_sd["files"]
+    jobs = yaml.safe_load(LOCAL_PROMETHEUS.read_text())["scrape_configs"]
+    patterns = {p for job in jobs for sd in job["file_sd_configs"] for p in sd["files"]}
+    (pattern,) = patterns  # every job reads the same target files
     assert mounts["./prometheus/targets"] == str(Path(pattern).parent)
     assert LOCAL_TARGETS.parent == DEPLOY / "prometheus/targets"
     assert Path(LOCAL_TARGETS.name).match(Path(pattern).name)
 
-    targets = {t for group in json.loads(LOCAL_TARGETS.read_text()) for t in group["targets"]}
+    groups = json.loads(LOCAL_TARGETS.read_text())
+    targets = {group["labels"]["service"]: target
+               for group in groups for target in group["targets"]}
+    assert len(targets) == sum(len(g["targets"]) for g in groups)
+    assert set(targets) == {"gateway", "supervisor", "generator", "worker"}
     up = typer.main.get_command(app).commands["up"]
+    options = {o for p in up.params for o in p.opts}
+    assert {"--metrics-port", "--metrics-port-base", "--prometheus-targets"} <= options
     port_default = next(p.default for p in up.params if p.name == "port")
-    assert f"127.0.0.1:{port_default}" in targets
-    supervisor = {t for t in targets if t != f"127.0.0.1:{port_default}"}
-    (supervisor_target,) = supervisor
-    supervisor_port = supervisor_target.rsplit(":", 1)[1]
-    assert f"aikg up --metrics-port {supervisor_port}" in OPERATIONS.read_text()
-    assert "--metrics-port" in {o for p in up.params for o in p.opts}
+    assert targets["gateway"] == f"127.0.0.1:{port_default}"
+    port = {name: int(t.rsplit(":", 1)[1]) for name, t in targets.items()}
+    # The ports metrics_ports gives from a base: the generator on it, the worker next.
+    base = port["generator"]
+    assert metrics_ports(base) == {"generator": base, "worker": port["worker"]}
+    assert (f"aikg up --metrics-port {port['supervisor']} --metrics-port-base {base}"
+            in OPERATIONS.read_text())
+    assert f"aikg up --metrics-port {port['supervisor']} --metrics-port-base {base}" \
+        in LOCAL_COMPOSE.read_text()
 
     # Grafana: what the full deployment mounts and sets, its server on loopback, and
     # the provisioned data source (http://prometheus:<port>) reaching this Prometheus.
@@ -554,6 +565,73 @@ def test_local_compose_scrapes_aikg_up_with_the_same_dashboard() -> None:
     listen = next(a.split("=", 1)[1] for a in prometheus["command"]
                   if a.startswith("--web.listen-address="))
     assert listen == f"127.0.0.1:{port}"
+
+
+def _jobs_by_service(config: dict[str, Any], services: list[str]) -> dict[str, list[str]]:
+    """service label -> the jobs of ``config`` that keep a target with it (their
+    ``relabel_configs`` keep/drop rules on ``service``, applied as Prometheus does)."""
+    out: dict[str, list[str]] = {s: [] for s in services}
+    for job in config["scrape_configs"]:
+        for service in services:
+            kept = True
+            for rule in job.get("relabel_configs", []):
+                assert rule["source_labels"] == ["service"], rule
+                hit = re.fullmatch(rule["regex"], service) is not None
+                kept = kept and (hit if rule["action"] == "keep" else not hit)
+            if kept:
+                out[service].append(job["job_name"])
+    return out
+
+
+def test_local_prometheus_scrapes_each_service_once_the_gateway_with_the_token(
+        tmp_path: Path) -> None:
+    """What `aikg up --prometheus-targets` writes is valid file_sd (promtool, when
+    installed) with one job per target: the gateway's job sends the API token, read
+    from the secret compose mounts from AIKG_API_TOKEN; the others send none."""
+    services = ["gateway", "supervisor", "generator", "worker"]
+    written = write_prometheus_targets(tmp_path / "aikg-up.json", {
+        s: f"127.0.0.1:{9000 + i}" for i, s in enumerate(services)})
+    assert written.stat().st_mode & 0o777 == 0o644
+    assert [g["labels"]["service"] for g in json.loads(written.read_text())] == services
+    assert [g["labels"]["service"] for g in json.loads(LOCAL_TARGETS.read_text())] == services
+    config = yaml.safe_load(LOCAL_PROMETHEUS.read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    by_service = _jobs_by_service(config, services)
+    assert all(len(j) == 1 for j in by_service.values()), by_service
+    (gateway_job,) = by_service["gateway"]
+    secret = _prometheus_secret(LOCAL_COMPOSE)
+    assert jobs[gateway_job]["authorization"] == {"type": "Bearer",
+                                                  "credentials_file": secret}
+    for service in services[1:]:
+        assert "authorization" not in jobs[by_service[service][0]], service
+    if shutil.which("promtool") is not None:
+        done = subprocess.run(["promtool", "check", "config", "--syntax-only",
+                               str(LOCAL_PROMETHEUS)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr + done.stdout
+
+
+def _prometheus_secret(compose_file: Path) -> str:
+    """Where ``compose_file`` mounts the gateway's API token in its Prometheus: the one
+    secret it grants, defined from the AIKG_API_TOKEN variable (the gateway's own)."""
+    spec = yaml.safe_load(compose_file.read_text())
+    (name,) = spec["services"]["prometheus"]["secrets"]
+    assert spec["secrets"][name] == {"environment": "AIKG_API_TOKEN"}
+    return f"/run/secrets/{name}"
+
+
+def test_full_prometheus_sends_the_gateway_token() -> None:
+    """docker-compose.yml: the gateway's job sends the token the gateway checks
+    (AIKG_API_TOKEN of deploy/.env, as a compose secret), the other jobs none."""
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    gateway_env = compose()["services"]["gateway"]["environment"]["AIKG_API_TOKEN"]
+    assert gateway_env == "${AIKG_API_TOKEN:-}"
+    secret = _prometheus_secret(COMPOSE)
+    for job in config["scrape_configs"]:
+        targets = [t for sc in job.get("static_configs", []) for t in sc["targets"]]
+        if any(t.startswith("gateway:") for t in targets):
+            assert job["authorization"] == {"type": "Bearer", "credentials_file": secret}
+        else:
+            assert "authorization" not in job, job["job_name"]
 
 
 # --- NATS users in the docs -------------------------------------------------------------
