@@ -222,7 +222,7 @@ def auth_refused_message(url: str, settings: Settings, credentials: dict[str, An
 
 
 async def open_nats(url: str, name: str, credentials: dict[str, Any], *, settings: Settings,
-                    role: str | None = None, timeout_s: float = FIRST_CONNECT_TIMEOUT_S,
+                    role: str | None = None, timeout_s: float | None = None,
                     error_cb: Callable[[Exception], Awaitable[None]] | None = None,
                     **options: Any) -> NATS:
     """A nats-py connection to ``url`` (comma-separated servers) that reconnects forever
@@ -240,7 +240,8 @@ async def open_nats(url: str, name: str, credentials: dict[str, Any], *, setting
             (:func:`nats_credentials`) and any other (``inbox_prefix``).
         settings: read for the refusal's message (:func:`auth_refused_message`).
         role: the service connecting, named in that message.
-        timeout_s: how long the first connection is tried, seconds.
+        timeout_s: how long the first connection is tried, seconds; None:
+            :data:`FIRST_CONNECT_TIMEOUT_S` (read at each call).
         error_cb: called with every error the client reports (a service logs them).
         options: further ``nats.connect`` keyword arguments (``disconnected_cb`` ...).
 
@@ -252,6 +253,7 @@ async def open_nats(url: str, name: str, credentials: dict[str, Any], *, setting
     servers = [u.strip() for u in url.split(",") if u.strip()]
     if not servers:
         raise ConnectionError("no NATS URL configured: set AIKG_NATS_URL or run `aikg up`")
+    timeout_s = FIRST_CONNECT_TIMEOUT_S if timeout_s is None else timeout_s
     last_error: list[str] = []
     refused = asyncio.Event()
 
