@@ -662,8 +662,12 @@ def workers_over_nats(nats_url: str, user: str | None, password: str | None,
 
     from services.common.jobs import heartbeats
 
+    async def ignore(_: Exception) -> None:
+        """nats-py's default error callback logs a traceback per error: not yet ready
+        is no error here."""
+
     async def read() -> list[dict[str, Any]]:
-        nc = await nats.connect(nats_url, user=user, password=password,
+        nc = await nats.connect(nats_url, user=user, password=password, error_cb=ignore,
                                 connect_timeout=timeout_s, allow_reconnect=False)
         try:
             js = nc.jetstream(timeout=timeout_s)
