@@ -175,11 +175,9 @@ class _Loop:
 
     async def run(self, max_runs: int | None) -> ExitCode:
         """Verify now, then after every save, until ``max_runs`` runs (None: Ctrl-C)."""
-        # The sandbox warms while the first verdict is decided (a static refusal needs
-        # none) or while the user edits; a verification that needs it waits for it.
-        warm = asyncio.ensure_future(self.worker.start())
         follower = asyncio.ensure_future(self.follow())
         await asyncio.sleep(0)  # the watcher is in place before the first run reads
+        warm: asyncio.Future[None] | None = None
         code, run, why = ExitCode.OK, 0, "start"
         try:
             while True:
@@ -187,6 +185,11 @@ class _Loop:
                 code = await self.once(run, why)
                 if max_runs is not None and run >= max_runs:
                     return code
+                if warm is None:
+                    # After the first verdict (a static refusal is not kept waiting for
+                    # torch's import), the sandbox warms while the user edits; started
+                    # by a full verification already, this does nothing.
+                    warm = asyncio.ensure_future(self.worker.start())
                 if self.live:
                     say(f"watching {self.kernel} and {self.task_file}: save either to "
                         "verify again; Ctrl-C stops")
@@ -199,9 +202,10 @@ class _Loop:
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
-            if not warm.done():
-                self.worker.abort_start()
-            await asyncio.gather(warm, return_exceptions=True)
+            if warm is not None:
+                if not warm.done():
+                    self.worker.abort_start()
+                await asyncio.gather(warm, return_exceptions=True)
             await self.worker.close()
 
 
