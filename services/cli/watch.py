@@ -16,7 +16,6 @@ checks, same stage, error and log; ``tests/sandbox/test_early_refusal.py`` compa
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import time
 from collections.abc import Callable
@@ -24,7 +23,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from schemas import VerifyRequest, VerifyResult
+from schemas.events import VerifyPhase
 from services.cli.common import ExitCode, err, fail, out, say
+from services.cli.phases import LocalPhases
 from services.common.task_source import TaskError, check_task
 from services.sdk.worker_base import build_request
 
@@ -124,6 +125,15 @@ class _Loop:
         self.watched = {task_file.resolve(), kernel.resolve()}
         self.changed = asyncio.Event()
         self.what: set[str] = set()
+        # The phases of the run under way, shown as `aikg verify` shows them
+        # (services/cli/phases.py); the worker tells them here, between runs to no one.
+        self.phases: LocalPhases | None = None
+        worker.on_phase = self.phase
+
+    def phase(self, phase: VerifyPhase) -> None:
+        """The worker's ``on_phase``: to the run under way, if any."""
+        if self.phases is not None:
+            self.phases(phase)
 
     def accepts(self, change: Any, path: str) -> bool:
         """watchfiles' filter: a file of ours written or put in place (an editor that
@@ -158,10 +168,10 @@ class _Loop:
         except TaskError as exc:
             say(f"{self.task_file}: {exc}")
             return ExitCode.USAGE
-        display = (err.status(f"run {run}: verifying {self.kernel} ...") if self.live
-                   else contextlib.nullcontext())
+        self.phases = LocalPhases(f"run {run}: verifying {self.kernel} ...", self.as_json,
+                                  err)
         try:
-            with display:
+            with self.phases:
                 result = await verify_kernel(
                     self.worker, task_desc, code, self.op_name,
                     shape_overrides=self.overrides, trials=self.trials,
@@ -170,6 +180,8 @@ class _Loop:
         except ValueError as exc:
             say(str(exc))
             return ExitCode.USAGE
+        finally:
+            self.phases = None
         self.show(result)
         return ExitCode.OK if result.passed else ExitCode.FAILED
 
