@@ -243,6 +243,29 @@ def test_profile_frames_cross_the_wire():
     assert (plain.eager, plain.floor, plain.compile) == (True, False, False)
 
 
+def test_a_childs_parameters_and_commands_read_after_the_harness_is_hidden():
+    """The planner times on a GPU after hiding the harness's modules
+    (guard.hide_harness): the spec's timing parameters and its commands must still
+    decode there, read for the first time (a fresh process)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        from services.sandbox import guard
+        from services.sandbox.wire import ChildSpec, command_decoder, encode_frame
+        from services.worker import wire
+        spec = ChildSpec(role="candidate", scratch_dir="/tmp", params={"repeats": 2})
+        command = encode_frame(wire.PlanProfile(model="main"))
+        guard.hide_harness()
+        print(wire.params_of(spec).repeats, command_decoder("candidate").decode(command).model)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["2", "main"]
+
+
 @pytest.mark.slow  # a fork server of its own
 def test_the_profiled_loop_runs_under_the_candidates_compute_block():
     """In the candidate's process PyTorch compute is refused at the dispatcher before the
