@@ -362,28 +362,37 @@ FACTS_TARGETS = {"sm_80": "a100", "sm_89": "l40s", "sm_90": "h100", "gfx90a": "m
                  "gfx942": "mi300x"}
 
 
+def _module_sizes(source: str) -> dict[str, Any]:
+    """The module-level names of a task assigned an int or a tuple or list of ints,
+    after running its module (what :func:`_elements` runs too: the bench's own
+    KernelBench checkout, not a candidate)."""
+    import torch  # noqa: F401 - the task's module imports it
+
+    module = types.ModuleType("kernelbench_task")
+    exec(compile(source, "<task>", "exec"), module.__dict__)
+    names = {t.id for stmt in ast.parse(source).body if isinstance(stmt, ast.Assign)
+             for target in stmt.targets
+             for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+             if isinstance(t, ast.Name)}
+    out: dict[str, Any] = {}
+    for name in names:
+        value = module.__dict__.get(name)
+        if type(value) is int:
+            out[name] = value
+        elif isinstance(value, tuple | list) and all(type(v) is int for v in value):
+            out[name] = list(value)
+    return out
+
+
 def size_overrides(source: str, reduced: str) -> dict[str, Any]:
     """The shape overrides that turn ``source``'s module-level sizes into ``reduced``'s
-    (from :func:`reduce_sizes`): each changed ``name = <int>`` by value, a changed list
-    or tuple (``layer_sizes = [400, 800]``) as the whole list."""
-    old, new = _size_literals(ast.parse(source)), _size_literals(ast.parse(reduced))
-    out: dict[str, Any] = {}
-    lists: set[str] = set()
-    for key, constant in new.items():
-        if key in old and old[key].value == constant.value:
-            continue
-        if "[" in key:
-            lists.add(key.split("[")[0])
-        else:
-            out[key] = constant.value
-    for stmt in ast.parse(reduced).body:
-        if (isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
-                and stmt.targets[0].id in lists):
-            try:
-                out[stmt.targets[0].id] = list(ast.literal_eval(stmt.value))
-            except ValueError:
-                continue
-    return out
+    (from :func:`reduce_sizes`): every module-level int, or tuple or list of ints, whose
+    value differs once both modules ran, the names derived from the sizes included
+    (``bias_shape = (out_channels, 1, 1)``: a worker rebinds names after the module
+    ran, so a derived name keeps its old value unless overridden too); a tuple or list
+    as the whole list."""
+    old, new = _module_sizes(source), _module_sizes(reduced)
+    return {name: value for name, value in new.items() if old.get(name) != value}
 
 
 def _where_order(where: str) -> int:

@@ -66,13 +66,16 @@ def test_refusals_name_the_operator():
 def test_size_overrides_give_the_reduced_sizes_lists_whole():
     from bench.kernelbench import size_overrides
 
-    task = TASK.replace("features = 64", "features = 64\nlayer_sizes = [400, 800]")
+    task = TASK.replace("features = 64", "features = 64\nlayer_sizes = [400, 800]\n"
+                        "bias_shape = (depth, 1, 1)")
     reduced, _ = reduce_sizes(task, max_elements=1 << 15)
     overrides = size_overrides(task, reduced)
     namespace: dict = {}
     exec(compile(reduced, "<reduced>", "exec"), namespace)
     assert overrides["depth"] == namespace["depth"] < 16
     assert overrides["layer_sizes"] == list(namespace["layer_sizes"])
+    # a name derived from a size follows it (a worker rebinds names after the module ran)
+    assert overrides["bias_shape"] == [namespace["depth"], 1, 1]
     assert "channels" not in overrides or overrides["channels"] == namespace["channels"]
 
 
