@@ -87,7 +87,8 @@ def up(
     /metrics endpoint to a file_sd target file.
     """
     from services.common.metrics import start_metrics_server
-    from services.stack import SUPERVISOR_REGISTRY, metrics_ports
+    from services.stack import metrics_ports
+    from services.supervisor import SUPERVISOR_REGISTRY
 
     settings = cli_settings(up_metrics_port=metrics_port)
     try:

@@ -17,13 +17,8 @@ import pytest
 
 from services.common.embedded import EmbeddedNatsServer
 from services.common.runtime import OWNER_FILE
-from services.stack import (
-    RUN_DIR_PREFIX,
-    SUPERVISOR_REGISTRY,
-    Supervisor,
-    claim_run_dir,
-    remove_stale_run_dirs,
-)
+from services.stack import RUN_DIR_PREFIX, claim_run_dir, remove_stale_run_dirs
+from services.supervisor import SUPERVISOR_REGISTRY, Supervisor
 from tests.helpers import scaled
 
 
