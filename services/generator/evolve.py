@@ -82,12 +82,16 @@ class Mutator(Protocol):
 def fitness_key(c: EvolveCandidate, mode: str) -> tuple:
     """Sort key, larger is better: passed, then speedup (``speedup`` mode) or the
     negated modeled time (``modeled_time`` mode: a candidate without one ranks below
-    every candidate with one); ``correctness`` mode ranks by passing alone."""
+    every candidate with one; at equal times the lower ``traffic_ratio``);
+    ``correctness`` mode ranks by passing alone."""
     if mode == "speedup":
         return (bool(c.passed), c.speedup or 0.0)
     if mode == "modeled_time":
         modeled = c.modeled_time_us
-        return (bool(c.passed), modeled is not None, -(modeled or 0.0))
+        # Equal modeled times (launch-bound kernels, a re-read the tile model serves
+        # from L2): fewer bytes moved wins.
+        ratio = c.traffic_ratio if c.traffic_ratio is not None else float("inf")
+        return (bool(c.passed), modeled is not None, -(modeled or 0.0), -ratio)
     return (bool(c.passed), 0.0)
 
 

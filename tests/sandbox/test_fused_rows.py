@@ -131,7 +131,9 @@ class _Recorder:
 async def test_evolve_finds_the_one_pass_kernel_for_rows_longer_than_the_block(
         shared_verifier, lowering_sandbox) -> None:
     # 2048-element rows: the first candidate (block_size 1024) loops over each row
-    # twice; a block of 2048 or more reads it once, and modeled time ranks it higher.
+    # twice; a block of 2048 or more reads it once. At these sizes the tile model times
+    # both alike (launch-bound; the second pass over an 8 KiB row comes from L2), so
+    # the tie goes to the fewer bytes moved: the one-pass kernel ranks higher.
     # One verification at a time: the search (seeded by the job id) then sees its
     # results in one order, so the points it tries do not depend on the machine's load.
     assert DEFAULT_PARAMS["block_size"] < 2048
@@ -146,6 +148,6 @@ async def test_evolve_finds_the_one_pass_kernel_for_rows_longer_than_the_block(
     first = search.summary.candidates[0]
     assert first.params["block_size"] == DEFAULT_PARAMS["block_size"] and first.passed
     best = result.best[0]
-    assert best.passed and best.modeled_time_us < first.modeled_time_us, search.summary
-    assert best.traffic_ratio <= 1.1 and best.params["block_size"] >= 2048
+    assert best.passed and best.modeled_time_us <= first.modeled_time_us, search.summary
+    assert best.traffic_ratio <= 1.1 < first.traffic_ratio and best.params["block_size"] >= 2048
     assert best.params["row_fusion"] == 1

@@ -29,3 +29,12 @@ def test_a_faster_tile_time_ranks_first_even_when_the_roofline_says_otherwise():
         cands.append(c)
     best = max(cands, key=lambda c: fitness_key(c, "modeled_time"))
     assert best.candidate_id == "large"
+
+
+def test_at_equal_modeled_times_fewer_bytes_moved_rank_first():
+    cands = [EvolveCandidate(candidate_id=cid, island=0, round=0, coder="builtin",
+                             code_hash=cid, passed=True, modeled_time_us=3.0,
+                             traffic_ratio=ratio)
+             for cid, ratio in (("two-pass", 2.0), ("one-pass", 1.0), ("unknown", None))]
+    ranked = sorted(cands, key=lambda c: fitness_key(c, "modeled_time"), reverse=True)
+    assert [c.candidate_id for c in ranked] == ["one-pass", "two-pass", "unknown"]
