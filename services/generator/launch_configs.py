@@ -32,7 +32,9 @@ num_warps)`` as in the sources):
   tutorial's fp16 tiles. ``sm_89`` (99 KB of shared memory per block) takes
   Inductor's ``mm_configs`` entries of at most 3 stages instead (128x128x32/2/8,
   64x128x32/3/4, 128x64x32/3/4, 64x64x64/3/8, 64x64x32/2/4) and the tutorial's
-  two-warp tiles.
+  two-warp tiles; so does ``sm_80``, where the compiler's facts show every tile of
+  the tutorial's list spilling on these float32 kernels (48-2280 bytes a thread) and
+  Inductor's 64x64x32/2/4 not.
 - ``matmul``, AMD: the tutorial's ``get_hip_autotune_config`` (128x256x16/2/4,
   128x128x32/2/8, 64x128x32/2/4, 64x64x32/2/4) and Inductor's ``ROCmConfigHeuristic``
   ``mm_configs`` (128x64x32, 64x64x64; ``num_stages`` 2, Inductor's
@@ -40,9 +42,15 @@ num_warps)`` as in the sources):
 - ``conv`` (implicit-GEMM and direct convolutions): Inductor's ``conv_configs``
   (``BaseConfigHeuristic``: 64x256x16/2/4, 256x64x16/2/4, 128x128x32/2/8,
   64x256x32/2/8, 256x64x32/2/8, 128x128x64/3/8, 64x128x64/4/4, 128x64x64/4/4,
-  64x64x32/2/4), those that fit the family's shared memory; AMD: the same entries
-  with ``num_warps`` capped at ``BLOCK_M * BLOCK_N // 256`` and 2 stages, as
-  ``ROCmConfigHeuristic`` does to its conv configs.
+  64x64x32/2/4), those that fit the family's shared memory (on ``sm_90`` the eight
+  largest but 256x64x32/2/8), each NVIDIA list ending in 64x64x32 over 8 warps (the
+  8 warps of Inductor's 64x64x64/3/8 ``mm_configs`` entry): the compiler's facts of
+  the fused convolutions KernelBench level 2 has (a convolution with its epilogue in
+  one kernel, problem 1's Conv2d + ReLU + bias) show every 4-warp tile spilling on
+  sm_90 (255 registers; 8-744 bytes a thread) and this one not (146 registers), so
+  every list keeps a configuration that does not spill (``bench.kernelbench
+  --facts``); AMD: the same entries with ``num_warps`` capped at ``BLOCK_M * BLOCK_N
+  // 256`` and 2 stages, as ``ROCmConfigHeuristic`` does to its conv configs.
 - ``elementwise`` (element-wise chains, concatenation, flips, pooling): Inductor's
   ``pointwise`` heuristic (``torch/_inductor/runtime/triton_heuristics.py``): XBLOCK
   ``bs`` with 256 elements per warp and ``bs // 2`` with 64 per warp, at least 4
@@ -122,10 +130,11 @@ def _amd_conv(rows: tuple[LaunchConfig, ...]) -> tuple[LaunchConfig, ...]:
 
 
 _CONV = _tiles((64, 256, 16, 2, 4), (256, 64, 16, 2, 4), (128, 128, 32, 2, 8),
-               (64, 256, 32, 2, 8), (256, 64, 32, 2, 8), (128, 128, 64, 3, 8),
-               (64, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+               (64, 256, 32, 2, 8), (128, 128, 64, 3, 8), (64, 128, 64, 4, 4),
+               (128, 64, 64, 4, 4), (64, 64, 32, 2, 8))
 _CONV_SMALL = _tiles((64, 256, 16, 2, 4), (256, 64, 16, 2, 4), (128, 128, 32, 2, 8),
-                     (64, 256, 32, 2, 8), (256, 64, 32, 2, 8), (64, 64, 32, 2, 4))
+                     (64, 256, 32, 2, 8), (256, 64, 32, 2, 8), (64, 64, 32, 2, 4),
+                     (64, 64, 32, 2, 8))
 _MM_NV = _tiles((128, 128, 64, 3, 8), (64, 256, 32, 4, 4), (128, 128, 32, 4, 4),
                 (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (128, 32, 32, 4, 4),
                 (64, 32, 32, 5, 2), (32, 64, 32, 5, 2))
@@ -141,7 +150,7 @@ _RED_AMD = _warps(2, 1, 4, 8)
 
 # family -> schedule -> configurations, the first the one a single launch would take.
 TABLE: dict[str, dict[str, tuple[LaunchConfig, ...]]] = {
-    "sm_80": {"matmul": _MM_NV, "conv": _CONV_SMALL, "elementwise": _EW_NV,
+    "sm_80": {"matmul": _MM_ADA, "conv": _CONV_SMALL, "elementwise": _EW_NV,
               "reduction": _RED_NV},
     "sm_89": {"matmul": _MM_ADA, "conv": _CONV_SMALL, "elementwise": _EW_NV,
               "reduction": _RED_NV},
