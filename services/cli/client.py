@@ -46,7 +46,7 @@ from services.cli.common import (
 from services.common.settings import GATEWAY_URL
 from services.sdk.client import AIKGClient
 
-JobIdArgument = Annotated[str, typer.Argument(help="Job id printed by `aikg submit`.")]
+JobIdArgument = Annotated[str, typer.Argument(metavar="JOB_ID", help="Job id printed by `aikg submit`.")]
 
 
 def connect(gateway_url: str, token: str | None) -> AIKGClient:

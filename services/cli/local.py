@@ -117,7 +117,7 @@ async def _verify_local(task_desc: str, code: str, op_name: str, backend: str,
 def verify(
     file: TaskFileArgument,
     kernels: Annotated[list[Path], typer.Argument(
-        exists=True, dir_okay=False, readable=True, metavar="KERNEL...",
+        exists=True, dir_okay=False, readable=True, metavar="KERNEL",
         help="Your candidates: Python defining class ModelNew (Triton kernels launched "
              "from forward); more than one is a batch.")],
     op_name: OpNameOption = None,

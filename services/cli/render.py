@@ -226,7 +226,10 @@ def verdict_table(v: VerifyResult) -> Table:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("passed", (Text("yes, on a partial check (allow_unchecked)", style="yellow")
-                         if v.stage == "unchecked" else Text("yes", style="green"))
+                         if v.stage == "unchecked" else
+                         Text("yes, at the sizes checked; wrong at other sizes (shape "
+                              "generic: no)", style="yellow") if v.shape_generic is False
+                         else Text("yes", style="green"))
               if v.passed else Text("no", style="red"))
     if v.stage:
         t.add_row("stage", v.stage)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 from rich.console import Console
 
 from schemas import (
@@ -323,3 +324,13 @@ def test_one_kernel_through_the_gateway_prints_the_normal_verdict(monkeypatch) -
     assert "verdict: k.py" in text and "verdicts" not in text, text
     assert "stage" in text and "mismatch" in text and "3 of 64 elements differ" in text
     assert "w-cpu" in text and "device" not in text and "interpreter" in text
+
+
+def test_a_pass_that_is_not_shape_generic_says_so_beside_passed() -> None:
+    verdict = VerifyResult(request_id="r", job_id="j", candidate_id="c", passed=True,
+                           worker_id="w", device="0", duration_s=0.5, max_abs_error=0.0,
+                           shape_generic=False, shape_generic_sizes={"dim": 2593})
+    text = render(verdict_table(verdict))
+    assert "yes, at the sizes checked; wrong at other sizes (shape generic: no)" in text, text
+    generic = render(verdict_table(msgspec.structs.replace(verdict, shape_generic=True)))
+    assert "wrong at other sizes" not in generic
