@@ -44,27 +44,8 @@ TASK = ROOT / "tasks" / "relu.py"
 _SCRIPT = Path(sys.executable).parent / "aikg"
 AIKG = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "services.cli"]
 
-KERNEL = '''\
-import torch
-import torch.nn as nn
-import triton
-import triton.language as tl
-
-
-@triton.jit
-def relu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    tl.store(out_ptr + offs, tl.maximum(tl.load(x_ptr + offs, mask=m), 0.0), mask=m)
-
-
-class ModelNew(nn.Module):
-    def forward(self, x):
-        x = x.contiguous()
-        out = torch.empty_like(x)
-        relu_kernel[(triton.cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
-        return out
-'''
+# A hand-written relu kernel that passes: the corpus's (tests/corpus/honest/).
+KERNEL = (ROOT / "tests" / "corpus" / "honest" / "elementwise_relu.py").read_text()
 # The same kernel with torch doing the work in forward: the static check's S007.
 REFUSED = KERNEL.replace("        x = x.contiguous()\n",
                          "        x = torch.relu(x).contiguous()\n")
